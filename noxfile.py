@@ -1,0 +1,63 @@
+"""Nox sessions of the EpiLoRA workspace (nox and uv come from requirements-tools.txt).
+
+CPU sessions (default): `tests`, `demo`. GPU sessions run on the GPU machine, which has no
+network: they create no virtualenv and use the machine's python3 with packages installed from
+wheels built here (tools/device/). One GPU session per architecture: `gpu-sm90` (H100/H200).
+"""
+
+import os
+from pathlib import Path
+
+import nox
+
+nox.needs_version = ">=2026.10.20"
+nox.options.default_venv_backend = "uv"
+nox.options.error_on_missing_interpreters = True
+
+ROOT = Path(__file__).parent
+
+
+def _sync(session: nox.Session, *groups: str) -> None:
+    """Install exactly what uv.lock says (all workspace packages) into the session's venv."""
+    args = [arg for group in groups for arg in ("--group", group)]
+    session.run_install(
+        "uv", "sync", "--locked", "--all-packages", "--no-default-groups", *args,
+        env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
+        external=True,
+    )
+
+
+@nox.session(default=True)
+def tests(session: nox.Session) -> None:
+    """CPU test suite of every package (hypothesis 'ci' profile: 200 examples per property)."""
+    _sync(session, "test")
+    session.run(
+        "pytest", "packages", "-m", "not gpu", "--hypothesis-profile=ci",
+        "-p", "no:cacheprovider", "--durations=10", *session.posargs,
+    )
+
+
+@nox.session(default=False)
+def demo(session: nox.Session) -> None:
+    """The main job: quantize SmolLM2-135M's weights and activations, compare with vLLM's codes."""
+    _sync(session, "demo")
+    session.run("python", "tools/quantize_model_demo.py", *session.posargs)
+
+
+@nox.session(name="gpu-sm90", python=False, default=False, tags=["gpu"])
+def gpu_sm90(session: nox.Session) -> None:
+    """GPU tests on an H100/H200 (sm_90), with the machine's python3; fails if a GPU test skips.
+
+    Expects our wheels and vLLM importable (tools/device/gpu_tests.sh sets that up).
+    """
+    log_dir = Path(os.environ.get("OUT", ROOT / "out"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    session.run(
+        "python3", "-m", "pytest", "packages", "-m", "gpu", "--require-gpu", "--gpu-arch=sm90",
+        "--hypothesis-profile=gpu", "-p", "no:cacheprovider", "-rA",
+        f"--junitxml={log_dir / 'gpu-sm90-junit.xml'}", *session.posargs,
+    )
+
+
+if __name__ == "__main__":
+    nox.main()

@@ -1,0 +1,54 @@
+"""Exhaustive checks of the code tables and layouts (no vLLM needed)."""
+
+import torch
+
+from epilora_quant import decode_e2m1, dequantize_fp8, encode_e2m1, pack_e2m1, unpack_e2m1
+from epilora_quant.formats import E2M1_GRID, FP8_MAX, FP8_MIN_SCALING_FACTOR
+from epilora_quant.nvfp4_layout import swizzle_nvfp4_scales, unswizzle_nvfp4_scales
+from epilora_testing import assert_bitwise_equal
+
+
+def test_fp8_constants_are_torch_and_vllm_values():
+    assert FP8_MAX == torch.finfo(torch.float8_e4m3fn).max
+    assert torch.tensor(FP8_MIN_SCALING_FACTOR, dtype=torch.float32) == torch.tensor(
+        1.0 / (448.0 * 512.0), dtype=torch.float32
+    )
+
+
+def test_every_e2m1_code_round_trips():
+    codes = torch.arange(16, dtype=torch.uint8)
+    values = decode_e2m1(codes)
+    assert values[:8].tolist() == list(E2M1_GRID)
+    assert values[8:].tolist() == [-v for v in E2M1_GRID]
+    assert_bitwise_equal(encode_e2m1(values), codes, name="codes")  # -0.0 encodes to 0x8
+
+
+def test_every_byte_unpacks_and_packs_back():
+    packed = torch.arange(256, dtype=torch.uint8).reshape(2, 128)
+    codes = unpack_e2m1(packed)
+    assert_bitwise_equal(codes[:, 0::2], packed & 0xF, name="low nibbles = even elements")
+    assert_bitwise_equal(codes[:, 1::2], packed >> 4, name="high nibbles = odd elements")
+    assert_bitwise_equal(pack_e2m1(codes), packed, name="repacked")
+
+
+def test_every_fp8_code_dequantizes_to_its_value():
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = torch.isfinite(codes.view(torch.float8_e4m3fn).float())
+    codes = codes[finite].reshape(1, -1).view(torch.float8_e4m3fn)
+    got = dequantize_fp8(codes, torch.tensor([1.0]))
+    assert_bitwise_equal(got, codes.float(), name="dequantized")
+
+
+def test_swizzle_matches_the_documented_byte_offset():
+    # offset(row, col) = ((row // 128) * col_tiles + col // 4) * 512 + (row % 32) * 16
+    #                    + ((row // 32) % 4) * 4 + col % 4
+    rows, cols = 200, 9
+    codes = torch.arange(rows * cols, dtype=torch.int32) % 126 + 1
+    scales = codes.to(torch.uint8).view(torch.float8_e4m3fn).reshape(rows, cols)
+    flat = swizzle_nvfp4_scales(scales).view(torch.uint8).flatten()
+    col_tiles = -(-cols // 4)
+    for r in range(rows):
+        for c in range(cols):
+            offset = ((r // 128) * col_tiles + c // 4) * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4
+            assert int(flat[offset + c % 4]) == int(scales[r, c].view(torch.uint8))
+    assert_bitwise_equal(unswizzle_nvfp4_scales(swizzle_nvfp4_scales(scales), rows, cols), scales)

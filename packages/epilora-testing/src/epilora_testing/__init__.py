@@ -1,0 +1,12 @@
+"""epilora-testing: the shared test kit of the EpiLoRA packages.
+
+`assert_bitwise_equal` (integer-view comparison with hex reports), hypothesis strategies
+(`strategies`), named special-value corpora (`corpora`), vLLM oracles (`vllm_oracles`, imported
+on use) and a pytest plugin (`pytest_plugin`, loaded through the `pytest11` entry point).
+"""
+
+from epilora_testing.assertions import assert_bitwise_equal, bits, bitwise_mismatches
+
+__version__ = "0.1.0"
+
+__all__ = ["assert_bitwise_equal", "bits", "bitwise_mismatches"]

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One device call: the GPU test session (gpu-sm90) and the vLLM-paths survey, on the H200.
+# Run from the repository root on the GPU machine, with `.device` carried (vLLM bundle, nox
+# wheels and our wheels from tools/device/prepare.sh). Everything it produces lands in $OUT.
+set -uo pipefail
+source .device/activate.sh
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/epilora-site \
+  .device/wheels/*.whl .device/dist/*.whl || exit 1
+# Our packages after vLLM's bundle on the path, so nothing of ours shadows vLLM's dependencies.
+export PYTHONPATH="$PYTHONPATH:/tmp/epilora-site" OUT="${OUT:-out}"
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+timeout "${TESTS_TIMEOUT:-400}" python3 -m nox -s gpu-sm90 -- "$@" 2>&1 | tee "$OUT/gpu-sm90.log"
+tests_rc=${PIPESTATUS[0]}
+timeout "${PATHS_TIMEOUT:-150}" python3 tools/vllm_quant_paths.py --out "$OUT/quant_paths.json" 2>&1 | tee "$OUT/quant_paths.log"
+paths_rc=${PIPESTATUS[0]}
+echo "gpu-sm90 exit ${tests_rc}; vllm_quant_paths exit ${paths_rc}"
+exit $(( tests_rc || paths_rc ))

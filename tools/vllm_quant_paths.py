@@ -1,0 +1,152 @@
+"""Where vLLM 0.26.0's own quantization paths disagree with each other, measured on a GPU.
+
+Runs each pair of vLLM implementations of the same quantizer on the same inputs (seeded normal
+activations of Qwen3-8B widths plus the named special cases) and records how many rows differ,
+with the first counterexamples in hex. Writes the JSON that docs/formats/vllm-paths.md is
+rendered from (tools/render_quant_docs.py).
+
+Usage (on the GPU machine, vLLM importable):
+    python3 tools/vllm_quant_paths.py --out benchmarks/results/h200/quant_paths.json
+"""
+
+import argparse
+import datetime
+import json
+import subprocess
+
+import torch
+
+from epilora_testing import vllm_oracles as vllm
+from epilora_testing.assertions import bits
+from epilora_testing.corpora import special_activations
+
+
+def _hex(t: torch.Tensor) -> list[str]:
+    width = t.element_size() * 2
+    mask = (1 << (4 * width)) - 1
+    return [f"0x{int(v) & mask:0{width}x}" for v in bits(t).flatten().tolist()]
+
+
+def _inputs(dtype: torch.dtype, seeds: int) -> list[tuple[str, torch.Tensor]]:
+    out = [(f"special:{name}", x) for name, x in special_activations(dtype, 8, 256).items()]
+    for seed in range(seeds):
+        gen = torch.Generator().manual_seed(seed)
+        width = (4096, 12288)[seed % 2]
+        x = torch.randn(64, width, generator=gen) * 2.0 ** (seed % 7 - 3)
+        out.append((f"randn:seed={seed}:width={width}", x.to(dtype)))
+    return out
+
+
+def compare(name: str, run_a, run_b, inputs, *, max_examples: int = 3) -> dict:
+    """Run two implementations; count differing rows (codes or scales) and keep examples."""
+    rows = differing = 0
+    examples = []
+    for label, x in inputs:
+        xc = x.cuda()
+        (qa, sa), (qb, sb) = run_a(xc), run_b(xc)
+        qa, qb = bits(qa.reshape(x.shape[0], -1)), bits(qb.reshape(x.shape[0], -1))
+        sa, sb = bits(sa.float().reshape(-1)), bits(sb.float().reshape(-1))
+        row_codes = (qa != qb).any(dim=1)
+        rows += x.shape[0]
+        differing += int(row_codes.sum())
+        scales_differ = sa.shape != sb.shape or bool((sa != sb).any())
+        if (row_codes.any() or scales_differ) and len(examples) < max_examples:
+            r = int(row_codes.nonzero()[0]) if row_codes.any() else 0
+            cols = (qa[r] != qb[r]).nonzero().flatten()[:4]
+            examples.append({
+                "input": label, "row": r, "cols": cols.tolist(),
+                "x": _hex(x[r, cols]), "a": _hex(qa[r, cols]), "b": _hex(qb[r, cols]),
+                "scale_a": _hex(sa[: min(r + 1, sa.numel())][-1:]),
+                "scale_b": _hex(sb[: min(r + 1, sb.numel())][-1:]),
+            })
+    return {"pair": name, "rows": rows, "rows_differing": differing, "examples": examples}
+
+
+def nvfp4_compare(inputs) -> dict:
+    """vLLM's NVFP4 torch reference vs its Triton quant-dequant (both quantize, then dequantize)."""
+    from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
+        ref_nvfp4_quant,
+    )
+
+    def reference_qdq(x, g):
+        values, scales = ref_nvfp4_quant(x, g, 16)
+        m, k = x.shape
+        out = values.reshape(m, k // 16, 16) * (scales.unsqueeze(-1) / g)
+        return out.reshape(m, k).to(x.dtype)
+
+    rows = differing = 0
+    examples = []
+    for label, x in inputs:
+        xc = x.cuda()
+        g = (448.0 * 6.0 / xc.abs().amax().float().clamp(min=2.0**-100)).reshape(1)
+        a, b = bits(reference_qdq(xc, g)), bits(vllm.ref_nvfp4_quant_dequant(xc, g))
+        row_diff = (a != b).any(dim=1)
+        rows += x.shape[0]
+        differing += int(row_diff.sum())
+        if row_diff.any() and len(examples) < 3:
+            r = int(row_diff.nonzero()[0])
+            cols = (a[r] != b[r]).nonzero().flatten()[:4]
+            examples.append({"input": label, "row": r, "cols": cols.tolist(),
+                             "x": _hex(x[r, cols]), "a": _hex(a[r, cols]), "b": _hex(b[r, cols]),
+                             "global_scale": _hex(g.cpu())})
+    return {"pair": "nvfp4: ref_nvfp4_quant (torch) vs _nvfp4_quant_dequant_kernel (Triton)",
+            "rows": rows, "rows_differing": differing, "examples": examples}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--seeds", type=int, default=16)
+    args = parser.parse_args()
+
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import per_token_group_quant_fp8
+
+    results = []
+    for dtype in (torch.bfloat16, torch.float16):
+        inputs = _inputs(dtype, args.seeds)
+        tag = str(dtype).removeprefix("torch.")
+        pairs = {
+            "per-token: forward_native eager vs CUDA kernel": (
+                lambda x: vllm.quant_fp8_native(x, "token"),
+                lambda x: vllm.scaled_fp8_quant_cuda(x, per_token=True)),
+            "per-token: vLLM compiled QuantFP8 vs CUDA kernel": (
+                lambda x: vllm.quant_fp8_compiled(x, "token"),
+                lambda x: vllm.scaled_fp8_quant_cuda(x, per_token=True)),
+            "per-token: vLLM compiled QuantFP8 vs forward_native eager": (
+                lambda x: vllm.quant_fp8_compiled(x, "token"),
+                lambda x: vllm.quant_fp8_native(x, "token")),
+            "per-tensor dynamic: forward_native eager vs CUDA kernel": (
+                lambda x: vllm.quant_fp8_native(x, "tensor"),
+                lambda x: vllm.scaled_fp8_quant_cuda(x)),
+            "per-group 1x128: forward_native eager vs CUDA per_token_group_quant_fp8": (
+                lambda x: vllm.quant_fp8_native(x, "128"),
+                lambda x: per_token_group_quant_fp8(x, 128)),
+        }
+        for name, (a, b) in pairs.items():
+            result = compare(name, a, b, inputs)
+            result["dtype"] = tag
+            results.append(result)
+            print(f"{tag:9s} {name:75s} {result['rows_differing']:5d} / {result['rows']} rows")
+        result = nvfp4_compare(inputs)
+        result["dtype"] = tag
+        results.append(result)
+        print(f"{tag:9s} {result['pair']:75s} {result['rows_differing']:5d} / "
+              f"{result['rows']} rows")
+
+    import vllm as vllm_pkg
+
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    meta = {
+        "git_sha": sha.strip() or "unknown",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "vllm": vllm_pkg.__version__,
+        "command": f"python3 tools/vllm_quant_paths.py --out {args.out} --seeds {args.seeds}",
+    }
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
