@@ -97,6 +97,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--seeds", type=int, default=16)
+    parser.add_argument("--git-sha", default=None, help="commit measured (no .git on the device)")
     args = parser.parse_args()
 
     from vllm.model_executor.layers.quantization.utils.fp8_utils import per_token_group_quant_fp8
@@ -135,9 +136,10 @@ def main() -> None:
 
     import vllm as vllm_pkg
 
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    sha = args.git_sha or subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     meta = {
-        "git_sha": sha.strip() or "unknown",
+        "git_sha": sha or "unknown",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
