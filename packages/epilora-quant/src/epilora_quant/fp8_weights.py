@@ -20,8 +20,13 @@ Weights are returned as vLLM computes them, `[N, K]` row-major; vLLM then keeps 
 import torch
 
 from epilora_quant._checks import check_float_input, check_scale
-from epilora_quant.formats import FP8_DTYPE, FP8_MAX, FP8_WEIGHT_BLOCK
-from epilora_quant.fp8 import Fp8Arithmetic, quantize_fp8_per_tensor, quantize_fp8_per_token
+from epilora_quant.formats import FP8_DTYPE, FP8_WEIGHT_BLOCK
+from epilora_quant.fp8 import (
+    Fp8Arithmetic,
+    divide_by_fp8_max,
+    quantize_fp8_per_tensor,
+    quantize_fp8_per_token,
+)
 
 # per_block_cast_to_fp8 floors each block's absmax here (not the scale, as the activation paths do).
 BLOCK_AMAX_FLOOR = 1e-4
@@ -29,23 +34,31 @@ BLOCK_AMAX_FLOOR = 1e-4
 
 def quantize_fp8_weight_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Online `quantization="fp8"`: codes `[N, K]` and one scale `[1]` for the fused weight."""
-    return quantize_fp8_per_tensor(w, arithmetic=Fp8Arithmetic.CUDA)
+    return quantize_fp8_per_tensor(w, arithmetic=Fp8Arithmetic.CUDA_KERNEL)
 
 
 def quantize_fp8_weight_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Online `quantization="fp8_per_channel"`: codes `[N, K]`, scales `[N, 1]`."""
-    return quantize_fp8_per_token(w, arithmetic=Fp8Arithmetic.CUDA)
+    return quantize_fp8_per_token(w, arithmetic=Fp8Arithmetic.CUDA_KERNEL)
 
 
 def quantize_fp8_weight_per_block(
-    w: torch.Tensor, block: tuple[int, int] = FP8_WEIGHT_BLOCK
+    w: torch.Tensor,
+    block: tuple[int, int] = FP8_WEIGHT_BLOCK,
+    *,
+    arithmetic: Fp8Arithmetic = Fp8Arithmetic.TORCH_CUDA,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Online `quantization="fp8_per_block"` (`per_block_cast_to_fp8`, ue8m0 off).
+
+    vLLM runs this torch code where the weights are: on the GPU (`TORCH_CUDA`, the default, where
+    amax / 448 is a multiplication by fl32(1/448)) or, on vLLM-CPU, the CPU (`TORCH_CPU`).
 
     Partial edge blocks are zero-padded, as vLLM does, so N and K need not be multiples of the
     block. Returns codes `[N, K]` and scales `[ceil(N / bn), ceil(K / bk)]` (vLLM's
     `weight_scale_inv`, which despite its name multiplies on dequantization).
     """
+    if arithmetic not in (Fp8Arithmetic.TORCH_CPU, Fp8Arithmetic.TORCH_CUDA):
+        raise ValueError(f"per-block weight quantization has no {arithmetic} mode")
     check_float_input("w", w)
     bn, bk = block
     if bn <= 0 or bk <= 0:
@@ -56,7 +69,7 @@ def quantize_fp8_weight_per_block(
     padded[:n, :k] = w
     blocks = padded.view(n_pad // bn, bn, k_pad // bk, bk)
     amax = blocks.abs().to(torch.float32).amax(dim=(1, 3), keepdim=True).clamp(BLOCK_AMAX_FLOOR)
-    scale = amax / FP8_MAX
+    scale = divide_by_fp8_max(amax, arithmetic)
     # No clamp before the cast: |W| * (1/scale) <= 448 * (1 + 2^-22), which rounds to 448.
     codes = (blocks * (1.0 / scale)).to(FP8_DTYPE)
     return codes.view(n_pad, k_pad)[:n, :k].contiguous(), scale.view(n_pad // bn, k_pad // bk)
@@ -98,6 +111,8 @@ def requantize_fp8_to_max_scale(
         end = start + width
         # fp16 * 0-dim fp32 tensor stays fp16 in torch's promotion: the product is rounded to fp16.
         dequantized = codes[start:end].to(torch.float16) * shard_scales[idx]
-        out[start:end], _ = quantize_fp8_per_tensor(dequantized, max_scale.reshape(1))
+        out[start:end], _ = quantize_fp8_per_tensor(
+            dequantized, max_scale.reshape(1), arithmetic=Fp8Arithmetic.CUDA_KERNEL
+        )
         start = end
     return out, max_scale

@@ -4,12 +4,14 @@ Per block of 16 values along the last dim, with g the fp32 *quantization* global
 (`nvfp4_global_scale(amax) = 448 * 6 / amax`; vLLM's `input_global_scale_inv`):
 
     s     = fp8_e4m3_rn(clamp(g * (max|x_block| * fp32(1/6)), -448, 448))  # stored block scale
-    inv   = 1 / (s * (1 / g))   (REFERENCE)   or   g / s   (TRITON)           # 0 when s == 0
+    inv   = 1 / (s * (1 / g))   (REFERENCE)   or   g * r(s)   (TRITON)        # 0 when s == 0
     code  = e2m1_rne(clamp(x * inv, -6, 6))
 
-and a value dequantizes to `e2m1(code) * (s / g)`. The two arithmetics are vLLM's two emulation
-paths: `ref_nvfp4_quant` (the torch reference, used on CPU) and `_nvfp4_quant_dequant_kernel`
-(the Triton quant-dequant used on CUDA GPUs without FP4 tensor cores, like the H200). vLLM's CUDA
+where r is the GPU's approximate reciprocal (Triton's `g / s`; for e4m3 values of s it equals the
+rounded reciprocal). A value dequantizes to `e2m1(code) * (s / g)` (REFERENCE, exact division) or
+`e2m1(code) * (s * r(g))` (TRITON). The two arithmetics are vLLM's two emulation paths:
+`ref_nvfp4_quant` (the torch reference, used on CPU) and `_nvfp4_quant_dequant_kernel` (the
+Triton quant-dequant used on CUDA GPUs without FP4 tensor cores, like the H200). vLLM's CUDA
 `scaled_fp4_quant` (approximate reciprocals; Blackwell only) is not reproduced. e2m1 rounding is
 round-half-to-even on the grid {0, .5, 1, 1.5, 2, 3, 4, 6}; a negative value that rounds to zero
 keeps its sign (code 0x8), +-0.0 inputs give code 0x0.
@@ -27,6 +29,7 @@ from epilora_quant.formats import (
     FP8_MAX,
     NVFP4_BLOCK_SIZE,
 )
+from epilora_quant.gpu_reciprocal import triton_divide_sm90
 from epilora_quant.nvfp4_layout import (
     decode_e2m1,
     pack_e2m1,
@@ -39,8 +42,8 @@ from epilora_quant.nvfp4_layout import (
 class NvFp4Arithmetic(enum.Enum):
     """Which of vLLM's NVFP4 quantization implementations to reproduce."""
 
-    REFERENCE = "reference"  # nvfp4_emulation_utils.ref_nvfp4_quant: 1 / (s * (1 / g))
-    TRITON = "triton"  # nvfp4_emulation_utils._nvfp4_quant_dequant_kernel: g / s
+    REFERENCE = "reference"  # nvfp4_emulation_utils' torch code (ref_nvfp4_quant, ...)
+    TRITON = "triton"  # nvfp4_emulation_utils' Triton kernels, as they run on an H200
 
 
 def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -101,7 +104,8 @@ def quantize_nvfp4(
     if arithmetic is NvFp4Arithmetic.REFERENCE:
         inverse = _safe_reciprocal(s * _safe_reciprocal(g))
     else:
-        inverse = torch.where(s == 0, torch.zeros_like(s), g / s)
+        safe = torch.where(s == 0, torch.ones_like(s), s)
+        inverse = torch.where(s == 0, torch.zeros_like(s), triton_divide_sm90(g.expand_as(s), safe))
     scaled = (blocks.to(torch.float32) * inverse).clamp(-E2M1_MAX, E2M1_MAX)
     packed = pack_e2m1(_round_e2m1(scaled).reshape(m, k))
     block_scales = scale.reshape(m, k // NVFP4_BLOCK_SIZE)
@@ -116,13 +120,17 @@ def dequantize_nvfp4(
     global_scale: torch.Tensor | None = None,
     weight_scale_2: torch.Tensor | None = None,
     swizzled: bool = True,
+    arithmetic: NvFp4Arithmetic = NvFp4Arithmetic.REFERENCE,
 ) -> torch.Tensor:
     """Dequantize NVFP4 to `dtype`, in one of vLLM's two conventions (give exactly one scale).
 
-    * `global_scale` (the quantization-side g): `e2m1 * (s / g)`, as `ref_nvfp4_quant_dequant`
-      and the Triton quant-dequant do for activations.
-    * `weight_scale_2` (the dequantization-side scale a ModelOpt checkpoint stores, ~ 1/g):
-      `e2m1 * (s * weight_scale_2)`, as `dequantize_to_dtype` does for weights.
+    * `global_scale` (the quantization-side g), as activations are quantize-dequantized:
+      REFERENCE `e2m1 * (s / g)` (`ref_nvfp4_quant_dequant`'s torch code); TRITON
+      `e2m1 * (s * r(g))` (`_nvfp4_quant_dequant_kernel`, r the GPU's approximate reciprocal).
+    * `weight_scale_2` (the dequantization-side scale a ModelOpt checkpoint stores, ~ 1/g), as
+      weights are dequantized: `e2m1 * (s * weight_scale_2)` (`dequantize_to_dtype`); with
+      TRITON (its `_dequantize_nvfp4_kernel`, used for linear scales on a GPU) code 0x8 gives
+      +0.0 where the torch code gives -0.0.
 
     Args:
         packed: `[M, K/2]` uint8 codes.
@@ -131,6 +139,7 @@ def dequantize_nvfp4(
         global_scale: one-element fp32 quantization global scale.
         weight_scale_2: one-element fp32 dequantization global scale.
         swizzled: whether `block_scales` are in the swizzled layout.
+        arithmetic: which vLLM implementation to reproduce.
     """
     if (global_scale is None) == (weight_scale_2 is None):
         raise ValueError("give exactly one of global_scale and weight_scale_2")
@@ -147,11 +156,15 @@ def dequantize_nvfp4(
             f"got {tuple(block_scales.shape)}"
         )
     s = block_scales.to(torch.float32)
+    triton = arithmetic is NvFp4Arithmetic.TRITON
     if global_scale is not None:
         check_scale("global_scale", global_scale, numel=1)
-        factor = s.unsqueeze(-1) / global_scale.reshape(1).to(s.device)
+        g = global_scale.reshape(1).to(s.device).expand_as(s)
+        factor = (triton_divide_sm90(s, g) if triton else s / g).unsqueeze(-1)
     else:
         check_scale("weight_scale_2", weight_scale_2, numel=1)
         factor = (s * weight_scale_2.reshape(1).to(s.device)).unsqueeze(-1)
+        if triton:  # the Triton kernel negates a zero magnitude to +0.0
+            codes = torch.where(codes == 0x8, torch.zeros_like(codes), codes)
     values = decode_e2m1(codes).reshape(m, k // NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE)
     return (values * factor).reshape(m, k).to(dtype)

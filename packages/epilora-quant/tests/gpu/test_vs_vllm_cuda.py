@@ -2,7 +2,8 @@
 
 Oracles: vLLM's CUDA ops (`scaled_fp8_quant` per token / per tensor, dynamic and static; the
 online weight quantizers built on them; `requantize_with_max_scale`), `QuantFP8` as vLLM
-dispatches it under its default compilation (Inductor-compiled `forward_native`), and the NVFP4
+dispatches it under its default compilation (Inductor-compiled `forward_native`) and run eagerly
+on CUDA tensors, Inductor's reciprocal itself, and the NVFP4
 emulation paths vLLM runs on an H200 (torch reference on CUDA tensors, Triton quant-dequant,
 Triton dequantization, `swizzle_blockscale`). Our functions run on the same CUDA tensors and
 must also give the same bits as on the CPU.
@@ -20,12 +21,14 @@ from epilora_quant import (
     nvfp4_global_scale,
     quantize_fp8_per_tensor,
     quantize_fp8_per_token,
+    quantize_fp8_per_token_group,
     quantize_fp8_weight_per_block,
     quantize_fp8_weight_per_channel,
     quantize_fp8_weight_per_tensor,
     quantize_nvfp4,
     requantize_fp8_to_max_scale,
 )
+from epilora_quant.gpu_reciprocal import triton_reciprocal_sm90
 from epilora_testing import assert_bitwise_equal
 from epilora_testing import vllm_oracles as vllm
 from epilora_testing.corpora import special_activations
@@ -33,6 +36,7 @@ from epilora_testing.strategies import FLOAT_DTYPES, activations, positive_fp32_
 
 pytestmark = pytest.mark.vllm
 CUDA = torch.device("cuda")
+KERNEL = Fp8Arithmetic.CUDA_KERNEL
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # vLLM's CUDA quant kernels take 16-bit inputs
 
 
@@ -61,7 +65,7 @@ def nonzero(x: torch.Tensor) -> bool:
 @given(x=activations(dtypes=HALF_DTYPES, max_rows=65))
 def test_per_token_cuda_equals_scaled_fp8_quant(x):
     x = x.to(CUDA)
-    got = quantize_fp8_per_token(x, arithmetic=Fp8Arithmetic.CUDA)
+    got = quantize_fp8_per_token(x, arithmetic=KERNEL)
     assert_same_quant(got, vllm.scaled_fp8_quant_cuda(x, per_token=True), x)
 
 
@@ -69,14 +73,14 @@ def test_per_token_cuda_equals_scaled_fp8_quant(x):
 def test_per_token_cuda_with_scale_ub_equals_scaled_fp8_quant(x, ub):
     x = x.to(CUDA)
     scale_ub = torch.tensor([ub], dtype=torch.float32, device=CUDA)
-    got = quantize_fp8_per_token(x, scale_ub=scale_ub, arithmetic=Fp8Arithmetic.CUDA)
+    got = quantize_fp8_per_token(x, scale_ub=scale_ub, arithmetic=KERNEL)
     assert_same_quant(got, vllm.scaled_fp8_quant_cuda(x, per_token=True, scale_ub=scale_ub), x)
 
 
 @given(x=activations(dtypes=HALF_DTYPES, max_rows=65).filter(nonzero))
 def test_per_tensor_dynamic_cuda_equals_scaled_fp8_quant(x):
     x = x.to(CUDA)
-    got = quantize_fp8_per_tensor(x, arithmetic=Fp8Arithmetic.CUDA)
+    got = quantize_fp8_per_tensor(x, arithmetic=KERNEL)
     assert_same_quant(got, vllm.scaled_fp8_quant_cuda(x), x)
 
 
@@ -91,10 +95,10 @@ def test_per_tensor_static_equals_scaled_fp8_quant(x, s):
 @pytest.mark.parametrize("x", cases(HALF_DTYPES))
 def test_special_values_equal_cuda_kernels(x):
     x = x.to(CUDA)
-    got = quantize_fp8_per_token(x, arithmetic=Fp8Arithmetic.CUDA)
+    got = quantize_fp8_per_token(x, arithmetic=KERNEL)
     assert_same_quant(got, vllm.scaled_fp8_quant_cuda(x, per_token=True), x)
     if nonzero(x):
-        got = quantize_fp8_per_tensor(x, arithmetic=Fp8Arithmetic.CUDA)
+        got = quantize_fp8_per_tensor(x, arithmetic=KERNEL)
         assert_same_quant(got, vllm.scaled_fp8_quant_cuda(x), x)
 
 
@@ -104,19 +108,19 @@ def test_all_zero_tensor_is_refused_where_the_cuda_kernel_has_no_scale_floor():
     assert float(scale) == 0.0  # vLLM's kernel: no floor, so a zero scale
     print("vLLM per-tensor CUDA codes of an all-zero tensor:", codes.view(torch.uint8).unique())
     with pytest.raises(ValueError, match="all zeros"):
-        quantize_fp8_per_tensor(x, arithmetic=Fp8Arithmetic.CUDA)
+        quantize_fp8_per_tensor(x, arithmetic=KERNEL)
 
 
 # ---- FP8 activations against vLLM's default compiled path (QuantFP8 under torch.compile) ------
 
 @given(x=activations(dtypes=HALF_DTYPES, max_rows=65))
-def test_per_token_native_equals_vllm_compiled_quant_fp8(x):
+def test_per_token_inductor_equals_vllm_compiled_quant_fp8(x):
     x = x.to(CUDA)
     assert_same_quant(quantize_fp8_per_token(x), vllm.quant_fp8_compiled(x, "token"), x)
 
 
 @given(x=activations(dtypes=HALF_DTYPES, max_rows=65), ub=positive_fp32_scales(-12, 12))
-def test_per_token_native_with_scale_ub_equals_vllm_compiled_quant_fp8(x, ub):
+def test_per_token_inductor_with_scale_ub_equals_vllm_compiled_quant_fp8(x, ub):
     x = x.to(CUDA)
     scale_ub = torch.tensor([ub], dtype=torch.float32, device=CUDA)
     got = quantize_fp8_per_token(x, scale_ub=scale_ub)
@@ -124,22 +128,46 @@ def test_per_token_native_with_scale_ub_equals_vllm_compiled_quant_fp8(x, ub):
 
 
 @given(x=activations(dtypes=HALF_DTYPES, max_rows=65))
-def test_per_tensor_native_equals_vllm_compiled_quant_fp8(x):
+def test_per_tensor_inductor_equals_vllm_compiled_quant_fp8(x):
     x = x.to(CUDA)
     assert_same_quant(quantize_fp8_per_tensor(x), vllm.quant_fp8_compiled(x, "tensor"), x)
 
 
 @given(x=activations(dtypes=HALF_DTYPES, max_rows=65), s=positive_fp32_scales())
-def test_per_tensor_static_native_equals_vllm_compiled_quant_fp8(x, s):
+def test_per_tensor_static_inductor_equals_vllm_compiled_quant_fp8(x, s):
     x = x.to(CUDA)
     scale = torch.tensor([s], dtype=torch.float32, device=CUDA)
     got = quantize_fp8_per_tensor(x, scale)
     assert_same_quant(got, vllm.quant_fp8_compiled(x, "tensor", scale=scale), x)
 
 
+@given(x=activations(dtypes=HALF_DTYPES, max_rows=65), s=positive_fp32_scales())
+def test_torch_cuda_equals_forward_native_run_eagerly_on_cuda(x, s):
+    x = x.to(CUDA)
+    torch_cuda = Fp8Arithmetic.TORCH_CUDA
+    scale = torch.tensor([s], dtype=torch.float32, device=CUDA)
+    assert_same_quant(quantize_fp8_per_token(x, arithmetic=torch_cuda),
+                      vllm.quant_fp8_native(x, "token"), x)
+    assert_same_quant(quantize_fp8_per_tensor(x, arithmetic=torch_cuda),
+                      vllm.quant_fp8_native(x, "tensor"), x)
+    assert_same_quant(quantize_fp8_per_tensor(x, scale, arithmetic=torch_cuda),
+                      vllm.quant_fp8_native(x, "tensor", scale=scale), x)
+    if x.shape[1] % 128 == 0:
+        assert_same_quant(quantize_fp8_per_token_group(x, arithmetic=torch_cuda),
+                          vllm.quant_fp8_native(x, "128"), x)
+
+
+@pytest.mark.parametrize("exponent", [-126, -60, -17, -1, 0, 1, 8, 30, 100, 125])
+def test_reciprocal_table_equals_inductor_reciprocal_for_every_mantissa(exponent):
+    mantissas = torch.arange(1 << 23, device=CUDA, dtype=torch.int32) | 0x3F800000
+    b = mantissas.view(torch.float32) * 2.0**exponent
+    compiled = torch.compile(lambda t: t.reciprocal(), backend="inductor", dynamic=False)
+    assert_bitwise_equal(triton_reciprocal_sm90(b), compiled(b), name="1 / b", inputs=b)
+
+
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static-shapes", "dynamic-shapes"])
 @pytest.mark.parametrize("x", cases(HALF_DTYPES))
-def test_special_values_equal_compiled_forward_native(x, dynamic):
+def test_special_values_inductor_equals_compiled_forward_native(x, dynamic):
     x = x.to(CUDA)
     want = vllm.quant_fp8_native_compiled(x, "token", dynamic=dynamic)
     assert_same_quant(quantize_fp8_per_token(x), want, x)
@@ -209,7 +237,8 @@ def test_nvfp4_reference_on_cuda_equals_ref_nvfp4_quant(inputs):
 def test_nvfp4_triton_arithmetic_equals_vllm_triton_quant_dequant(inputs):
     x, g = inputs
     packed, scales = quantize_nvfp4(x, g, arithmetic=NvFp4Arithmetic.TRITON)
-    got = dequantize_nvfp4(packed, scales, x.dtype, global_scale=g)
+    got = dequantize_nvfp4(packed, scales, x.dtype, global_scale=g,
+                           arithmetic=NvFp4Arithmetic.TRITON)
     assert_bitwise_equal(got, vllm.ref_nvfp4_quant_dequant(x, g), name="quant-dequant", inputs=x)
 
 
@@ -220,7 +249,8 @@ def test_nvfp4_swizzle_and_triton_dequantization_equal_vllm(inputs, dtype):
     _, swizzled = quantize_nvfp4(x, g, swizzle=True)
     assert_bitwise_equal(swizzled, vllm.swizzle_blockscale_cuda(linear), name="swizzled scales")
     scale_2 = (1.0 / g).to(torch.float32)
-    got = dequantize_nvfp4(packed, linear, dtype, weight_scale_2=scale_2, swizzled=False)
+    got = dequantize_nvfp4(packed, linear, dtype, weight_scale_2=scale_2, swizzled=False,
+                           arithmetic=NvFp4Arithmetic.TRITON)
     want = vllm.dequantize_to_dtype(packed, linear, scale_2, dtype, swizzled=False)
     assert_bitwise_equal(got, want, name="dequantized")
 

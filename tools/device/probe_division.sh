@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device call: characterize Triton's fp32 division (tools/probe_gpu_division.py) and dump the
+# Triton code Inductor generates for vLLM's compiled QuantFP8, into $OUT.
+set -uo pipefail
+source .device/activate.sh
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/epilora-site \
+  .device/dist/*.whl || exit 1
+export PYTHONPATH="$PYTHONPATH:/tmp/epilora-site" OUT="${OUT:-out}"
+mkdir -p "$OUT"
+python3 tools/probe_gpu_division.py --out "$OUT/gpu_division.json"
+TORCH_LOGS=output_code python3 - > "$OUT/inductor_quant_fp8.log" 2>&1 <<'PY'
+import torch
+from epilora_testing import vllm_oracles as v
+x = torch.randn(7, 256, device="cuda", dtype=torch.bfloat16)
+v.quant_fp8_compiled(x, "token")
+v.quant_fp8_compiled(x, "token", scale_ub=torch.tensor([0.5], device="cuda"))
+v.quant_fp8_compiled(x, "tensor")
+v.quant_fp8_compiled(x, "tensor", scale=torch.tensor([0.5], device="cuda"))
+PY
+grep -n "def triton_\|tl.store\|/ \|reciprocal\|0.00223\|maximum\|minimum\|to(tl.float8" "$OUT/inductor_quant_fp8.log" | head -80
