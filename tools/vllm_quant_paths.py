@@ -105,9 +105,10 @@ def nvfp4_dequant_compare(inputs) -> dict:
         xc = x.cuda()
         g = (448.0 * 6.0 / xc.abs().amax().float().clamp(min=2.0**-100)).reshape(1)
         packed, scales = eq.quantize_nvfp4(xc, g, swizzle=False)
+        swizzled = eq.swizzle_nvfp4_scales(scales)
         w2 = (1.0 / g).float()
-        a = bits(vllm.dequantize_to_dtype(packed.cpu(), scales.cpu(), w2.cpu(), x.dtype,
-                                          swizzled=False))
+        # On a CUDA machine vLLM's torch path is the swizzled one (linear scales go to Triton).
+        a = bits(vllm.dequantize_to_dtype(packed, swizzled, w2, x.dtype, swizzled=True))
         b = bits(vllm.dequantize_to_dtype(packed, scales, w2, x.dtype, swizzled=False))
         row_diff = (a != b).any(dim=1)
         rows += x.shape[0]
@@ -118,7 +119,7 @@ def nvfp4_dequant_compare(inputs) -> dict:
             examples.append({"input": label, "row": r, "cols": cols.tolist(),
                              "codes": _hex(eq.unpack_e2m1(packed.cpu())[r, cols]),
                              "a": _hex(a[r, cols]), "b": _hex(b[r, cols])})
-    return {"pair": "nvfp4 weight dequantize_to_dtype: torch (CPU) vs Triton kernel (CUDA)",
+    return {"pair": "nvfp4 weight dequantize_to_dtype: torch (swizzled) vs Triton (linear)",
             "rows": rows, "rows_differing": differing, "examples": examples}
 
 
