@@ -107,8 +107,10 @@ def nvfp4_dequant_compare(inputs) -> dict:
         packed, scales = eq.quantize_nvfp4(xc, g, swizzle=False)
         swizzled = eq.swizzle_nvfp4_scales(scales)
         w2 = (1.0 / g).float()
-        # On a CUDA machine vLLM's torch path is the swizzled one (linear scales go to Triton).
-        a = bits(vllm.dequantize_to_dtype(packed, swizzled, w2, x.dtype, swizzled=True))
+        # On a CUDA machine vLLM's torch path takes swizzled scales on CPU tensors (linear scales
+        # go to Triton, and its torch code indexes a CPU table).
+        a = bits(vllm.dequantize_to_dtype(packed.cpu(), swizzled.cpu(), w2.cpu(), x.dtype,
+                                          swizzled=True))
         b = bits(vllm.dequantize_to_dtype(packed, scales, w2, x.dtype, swizzled=False))
         row_diff = (a != b).any(dim=1)
         rows += x.shape[0]
