@@ -39,7 +39,7 @@ def _inputs(dtype: torch.dtype, seeds: int) -> list[tuple[str, torch.Tensor]]:
 
 def compare(name: str, run_a, run_b, inputs, *, max_examples: int = 3) -> dict:
     """Run two implementations; count differing rows (codes or scales) and keep examples."""
-    rows = differing = 0
+    rows = differing = scale_differing = 0
     examples = []
     for label, x in inputs:
         xc = x.cuda()
@@ -52,6 +52,11 @@ def compare(name: str, run_a, run_b, inputs, *, max_examples: int = 3) -> dict:
         rows += x.shape[0]
         differing += int(row_codes.sum())
         scales_differ = sa.shape != sb.shape or bool((sa != sb).any())
+        if sa.shape == sb.shape:
+            scale_rows = (sa != sb).reshape(x.shape[0], -1) if sa.numel() % x.shape[0] == 0 \
+                else (sa != sb).reshape(1, -1)
+            scale_differing += int(scale_rows.any(dim=1).sum()) * (
+                1 if scale_rows.shape[0] == x.shape[0] else x.shape[0])
         if (row_codes.any() or scales_differ) and len(examples) < max_examples:
             r = int(row_codes.nonzero()[0]) if row_codes.any() else 0
             cols = (qa[r] != qb[r]).nonzero().flatten()[:4]
@@ -61,7 +66,8 @@ def compare(name: str, run_a, run_b, inputs, *, max_examples: int = 3) -> dict:
                 "scale_a": _hex(sa[: min(r + 1, sa.numel())][-1:]),
                 "scale_b": _hex(sb[: min(r + 1, sb.numel())][-1:]),
             })
-    return {"pair": name, "rows": rows, "rows_differing": differing, "examples": examples}
+    return {"pair": name, "rows": rows, "rows_differing": differing,
+            "rows_scale_differing": scale_differing, "examples": examples}
 
 
 def nvfp4_compare(inputs) -> dict:

@@ -165,13 +165,16 @@ def test_reciprocal_table_equals_inductor_reciprocal_for_every_mantissa(exponent
     assert_bitwise_equal(triton_reciprocal_sm90(b), compiled(b), name="1 / b", inputs=b)
 
 
-@pytest.mark.parametrize("dynamic", [False, True], ids=["static-shapes", "dynamic-shapes"])
 @pytest.mark.parametrize("x", cases(HALF_DTYPES))
-def test_special_values_inductor_equals_compiled_forward_native(x, dynamic):
+def test_special_values_inductor_equals_vllm_compiled_quant_fp8(x):
+    # Only vLLM's own dispatch is the oracle: a bare torch.compile(forward_native) was seen to
+    # round one tie differently (run 3, scaled_grid bf16), so it is not what vLLM computes.
     x = x.to(CUDA)
-    want = vllm.quant_fp8_native_compiled(x, "token", dynamic=dynamic)
-    assert_same_quant(quantize_fp8_per_token(x), want, x)
     assert_same_quant(quantize_fp8_per_token(x), vllm.quant_fp8_compiled(x, "token"), x)
+    assert_same_quant(quantize_fp8_per_tensor(x), vllm.quant_fp8_compiled(x, "tensor"), x)
+    scale = torch.tensor([0.75], device=CUDA)
+    assert_same_quant(quantize_fp8_per_tensor(x, scale),
+                      vllm.quant_fp8_compiled(x, "tensor", scale=scale), x)
 
 
 # ---- FP8 weights as vLLM loads them -----------------------------------------------------------
@@ -236,6 +239,18 @@ def test_nvfp4_reference_on_cuda_equals_ref_nvfp4_quant(inputs):
 @given(inputs=nvfp4_inputs(dtypes=HALF_DTYPES))
 def test_nvfp4_triton_arithmetic_equals_vllm_triton_quant_dequant(inputs):
     x, g = inputs
+    packed, scales = quantize_nvfp4(x, g, arithmetic=NvFp4Arithmetic.TRITON)
+    got = dequantize_nvfp4(packed, scales, x.dtype, global_scale=g,
+                           arithmetic=NvFp4Arithmetic.TRITON)
+    assert_bitwise_equal(got, vllm.ref_nvfp4_quant_dequant(x, g), name="quant-dequant", inputs=x)
+
+
+@pytest.mark.parametrize("cols", [256, 4096])
+@pytest.mark.parametrize("x", cases(HALF_DTYPES, rows=8, cols=256))
+def test_nvfp4_triton_quant_dequant_on_special_values_and_wide_rows(x, cols):
+    # The Triton kernel is specialized on K (a constexpr): check wide rows as served, too.
+    x = x.repeat(1, cols // x.shape[1]).to(CUDA)
+    g = nvfp4_global_scale(x.abs().amax().float().clamp(min=2.0**-100))
     packed, scales = quantize_nvfp4(x, g, arithmetic=NvFp4Arithmetic.TRITON)
     got = dequantize_nvfp4(packed, scales, x.dtype, global_scale=g,
                            arithmetic=NvFp4Arithmetic.TRITON)

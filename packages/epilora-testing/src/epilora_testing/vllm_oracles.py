@@ -72,25 +72,6 @@ def quant_fp8_compiled(
     return op(x, scale=scale, scale_ub=scale_ub)
 
 
-def quant_fp8_native_compiled(
-    x: torch.Tensor,
-    group: str,
-    *,
-    dynamic: bool,
-    scale: torch.Tensor | None = None,
-    scale_ub: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`torch.compile(QuantFP8.forward_native)` with Inductor, static or dynamic shapes."""
-    op = _quant_fp8(scale is not None, group)
-    fn = _compiled_native(op, dynamic)
-    return fn(x, scale=scale, scale_ub=scale_ub)
-
-
-@functools.cache
-def _compiled_native(op, dynamic: bool):
-    return torch.compile(op.forward_native, backend="inductor", dynamic=dynamic)
-
-
 def scaled_fp8_quant_cuda(
     x: torch.Tensor,
     *,
