@@ -44,6 +44,14 @@ def demo(session: nox.Session) -> None:
     session.run("python", "tools/quantize_model_demo.py", *session.posargs)
 
 
+@nox.session(default=False)
+def docs(session: nox.Session) -> None:
+    """Build the mkdocs site with --strict (broken links and missing pages fail)."""
+    _sync(session, "docs")
+    session.run("python", "tools/render_quant_docs.py")
+    session.run("mkdocs", "build", "--strict", "--site-dir", "site")
+
+
 @nox.session(name="gpu-sm90", python=False, default=False, tags=["gpu"])
 def gpu_sm90(session: nox.Session) -> None:
     """GPU tests on an H100/H200 (sm_90), with the machine's python3; fails if a GPU test skips.

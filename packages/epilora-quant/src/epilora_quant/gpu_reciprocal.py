@@ -4,9 +4,9 @@ Triton lowers fp32 `a / b` to PTX `div.full.f32`, and Inductor lowers `x.recipro
 `1 / x`. On an H200 (sm_90), measured by tools/probe_gpu_division.py:
 
 * `a / b` equals `fl32(a * r(b))` bit for bit, where r(b) is the hardware's `1 / b`;
-* r(b) is within 1 ulp of the correctly rounded reciprocal: it differs for about 13% of the
-  2^23 mantissas, by -1 or +1 ulp, and depends on the mantissa only (the same in every binade whose
-  result is a normal number).
+* r(b) is within 1 ulp of the correctly rounded reciprocal: it differs for part of the 2^23
+  mantissas (counts in benchmarks/results/h200/gpu_division.json), by -1 or +1 ulp, and depends
+  on the mantissa only (the same in every binade whose result is a normal number).
 
 So r(b) = (correctly rounded 1 / b) adjusted by a per-mantissa table of -1/0/+1 ulp, shipped as
 `data/rcp_approx_sm90.bin.xz` (built by tools/build_rcp_table.py, loaded on first use). This is
