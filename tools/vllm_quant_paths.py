@@ -70,6 +70,26 @@ def compare(name: str, run_a, run_b, inputs, *, max_examples: int = 3) -> dict:
             "rows_scale_differing": scale_differing, "examples": examples}
 
 
+class _Tally:
+    """Rows compared, rows that differ, and the first few differing elements as hex."""
+
+    def __init__(self, pair: str) -> None:
+        self.result = {"pair": pair, "rows": 0, "rows_differing": 0, "examples": []}
+
+    def add(self, label: str, a: torch.Tensor, b: torch.Tensor, shown: torch.Tensor,
+            shown_name: str, **extra) -> None:
+        row_diff = (a != b).any(dim=1)
+        self.result["rows"] += a.shape[0]
+        self.result["rows_differing"] += int(row_diff.sum())
+        if row_diff.any() and len(self.result["examples"]) < 3:
+            r = int(row_diff.nonzero()[0])
+            cols = (a[r] != b[r]).nonzero().flatten()[:4]
+            self.result["examples"].append(
+                {"input": label, "row": r, "cols": cols.tolist(),
+                 shown_name: _hex(shown[r, cols]), "a": _hex(a[r, cols]),
+                 "b": _hex(b[r, cols]), **extra})
+
+
 def nvfp4_compare(inputs) -> dict:
     """vLLM's NVFP4 torch reference vs its Triton quant-dequant (both quantize, then dequantize)."""
     from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
@@ -82,31 +102,20 @@ def nvfp4_compare(inputs) -> dict:
         out = values.reshape(m, k // 16, 16) * (scales.unsqueeze(-1) / g)
         return out.reshape(m, k).to(x.dtype)
 
-    rows = differing = 0
-    examples = []
+    tally = _Tally("nvfp4 quant-dequant: torch reference vs Triton kernel")
     for label, x in inputs:
         xc = x.cuda()
         g = (448.0 * 6.0 / xc.abs().amax().float().clamp(min=2.0**-100)).reshape(1)
         a, b = bits(reference_qdq(xc, g)), bits(vllm.ref_nvfp4_quant_dequant(xc, g))
-        row_diff = (a != b).any(dim=1)
-        rows += x.shape[0]
-        differing += int(row_diff.sum())
-        if row_diff.any() and len(examples) < 3:
-            r = int(row_diff.nonzero()[0])
-            cols = (a[r] != b[r]).nonzero().flatten()[:4]
-            examples.append({"input": label, "row": r, "cols": cols.tolist(),
-                             "x": _hex(x[r, cols]), "a": _hex(a[r, cols]), "b": _hex(b[r, cols]),
-                             "global_scale": _hex(g.cpu())})
-    return {"pair": "nvfp4 quant-dequant: torch reference vs Triton kernel",
-            "rows": rows, "rows_differing": differing, "examples": examples}
+        tally.add(label, a, b, x, "x", global_scale=_hex(g.cpu()))
+    return tally.result
 
 
 def nvfp4_dequant_compare(inputs) -> dict:
     """vLLM's NVFP4 weight dequantization: torch code vs its Triton kernel (linear scales)."""
     import epilora_quant as eq
 
-    rows = differing = 0
-    examples = []
+    tally = _Tally("nvfp4 weight dequantize_to_dtype: torch (swizzled) vs Triton (linear)")
     for label, x in inputs:
         xc = x.cuda()
         g = (448.0 * 6.0 / xc.abs().amax().float().clamp(min=2.0**-100)).reshape(1)
@@ -118,17 +127,8 @@ def nvfp4_dequant_compare(inputs) -> dict:
         a = bits(vllm.dequantize_to_dtype(packed.cpu(), swizzled.cpu(), w2.cpu(), x.dtype,
                                           swizzled=True))
         b = bits(vllm.dequantize_to_dtype(packed, scales, w2, x.dtype, swizzled=False))
-        row_diff = (a != b).any(dim=1)
-        rows += x.shape[0]
-        differing += int(row_diff.sum())
-        if row_diff.any() and len(examples) < 3:
-            r = int(row_diff.nonzero()[0])
-            cols = (a[r] != b[r]).nonzero().flatten()[:4]
-            examples.append({"input": label, "row": r, "cols": cols.tolist(),
-                             "codes": _hex(eq.unpack_e2m1(packed.cpu())[r, cols]),
-                             "a": _hex(a[r, cols]), "b": _hex(b[r, cols])})
-    return {"pair": "nvfp4 weight dequantize_to_dtype: torch (swizzled) vs Triton (linear)",
-            "rows": rows, "rows_differing": differing, "examples": examples}
+        tally.add(label, a, b, eq.unpack_e2m1(packed.cpu()), "codes")
+    return tally.result
 
 
 def main() -> None:

@@ -1,21 +1,12 @@
-import subprocess
-import sys
+from importlib.metadata import version
 
 import epilora_kernels
+from epilora_testing.hygiene import assert_clean_import
 
 
 def test_version_matches_metadata():
-    from importlib.metadata import version
-
     assert epilora_kernels.__version__ == version("epilora-kernels")
 
 
 def test_import_has_no_side_effects():
-    # Importing the package must neither initialize CUDA nor pull in vLLM or Triton.
-    code = (
-        "import sys, epilora_kernels, torch; "
-        "assert not torch.cuda.is_initialized(); "
-        "assert 'vllm' not in sys.modules, 'vllm imported'; "
-        "assert 'triton' not in sys.modules, 'triton imported'"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    assert_clean_import("epilora_kernels")
