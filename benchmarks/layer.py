@@ -1,0 +1,150 @@
+"""Layer benchmark: one Qwen3-8B decoder layer's four FP8 projections, with LoRA adapters.
+
+Systems, side by side in one run on one GPU (names as in DESIGN.md section 6):
+
+* `cutlass`: vLLM's per-token activation quant (CUDA kernel) + `cutlass_scaled_mm`, no adapter;
+* `vllm-default`: the same + vLLM's Punica `lora_shrink` / `lora_expand` at their defaults;
+* `epilora-fused`: our K1 (quant + shrink) + K2 (FP8 GEMM with the up-projection in its epilogue);
+* `epilora-hybrid`: vLLM's quant + CUTLASS, then our shrink and expand.
+
+Each system's whole layer (qkv 4096->6144, o 4096->4096, gate_up 4096->24576, down 12288->4096)
+is captured in one CUDA graph; before every replay a 512 MiB buffer is written to flush the L2;
+the replay is timed with CUDA events; the median of `--reps` replays is reported (`layer_us`).
+Weights are random FP8 with per-tensor scales; adapters random bf16.
+
+    python3 benchmarks/layer.py --out benchmarks/results/h200/layer.json [--quick]
+"""
+
+import argparse
+import datetime
+import functools
+import json
+import statistics
+import subprocess
+
+import torch
+
+from epilora_kernels import fused
+from epilora_kernels.batch import AdapterBatch, LoraWeights
+
+PROJECTIONS = {  # name: (K, output slices)
+    "qkv": (4096, (4096, 1024, 1024)),
+    "o": (4096, (4096,)),
+    "gate_up": (4096, (12288, 12288)),
+    "down": (12288, (4096,)),
+}
+TOKENS = (1, 4, 8, 16, 32, 64, 128, 256)
+SETUPS = ((1, 16), (1, 64), (1, 128), (32, 64))  # (adapters, rank)
+
+
+def make_layer(num_adapters: int, rank: int, gen: torch.Generator):
+    layer = {}
+    for name, (k, slices) in PROJECTIONS.items():
+        n = sum(slices)
+        w = torch.randn(n, k, generator=gen, device="cuda") * 0.02
+        scale = (w.abs().amax() / 448.0).reshape(1).float()
+        weight = (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        a = tuple((torch.randn(num_adapters, 1, rank, k, generator=gen, device="cuda") * 0.02)
+                  .to(torch.bfloat16) for _ in slices)
+        b = tuple((torch.randn(num_adapters, 1, width, rank, generator=gen, device="cuda") * 0.02)
+                  .to(torch.bfloat16) for width in slices)
+        layer[name] = (weight, scale, LoraWeights(a, b, slices))
+    return layer
+
+
+def run_layer(system: str, xs: dict, layer: dict, batch: AdapterBatch, meta: tuple, bufs: dict):
+    from vllm import _custom_ops as ops
+    from vllm.lora.ops.triton_ops import lora_expand, lora_shrink
+
+    for name, (weight, scale, lora) in layer.items():
+        x = xs[name]
+        if system == "epilora-fused":
+            fused.fused_lora_fp8_linear(x, weight, scale, lora, batch)
+            continue
+        codes, x_scale = ops.scaled_fp8_quant(x, None, use_per_token_if_dynamic=True)
+        y = ops.cutlass_scaled_mm(codes, weight.t(), x_scale, scale, torch.bfloat16)
+        if system == "vllm-default":
+            lora_shrink(x, list(lora.lora_a), bufs[name], *meta, 1.0)
+            lora_expand(bufs[name], list(lora.lora_b), y, *meta, offset_start=0, add_inputs=True)
+        elif system == "epilora-hybrid":
+            fused.lora_expand(y, fused.lora_shrink(x, lora, batch), lora, batch)
+
+
+def time_graph(fn, reps: int, flush: torch.Tensor) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--quick", action="store_true", help="tokens 1, 16, 64, 256 only")
+    parser.add_argument("--git-sha", default=None)
+    args = parser.parse_args()
+    tokens_list = (1, 16, 64, 256) if args.quick else TOKENS
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+    systems = ("cutlass", "vllm-default", "epilora-fused", "epilora-hybrid")
+    rows = []
+    for num_adapters, rank in SETUPS:
+        layer = make_layer(num_adapters, rank, gen)
+        for tokens in tokens_list:
+            mapping = torch.arange(tokens, device="cuda", dtype=torch.int32) % num_adapters
+            batch = AdapterBatch.from_token_mapping(mapping, num_adapters)
+            meta = (batch.token_lora_mapping, batch.sorted_token_indices,
+                    batch.num_tokens_per_lora, batch.lora_token_start, batch.lora_ids,
+                    torch.tensor([False]), torch.tensor([num_adapters + 1], dtype=torch.int32))
+            xs = {name: torch.randn(tokens, k, generator=gen, device="cuda").to(torch.bfloat16)
+                  for name, (k, _) in PROJECTIONS.items()}
+            bufs = {name: torch.zeros(len(s), tokens, rank, device="cuda")
+                    for name, (_, s) in PROJECTIONS.items()}
+            for system in systems:
+                if system == "cutlass" and (num_adapters, rank) != SETUPS[0]:
+                    continue  # the no-adapter baseline does not depend on the adapters
+                run = functools.partial(run_layer, system, xs, layer, batch, meta, bufs)
+                us = time_graph(run, args.reps, flush)
+                rows.append({"bench": "layer", "model": "qwen3-8b", "base": "fp8",
+                             "system": system, "tokens": tokens, "rank": rank,
+                             "adapters": 0 if system == "cutlass" else num_adapters,
+                             "metric": "layer_us", "value": round(us, 2), "n": args.reps})
+                print(f"{system:15s} adapters={num_adapters:2d} rank={rank:3d} "
+                      f"tokens={tokens:3d} {us:8.1f} us", flush=True)
+        _write(args, rows)  # after every setup, so a run cut short keeps what it measured
+
+
+def _write(args, rows) -> None:
+    import triton
+    import vllm
+
+    sha = args.git_sha or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                         text=True).stdout.strip()
+    meta = {"git_sha": sha or "unknown",
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "vllm": vllm.__version__,
+            "command": "python3 benchmarks/layer.py --out ... --reps "
+                       f"{args.reps}" + (" --quick" if args.quick else "")}
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

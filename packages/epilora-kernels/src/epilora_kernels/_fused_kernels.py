@@ -1,0 +1,217 @@
+"""The Triton kernels behind `epilora_kernels.fused` (private: call the launchers there).
+
+`_quantize_shrink_kernel` (K1) has two kinds of programs in one launch: the first T quantize one
+token each (per-token FP8, in Triton's own arithmetic, which is vLLM's compiled arithmetic: see
+epilora_quant.fp8, mode INDUCTOR), the rest compute one `BLOCK_M x BLOCK_R` tile of
+`h = x A_slot^T` for one adapter, one slice and one split of K, over that adapter's tokens.
+Split-K partials go to separate planes of the fp32 workspace (no atomics), so the consumer sums
+them in a fixed order and results are deterministic.
+
+`_lora_gemm_kernel` (K2) walks the tokens in adapter order. MODE 0: FP8 x FP8 GEMM scaled as
+vLLM's CUTLASS epilogue; MODE 1: W8A16 (FP8 weight widened to bf16 in registers); MODE 2: no
+GEMM, the tile starts from an existing output (the hybrid path's expand). Its epilogue adds
+`bf16(h) B_slot^T` for each adapter segment that meets the tile, reading only the tile's columns
+of B, and writes the bf16 tile once.
+
+`INTERPRETER` works around two bugs of Triton's CPU interpreter: its bf16 arithmetic (bf16 dots
+become fp32 dots; h is still rounded to bf16 first) and its fp32 -> e4m3 cast, which loses the
+carry when rounding overflows the mantissa (1.9 * 64 became 64.0 instead of 128.0); there the
+cast is done by integer arithmetic, round to nearest even exactly as the hardware's `cvt.rn`.
+"""
+
+import triton
+import triton.language as tl
+
+FP8_MAX: tl.constexpr = 448.0
+FP8_MIN_SCALE: tl.constexpr = 1.0 / (448.0 * 512.0)
+
+
+@triton.jit
+def _pick(s, p0, p1, p2):
+    # A per-slice base pointer from a runtime slice index (at most three slices).
+    p = p0
+    if s == 1:
+        p = p1
+    if s == 2:
+        p = p2
+    return p
+
+
+@triton.jit
+def _e4m3_bits(v):
+    # Round-to-nearest-even fp32 -> e4m3fn code bits, for |v| <= 448 (the caller clamps).
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    # Normal range (|v| >= 2^-6): round the 23-bit mantissa to 3 bits; a carry moves into the
+    # exponent field by itself. Then rebias the exponent from 127 to 7.
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+    # Subnormal range: multiples of 2^-9, rounded half to even by adding 2^23 (for 0 <= y < 2^23,
+    # y + 2^23 rounds y to an integer in fp32).
+    sub = ((tl.abs(v) * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    code = tl.where(a >= 0x3C800000, normal, sub)
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def _to_e4m3(v, INTERPRETER: tl.constexpr):
+    if INTERPRETER:
+        return _e4m3_bits(v).to(tl.float8e4nv, bitcast=True)
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def _quantize_row(x_ptr, codes_ptr, scales_ptr, t, K, stride_x, BLOCK_K: tl.constexpr,
+                  INTERPRETER: tl.constexpr):
+    row = x_ptr + t * stride_x
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        v = tl.load(row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, FP8_MIN_SCALE)
+    inverse = 1.0 / scale
+    tl.store(scales_ptr + t, scale)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        v = tl.load(row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(v * inverse, -FP8_MAX), FP8_MAX)
+        tl.store(codes_ptr + t * K + offs, _to_e4m3(q, INTERPRETER), mask=offs < K)
+
+
+@triton.jit
+def _quantize_shrink_kernel(
+    x_ptr, codes_ptr, scales_ptr, h_ptr,
+    a0_ptr, a1_ptr, a2_ptr,
+    sorted_ptr, lora_ids_ptr, counts_ptr, start_ptr,
+    T, K, R, stride_x,
+    QUANTIZE: tl.constexpr, NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERPRETER: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if QUANTIZE:
+        if pid < T:
+            _quantize_row(x_ptr, codes_ptr, scales_ptr, pid, K, stride_x, BLOCK_K, INTERPRETER)
+            return
+        pid -= T
+    n_m = tl.cdiv(T, BLOCK_M)
+    n_r = tl.cdiv(R, BLOCK_R)
+    per_entry = n_m * n_r * SPLIT_K * NUM_SLICES
+    z = pid // per_entry
+    rest = pid % per_entry
+    s = rest // (n_m * n_r * SPLIT_K)
+    rest = rest % (n_m * n_r * SPLIT_K)
+    split = rest // (n_m * n_r)
+    rest = rest % (n_m * n_r)
+    pid_m = rest // n_r
+    pid_r = rest % n_r
+
+    slot = tl.load(lora_ids_ptr + z)
+    count = tl.load(counts_ptr + z)
+    start = tl.load(start_ptr + z)
+    if (slot < 0) | (pid_m * BLOCK_M >= count):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < count
+    tok = tl.load(sorted_ptr + start + rows, mask=row_mask, other=0)
+    r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    a_base = _pick(s, a0_ptr, a1_ptr, a2_ptr) + slot.to(tl.int64) * R * K
+
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_begin = split * k_per_split
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for k0 in range(k_begin, tl.minimum(k_begin + k_per_split, K), BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(x_ptr + tok[:, None] * stride_x + k[None, :],
+                     mask=row_mask[:, None] & (k[None, :] < K), other=0.0)
+        at = tl.load(a_base + r[:, None] * K + k[None, :],
+                     mask=(r[:, None] < R) & (k[None, :] < K), other=0.0)
+        if INTERPRETER:
+            acc += tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)))
+        else:
+            acc += tl.dot(xt, tl.trans(at))
+    h_rows = h_ptr + ((split * NUM_SLICES + s) * T + tok[:, None]).to(tl.int64) * R
+    tl.store(h_rows + r[None, :], acc, mask=row_mask[:, None] & (r[None, :] < R))
+
+
+@triton.jit
+def _lora_gemm_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, y_ptr, h_ptr,
+    b0_ptr, b1_ptr, b2_ptr,
+    sorted_ptr, lora_ids_ptr, start_ptr,
+    T, N, K, R, NUM_ENTRIES,
+    stride_a, stride_y, N_OFF1, N_OFF2,
+    MODE: tl.constexpr, HAS_LORA: tl.constexpr, NUM_SLICES: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, INTERPRETER: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pos = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pos_mask = pos < T
+    tok = tl.load(sorted_ptr + pos, mask=pos_mask, other=0)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    y_tile = y_ptr + tok[:, None].to(tl.int64) * stride_y + n[None, :]
+    out_mask = pos_mask[:, None] & n_mask[None, :]
+
+    if MODE == 2:
+        acc = tl.load(y_tile, mask=out_mask, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            at = tl.load(a_ptr + tok[:, None].to(tl.int64) * stride_a + k[None, :],
+                         mask=pos_mask[:, None] & (k[None, :] < K), other=0.0)
+            wt = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :],
+                         mask=n_mask[:, None] & (k[None, :] < K), other=0.0)
+            if MODE == 0:
+                acc = tl.dot(at, tl.trans(wt), acc)
+            elif INTERPRETER:
+                acc += tl.dot(at.to(tl.float32), tl.trans(wt.to(tl.float32)))
+            else:
+                acc += tl.dot(at, tl.trans(wt.to(tl.bfloat16)))
+        w_scale = tl.load(w_scale_ptr)
+        if MODE == 0:
+            x_scale = tl.load(a_scale_ptr + tok, mask=pos_mask, other=0.0)
+            acc = x_scale[:, None] * (w_scale * acc)
+        else:
+            acc = w_scale * acc
+
+    if HAS_LORA:
+        n0 = pid_n * BLOCK_N
+        s = (n0 >= N_OFF1).to(tl.int32) + (n0 >= N_OFF2).to(tl.int32)
+        slice_begin = tl.where(s == 0, 0, tl.where(s == 1, N_OFF1, N_OFF2))
+        slice_end = tl.where(s == 0, N_OFF1, tl.where(s == 1, N_OFF2, N))
+        n_local = n - slice_begin
+        b_base = _pick(s, b0_ptr, b1_ptr, b2_ptr)
+        r = tl.arange(0, BLOCK_R)
+        hmask = pos_mask[:, None] & (r[None, :] < R)
+        hsum = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        for split in tl.static_range(SPLIT_K):  # a fixed order: deterministic
+            plane = h_ptr + ((split * NUM_SLICES + s) * T + tok[:, None]).to(tl.int64) * R
+            hsum += tl.load(plane + r[None, :], mask=hmask, other=0.0)
+        hb = hsum.to(tl.bfloat16)
+        tile_begin = pid_m * BLOCK_M
+        for z in range(0, NUM_ENTRIES):
+            slot = tl.load(lora_ids_ptr + z)
+            seg_begin = tl.load(start_ptr + z)
+            seg_end = tl.load(start_ptr + z + 1)
+            meets = (slot >= 0) & (seg_begin < tile_begin + BLOCK_M) & (seg_end > tile_begin)
+            if meets:
+                in_seg = (pos >= seg_begin) & (pos < seg_end)
+                bt = tl.load(
+                    b_base + slot.to(tl.int64) * (slice_end - slice_begin) * R
+                    + n_local[:, None] * R + r[None, :],
+                    mask=(n < slice_end)[:, None] & n_mask[:, None] & (r[None, :] < R),
+                    other=0.0,
+                )
+                if INTERPRETER:
+                    hz = tl.where(in_seg[:, None], hb.to(tl.float32), 0.0)
+                    acc += tl.dot(hz, tl.trans(bt.to(tl.float32)))
+                else:
+                    hz = tl.where(in_seg[:, None], hb, tl.zeros_like(hb))
+                    acc += tl.dot(hz, tl.trans(bt))
+    tl.store(y_tile, acc.to(tl.bfloat16), mask=out_mask)

@@ -1,0 +1,219 @@
+"""Multi-adapter LoRA on FP8 bases: the fused path (K1 + K2), the W8A16 path, the hybrid kernels.
+
+Every function here has a torch twin of the same name and signature in
+`epilora_kernels.reference`; tests run both.
+
+* `quantize_and_shrink` (K1): per-token FP8 codes and scales, bit for bit what vLLM's compiled
+  quantizer computes on the GPU (`epilora_quant` mode INDUCTOR), plus every adapter's
+  `h = x A^T` over its tokens, as split-K partials `[split_k, S, T, R]`.
+* `lora_fp8_gemm` (K2): the FP8 GEMM over adapter-sorted tokens whose epilogue adds
+  `bf16(h) B^T` for each adapter in the tile; multi-slice outputs (qkv, gate_up) in one launch.
+* `lora_w8a16_gemm`: the same with bf16 activations and the FP8 weight widened in registers.
+* `lora_shrink`, `lora_expand`: the hybrid path's kernels, after a vendor GEMM.
+* `fused_lora_fp8_linear`, `fused_lora_w8a16_linear`: K1 then K2.
+
+Weights are `[N, K]` float8_e4m3fn (row-major, K contiguous; vLLM keeps their transpose view)
+with a one-element fp32 scale; activations `[T, K]` bf16.
+"""
+
+import torch
+import triton
+
+from epilora_kernels import _env
+from epilora_kernels._fused_kernels import _lora_gemm_kernel, _quantize_shrink_kernel
+from epilora_kernels.batch import AdapterBatch, LoraWeights
+from epilora_kernels.launch import LaunchConfig, heuristic_config, table_config
+
+
+def _config(op: str, tokens: int, lora: LoraWeights, given: LaunchConfig | None):
+    if given is not None:
+        return given
+    if torch.cuda.is_available() and not _env.triton_interpreter():
+        tuned = table_config(torch.cuda.get_device_name(), op, tokens)
+        if tuned is not None:
+            return tuned
+    return heuristic_config(op, tokens, lora.out_features, lora.in_features, lora.max_rank,
+                            lora.output_slices)
+
+
+def _check_inputs(x: torch.Tensor, lora: LoraWeights, batch: AdapterBatch) -> None:
+    if x.ndim != 2 or x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be 2-D bfloat16, got {x.dtype} {tuple(x.shape)}")
+    if x.stride(1) != 1:
+        raise ValueError("x must have a contiguous last dimension")
+    if x.shape[1] != lora.in_features:
+        raise ValueError(f"x has {x.shape[1]} features, the adapters take {lora.in_features}")
+    if batch.num_tokens != x.shape[0]:
+        raise ValueError(f"batch maps {batch.num_tokens} tokens, x has {x.shape[0]}")
+    if batch.max_loras != lora.max_loras:
+        raise ValueError(f"batch has {batch.max_loras} slots, the adapters {lora.max_loras}")
+
+
+def _check_weight(weight: torch.Tensor, weight_scale: torch.Tensor, k: int, n: int) -> None:
+    if weight.dtype != torch.float8_e4m3fn or tuple(weight.shape) != (n, k):
+        raise ValueError(f"weight must be float8_e4m3fn [{n}, {k}], got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    if not weight.is_contiguous():
+        raise ValueError("weight must be contiguous [N, K] (K-major)")
+    if weight_scale.numel() != 1 or weight_scale.dtype != torch.float32:
+        raise ValueError("weight_scale must be one fp32 value (per-tensor FP8 weights)")
+
+
+def _slice_args(lora: LoraWeights) -> tuple:
+    slices = list(lora.output_slices) + [0] * (3 - len(lora.output_slices))
+    off1 = slices[0] if len(lora.output_slices) > 1 else lora.out_features
+    off2 = slices[0] + slices[1] if len(lora.output_slices) > 2 else lora.out_features
+    a = list(lora.lora_a) + [lora.lora_a[0]] * (3 - len(lora.lora_a))
+    b = list(lora.lora_b) + [lora.lora_b[0]] * (3 - len(lora.lora_b))
+    return a, b, off1, off2
+
+
+def _launch_k1(x, lora, batch, cfg: LaunchConfig, quantize: bool):
+    t, k = x.shape
+    s_count, rank = len(lora.output_slices), lora.max_rank
+    h = torch.empty(cfg.split_k, s_count, t, rank, dtype=torch.float32, device=x.device)
+    if quantize:
+        codes = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
+        scales = torch.empty(t, 1, dtype=torch.float32, device=x.device)
+    else:
+        codes, scales = h, h  # unused
+    h.zero_()  # planes of tokens without adapter stay zero
+    a, _, _, _ = _slice_args(lora)
+    shrink_programs = ((batch.max_loras + 1) * triton.cdiv(t, cfg.block_m)
+                       * triton.cdiv(rank, cfg.block_r) * cfg.split_k * s_count)
+    grid = ((t if quantize else 0) + shrink_programs,)
+    _quantize_shrink_kernel[grid](
+        x, codes, scales, h, a[0], a[1], a[2],
+        batch.sorted_token_indices, batch.lora_ids, batch.num_tokens_per_lora,
+        batch.lora_token_start,
+        t, k, rank, x.stride(0),
+        QUANTIZE=quantize, NUM_SLICES=s_count, SPLIT_K=cfg.split_k,
+        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
+        INTERPRETER=_env.triton_interpreter(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return codes, scales, h
+
+
+def quantize_and_shrink(
+    x: torch.Tensor, lora: LoraWeights, batch: AdapterBatch, *, config: LaunchConfig | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K1: `(codes [T, K] fp8, scales [T, 1] fp32, h [split_k, S, T, R] fp32 partials)`."""
+    _check_inputs(x, lora, batch)
+    cfg = _config("quantize_shrink", x.shape[0], lora, config)
+    return _launch_k1(x, lora, batch, cfg, quantize=True)
+
+
+def lora_shrink(
+    x: torch.Tensor, lora: LoraWeights, batch: AdapterBatch, *, config: LaunchConfig | None = None
+) -> torch.Tensor:
+    """The hybrid path's shrink: `h [split_k, S, T, R]` fp32 partials of `x A_slot^T`."""
+    _check_inputs(x, lora, batch)
+    cfg = _config("quantize_shrink", x.shape[0], lora, config)
+    return _launch_k1(x, lora, batch, cfg, quantize=False)[2]
+
+
+def _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg: LaunchConfig):
+    t, n = y.shape
+    k = lora.in_features
+    _, b, off1, off2 = _slice_args(lora)
+    if any(w % cfg.block_n for w in lora.output_slices[:-1]):
+        raise ValueError(f"block_n={cfg.block_n} must divide the slice widths "
+                         f"{lora.output_slices[:-1]} (a tile must not straddle two slices)")
+    grid = (triton.cdiv(t, cfg.block_m), triton.cdiv(n, cfg.block_n))
+    _lora_gemm_kernel[grid](
+        a, a_scale, weight, weight_scale, y, h, b[0], b[1], b[2],
+        batch.sorted_token_indices, batch.lora_ids, batch.lora_token_start,
+        t, n, k, lora.max_rank, batch.max_loras + 1,
+        a.stride(0), y.stride(0), off1, off2,
+        MODE=mode, HAS_LORA=True, NUM_SLICES=len(lora.output_slices), SPLIT_K=h.shape[0],
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=cfg.block_r,
+        INTERPRETER=_env.triton_interpreter(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y
+
+
+def _gemm_config(batch, lora, config):
+    return _config("lora_gemm", batch.num_tokens, lora, config)
+
+
+def lora_fp8_gemm(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    h: torch.Tensor,
+    lora: LoraWeights,
+    batch: AdapterBatch,
+    *,
+    config: LaunchConfig | None = None,
+) -> torch.Tensor:
+    """K2: bf16 `[T, N]` = x_scale * (w_scale * codes @ weight^T) + bf16(h) @ B_slot^T."""
+    _check_weight(weight, weight_scale, lora.in_features, lora.out_features)
+    y = torch.empty(codes.shape[0], lora.out_features, dtype=torch.bfloat16, device=codes.device)
+    return _launch_k2(0, codes, scales, weight, weight_scale, y, h, lora, batch,
+                      _gemm_config(batch, lora, config))
+
+
+def lora_w8a16_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    h: torch.Tensor,
+    lora: LoraWeights,
+    batch: AdapterBatch,
+    *,
+    config: LaunchConfig | None = None,
+) -> torch.Tensor:
+    """W8A16 K2: bf16 `[T, N]` = w_scale * (x @ bf16(weight)^T) + bf16(h) @ B_slot^T."""
+    _check_inputs(x, lora, batch)
+    _check_weight(weight, weight_scale, lora.in_features, lora.out_features)
+    y = torch.empty(x.shape[0], lora.out_features, dtype=torch.bfloat16, device=x.device)
+    return _launch_k2(1, x, weight_scale, weight, weight_scale, y, h, lora, batch,
+                      _gemm_config(batch, lora, config))
+
+
+def lora_expand(
+    y: torch.Tensor,
+    h: torch.Tensor,
+    lora: LoraWeights,
+    batch: AdapterBatch,
+    *,
+    config: LaunchConfig | None = None,
+) -> torch.Tensor:
+    """The hybrid path's expand: y (bf16 `[T, N]`, a vendor GEMM's output) += bf16(h) B^T."""
+    if y.dtype != torch.bfloat16 or y.ndim != 2 or y.shape[1] != lora.out_features:
+        raise ValueError(f"y must be bf16 [T, {lora.out_features}], got {y.dtype} "
+                         f"{tuple(y.shape)}")
+    return _launch_k2(2, y, y, y, y, y, h, lora, batch, _gemm_config(batch, lora, config))
+
+
+def fused_lora_fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    lora: LoraWeights,
+    batch: AdapterBatch,
+    *,
+    k1_config: LaunchConfig | None = None,
+    k2_config: LaunchConfig | None = None,
+) -> torch.Tensor:
+    """The fused path: K1 then K2."""
+    codes, scales, h = quantize_and_shrink(x, lora, batch, config=k1_config)
+    return lora_fp8_gemm(codes, scales, weight, weight_scale, h, lora, batch, config=k2_config)
+
+
+def fused_lora_w8a16_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    lora: LoraWeights,
+    batch: AdapterBatch,
+    *,
+    k1_config: LaunchConfig | None = None,
+    k2_config: LaunchConfig | None = None,
+) -> torch.Tensor:
+    """The matched engine's path: shrink, then the W8A16 GEMM with the up-projection."""
+    h = lora_shrink(x, lora, batch, config=k1_config)
+    return lora_w8a16_gemm(x, weight, weight_scale, h, lora, batch, config=k2_config)

@@ -1,0 +1,99 @@
+"""Launch settings: a frozen dataclass per op, chosen by a heuristic or a per-device JSON table.
+
+Tables live in `epilora_kernels/configs/<device>.json` (device name with spaces and dashes as
+underscores, as vLLM names its tables) and map an op to entries keyed by a token-count bucket,
+each entry the fields of `LaunchConfig`. `validate_table` checks a table's schema on any machine.
+No table is shipped until one has been tuned on its device; until then the heuristic applies.
+"""
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from importlib import resources
+
+OPS = ("quantize_shrink", "lora_gemm")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile sizes and launch parameters of one kernel launch."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128
+    block_r: int = 16
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"LaunchConfig.{field.name} must be a positive int, got {value!r}")
+        for name in ("block_m", "block_n", "block_k", "block_r"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"LaunchConfig.{name} must be a power of two >= 16, got {value}")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def heuristic_config(
+    op: str, tokens: int, n: int, k: int, rank: int, slices: tuple[int, ...] = ()
+) -> LaunchConfig:
+    """Settings that are correct for any shape and reasonable for decode and prefill.
+
+    `slices`: the output slice widths; a GEMM tile must not straddle two slices, so block_n is
+    the largest power of two (16..128) dividing every slice boundary.
+    """
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
+    block_m = 16 if tokens <= 16 else (32 if tokens <= 32 else 64)
+    block_r = max(16, min(_next_pow2(rank), 128))
+    if op == "quantize_shrink":
+        # Small batches: split K so that enough programs exist to stream A.
+        split_k = 8 if tokens <= 32 else (2 if tokens <= 128 else 1)
+        return LaunchConfig(block_m=block_m, block_n=64, block_k=128, block_r=block_r,
+                            split_k=split_k, num_warps=4, num_stages=2)
+    block_n = 128
+    while block_n > 16 and any(width % block_n for width in slices[:-1]):
+        block_n //= 2
+    return LaunchConfig(block_m=block_m, block_n=block_n, block_k=128,
+                        block_r=block_r, split_k=1, num_warps=4, num_stages=4)
+
+
+def table_name(device_name: str) -> str:
+    return device_name.replace(" ", "_").replace("-", "_") + ".json"
+
+
+def validate_table(table: dict) -> None:
+    """Raise ValueError unless `table` is {op: {bucket: LaunchConfig fields}} with known ops."""
+    if not isinstance(table, dict):
+        raise ValueError("a launch table must be a JSON object")
+    for op, entries in table.items():
+        if op == "_meta":
+            continue
+        if op not in OPS:
+            raise ValueError(f"unknown op {op!r} in launch table; expected one of {OPS}")
+        for bucket, fields in entries.items():
+            if not bucket.isdigit():
+                raise ValueError(f"{op}: bucket {bucket!r} must be a token count")
+            LaunchConfig(**fields)  # raises on unknown or bad fields
+
+
+def table_config(device_name: str, op: str, tokens: int) -> LaunchConfig | None:
+    """The tuned entry for the smallest bucket >= tokens (else the largest), or None."""
+    path = resources.files("epilora_kernels").joinpath("configs", table_name(device_name))
+    if not path.is_file():
+        return None
+    table = json.loads(path.read_text())
+    validate_table(table)
+    entries = table.get(op)
+    if not entries:
+        return None
+    buckets = sorted(int(b) for b in entries)
+    bucket = next((b for b in buckets if b >= tokens), buckets[-1])
+    return LaunchConfig(**entries[str(bucket)])

@@ -1,0 +1,128 @@
+"""Torch references of every kernel, with the kernels' signatures (the kernels' test oracles).
+
+Arithmetic (the contract the kernels keep):
+
+* activations are quantized by epilora-quant (`Fp8Arithmetic.INDUCTOR` on a GPU: vLLM's
+  compiled path, bit for bit; the Triton interpreter divides exactly, `TORCH_CPU`);
+* the shrink `h = x A^T` takes bf16 operands and accumulates in fp32; split-K partials are summed
+  in a fixed order (partial 0 first), so results are deterministic;
+* the FP8 GEMM accumulates in fp32 and scales as vLLM's CUTLASS epilogue, `x_scale * (w_scale *
+  acc)`; the W8A16 GEMM widens the FP8 weight to bf16 (exact) and multiplies bf16 activations;
+* the up-projection rounds h to bf16 (as vLLM's expand does), multiplies by bf16 B in fp32 and
+  adds that fp32 delta to the fp32 GEMM result before the single rounding to bf16 (vLLM adds two
+  bf16 values instead, so its result can differ in the last bit: ours is the more accurate one).
+"""
+
+import torch
+
+from epilora_kernels.batch import AdapterBatch, LoraWeights
+from epilora_quant import Fp8Arithmetic, quantize_fp8_per_token
+
+
+def _slot_rows(batch: AdapterBatch) -> list[tuple[int, torch.Tensor]]:
+    """(slot, token indices) for every active slot (tokens without adapter left out)."""
+    out = []
+    ids = batch.lora_ids.tolist()
+    start = batch.lora_token_start.tolist()
+    for z, slot in enumerate(ids):
+        if slot < 0 or start[z + 1] == start[z]:
+            continue
+        out.append((slot, batch.sorted_token_indices[start[z] : start[z + 1]].long()))
+    return out
+
+
+def lora_shrink(x: torch.Tensor, lora: LoraWeights, batch: AdapterBatch) -> torch.Tensor:
+    """h = x A_slot^T per token and slice: `[1, S, T, R]` fp32 (one split-K partial)."""
+    t = x.shape[0]
+    h = torch.zeros(1, len(lora.output_slices), t, lora.max_rank, dtype=torch.float32,
+                    device=x.device)
+    for slot, rows in _slot_rows(batch):
+        for s, a in enumerate(lora.lora_a):
+            h[0, s, rows] = x[rows].float() @ a[slot, 0].float().T
+    return h
+
+
+def quantize_and_shrink(
+    x: torch.Tensor,
+    lora: LoraWeights,
+    batch: AdapterBatch,
+    *,
+    arithmetic: Fp8Arithmetic = Fp8Arithmetic.INDUCTOR,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K1: `(codes [T, K] fp8, scales [T, 1] fp32, h [1, S, T, R] fp32)`."""
+    codes, scales = quantize_fp8_per_token(x, arithmetic=arithmetic)
+    return codes, scales, lora_shrink(x, lora, batch)
+
+
+def _lora_delta(h: torch.Tensor, lora: LoraWeights, batch: AdapterBatch, t: int) -> torch.Tensor:
+    """fp32 `[T, N]`: bf16(sum of partials) @ B_slot^T per slice; zero for tokens without one."""
+    total = h.sum(dim=0)  # partial 0 first: torch sums dim 0 in order for these sizes
+    delta = torch.zeros(t, lora.out_features, dtype=torch.float32, device=h.device)
+    offsets = [0]
+    for width in lora.output_slices:
+        offsets.append(offsets[-1] + width)
+    for slot, rows in _slot_rows(batch):
+        for s, b in enumerate(lora.lora_b):
+            hs = total[s, rows].to(torch.bfloat16).float()
+            delta[rows, offsets[s] : offsets[s + 1]] = hs @ b[slot, 0].float().T
+    return delta
+
+
+def lora_fp8_gemm(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    h: torch.Tensor,
+    lora: LoraWeights,
+    batch: AdapterBatch,
+) -> torch.Tensor:
+    """K2: bf16 `[T, N]` = x_scale * (w_scale * codes @ weight^T) + bf16(h) @ B^T, rounded once."""
+    acc = codes.float() @ weight.float().T
+    base = scales.float() * (weight_scale.float().reshape(()) * acc)
+    return (base + _lora_delta(h, lora, batch, codes.shape[0])).to(torch.bfloat16)
+
+
+def lora_w8a16_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    h: torch.Tensor,
+    lora: LoraWeights,
+    batch: AdapterBatch,
+) -> torch.Tensor:
+    """K2, W8A16: bf16 `[T, N]` = w_scale * (x @ bf16(weight)^T) + bf16(h) @ B^T, rounded once."""
+    acc = x.float() @ weight.to(torch.bfloat16).float().T
+    base = weight_scale.float().reshape(()) * acc
+    return (base + _lora_delta(h, lora, batch, x.shape[0])).to(torch.bfloat16)
+
+
+def lora_expand(y: torch.Tensor, h: torch.Tensor, lora: LoraWeights, batch: AdapterBatch):
+    """Hybrid path: y (a vendor GEMM's bf16 output) += bf16(h) @ B^T, in place; returns y."""
+    y.copy_((y.float() + _lora_delta(h, lora, batch, y.shape[0])).to(y.dtype))
+    return y
+
+
+def fused_lora_fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    lora: LoraWeights,
+    batch: AdapterBatch,
+    *,
+    arithmetic: Fp8Arithmetic = Fp8Arithmetic.INDUCTOR,
+) -> torch.Tensor:
+    """The fused path: K1 then K2."""
+    codes, scales, h = quantize_and_shrink(x, lora, batch, arithmetic=arithmetic)
+    return lora_fp8_gemm(codes, scales, weight, weight_scale, h, lora, batch)
+
+
+def fused_lora_w8a16_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    lora: LoraWeights,
+    batch: AdapterBatch,
+) -> torch.Tensor:
+    """The matched engine's path: shrink, then the W8A16 GEMM with the up-projection."""
+    return lora_w8a16_gemm(x, weight, weight_scale, lora_shrink(x, lora, batch), lora, batch)

@@ -1,0 +1,111 @@
+"""The kernels on the H200: K1's codes are vLLM's compiled codes bit for bit, outputs match the
+torch reference, exact math and vLLM's own LoRA path (CUTLASS + Punica), results repeat bit for
+bit, and a CUDA-graph replay gives the eager bits."""
+
+import pytest
+import torch
+
+from epilora_kernels import fused, reference
+from epilora_quant import Fp8Arithmetic
+from epilora_testing import assert_bitwise_equal
+from epilora_testing.corpora import special_activations
+
+from kernel_cases import MAPPINGS, fp64_reference, make_problem, relative_error
+
+CUDA = "cuda"
+SHAPES = [  # (tokens, K, output slices, rank, max_loras): qkv-, gate_up- and o-like, small
+    (1, 4096, (1024, 256, 256), 64, 4),
+    (16, 2048, (1024, 1024), 16, 4),
+    (37, 1024, (512,), 128, 2),
+    (256, 1024, (512, 128, 128), 8, 8),
+    (32, 1024, (256,), 64, 32),  # 32 adapters, one token each with "one_token_each"
+]
+BF16_TOL = 1e-2
+
+
+def _problem(shape, mapping, seed=0):
+    t, k, slices, rank, max_loras = shape
+    return make_problem(seed, t, k, slices, rank, max_loras, mapping, device=CUDA)
+
+
+@pytest.mark.parametrize("mapping", sorted(MAPPINGS))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"T{s[0]}-K{s[1]}-N{sum(s[2])}-r{s[3]}")
+def test_fused_path_on_gpu(shape, mapping):
+    x, weight, w_scale, lora, batch = _problem(shape, mapping)
+    codes, scales, h = fused.quantize_and_shrink(x, lora, batch)
+    want_codes, want_scales, want_h = reference.quantize_and_shrink(
+        x, lora, batch, arithmetic=Fp8Arithmetic.INDUCTOR)
+    assert_bitwise_equal(codes, want_codes, name="codes", inputs=x)
+    assert_bitwise_equal(scales, want_scales, name="scales")
+    if bool(want_h.any()):
+        assert relative_error(h.sum(0), want_h.sum(0)) < 1e-5
+    y = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch)
+    exact = fp64_reference(x, weight, w_scale, codes, scales, lora, batch)
+    assert relative_error(y, exact) < BF16_TOL
+    want = reference.lora_fp8_gemm(codes, scales, weight, w_scale, want_h, lora, batch)
+    assert relative_error(y, want) < BF16_TOL
+    assert_bitwise_equal(fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch), y,
+                         name="second run")
+
+
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=lambda s: f"T{s[0]}-N{sum(s[2])}")
+def test_w8a16_and_hybrid_paths_on_gpu(shape):
+    x, weight, w_scale, lora, batch = _problem(shape, "mixed_with_base", seed=1)
+    y = fused.fused_lora_w8a16_linear(x, weight, w_scale, lora, batch)
+    exact = fp64_reference(x, weight, w_scale, None, None, lora, batch, w8a16=True)
+    assert relative_error(y, exact) < BF16_TOL
+    codes, scales, _ = reference.quantize_and_shrink(x, lora, batch)
+    base = reference.lora_fp8_gemm(codes, scales, weight, w_scale,
+                                   torch.zeros_like(fused.lora_shrink(x, lora, batch)), lora,
+                                   batch)
+    hybrid = fused.lora_expand(base.clone(), fused.lora_shrink(x, lora, batch), lora, batch)
+    assert relative_error(hybrid, fp64_reference(x, weight, w_scale, codes, scales, lora,
+                                                 batch)) < BF16_TOL
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"T{s[0]}-N{sum(s[2])}-r{s[3]}")
+def test_matches_vllm_lora_path(shape):
+    from vllm import _custom_ops as ops
+    from vllm.lora.ops.triton_ops import lora_expand, lora_shrink
+
+    x, weight, w_scale, lora, batch = _problem(shape, "mixed_with_base", seed=2)
+    codes, scales = ops.scaled_fp8_quant(x, None, use_per_token_if_dynamic=True)
+    y_vllm = ops.cutlass_scaled_mm(codes, weight.t(), scales, w_scale, torch.bfloat16)
+    buf = torch.zeros(len(lora.output_slices), x.shape[0], lora.max_rank, dtype=torch.float32,
+                      device=CUDA)
+    meta = (batch.token_lora_mapping, batch.sorted_token_indices, batch.num_tokens_per_lora,
+            batch.lora_token_start, batch.lora_ids, torch.tensor([False]),
+            torch.tensor([batch.max_loras + 1], dtype=torch.int32))
+    lora_shrink(x, list(lora.lora_a), buf, *meta, 1.0)
+    lora_expand(buf, list(lora.lora_b), y_vllm, *meta, offset_start=0, add_inputs=True)
+    y = fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch)
+    # Both approximate the same math; vLLM rounds twice more (bf16 base + bf16 delta).
+    assert relative_error(y, y_vllm) < BF16_TOL
+
+
+@pytest.mark.parametrize("case", sorted(special_activations(torch.float32)))
+def test_k1_codes_on_special_values_equal_vllm_compiled_arithmetic(case):
+    x = special_activations(torch.bfloat16, rows=6, cols=1024)[case].to(CUDA)
+    _, _, lora, batch = _problem((6, 1024, (256,), 16, 2), "mixed_with_base")[1:]
+    codes, scales, _ = fused.quantize_and_shrink(x, lora, batch)
+    want_codes, want_scales = reference.quantize_and_shrink(x, lora, batch)[:2]
+    assert_bitwise_equal(codes, want_codes, name="codes", inputs=x)
+    assert_bitwise_equal(scales, want_scales, name="scales")
+
+
+def test_cuda_graph_replay_equals_eager():
+    x, weight, w_scale, lora, batch = _problem(SHAPES[0], "mixed_with_base", seed=3)
+    eager = fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch)  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitwise_equal(out, eager, name="graph replay")

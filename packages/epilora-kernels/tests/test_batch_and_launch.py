@@ -1,0 +1,48 @@
+import json
+
+import pytest
+import torch
+
+from epilora_kernels.batch import AdapterBatch, LoraWeights
+from epilora_kernels.launch import LaunchConfig, heuristic_config, validate_table
+
+
+def test_metadata_matches_vllm_layout():
+    batch = AdapterBatch.from_token_mapping(torch.tensor([2, -1, 0, 2, -1], dtype=torch.int32), 4)
+    assert batch.sorted_token_indices.tolist() == [1, 4, 2, 0, 3]
+    assert batch.lora_ids.tolist() == [-1, 0, 2, -1, -1]
+    assert batch.num_tokens_per_lora.tolist() == [2, 1, 2, 0, 0]
+    assert batch.lora_token_start.tolist() == [0, 2, 3, 5, 5, 5]
+
+
+def test_metadata_rejects_slots_out_of_range():
+    with pytest.raises(ValueError, match=r"\[-1, 3\]"):
+        AdapterBatch.from_token_mapping(torch.tensor([4]), 4)
+
+
+def test_lora_weights_check_shapes():
+    a = torch.zeros(2, 1, 8, 64, dtype=torch.bfloat16)
+    b = torch.zeros(2, 1, 32, 8, dtype=torch.bfloat16)
+    LoraWeights((a,), (b,), (32,))
+    with pytest.raises(ValueError, match="does not match"):
+        LoraWeights((a,), (b,), (16,))
+    with pytest.raises(ValueError, match="1..3 slices"):
+        LoraWeights((a,) * 4, (b,) * 4, (32,) * 4)
+
+
+def test_launch_config_validation_and_heuristic():
+    with pytest.raises(ValueError, match="power of two"):
+        LaunchConfig(block_m=24)
+    for tokens in (1, 8, 32, 64, 256):
+        for rank in (1, 16, 64, 128):
+            heuristic_config("lora_gemm", tokens, 6144, 4096, rank)
+            heuristic_config("quantize_shrink", tokens, 6144, 4096, rank)
+
+
+def test_table_schema_is_checked():
+    good = {"_meta": {"device": "NVIDIA H200"}, "lora_gemm": {"16": {"block_m": 16}}}
+    validate_table(json.loads(json.dumps(good)))
+    with pytest.raises(ValueError, match="unknown op"):
+        validate_table({"gemm": {}})
+    with pytest.raises(TypeError):
+        validate_table({"lora_gemm": {"16": {"blockm": 16}}})

@@ -1,0 +1,108 @@
+"""The kernels against their torch references, in Triton's CPU interpreter (small shapes).
+
+The interpreter divides exactly, so K1's codes are compared bitwise with epilora-quant's
+TORCH_CPU mode here (on a GPU, tests/gpu/ compares them with INDUCTOR, vLLM's compiled mode).
+It also truncates fp32 -> bf16 where the GPU rounds to nearest, so bf16 outputs are compared by
+relative error (bf16 has 8 bits of mantissa: a few 1e-3 at most), and bitwise only run to run.
+"""
+
+import pytest
+import torch
+
+from epilora_kernels import fused, reference
+from epilora_quant import Fp8Arithmetic
+from epilora_testing import assert_bitwise_equal
+from epilora_testing.corpora import special_activations
+
+from kernel_cases import MAPPINGS, fp64_reference, make_problem, relative_error
+
+SHAPES = [  # (tokens, K, output slices, rank, max_loras)
+    (1, 64, (32,), 16, 4),
+    (5, 96, (32, 16, 16), 8, 4),
+    (19, 64, (32, 32), 1, 3),
+    (33, 128, (64,), 16, 2),
+]
+BF16_TOL = 1e-2  # bf16 rounding of the output (and truncation in the interpreter)
+
+
+@pytest.mark.parametrize("mapping", sorted(MAPPINGS))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"T{s[0]}-K{s[1]}-N{sum(s[2])}-r{s[3]}")
+def test_fused_fp8_path_matches_reference_and_exact_math(shape, mapping):
+    t, k, slices, rank, max_loras = shape
+    x, weight, w_scale, lora, batch = make_problem(0, t, k, slices, rank, max_loras, mapping)
+    codes, scales, h = fused.quantize_and_shrink(x, lora, batch)
+    want_codes, want_scales, want_h = reference.quantize_and_shrink(
+        x, lora, batch, arithmetic=Fp8Arithmetic.TORCH_CPU)
+    assert_bitwise_equal(codes, want_codes, name="codes", inputs=x)
+    assert_bitwise_equal(scales, want_scales, name="scales")
+    assert relative_error(h.sum(0), want_h.sum(0)) < 1e-5 or not bool(want_h.any())
+    y = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch)
+    want = reference.lora_fp8_gemm(codes, scales, weight, w_scale, want_h, lora, batch)
+    assert relative_error(y, want) < BF16_TOL
+    exact = fp64_reference(x, weight, w_scale, codes, scales, lora, batch)
+    assert relative_error(y, exact) < BF16_TOL
+    again = fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch)
+    assert_bitwise_equal(again, y, name="second run")
+
+
+@pytest.mark.parametrize("mapping", ["mixed_with_base", "one_token_each"])
+@pytest.mark.parametrize("shape", SHAPES[1:3], ids=lambda s: f"T{s[0]}-N{sum(s[2])}")
+def test_w8a16_path_matches_reference(shape, mapping):
+    t, k, slices, rank, max_loras = shape
+    x, weight, w_scale, lora, batch = make_problem(1, t, k, slices, rank, max_loras, mapping)
+    y = fused.fused_lora_w8a16_linear(x, weight, w_scale, lora, batch)
+    want = reference.fused_lora_w8a16_linear(x, weight, w_scale, lora, batch)
+    assert relative_error(y, want) < BF16_TOL
+    exact = fp64_reference(x, weight, w_scale, None, None, lora, batch, w8a16=True)
+    assert relative_error(y, exact) < BF16_TOL
+
+
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_hybrid_shrink_and_expand_match_reference(split_k):
+    x, _, _, lora, batch = make_problem(2, 7, 96, (32, 16, 16), 8, 4, "mixed_with_base")
+    cfg = fused.LaunchConfig(block_m=16, block_n=16, block_k=32, block_r=16, split_k=split_k)
+    h = fused.lora_shrink(x, lora, batch, config=cfg)
+    assert h.shape[0] == split_k
+    want_h = reference.lora_shrink(x, lora, batch)
+    assert relative_error(h.sum(0), want_h.sum(0)) < 1e-5
+    base = torch.randn(7, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    y = fused.lora_expand(base.clone(), h, lora, batch, config=cfg)
+    want = reference.lora_expand(base.clone(), want_h, lora, batch)
+    assert relative_error(y, want) < BF16_TOL
+
+
+def test_rank_below_the_slot_maximum_and_all_slots_filled():
+    x, weight, w_scale, lora, batch = make_problem(4, 9, 64, (32,), 16, 4, "one_token_each",
+                                                   rank_used=3)
+    y = fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch)
+    codes, scales, _ = reference.quantize_and_shrink(x, lora, batch,
+                                                     arithmetic=Fp8Arithmetic.TORCH_CPU)
+    assert relative_error(y, fp64_reference(x, weight, w_scale, codes, scales, lora,
+                                            batch)) < BF16_TOL
+
+
+def test_bad_inputs_are_rejected():
+    x, weight, w_scale, lora, batch = make_problem(5, 4, 64, (32,), 8, 2, "one_adapter")
+    with pytest.raises(ValueError, match="bfloat16"):
+        fused.quantize_and_shrink(x.float(), lora, batch)
+    with pytest.raises(ValueError, match="features"):
+        fused.quantize_and_shrink(x[:, :32], lora, batch)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fused.lora_fp8_gemm(x, x, weight.float(), w_scale, x, lora, batch)
+    with pytest.raises(ValueError, match="slots"):
+        from epilora_kernels.batch import AdapterBatch
+        fused.quantize_and_shrink(x, lora, AdapterBatch.from_token_mapping(
+            batch.token_lora_mapping, 3))
+
+
+@pytest.mark.parametrize("case", sorted(special_activations(torch.float32)))
+def test_k1_codes_on_special_values(case):
+    # Grid points +-1 ulp, ties, subnormals, zeros: the interpreter-mode cast (integer RNE) and
+    # the exact divisions must give epilora-quant's TORCH_CPU codes bit for bit.
+    x = special_activations(torch.bfloat16, rows=6, cols=128)[case]
+    _, _, lora, batch = make_problem(6, 6, 128, (32,), 8, 2, "mixed_with_base")[1:]
+    codes, scales, _ = fused.quantize_and_shrink(x, lora, batch)
+    want_codes, want_scales, _ = reference.quantize_and_shrink(
+        x, lora, batch, arithmetic=Fp8Arithmetic.TORCH_CPU)
+    assert_bitwise_equal(codes, want_codes, name="codes", inputs=x)
+    assert_bitwise_equal(scales, want_scales, name="scales")
