@@ -22,8 +22,8 @@ cast is done by integer arithmetic, round to nearest even exactly as the hardwar
 import triton
 import triton.language as tl
 
-FP8_MAX: tl.constexpr = 448.0
-FP8_MIN_SCALE: tl.constexpr = 1.0 / (448.0 * 512.0)
+FP8_MAX = tl.constexpr(448.0)
+FP8_MIN_SCALE = tl.constexpr(1.0 / (448.0 * 512.0))
 
 
 @triton.jit
