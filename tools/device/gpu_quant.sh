@@ -4,7 +4,7 @@
 # wheels and our wheels from tools/device/prepare.sh). Everything it produces lands in $OUT.
 set -uo pipefail
 source .device/activate.sh
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/epilora-site \
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/epilora-site \
   .device/wheels/*.whl .device/dist/*.whl || exit 1
 # Our packages after vLLM's bundle on the path, so nothing of ours shadows vLLM's dependencies.
 export PYTHONPATH="$PYTHONPATH:/tmp/epilora-site" OUT="${OUT:-out}"

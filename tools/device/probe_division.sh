@@ -3,7 +3,7 @@
 # Triton code Inductor generates for vLLM's compiled QuantFP8, into $OUT.
 set -uo pipefail
 source .device/activate.sh
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/epilora-site \
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/epilora-site \
   .device/dist/*.whl || exit 1
 export PYTHONPATH="$PYTHONPATH:/tmp/epilora-site" OUT="${OUT:-out}"
 mkdir -p "$OUT"
