@@ -49,6 +49,7 @@ def docs(session: nox.Session) -> None:
     """Build the mkdocs site with --strict (broken links and missing pages fail)."""
     _sync(session, "docs")
     session.run("python", "tools/render_quant_docs.py")
+    session.run("python", "tools/render_bench_docs.py")
     session.run("mkdocs", "build", "--strict", "--site-dir", "site")
 
 

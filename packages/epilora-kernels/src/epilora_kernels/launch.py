@@ -58,10 +58,14 @@ def heuristic_config(
         split_k = 8 if tokens <= 32 else (2 if tokens <= 128 else 1)
         return LaunchConfig(block_m=block_m, block_n=64, block_k=128, block_r=block_r,
                             split_k=split_k, num_warps=4, num_stages=2)
-    block_n = 128
+    # Decode is bandwidth-bound: narrow N tiles give every SM weights to stream (N=4096 in
+    # 128-wide tiles is 32 programs for 132 SMs; in 32-wide tiles, 128), and a deeper K tile
+    # keeps more bytes in flight per program. (Layer benchmark, H200, 2026-11-30.)
+    block_n = 32 if tokens <= 64 else 128
+    block_k = 256 if tokens <= 64 else 128
     while block_n > 16 and any(width % block_n for width in slices[:-1]):
         block_n //= 2
-    return LaunchConfig(block_m=block_m, block_n=block_n, block_k=128,
+    return LaunchConfig(block_m=block_m, block_n=block_n, block_k=block_k,
                         block_r=block_r, split_k=1, num_warps=4, num_stages=4)
 
 
