@@ -1,8 +1,10 @@
-"""epilora-kernels: Triton kernels for multi-adapter LoRA on low-precision bases.
+"""epilora-kernels: Triton kernels for multi-adapter LoRA on FP8 bases.
 
-Status: skeleton. No kernel is implemented yet; the fused, decode and hybrid kernels are the
-subject of the open kernels issues. This package will import neither vLLM nor epilora-vllm, and
-its kernels will be tested bitwise against epilora-quant.
+The fused path (K1: quantize + shrink; K2: FP8 GEMM with the adapters' up-projection in its
+epilogue), the W8A16 path and the hybrid kernels are in `epilora_kernels.fused`, their torch
+twins in `epilora_kernels.reference`, the inputs in `epilora_kernels.batch`. Correct and tested
+(CPU interpreter and H200); not yet tuned to the performance targets (docs/kernels.md). This
+package imports neither vLLM nor epilora-vllm; importing it compiles nothing.
 """
 
 __version__ = "0.1.0"
