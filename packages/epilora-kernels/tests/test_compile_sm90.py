@@ -1,0 +1,21 @@
+"""The kernels compile for sm_90 on a CPU machine (Triton bundles ptxas), and K1's PTX uses the
+instructions its bit-exactness rests on: `div.full.f32` (Triton's division, as Inductor's
+compiled quantizer uses) and the hardware round-to-nearest e4m3 conversion."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_kernels_compile_for_sm90_with_the_expected_instructions():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("aot_sm90.py")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "div.full.f32" in found["k1_quantize=True"]
+    assert "cvt.rn.satfinite.e4m3x2.f32" in found["k1_quantize=True"]
+    assert all("mma.sync" in found[f"k2_mode={m}"] for m in (0, 1, 2))
