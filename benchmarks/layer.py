@@ -21,6 +21,8 @@ import functools
 import json
 import statistics
 import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -140,8 +142,8 @@ def _write(args, rows) -> None:
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "vllm": vllm.__version__,
-            "command": "python3 benchmarks/layer.py --out ... --reps "
-                       f"{args.reps}" + (" --quick" if args.quick else "")}
+            "command": f"python3 benchmarks/{Path(sys.argv[0]).name} --out ... --reps "
+                       f"{args.reps}" + (" --quick" if getattr(args, "quick", False) else "")}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
 

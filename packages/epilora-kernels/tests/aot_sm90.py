@@ -20,7 +20,8 @@ K2 = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale
       "sorted_ptr": "*i32", "lora_ids_ptr": "*i32", "start_ptr": "*i32", "T": "i32", "N": "i32",
       "K": "i32", "R": "i32", "NUM_ENTRIES": "i32", "stride_a": "i32", "stride_y": "i32",
       "N_OFF1": "i32", "N_OFF2": "i32"}
-PATTERN = r"(div\.[a-z.0-9]+|rcp\.[a-z.0-9]+|cvt\.rn\.satfinite\.e4m3x2\.f32|mma\.sync|wgmma)"
+PATTERN = (r"(div\.[a-z.0-9]+|rcp\.[a-z.0-9]+|cvt\.rn\.satfinite\.e4m3x2\.f32|mma\.sync|wgmma"
+           r"|griddepcontrol\.[a-z_]+)")
 
 
 def compile_ptx(fn, signature, constexprs, **options) -> str:
@@ -45,6 +46,21 @@ def main() -> None:
             MODE=mode, HAS_LORA=True, NUM_SLICES=3, SPLIT_K=8, BLOCK_M=16, BLOCK_N=32,
             BLOCK_K=256, BLOCK_R=64, INTERPRETER=False), num_warps=4, num_stages=4)
         out[f"k2_mode={mode}"] = sorted(set(re.findall(PATTERN, ptx)))
+    # The decode path: the shrink triggers its dependents; K2 (MODE 3) waits after its K loop.
+    ptx = compile_ptx(_quantize_shrink_kernel, K1, dict(
+        QUANTIZE=False, NUM_SLICES=3, SPLIT_K=8, BLOCK_M=16, BLOCK_R=64, BLOCK_K=128,
+        INTERPRETER=False, USE_PDL=True), num_warps=4)
+    out["k1_pdl"] = sorted(set(re.findall(PATTERN, ptx)))
+    sig = dict(K2)
+    sig["a_ptr"] = "*bf16"
+    ptx = compile_ptx(_lora_gemm_kernel, sig, dict(
+        MODE=3, HAS_LORA=True, NUM_SLICES=3, SPLIT_K=8, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256,
+        BLOCK_R=64, INTERPRETER=False, USE_PDL=True), num_warps=4, num_stages=4)
+    out["k2_pdl"] = sorted(set(re.findall(PATTERN, ptx)))
+    # Where the wait sits: after main-loop MMAs (the overlap), before any global store.
+    wait = ptx.find("griddepcontrol.wait")
+    out["k2_pdl_mma_before_wait"] = 0 <= ptx.find("mma.sync") < wait
+    out["k2_pdl_no_store_before_wait"] = wait > 0 and "st.global" not in ptx[:wait]
     print(json.dumps(out))
 
 

@@ -106,3 +106,20 @@ def test_k1_codes_on_special_values(case):
         x, lora, batch, arithmetic=Fp8Arithmetic.TORCH_CPU)
     assert_bitwise_equal(codes, want_codes, name="codes", inputs=x)
     assert_bitwise_equal(scales, want_scales, name="scales")
+
+
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "serialized"])
+@pytest.mark.parametrize("mapping", ["mixed_with_base", "one_token_each", "no_adapter"])
+def test_decode_path_equals_fused_path_bitwise(mapping, pdl):
+    # Same tiles: K2 quantizing in-kernel gives the fused path's accumulator bit for bit.
+    x, weight, w_scale, lora, batch = make_problem(7, 5, 96, (32, 16, 16), 8, 4, mapping)
+    k1 = fused.LaunchConfig(block_m=16, block_n=16, block_k=32, block_r=16, split_k=2)
+    k2 = fused.LaunchConfig(block_m=16, block_n=16, block_k=32, block_r=16)
+    decode = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, k1_config=k1,
+                                          k2_config=k2, pdl=pdl)
+    fused_y = fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch, k1_config=k1,
+                                          k2_config=k2)
+    assert_bitwise_equal(decode, fused_y, name="decode vs fused")
+    want = reference.decode_lora_fp8_linear(x, weight, w_scale, lora, batch,
+                                            arithmetic=Fp8Arithmetic.TORCH_CPU)
+    assert relative_error(decode, want) < BF16_TOL

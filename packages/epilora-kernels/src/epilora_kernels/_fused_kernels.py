@@ -9,7 +9,10 @@ them in a fixed order and results are deterministic.
 
 `_lora_gemm_kernel` (K2) walks the tokens in adapter order. MODE 0: FP8 x FP8 GEMM scaled as
 vLLM's CUTLASS epilogue; MODE 1: W8A16 (FP8 weight widened to bf16 in registers); MODE 2: no
-GEMM, the tile starts from an existing output (the hybrid path's expand). Its epilogue adds
+GEMM, the tile starts from an existing output (the hybrid path's expand); MODE 3: MODE 0 with the
+activations quantized in the kernel (the decode path: launched as the shrink's programmatic
+dependent with `USE_PDL`, it runs its main loop while the shrink runs and waits, `gdc_wait`,
+only before the epilogue reads h). Its epilogue adds
 `bf16(h) B_slot^T` for each adapter segment that meets the tile, reading only the tile's columns
 of B, and writes the bf16 tile once.
 
@@ -87,8 +90,12 @@ def _quantize_shrink_kernel(
     T, K, R, stride_x,
     QUANTIZE: tl.constexpr, NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    INTERPRETER: tl.constexpr,
+    INTERPRETER: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:
+        # The decode path: let the GEMM launched after us (its programmatic dependent) start
+        # now and stream its weights while we run; it waits for our h before its epilogue.
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     if QUANTIZE:
         if pid < T:
@@ -145,7 +152,7 @@ def _lora_gemm_kernel(
     MODE: tl.constexpr, HAS_LORA: tl.constexpr, NUM_SLICES: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr, INTERPRETER: tl.constexpr,
+    BLOCK_R: tl.constexpr, INTERPRETER: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -159,6 +166,27 @@ def _lora_gemm_kernel(
 
     if MODE == 2:
         acc = tl.load(y_tile, mask=out_mask, other=0.0).to(tl.float32)
+    elif MODE == 3:
+        # The decode path: quantize the bf16 rows here, exactly as K1 does (same amax, same
+        # division, same cast), so the accumulator is bit for bit the serialized path's.
+        amax = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            xt = tl.load(a_ptr + tok[:, None].to(tl.int64) * stride_a + k[None, :],
+                         mask=pos_mask[:, None] & (k[None, :] < K), other=0.0)
+            amax = tl.maximum(amax, tl.abs(xt.to(tl.float32)))
+        x_scale = tl.maximum(tl.max(amax, axis=1) / FP8_MAX, FP8_MIN_SCALE)
+        inverse = 1.0 / x_scale
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            xt = tl.load(a_ptr + tok[:, None].to(tl.int64) * stride_a + k[None, :],
+                         mask=pos_mask[:, None] & (k[None, :] < K), other=0.0)
+            q = tl.minimum(tl.maximum(xt.to(tl.float32) * inverse[:, None], -FP8_MAX), FP8_MAX)
+            wt = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :],
+                         mask=n_mask[:, None] & (k[None, :] < K), other=0.0)
+            acc = tl.dot(_to_e4m3(q, INTERPRETER), tl.trans(wt), acc)
+        acc = x_scale[:, None] * (tl.load(w_scale_ptr) * acc)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -180,6 +208,9 @@ def _lora_gemm_kernel(
         else:
             acc = w_scale * acc
 
+    if USE_PDL:
+        # Everything above read only what existed before the shrink started; h is the shrink's.
+        tl.extra.cuda.gdc_wait()
     if HAS_LORA:
         n0 = pid_n * BLOCK_N
         s = (n0 >= N_OFF1).to(tl.int32) + (n0 >= N_OFF2).to(tl.int32)

@@ -68,7 +68,12 @@ def _slice_args(lora: LoraWeights) -> tuple:
     return a, b, off1, off2
 
 
-def _launch_k1(x, lora, batch, cfg: LaunchConfig, quantize: bool):
+def _use_pdl(pdl: bool) -> bool:
+    # The interpreter has no PDL intrinsics; the launch attribute alone it ignores.
+    return pdl and not _env.triton_interpreter()
+
+
+def _launch_k1(x, lora, batch, cfg: LaunchConfig, quantize: bool, pdl: bool = False):
     t, k = x.shape
     s_count, rank = len(lora.output_slices), lora.max_rank
     h = torch.empty(cfg.split_k, s_count, t, rank, dtype=torch.float32, device=x.device)
@@ -89,7 +94,7 @@ def _launch_k1(x, lora, batch, cfg: LaunchConfig, quantize: bool):
         t, k, rank, x.stride(0),
         QUANTIZE=quantize, NUM_SLICES=s_count, SPLIT_K=cfg.split_k,
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
-        INTERPRETER=_env.triton_interpreter(),
+        INTERPRETER=_env.triton_interpreter(), USE_PDL=_use_pdl(pdl),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return codes, scales, h
@@ -105,15 +110,24 @@ def quantize_and_shrink(
 
 
 def lora_shrink(
-    x: torch.Tensor, lora: LoraWeights, batch: AdapterBatch, *, config: LaunchConfig | None = None
+    x: torch.Tensor,
+    lora: LoraWeights,
+    batch: AdapterBatch,
+    *,
+    config: LaunchConfig | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """The hybrid path's shrink: `h [split_k, S, T, R]` fp32 partials of `x A_slot^T`."""
+    """The hybrid path's shrink: `h [split_k, S, T, R]` fp32 partials of `x A_slot^T`.
+
+    `pdl=True` (the decode path) lets the next kernel, launched with PDL, start at once.
+    """
     _check_inputs(x, lora, batch)
     cfg = _config("quantize_shrink", x.shape[0], lora, config)
-    return _launch_k1(x, lora, batch, cfg, quantize=False)[2]
+    return _launch_k1(x, lora, batch, cfg, quantize=False, pdl=pdl)[2]
 
 
-def _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg: LaunchConfig):
+def _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg: LaunchConfig,
+               pdl: bool = False):
     t, n = y.shape
     k = lora.in_features
     _, b, off1, off2 = _slice_args(lora)
@@ -128,8 +142,8 @@ def _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg: L
         a.stride(0), y.stride(0), off1, off2,
         MODE=mode, HAS_LORA=True, NUM_SLICES=len(lora.output_slices), SPLIT_K=h.shape[0],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=cfg.block_r,
-        INTERPRETER=_env.triton_interpreter(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        INTERPRETER=_env.triton_interpreter(), USE_PDL=_use_pdl(pdl),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=_use_pdl(pdl),
     )
     return y
 
@@ -172,6 +186,48 @@ def lora_w8a16_gemm(
     y = torch.empty(x.shape[0], lora.out_features, dtype=torch.bfloat16, device=x.device)
     return _launch_k2(1, x, weight_scale, weight, weight_scale, y, h, lora, batch,
                       _gemm_config(batch, lora, config))
+
+
+def lora_fp8_gemm_from_bf16(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    h: torch.Tensor,
+    lora: LoraWeights,
+    batch: AdapterBatch,
+    *,
+    config: LaunchConfig | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """K2 quantizing its own activations (bit for bit as K1), then as `lora_fp8_gemm`.
+
+    With `pdl=True` it is launched as the programmatic dependent of the kernel before it (the
+    decode path's shrink) and waits for it only before the epilogue that reads h.
+    """
+    _check_inputs(x, lora, batch)
+    _check_weight(weight, weight_scale, lora.in_features, lora.out_features)
+    y = torch.empty(x.shape[0], lora.out_features, dtype=torch.bfloat16, device=x.device)
+    return _launch_k2(3, x, x, weight, weight_scale, y, h, lora, batch,
+                      _gemm_config(batch, lora, config), pdl=pdl)
+
+
+def decode_lora_fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    lora: LoraWeights,
+    batch: AdapterBatch,
+    *,
+    k1_config: LaunchConfig | None = None,
+    k2_config: LaunchConfig | None = None,
+    pdl: bool = True,
+) -> torch.Tensor:
+    """The decode path: the shrink first (no PDL), then K2 as its programmatic dependent, which
+    streams its weights while the shrink runs. `pdl=False` runs the same kernels serialized;
+    both give the same bits, and the same bits as `fused_lora_fp8_linear` with equal configs."""
+    h = lora_shrink(x, lora, batch, config=k1_config, pdl=pdl)
+    return lora_fp8_gemm_from_bf16(x, weight, weight_scale, h, lora, batch, config=k2_config,
+                                   pdl=pdl)
 
 
 def lora_expand(
