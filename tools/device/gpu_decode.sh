@@ -1,11 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the decode path's GPU tests, then benchmarks/decode.py, on the H200, into $OUT.
 set -uo pipefail
-source .device/activate.sh
-python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/epilora-site \
-  .device/wheels/*.whl .device/dist/*.whl || exit 1
-export PYTHONPATH="$PYTHONPATH:/tmp/epilora-site" OUT="${OUT:-out}"
-mkdir -p "$OUT"
+source tools/device/setup.sh
 timeout "${TESTS_TIMEOUT:-90}" python3 -m nox -s gpu-sm90 -- -k decode_gpu \
   --junitxml="$OUT/gpu-sm90-decode-junit.xml" 2>&1 | tee "$OUT/gpu-sm90-decode.log"
 tests_rc=${PIPESTATUS[0]}

@@ -2,11 +2,7 @@
 # One device call: epilora-kernels' GPU tests, then the layer benchmark, on the H200, into $OUT.
 # Run from the repository root with `.device` carried (tools/device/prepare.sh).
 set -uo pipefail
-source .device/activate.sh
-python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/epilora-site \
-  .device/wheels/*.whl .device/dist/*.whl || exit 1
-export PYTHONPATH="$PYTHONPATH:/tmp/epilora-site" OUT="${OUT:-out}"
-mkdir -p "$OUT"
+source tools/device/setup.sh
 timeout "${TESTS_TIMEOUT:-240}" python3 -m nox -s gpu-sm90 -- -k fused_gpu \
   --junitxml="$OUT/gpu-sm90-kernels-junit.xml" 2>&1 | tee "$OUT/gpu-sm90-kernels.log"
 tests_rc=${PIPESTATUS[0]}

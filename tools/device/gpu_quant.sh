@@ -3,12 +3,7 @@
 # Run from the repository root on the GPU machine, with `.device` carried (vLLM bundle, nox
 # wheels and our wheels from tools/device/prepare.sh). Everything it produces lands in $OUT.
 set -uo pipefail
-source .device/activate.sh
-python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/epilora-site \
-  .device/wheels/*.whl .device/dist/*.whl || exit 1
-# Our packages after vLLM's bundle on the path, so nothing of ours shadows vLLM's dependencies.
-export PYTHONPATH="$PYTHONPATH:/tmp/epilora-site" OUT="${OUT:-out}"
-mkdir -p "$OUT"
+source tools/device/setup.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 timeout "${TESTS_TIMEOUT:-400}" python3 -m nox -s gpu-sm90 -- "$@" 2>&1 | tee "$OUT/gpu-sm90.log"
 tests_rc=${PIPESTATUS[0]}

@@ -2,11 +2,7 @@
 # One device call: characterize Triton's fp32 division (tools/probe_gpu_division.py) and dump the
 # Triton code Inductor generates for vLLM's compiled QuantFP8, into $OUT.
 set -uo pipefail
-source .device/activate.sh
-python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/epilora-site \
-  .device/dist/*.whl || exit 1
-export PYTHONPATH="$PYTHONPATH:/tmp/epilora-site" OUT="${OUT:-out}"
-mkdir -p "$OUT"
+source tools/device/setup.sh
 python3 tools/probe_gpu_division.py --out "$OUT/gpu_division.json"
 TORCH_LOGS=output_code python3 - > "$OUT/inductor_quant_fp8.log" 2>&1 <<'PY'
 import torch

@@ -7,6 +7,7 @@ import torch
 
 from epilora_kernels import fused, reference
 from epilora_testing import assert_bitwise_equal
+from epilora_testing.cuda_graphs import capture
 
 from kernel_cases import make_problem, relative_error
 
@@ -39,14 +40,7 @@ def test_decode_in_a_cuda_graph_equals_eager():
     x, weight, w_scale, lora, batch = make_problem(1, 8, 4096, (4096, 1024, 1024), 64, 4,
                                                    "mixed_with_base", device="cuda")
     eager = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch)
+    graph, out = capture(lambda: fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch))
     for _ in range(5):
         graph.replay()
         torch.cuda.synchronize()

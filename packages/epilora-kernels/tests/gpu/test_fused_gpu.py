@@ -9,6 +9,7 @@ from epilora_kernels import fused, reference
 from epilora_quant import Fp8Arithmetic
 from epilora_testing import assert_bitwise_equal
 from epilora_testing.corpora import special_activations
+from epilora_testing.cuda_graphs import capture
 
 from kernel_cases import MAPPINGS, fp64_reference, make_problem, relative_error
 
@@ -97,14 +98,7 @@ def test_k1_codes_on_special_values_equal_vllm_compiled_arithmetic(case):
 def test_cuda_graph_replay_equals_eager():
     x, weight, w_scale, lora, batch = _problem(SHAPES[0], "mixed_with_base", seed=3)
     eager = fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch)  # warm-up outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch)
+    graph, out = capture(lambda: fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch))
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
