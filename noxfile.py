@@ -17,11 +17,21 @@ nox.options.error_on_missing_interpreters = True
 ROOT = Path(__file__).parent
 
 
+def _uv() -> str:
+    """The uv binary that requirements-tools.txt installed beside nox (a fresh `pip install`
+    need not put it on PATH, e.g. under pyenv before a rehash)."""
+    try:
+        from uv import find_uv_bin
+    except ImportError:
+        return "uv"
+    return find_uv_bin()
+
+
 def _sync(session: nox.Session, *groups: str) -> None:
     """Install exactly what uv.lock says (all workspace packages) into the session's venv."""
     args = [arg for group in groups for arg in ("--group", group)]
     session.run_install(
-        "uv", "sync", "--locked", "--all-packages", "--no-default-groups", *args,
+        _uv(), "sync", "--locked", "--all-packages", "--no-default-groups", *args,
         env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
         external=True,
     )
