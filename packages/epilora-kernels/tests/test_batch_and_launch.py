@@ -40,9 +40,26 @@ def test_launch_config_validation_and_heuristic():
 
 
 def test_table_schema_is_checked():
-    good = {"_meta": {"device": "NVIDIA H200"}, "lora_gemm": {"16": {"block_m": 16}}}
+    good = {"_meta": {"device": "NVIDIA H200"},
+            "lora_gemm": {"6144x4096": {"16": {"block_m": 16, "block_n": 32}}}}
     validate_table(json.loads(json.dumps(good)))
     with pytest.raises(ValueError, match="unknown op"):
         validate_table({"gemm": {}})
+    with pytest.raises(ValueError, match="shape key"):
+        validate_table({"lora_gemm": {"6144": {}}})
     with pytest.raises(TypeError):
-        validate_table({"lora_gemm": {"16": {"blockm": 16}}})
+        validate_table({"lora_gemm": {"6144x4096": {"16": {"blockm": 16}}}})
+
+
+def test_table_lookup_picks_the_smallest_bucket_at_or_above(tmp_path, monkeypatch):
+    from epilora_kernels import launch
+
+    table = {"lora_gemm": {"64x32": {"16": {"block_m": 16}, "64": {"block_m": 64}}}}
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "Test_GPU.json").write_text(json.dumps(table))
+    monkeypatch.setattr(launch.resources, "files", lambda _pkg: tmp_path)
+    assert launch.table_config("Test GPU", "lora_gemm", 1, 64, 32).block_m == 16
+    assert launch.table_config("Test GPU", "lora_gemm", 17, 64, 32).block_m == 64
+    assert launch.table_config("Test GPU", "lora_gemm", 999, 64, 32).block_m == 64
+    assert launch.table_config("Test GPU", "lora_gemm", 1, 128, 32) is None
+    assert launch.table_config("Other GPU", "lora_gemm", 1, 64, 32) is None

@@ -29,7 +29,8 @@ def _config(op: str, tokens: int, lora: LoraWeights, given: LaunchConfig | None)
     if given is not None:
         return given
     if torch.cuda.is_available() and not _env.triton_interpreter():
-        tuned = table_config(torch.cuda.get_device_name(), op, tokens)
+        tuned = table_config(torch.cuda.get_device_name(), op, tokens, lora.out_features,
+                             lora.in_features)
         if tuned is not None:
             return tuned
     return heuristic_config(op, tokens, lora.out_features, lora.in_features, lora.max_rank,

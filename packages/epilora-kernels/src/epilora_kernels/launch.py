@@ -1,9 +1,10 @@
 """Launch settings: a frozen dataclass per op, chosen by a heuristic or a per-device JSON table.
 
 Tables live in `epilora_kernels/configs/<device>.json` (device name with spaces and dashes as
-underscores, as vLLM names its tables) and map an op to entries keyed by a token-count bucket,
-each entry the fields of `LaunchConfig`. `validate_table` checks a table's schema on any machine.
-No table is shipped until one has been tuned on its device; until then the heuristic applies.
+underscores, as vLLM names its tables): `{op: {"<N>x<K>": {"<tokens>": LaunchConfig fields}}}`,
+written by `benchmarks/tune.py` on the device. The entry for the smallest token bucket >= the
+batch is used (else the largest). `validate_table` checks a table's schema on any machine. No
+table is shipped until one has been tuned on its device; until then the heuristic applies.
 """
 
 import dataclasses
@@ -73,29 +74,37 @@ def table_name(device_name: str) -> str:
     return device_name.replace(" ", "_").replace("-", "_") + ".json"
 
 
+def shape_key(n: int, k: int) -> str:
+    return f"{n}x{k}"
+
+
 def validate_table(table: dict) -> None:
-    """Raise ValueError unless `table` is {op: {bucket: LaunchConfig fields}} with known ops."""
+    """Raise unless `table` is {op: {"NxK": {tokens: LaunchConfig fields}}} with known ops."""
     if not isinstance(table, dict):
         raise ValueError("a launch table must be a JSON object")
-    for op, entries in table.items():
+    for op, shapes in table.items():
         if op == "_meta":
             continue
         if op not in OPS:
             raise ValueError(f"unknown op {op!r} in launch table; expected one of {OPS}")
-        for bucket, fields in entries.items():
-            if not bucket.isdigit():
-                raise ValueError(f"{op}: bucket {bucket!r} must be a token count")
-            LaunchConfig(**fields)  # raises on unknown or bad fields
+        for shape, entries in shapes.items():
+            n, _, k = shape.partition("x")
+            if not (n.isdigit() and k.isdigit()):
+                raise ValueError(f"{op}: shape key {shape!r} must look like '6144x4096'")
+            for bucket, fields in entries.items():
+                if not bucket.isdigit():
+                    raise ValueError(f"{op} {shape}: bucket {bucket!r} must be a token count")
+                LaunchConfig(**fields)  # raises on unknown or bad fields
 
 
-def table_config(device_name: str, op: str, tokens: int) -> LaunchConfig | None:
-    """The tuned entry for the smallest bucket >= tokens (else the largest), or None."""
+def table_config(device_name: str, op: str, tokens: int, n: int, k: int) -> LaunchConfig | None:
+    """The tuned entry for (op, N x K) at the smallest bucket >= tokens (else the largest)."""
     path = resources.files("epilora_kernels").joinpath("configs", table_name(device_name))
     if not path.is_file():
         return None
     table = json.loads(path.read_text())
     validate_table(table)
-    entries = table.get(op)
+    entries = table.get(op, {}).get(shape_key(n, k))
     if not entries:
         return None
     buckets = sorted(int(b) for b in entries)
