@@ -3,6 +3,7 @@
 Systems, side by side in one run on one GPU (names as in DESIGN.md section 6):
 
 * `cutlass`: vLLM's per-token activation quant (CUDA kernel) + `cutlass_scaled_mm`, no adapter;
+* `epilora-gemm`: our FP8 GEMM alone (K2 quantizing in-kernel, no adapter), against `cutlass`;
 * `vllm-default`: the same + vLLM's Punica `lora_shrink` / `lora_expand` at their defaults;
 * `epilora-fused`: our K1 (quant + shrink) + K2 (FP8 GEMM with the up-projection in its epilogue);
 * `epilora-hybrid`: vLLM's quant + CUTLASS, then our shrink and expand.
@@ -63,6 +64,9 @@ def run_layer(system: str, xs: dict, layer: dict, batch: AdapterBatch, meta: tup
         if system == "epilora-fused":
             fused.fused_lora_fp8_linear(x, weight, scale, lora, batch)
             continue
+        if system == "epilora-gemm":  # our FP8 GEMM alone (quantizing in-kernel), no adapter
+            fused.fp8_gemm_from_bf16(x, weight, scale)
+            continue
         codes, x_scale = ops.scaled_fp8_quant(x, None, use_per_token_if_dynamic=True)
         y = ops.cutlass_scaled_mm(codes, weight.t(), x_scale, scale, torch.bfloat16)
         if system == "vllm-default":
@@ -104,7 +108,7 @@ def main() -> None:
     tokens_list = (1, 16, 64, 256) if args.quick else TOKENS
     gen = torch.Generator(device="cuda").manual_seed(0)
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
-    systems = ("cutlass", "vllm-default", "epilora-fused", "epilora-hybrid")
+    systems = ("cutlass", "epilora-gemm", "vllm-default", "epilora-fused", "epilora-hybrid")
     rows = []
     for num_adapters, rank in SETUPS:
         layer = make_layer(num_adapters, rank, gen)
@@ -119,13 +123,14 @@ def main() -> None:
             bufs = {name: torch.zeros(len(s), tokens, rank, device="cuda")
                     for name, (_, s) in PROJECTIONS.items()}
             for system in systems:
-                if system == "cutlass" and (num_adapters, rank) != SETUPS[0]:
-                    continue  # the no-adapter baseline does not depend on the adapters
+                if system in ("cutlass", "epilora-gemm") and (num_adapters, rank) != SETUPS[0]:
+                    continue  # the no-adapter GEMMs do not depend on the adapters
                 run = functools.partial(run_layer, system, xs, layer, batch, meta, bufs)
                 us = time_graph(run, args.reps, flush)
                 rows.append({"bench": "layer", "model": "qwen3-8b", "base": "fp8",
                              "system": system, "tokens": tokens, "rank": rank,
-                             "adapters": 0 if system == "cutlass" else num_adapters,
+                             "adapters": 0 if system in ("cutlass", "epilora-gemm")
+                             else num_adapters,
                              "metric": "layer_us", "value": round(us, 2), "n": args.reps})
                 print(f"{system:15s} adapters={num_adapters:2d} rank={rank:3d} "
                       f"tokens={tokens:3d} {us:8.1f} us", flush=True)

@@ -46,6 +46,14 @@ def main() -> None:
             MODE=mode, HAS_LORA=True, NUM_SLICES=3, SPLIT_K=8, BLOCK_M=16, BLOCK_N=32,
             BLOCK_K=256, BLOCK_R=64, INTERPRETER=False), num_warps=4, num_stages=4)
         out[f"k2_mode={mode}"] = sorted(set(re.findall(PATTERN, ptx)))
+    for mode in (0, 3):  # the GEMM without adapters
+        sig = dict(K2)
+        if mode == 3:
+            sig["a_ptr"] = "*bf16"
+        ptx = compile_ptx(_lora_gemm_kernel, sig, dict(
+            MODE=mode, HAS_LORA=False, NUM_SLICES=1, SPLIT_K=1, BLOCK_M=16, BLOCK_N=32,
+            BLOCK_K=256, BLOCK_R=16, INTERPRETER=False), num_warps=4, num_stages=4)
+        out[f"gemm_only_mode={mode}"] = sorted(set(re.findall(PATTERN, ptx)))
     # The decode path: the shrink triggers its dependents; K2 (MODE 3) waits after its K loop.
     ptx = compile_ptx(_quantize_shrink_kernel, K1, dict(
         QUANTIZE=False, NUM_SLICES=3, SPLIT_K=8, BLOCK_M=16, BLOCK_R=64, BLOCK_K=128,

@@ -19,6 +19,7 @@ def test_kernels_compile_for_sm90_with_the_expected_instructions():
     assert "div.full.f32" in found["k1_quantize=True"]
     assert "cvt.rn.satfinite.e4m3x2.f32" in found["k1_quantize=True"]
     assert all("mma.sync" in found[f"k2_mode={m}"] for m in (0, 1, 2))
+    assert all("mma.sync" in found[f"gemm_only_mode={m}"] for m in (0, 3))
     # The decode path's PDL: the shrink triggers its dependents, K2 waits after its main loop
     # (so the GEMM overlaps the shrink) and stores nothing before the wait.
     assert "griddepcontrol.launch_dependents" in found["k1_pdl"]

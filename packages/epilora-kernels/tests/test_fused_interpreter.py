@@ -123,3 +123,18 @@ def test_decode_path_equals_fused_path_bitwise(mapping, pdl):
     want = reference.decode_lora_fp8_linear(x, weight, w_scale, lora, batch,
                                             arithmetic=Fp8Arithmetic.TORCH_CPU)
     assert relative_error(decode, want) < BF16_TOL
+
+
+@pytest.mark.parametrize("t", [1, 17])
+def test_gemm_without_adapters_matches_reference(t):
+    x, weight, w_scale, lora, batch = make_problem(8, t, 64, (32, 32), 8, 2, "no_adapter")
+    codes, scales, _ = reference.quantize_and_shrink(x, lora, batch,
+                                                     arithmetic=Fp8Arithmetic.TORCH_CPU)
+    y = fused.fp8_gemm(codes, scales, weight, w_scale)
+    assert relative_error(y, reference.fp8_gemm(codes, scales, weight, w_scale)) < BF16_TOL
+    from_bf16 = fused.fp8_gemm_from_bf16(x, weight, w_scale)
+    assert_bitwise_equal(from_bf16, y, name="in-kernel quantization vs codes")
+    # no adapter anywhere: the LoRA GEMM gives the same bits as the plain one
+    h = fused.lora_shrink(x, lora, batch)
+    assert_bitwise_equal(fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch), y,
+                         name="LoRA GEMM without adapters")

@@ -158,7 +158,10 @@ def _lora_gemm_kernel(
     pid_n = tl.program_id(1)
     pos = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pos_mask = pos < T
-    tok = tl.load(sorted_ptr + pos, mask=pos_mask, other=0)
+    if HAS_LORA:
+        tok = tl.load(sorted_ptr + pos, mask=pos_mask, other=0)
+    else:  # no adapters: rows in their own order
+        tok = pos
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     y_tile = y_ptr + tok[:, None].to(tl.int64) * stride_y + n[None, :]

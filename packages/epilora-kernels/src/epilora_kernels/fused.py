@@ -153,6 +153,55 @@ def _gemm_config(batch, lora, config):
     return _config("lora_gemm", batch.num_tokens, lora, config)
 
 
+def _launch_gemm_only(mode, a, a_scale, weight, weight_scale, cfg: LaunchConfig | None):
+    t, k = a.shape
+    n = weight.shape[0]
+    cfg = cfg or heuristic_config("lora_gemm", t, n, k, 16)
+    y = torch.empty(t, n, dtype=torch.bfloat16, device=a.device)
+    unused = torch.zeros(1, dtype=torch.int32, device=a.device)
+    grid = (triton.cdiv(t, cfg.block_m), triton.cdiv(n, cfg.block_n))
+    _lora_gemm_kernel[grid](
+        a, a_scale, weight, weight_scale, y, weight_scale, weight, weight, weight,
+        unused, unused, unused,
+        t, n, k, 1, 0, a.stride(0), y.stride(0), n, n,
+        MODE=mode, HAS_LORA=False, NUM_SLICES=1, SPLIT_K=1,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=16,
+        INTERPRETER=_env.triton_interpreter(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y
+
+
+def fp8_gemm(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    *,
+    config: LaunchConfig | None = None,
+) -> torch.Tensor:
+    """K2 without adapters: bf16 `[T, N]` = x_scale * (w_scale * codes @ weight^T), the GEMM
+    that competes with vLLM's CUTLASS."""
+    _check_weight(weight, weight_scale, codes.shape[1], weight.shape[0])
+    return _launch_gemm_only(0, codes, scales, weight, weight_scale, config)
+
+
+def fp8_gemm_from_bf16(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    *,
+    config: LaunchConfig | None = None,
+) -> torch.Tensor:
+    """`fp8_gemm` quantizing its bf16 activations in the kernel (bit for bit as K1): one launch
+    where vLLM runs two (its quantizer, then CUTLASS)."""
+    if x.ndim != 2 or x.dtype != torch.bfloat16 or x.stride(1) != 1:
+        raise ValueError(f"x must be 2-D bfloat16 with contiguous rows, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    _check_weight(weight, weight_scale, x.shape[1], weight.shape[0])
+    return _launch_gemm_only(3, x, x, weight, weight_scale, config)
+
+
 def lora_fp8_gemm(
     codes: torch.Tensor,
     scales: torch.Tensor,

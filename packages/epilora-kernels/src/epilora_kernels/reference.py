@@ -154,3 +154,23 @@ def decode_lora_fp8_linear(
 ) -> torch.Tensor:
     """The decode path computes what the fused path computes."""
     return fused_lora_fp8_linear(x, weight, weight_scale, lora, batch, arithmetic=arithmetic)
+
+
+def fp8_gemm(
+    codes: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+) -> torch.Tensor:
+    """K2 without adapters: bf16 `[T, N]` = x_scale * (w_scale * codes @ weight^T)."""
+    acc = codes.float() @ weight.float().T
+    return (scales.float() * (weight_scale.float().reshape(()) * acc)).to(torch.bfloat16)
+
+
+def fp8_gemm_from_bf16(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    *,
+    arithmetic: Fp8Arithmetic = Fp8Arithmetic.INDUCTOR,
+) -> torch.Tensor:
+    """`fp8_gemm` after quantizing x as K1 does."""
+    codes, scales = quantize_fp8_per_token(x, arithmetic=arithmetic)
+    return fp8_gemm(codes, scales, weight, weight_scale)
