@@ -60,6 +60,7 @@ def docs(session: nox.Session) -> None:
     _sync(session, "docs")
     session.run("python", "tools/render_quant_docs.py")
     session.run("python", "tools/render_bench_docs.py")
+    session.run("python", "tools/render_decode_docs.py")
     session.run("mkdocs", "build", "--strict", "--site-dir", "site")
 
 

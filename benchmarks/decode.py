@@ -2,9 +2,14 @@
 
 Systems (one CUDA graph per system and case, L2 flushed before each replay, median of replays):
 `cutlass` (vLLM quant + CUTLASS, no adapter), `vllm-default` (+ Punica shrink/expand),
-`epilora-serialized` (our shrink, then K2 quantizing in-kernel, without PDL), `epilora-decode`
-(the same with K2 as the shrink's programmatic dependent) and the lower bound `epilora-h-given`
-(K2 alone, h already computed). Not measured yet: vLLM's dual stream, the other overlap controls.
+`vllm-dual-stream` (vLLM's VLLM_LORA_ENABLE_DUAL_STREAM: the adapter on a second stream into a
+zeroed buffer, joined and added), `epilora-serialized` (our shrink, then K2 quantizing
+in-kernel, without PDL), `epilora-decode` (the same with K2 as the shrink's programmatic
+dependent). Overlap controls (the paper's table 11), K2 with PDL and h already computed, after:
+`control-empty` (an empty kernel), `control-cublas-shrink` (a cuBLAS x A^T), and alone:
+`epilora-h-given` (the lower bound). Components for the exposure model: `component-shrink` (our
+shrinks alone), `component-gemm` (K2 without adapters); `model-decode` is derived from them,
+t_k2(h given) + max(0, t_shrink - t_gemm), for comparison with `epilora-decode`.
 
     python3 benchmarks/decode.py --out benchmarks/results/h200/decode.json
 """
@@ -13,6 +18,8 @@ import argparse
 import functools
 
 import torch
+import triton
+import triton.language as tl
 from layer import PROJECTIONS, _write, make_layer, run_layer, time_graph
 
 from epilora_kernels import fused
@@ -20,6 +27,24 @@ from epilora_kernels.batch import AdapterBatch
 
 TOKENS = (1, 4, 8, 16, 32)
 RANKS = (16, 64, 128)
+SYSTEMS = ("cutlass", "vllm-default", "vllm-dual-stream", "epilora-serialized", "epilora-decode",
+           "control-empty", "control-cublas-shrink", "epilora-h-given", "component-shrink",
+           "component-gemm")
+
+
+def _row(system: str, tokens: int, rank: int, us: float, reps: int, derived: bool = False):
+    row = {"bench": "decode", "model": "qwen3-8b", "base": "fp8", "system": system,
+           "tokens": tokens, "rank": rank, "adapters": 0 if system == "cutlass" else 1,
+           "metric": "layer_us", "value": round(us, 2), "n": reps}
+    if derived:
+        row["derived_from"] = "epilora-h-given + max(0, component-shrink - component-gemm)"
+    return row
+
+
+@triton.jit
+def _empty_kernel():
+    # A primary grid that does nothing but let its programmatic dependent launch.
+    tl.extra.cuda.gdc_launch_dependents()
 
 
 def run_decode(system: str, xs, layer, batch, hs) -> None:
@@ -27,9 +52,39 @@ def run_decode(system: str, xs, layer, batch, hs) -> None:
         x = xs[name]
         if system == "epilora-h-given":
             fused.lora_fp8_gemm_from_bf16(x, weight, scale, hs[name], lora, batch)
+        elif system == "control-empty":
+            _empty_kernel[(1,)]()
+            fused.lora_fp8_gemm_from_bf16(x, weight, scale, hs[name], lora, batch, pdl=True)
+        elif system == "control-cublas-shrink":
+            torch.matmul(x, lora.lora_a[0][0, 0].T)  # cuBLAS, triggers no dependents
+            fused.lora_fp8_gemm_from_bf16(x, weight, scale, hs[name], lora, batch, pdl=True)
+        elif system == "component-shrink":
+            fused.lora_shrink(x, lora, batch)
+        elif system == "component-gemm":
+            fused.fp8_gemm_from_bf16(x, weight, scale)
         else:
             fused.decode_lora_fp8_linear(x, weight, scale, lora, batch,
                                          pdl=system == "epilora-decode")
+
+
+def run_dual_stream(xs, layer, batch, meta, bufs, outs, aux: torch.cuda.Stream) -> None:
+    """vLLM's dual-stream LoRA: base GEMM on the current stream, the adapter on `aux`."""
+    from vllm import _custom_ops as ops
+    from vllm.lora.ops.triton_ops import lora_expand, lora_shrink
+
+    main = torch.cuda.current_stream()
+    for name, (weight, scale, lora) in layer.items():
+        x = xs[name]
+        aux.wait_stream(main)
+        codes, x_scale = ops.scaled_fp8_quant(x, None, use_per_token_if_dynamic=True)
+        y = ops.cutlass_scaled_mm(codes, weight.t(), x_scale, scale, torch.bfloat16)
+        with torch.cuda.stream(aux):
+            outs[name].zero_()
+            lora_shrink(x, list(lora.lora_a), bufs[name], *meta, 1.0)
+            lora_expand(bufs[name], list(lora.lora_b), outs[name], *meta, offset_start=0,
+                        add_inputs=True)
+        main.wait_stream(aux)
+        y.add_(outs[name])
 
 
 def main() -> None:
@@ -55,18 +110,24 @@ def main() -> None:
                     for name, (_, s) in PROJECTIONS.items()}
             hs = {name: fused.lora_shrink(xs[name], lora, batch)
                   for name, (_, _, lora) in layer.items()}
-            for system in ("cutlass", "vllm-default", "epilora-serialized", "epilora-decode",
-                           "epilora-h-given"):
+            outs = {name: torch.zeros(tokens, sum(sl), dtype=torch.bfloat16, device="cuda")
+                    for name, (_, sl) in PROJECTIONS.items()}
+            aux = torch.cuda.Stream()
+            measured = {}
+            for system in SYSTEMS:
                 if system in ("cutlass", "vllm-default"):
                     run = functools.partial(run_layer, system, xs, layer, batch, meta, bufs)
+                elif system == "vllm-dual-stream":
+                    run = functools.partial(run_dual_stream, xs, layer, batch, meta, bufs, outs,
+                                            aux)
                 else:
                     run = functools.partial(run_decode, system, xs, layer, batch, hs)
-                us = time_graph(run, args.reps, flush)
-                rows.append({"bench": "decode", "model": "qwen3-8b", "base": "fp8",
-                             "system": system, "tokens": tokens, "rank": rank,
-                             "adapters": 0 if system == "cutlass" else 1,
-                             "metric": "layer_us", "value": round(us, 2), "n": args.reps})
-                print(f"{system:19s} rank={rank:3d} tokens={tokens:3d} {us:8.1f} us", flush=True)
+                measured[system] = us = time_graph(run, args.reps, flush)
+                rows.append(_row(system, tokens, rank, us, args.reps))
+                print(f"{system:22s} rank={rank:3d} tokens={tokens:3d} {us:8.1f} us", flush=True)
+            model = measured["epilora-h-given"] + max(
+                0.0, measured["component-shrink"] - measured["component-gemm"])
+            rows.append(_row("model-decode", tokens, rank, model, args.reps, derived=True))
         _write(args, rows)
 
 

@@ -5,7 +5,7 @@ source tools/device/setup.sh
 timeout "${TESTS_TIMEOUT:-90}" python3 -m nox -s gpu-sm90 -- -k decode_gpu \
   --junitxml="$OUT/gpu-sm90-decode-junit.xml" 2>&1 | tee "$OUT/gpu-sm90-decode.log"
 tests_rc=${PIPESTATUS[0]}
-timeout "${BENCH_TIMEOUT:-120}" python3 benchmarks/decode.py --out "$OUT/decode.json" \
+timeout "${BENCH_TIMEOUT:-240}" python3 benchmarks/decode.py --out "$OUT/decode.json" \
   --git-sha "${EPILORA_GIT_SHA:-}" 2>&1 | tee "$OUT/decode.log"
 bench_rc=${PIPESTATUS[0]}
 echo "decode tests exit ${tests_rc}; decode benchmark exit ${bench_rc}"
