@@ -1,7 +1,7 @@
-"""Multi-adapter LoRA on FP8 bases: the fused path (K1 + K2), the W8A16 path, the hybrid kernels.
+"""Multi-adapter LoRA on FP8 bases: the fused, decode, W8A16 and hybrid paths.
 
-Every function here has a torch twin of the same name and signature in
-`epilora_kernels.reference`; tests run both.
+Every function here has a torch twin of the same name and positional signature in
+`epilora_kernels.reference` (the launch-settings keywords are the kernels' own); tests run both.
 
 * `quantize_and_shrink` (K1): per-token FP8 codes and scales, bit for bit what vLLM's compiled
   quantizer computes on the GPU (`epilora_quant` mode INDUCTOR), plus every adapter's
@@ -11,6 +11,9 @@ Every function here has a torch twin of the same name and signature in
 * `lora_w8a16_gemm`: the same with bf16 activations and the FP8 weight widened in registers.
 * `lora_shrink`, `lora_expand`: the hybrid path's kernels, after a vendor GEMM.
 * `fused_lora_fp8_linear`, `fused_lora_w8a16_linear`: K1 then K2.
+* `lora_fp8_gemm_from_bf16`, `decode_lora_fp8_linear`: K2 quantizing in-kernel; the decode path
+  (the shrink first, K2 as its programmatic dependent, waiting only before its epilogue).
+* `fp8_gemm`, `fp8_gemm_from_bf16`: K2 without adapters (our GEMM against CUTLASS).
 
 Weights are `[N, K]` float8_e4m3fn (row-major, K contiguous; vLLM keeps their transpose view)
 with a one-element fp32 scale; activations `[T, K]` bf16.
