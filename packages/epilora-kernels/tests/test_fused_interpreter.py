@@ -8,11 +8,13 @@ relative error (bf16 has 8 bits of mantissa: a few 1e-3 at most), and bitwise on
 
 import pytest
 import torch
+from hypothesis import given
 
 from epilora_kernels import fused, reference
 from epilora_quant import Fp8Arithmetic
 from epilora_testing import assert_bitwise_equal
 from epilora_testing.corpora import special_activations
+from epilora_testing.strategies import activations
 
 from kernel_cases import MAPPINGS, fp64_reference, make_problem, relative_error
 
@@ -138,3 +140,15 @@ def test_gemm_without_adapters_matches_reference(t):
     h = fused.lora_shrink(x, lora, batch)
     assert_bitwise_equal(fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch), y,
                          name="LoRA GEMM without adapters")
+
+
+@given(x=activations(dtypes=(torch.bfloat16,), max_rows=20, col_multiple=32, max_col_blocks=4))
+def test_k1_codes_property(x):
+    # Hypothesis-drawn activations (raw bit patterns, seeded distributions, corpus cases).
+    t, k = x.shape
+    _, _, lora, batch = make_problem(9, t, k, (32,), 8, 2, "mixed_with_base")[1:]
+    codes, scales, _ = fused.quantize_and_shrink(x, lora, batch)
+    want_codes, want_scales = reference.quantize_and_shrink(
+        x, lora, batch, arithmetic=Fp8Arithmetic.TORCH_CPU)[:2]
+    assert_bitwise_equal(codes, want_codes, name="codes", inputs=x)
+    assert_bitwise_equal(scales, want_scales, name="scales")

@@ -4,12 +4,14 @@ bit, and a CUDA-graph replay gives the eager bits."""
 
 import pytest
 import torch
+from hypothesis import given
 
 from epilora_kernels import fused, reference
 from epilora_quant import Fp8Arithmetic
 from epilora_testing import assert_bitwise_equal
 from epilora_testing.corpora import special_activations
 from epilora_testing.cuda_graphs import capture
+from epilora_testing.strategies import activations
 
 from kernel_cases import MAPPINGS, fp64_reference, make_problem, relative_error
 
@@ -103,3 +105,14 @@ def test_cuda_graph_replay_equals_eager():
         graph.replay()
         torch.cuda.synchronize()
         assert_bitwise_equal(out, eager, name="graph replay")
+
+
+@given(x=activations(dtypes=(torch.bfloat16,), max_rows=40, col_multiple=64, max_col_blocks=16))
+def test_k1_codes_property_equal_vllm_compiled_arithmetic(x):
+    t, k = x.shape
+    x = x.to(CUDA)
+    _, _, lora, batch = _problem((t, k, (256,), 16, 2), "mixed_with_base")[1:]
+    codes, scales, _ = fused.quantize_and_shrink(x, lora, batch)
+    want_codes, want_scales = reference.quantize_and_shrink(x, lora, batch)[:2]
+    assert_bitwise_equal(codes, want_codes, name="codes", inputs=x)
+    assert_bitwise_equal(scales, want_scales, name="scales")
