@@ -1,6 +1,6 @@
 """Nox sessions of the EpiLoRA workspace (nox and uv come from requirements-tools.txt).
 
-CPU sessions (default): `tests`, `demo`. GPU sessions run on the GPU machine, which has no
+CPU sessions: `tests` (the default, what CI runs), `demo` (the main job), `lint`, `docs`. GPU sessions run on the GPU machine, which has no
 network: they create no virtualenv and use the machine's python3 with packages installed from
 wheels built here (tools/device/). One GPU session per architecture: `gpu-sm90` (H100/H200).
 """
@@ -52,6 +52,13 @@ def demo(session: nox.Session) -> None:
     """The main job: quantize SmolLM2-135M's weights and activations, compare with vLLM's codes."""
     _sync(session, "demo")
     session.run("python", "tools/quantize_model_demo.py", *session.posargs)
+
+
+@nox.session(default=False)
+def lint(session: nox.Session) -> None:
+    """ruff over the whole workspace (rules in pyproject.toml; epilora-quant bans Triton)."""
+    _sync(session, "lint")
+    session.run("ruff", "check", ".")
 
 
 @nox.session(default=False)
