@@ -1,9 +1,9 @@
 """Nox sessions of the EpiLoRA workspace (nox and uv come from requirements-tools.txt).
 
 CPU sessions: `tests` (the default, what CI runs), `demo` (the main job), `lint`, `docs`.
-GPU sessions run on the GPU machine, which has no
-network: they create no virtualenv and use the machine's python3 with packages installed from
-wheels built here (tools/device/). One GPU session per architecture: `gpu-sm90` (H100/H200).
+GPU sessions run on the GPU machine, which has no network: they create no virtualenv and use the
+machine's python3 with packages installed from wheels built here (tools/device/). One GPU
+session per architecture: `gpu-sm90` (H100/H200).
 """
 
 import os
