@@ -20,7 +20,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from layer import PROJECTIONS, _write, make_layer, run_layer, time_graph
+from layer import PROJECTIONS, make_layer, run_layer, time_graph, write_results
 
 from epilora_kernels import fused
 from epilora_kernels.batch import AdapterBatch
@@ -128,7 +128,7 @@ def main() -> None:
             model = measured["epilora-h-given"] + max(
                 0.0, measured["component-shrink"] - measured["component-gemm"])
             rows.append(_row("model-decode", tokens, rank, model, args.reps, derived=True))
-        _write(args, rows)
+        write_results(args, rows)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import itertools
 import json
 
 import torch
-from layer import PROJECTIONS, _write, make_layer, time_graph
+from layer import PROJECTIONS, make_layer, time_graph, write_results
 
 from epilora_kernels import fused
 from epilora_kernels.batch import AdapterBatch
@@ -99,7 +99,7 @@ def main() -> None:
         validate_table(table)
         with open(args.out_table, "w") as f:
             json.dump(table, f, indent=1)
-        _write(args, rows)
+        write_results(args, rows)
 
 
 if __name__ == "__main__":
