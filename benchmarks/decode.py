@@ -101,9 +101,7 @@ def main() -> None:
         for tokens in TOKENS:
             batch = AdapterBatch.from_token_mapping(
                 torch.zeros(tokens, dtype=torch.int32, device="cuda"), 1)
-            meta = (batch.token_lora_mapping, batch.sorted_token_indices,
-                    batch.num_tokens_per_lora, batch.lora_token_start, batch.lora_ids,
-                    torch.tensor([False]), torch.tensor([2], dtype=torch.int32))
+            meta = batch.vllm_meta_args()
             xs = {name: torch.randn(tokens, k, generator=gen, device="cuda").to(torch.bfloat16)
                   for name, (k, _) in PROJECTIONS.items()}
             bufs = {name: torch.zeros(len(s), tokens, rank, device="cuda")

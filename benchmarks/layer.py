@@ -115,9 +115,7 @@ def main() -> None:
         for tokens in tokens_list:
             mapping = torch.arange(tokens, device="cuda", dtype=torch.int32) % num_adapters
             batch = AdapterBatch.from_token_mapping(mapping, num_adapters)
-            meta = (batch.token_lora_mapping, batch.sorted_token_indices,
-                    batch.num_tokens_per_lora, batch.lora_token_start, batch.lora_ids,
-                    torch.tensor([False]), torch.tensor([num_adapters + 1], dtype=torch.int32))
+            meta = batch.vllm_meta_args()
             xs = {name: torch.randn(tokens, k, generator=gen, device="cuda").to(torch.bfloat16)
                   for name, (k, _) in PROJECTIONS.items()}
             bufs = {name: torch.zeros(len(s), tokens, rank, device="cuda")

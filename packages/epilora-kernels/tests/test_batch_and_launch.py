@@ -58,8 +58,22 @@ def test_table_lookup_picks_the_smallest_bucket_at_or_above(tmp_path, monkeypatc
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "Test_GPU.json").write_text(json.dumps(table))
     monkeypatch.setattr(launch.resources, "files", lambda _pkg: tmp_path)
+    launch._load_table.cache_clear()
     assert launch.table_config("Test GPU", "lora_gemm", 1, 64, 32).block_m == 16
     assert launch.table_config("Test GPU", "lora_gemm", 17, 64, 32).block_m == 64
     assert launch.table_config("Test GPU", "lora_gemm", 999, 64, 32).block_m == 64
     assert launch.table_config("Test GPU", "lora_gemm", 1, 128, 32) is None
     assert launch.table_config("Other GPU", "lora_gemm", 1, 64, 32) is None
+    launch._load_table.cache_clear()
+
+
+def test_vllm_meta_args_round_trip():
+    batch = AdapterBatch.from_token_mapping(torch.tensor([1, -1, 1], dtype=torch.int32), 2)
+    args = batch.vllm_meta_args()
+    back = AdapterBatch.from_vllm_meta_args(args)
+    for field in ("token_lora_mapping", "sorted_token_indices", "lora_ids",
+                  "num_tokens_per_lora", "lora_token_start"):
+        assert torch.equal(getattr(back, field), getattr(batch, field)), field
+    assert args[5].tolist() == [False] and args[6].tolist() == [3]
+    none = AdapterBatch.from_token_mapping(torch.tensor([-1, -1], dtype=torch.int32), 2)
+    assert none.vllm_meta_args()[5].tolist() == [True]

@@ -63,6 +63,15 @@ class AdapterBatch:
         start[1:] = torch.cumsum(num_tokens, 0)
         return cls(mapping, sorted_indices, lora_ids, num_tokens, start)
 
+    def vllm_meta_args(self) -> tuple:
+        """The seven metadata arguments of vLLM's Punica kernels (`lora_shrink`, `lora_expand`),
+        in `LoRAKernelMeta.meta_args` order, with the no-LoRA flag and the grid's adapter count
+        (max_loras + 1, vLLM's default) as CPU tensors."""
+        no_lora = torch.tensor([bool((self.token_lora_mapping == -1).all())])
+        num_active = torch.tensor([self.max_loras + 1], dtype=torch.int32)
+        return (self.token_lora_mapping, self.sorted_token_indices, self.num_tokens_per_lora,
+                self.lora_token_start, self.lora_ids, no_lora, num_active)
+
     @classmethod
     def from_vllm_meta_args(cls, meta_args: tuple) -> "AdapterBatch":
         """From the first five entries of vLLM's `LoRAKernelMeta.meta_args(T, ...)`."""

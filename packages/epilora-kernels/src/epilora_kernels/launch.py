@@ -8,6 +8,7 @@ table is shipped until one has been tuned on its device; until then the heuristi
 """
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from importlib import resources
@@ -97,13 +98,22 @@ def validate_table(table: dict) -> None:
                 LaunchConfig(**fields)  # raises on unknown or bad fields
 
 
-def table_config(device_name: str, op: str, tokens: int, n: int, k: int) -> LaunchConfig | None:
-    """The tuned entry for (op, N x K) at the smallest bucket >= tokens (else the largest)."""
+@functools.cache
+def _load_table(device_name: str) -> dict | None:
+    # Read and checked once per process: the launchers ask on every call.
     path = resources.files("epilora_kernels").joinpath("configs", table_name(device_name))
     if not path.is_file():
         return None
     table = json.loads(path.read_text())
     validate_table(table)
+    return table
+
+
+def table_config(device_name: str, op: str, tokens: int, n: int, k: int) -> LaunchConfig | None:
+    """The tuned entry for (op, N x K) at the smallest bucket >= tokens (else the largest)."""
+    table = _load_table(device_name)
+    if table is None:
+        return None
     entries = table.get(op, {}).get(shape_key(n, k))
     if not entries:
         return None

@@ -77,9 +77,7 @@ def test_matches_vllm_lora_path(shape):
     y_vllm = ops.cutlass_scaled_mm(codes, weight.t(), scales, w_scale, torch.bfloat16)
     buf = torch.zeros(len(lora.output_slices), x.shape[0], lora.max_rank, dtype=torch.float32,
                       device=CUDA)
-    meta = (batch.token_lora_mapping, batch.sorted_token_indices, batch.num_tokens_per_lora,
-            batch.lora_token_start, batch.lora_ids, torch.tensor([False]),
-            torch.tensor([batch.max_loras + 1], dtype=torch.int32))
+    meta = batch.vllm_meta_args()
     lora_shrink(x, list(lora.lora_a), buf, *meta, 1.0)
     lora_expand(buf, list(lora.lora_b), y_vllm, *meta, offset_start=0, add_inputs=True)
     y = fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch)

@@ -27,6 +27,12 @@ _MAX_TABLE = 2.0**126
 
 
 @functools.cache
+def _ulp_adjustment_on(device: torch.device) -> torch.Tensor:
+    # One copy per device: the table is 32 MiB as int32, too much to move on every call.
+    return _ulp_adjustment().to(device)
+
+
+@functools.cache
 def _ulp_adjustment() -> torch.Tensor:
     """int32 `[2^23]`: the approximate reciprocal's offset in ulp from the rounded one."""
     raw = lzma.decompress(
@@ -53,7 +59,7 @@ def triton_reciprocal_sm90(b: torch.Tensor) -> torch.Tensor:
             f"from {magnitude.min().item()!r} to {magnitude.max().item()!r}"
         )
     rounded = torch.reciprocal(b)  # correctly rounded on CPU and CUDA
-    table = _ulp_adjustment().to(b.device)
+    table = _ulp_adjustment_on(b.device)
     offset = table[(b.view(torch.int32) & _MANTISSA_MASK).long()]
     return (rounded.view(torch.int32) + offset).view(torch.float32)
 
