@@ -1,56 +1,85 @@
-"""Tune epilora-kernels' launch settings on this GPU and write its launch table.
+"""Tune epilora-kernels' launch settings on this GPU, write its launch table, and time our FP8
+GEMM alone against vLLM's CUTLASS.
 
-For each Qwen3-8B projection shape (qkv, o, gate_up, down) and token bucket, times every
-candidate `LaunchConfig` of K1 (`quantize_and_shrink`) and K2 (`lora_fp8_gemm`) on CUDA-graph
-replays with the L2 flushed (median of `--reps`), checks each candidate's result against the
-heuristic's (K1 codes bitwise; outputs by relative error), and keeps the fastest. Writes the
-table (`epilora_kernels/configs/<device>.json` format, schema-checked) and every timing.
+For each Qwen3-8B projection shape (qkv, o, gate_up, down) and token count, times every
+candidate `LaunchConfig` of K2 without adapters (`fp8_gemm`: the GEMM's main loop, which is
+what the settings change) and of K1 (`quantize_and_shrink`, rank 64, 4 adapters) on CUDA-graph
+replays with the L2 flushed (median of `--reps`), checks each candidate's result (K1 codes
+bitwise; outputs by relative error against the first candidate), and keeps the fastest. In the
+same run, per projection: `cutlass-mm` (vLLM's `cutlass_scaled_mm` on the same codes),
+`vllm-quant` (vLLM's per-token quantizer), and our best K2 again in MODE 3 (quantizing in-kernel:
+the decode path's GEMM). Writes the table (`epilora_kernels/configs/<device>.json` format,
+schema-checked) and every timing.
 
     python3 benchmarks/tune.py --out-table $OUT/NVIDIA_H200.json --out $OUT/tune.json
 """
 
 import argparse
 import functools
-import itertools
 import json
 
 import torch
+import triton
 from layer import PROJECTIONS, make_layer, time_graph, write_results
 
 from epilora_kernels import fused
 from epilora_kernels.batch import AdapterBatch
-from epilora_kernels.launch import LaunchConfig, heuristic_config, shape_key, validate_table
+from epilora_kernels.launch import LaunchConfig, shape_key, validate_table
 
 TOKENS = (1, 4, 8, 16, 32, 64, 128, 256)
 RANK = 64
+DECODE_TILES = ((32, 256), (32, 512), (64, 128), (64, 256), (128, 128), (128, 256))  # (BN, BK)
+PREFILL_TILES = ((64, 64, 128, 4), (64, 128, 128, 4), (64, 256, 64, 8), (128, 128, 64, 8),
+                 (128, 128, 128, 8), (128, 256, 64, 8))  # (BM, BN, BK, warps)
+
+
+def _block_m(tokens: int) -> int:
+    return 16 if tokens <= 16 else 32
 
 
 def k2_candidates(tokens: int, slices: tuple[int, ...]):
-    block_m = 16 if tokens <= 16 else (32 if tokens <= 32 else 64)
-    for block_n, block_k, stages, warps in itertools.product((32, 64, 128), (128, 256), (3, 4),
-                                                             (4, 8)):
-        if any(width % block_n for width in slices[:-1]):
-            continue
-        yield LaunchConfig(block_m=block_m, block_n=block_n, block_k=block_k, block_r=RANK,
-                           num_stages=stages, num_warps=warps)
+    if tokens <= 32:
+        grid = [LaunchConfig(block_m=_block_m(tokens), block_n=bn, block_k=bk, block_r=RANK,
+                             split_k=split, num_stages=stages, num_warps=4)
+                for bn, bk in DECODE_TILES for split in (1, 2, 4) for stages in (3, 5)]
+    else:
+        grid = [LaunchConfig(block_m=bm, block_n=bn, block_k=bk, block_r=RANK, split_k=1,
+                             num_stages=stages, num_warps=warps)
+                for bm, bn, bk, warps in PREFILL_TILES for stages in (3, 4)]
+    return [c for c in grid if not any(width % c.block_n for width in slices[:-1])]
 
 
 def k1_candidates(tokens: int):
     block_m = 16 if tokens <= 16 else (32 if tokens <= 32 else 64)
-    for split_k, block_k in itertools.product((1, 2, 4, 8, 16), (64, 128, 256)):
-        yield LaunchConfig(block_m=block_m, block_k=block_k, block_r=RANK, split_k=split_k,
-                           num_stages=2, num_warps=4)
+    return [LaunchConfig(block_m=block_m, block_k=block_k, block_r=RANK, split_k=split_k,
+                         num_stages=2, num_warps=4)
+            for split_k in (1, 2, 4, 8, 16) for block_k in (64, 128, 256)]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
 
 
+def _time(run, reps, flush, check=lambda: True) -> tuple[bool, float]:
+    """(check passed, median us); a candidate that fails to launch (e.g. out of shared
+    memory for its tiles) or to check is not one here: (False, inf)."""
+    try:
+        if not check():
+            return False, float("inf")
+        return True, time_graph(run, reps, flush)
+    except triton.runtime.errors.OutOfResources as exc:
+        print(f"    skipped: {str(exc)[:120]}", flush=True)
+        return False, float("inf")
+
+
 def main() -> None:
+    from vllm import _custom_ops as ops
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-table", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     parser.add_argument("--git-sha", default=None)
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -60,42 +89,57 @@ def main() -> None:
                              "tool": "benchmarks/tune.py"},
                    "quantize_shrink": {}, "lora_gemm": {}}
     rows = []
-    for tokens in TOKENS:
+
+    def row(op, name, tokens, us, cfg=None, **extra):
+        rows.append({"bench": "tune", "op": op, "projection": name, "tokens": tokens,
+                     "config": cfg.__dict__ if cfg else None, "metric": "kernel_us",
+                     "value": None if us == float("inf") else round(us, 2), "n": args.reps,
+                     **extra})
+
+    for tokens in args.tokens:
         mapping = torch.arange(tokens, device="cuda", dtype=torch.int32) % 4
         batch = AdapterBatch.from_token_mapping(mapping, 4)
         for name, (weight, scale, lora) in layer.items():
             k, slices = PROJECTIONS[name]
             n = sum(slices)
             x = torch.randn(tokens, k, generator=gen, device="cuda").to(torch.bfloat16)
-            base1 = heuristic_config("quantize_shrink", tokens, n, k, RANK, slices)
-            codes, scales, h = fused.quantize_and_shrink(x, lora, batch, config=base1)
-            base2 = heuristic_config("lora_gemm", tokens, n, k, RANK, slices)
-            want = fused.lora_fp8_gemm(codes, scales, weight, scale, h, lora, batch, config=base2)
-            for op, candidates in (("quantize_shrink", k1_candidates(tokens)),
-                                   ("lora_gemm", k2_candidates(tokens, slices))):
-                best = None
-                for cfg in candidates:
-                    if op == "quantize_shrink":
-                        c2, s2, h2 = fused.quantize_and_shrink(x, lora, batch, config=cfg)
-                        ok = bool(torch.equal(c2.view(torch.uint8), codes.view(torch.uint8))) \
-                            and rel(h2.sum(0), h.sum(0)) < 1e-5
-                        run = functools.partial(fused.quantize_and_shrink, x, lora, batch,
-                                                config=cfg)
-                    else:
-                        y = fused.lora_fp8_gemm(codes, scales, weight, scale, h, lora, batch,
-                                                config=cfg)
-                        ok = rel(y, want) < 1e-2
-                        run = functools.partial(fused.lora_fp8_gemm, codes, scales, weight,
-                                                scale, h, lora, batch, config=cfg)
-                    us = time_graph(run, args.reps, flush) if ok else float("inf")
-                    rows.append({"bench": "tune", "op": op, "projection": name, "tokens": tokens,
-                                 "config": cfg.__dict__, "ok": ok, "metric": "kernel_us",
-                                 "value": round(us, 2) if ok else None, "n": args.reps})
-                    if ok and (best is None or us < best[0]):
-                        best = (us, cfg)
-                print(f"{op:16s} {name:8s} tokens={tokens:3d} best {best[0]:8.1f} us "
-                      f"{best[1]}", flush=True)
-                table[op].setdefault(shape_key(n, k), {})[str(tokens)] = best[1].__dict__
+            codes, scales = ops.scaled_fp8_quant(x, None, use_per_token_if_dynamic=True)
+            cutlass = _time(functools.partial(ops.cutlass_scaled_mm, codes, weight.t(), scales,
+                                              scale, torch.bfloat16), args.reps, flush)[1]
+            row("cutlass-mm", name, tokens, cutlass)
+            quant = _time(functools.partial(ops.scaled_fp8_quant, x, None,
+                                            use_per_token_if_dynamic=True), args.reps, flush)[1]
+            row("vllm-quant", name, tokens, quant)
+            want = ops.cutlass_scaled_mm(codes, weight.t(), scales, scale, torch.bfloat16)
+            best2 = (float("inf"), None)
+            for cfg in k2_candidates(tokens, slices):
+                run = functools.partial(fused.fp8_gemm, codes, scales, weight, scale, config=cfg)
+                ok, us = _time(run, args.reps, flush,
+                               lambda run=run, want=want: rel(run(), want) < 1e-2)
+                row("lora_gemm", name, tokens, us, cfg, ok=ok)
+                best2 = min(best2, (us, cfg), key=lambda b: b[0])
+            mode3 = _time(functools.partial(fused.fp8_gemm_from_bf16, x, weight, scale,
+                                            config=best2[1]), args.reps, flush)[1]
+            row("gemm-from-bf16", name, tokens, mode3, best2[1])
+            base = k1_candidates(tokens)[0]
+            want_codes, _, want_h = fused.quantize_and_shrink(x, lora, batch, config=base)
+            best1 = (float("inf"), None)
+            for cfg in k1_candidates(tokens):
+                run = functools.partial(fused.quantize_and_shrink, x, lora, batch, config=cfg)
+
+                def same(run=run, want_codes=want_codes, want_h=want_h):
+                    c2, _, h2 = run()
+                    return bool(torch.equal(c2.view(torch.uint8), want_codes.view(torch.uint8))
+                                and rel(h2.sum(0), want_h.sum(0)) < 1e-5)
+
+                ok, us = _time(run, args.reps, flush, same)
+                row("quantize_shrink", name, tokens, us, cfg, ok=ok)
+                best1 = min(best1, (us, cfg), key=lambda b: b[0])
+            print(f"{name:8s} T={tokens:3d} cutlass-mm {cutlass:7.1f}  ours {best2[0]:7.1f} "
+                  f"({best2[0] / cutlass:4.2f}x)  in-kernel quant {mode3:7.1f}  vllm-quant "
+                  f"{quant:5.1f}  K1 {best1[0]:6.1f}  K2 {best2[1]}", flush=True)
+            for op, (_, cfg) in (("lora_gemm", best2), ("quantize_shrink", best1)):
+                table[op].setdefault(shape_key(n, k), {})[str(tokens)] = cfg.__dict__
         validate_table(table)
         with open(args.out_table, "w") as f:
             json.dump(table, f, indent=1)

@@ -21,7 +21,7 @@ def main() -> None:
     if not SOURCE.exists():
         PAGE.write_text("\n".join(header + [
             "Not measured yet: `benchmarks/decode.py` has not run on a GPU "
-            "(`bash tools/device/gpu_decode.sh`).", ""]))
+            "(`bash tools/device/gpu_kernels.sh decode`).", ""]))
         print(f"wrote {PAGE} (no results yet)")
         return
     data = json.loads(SOURCE.read_text())

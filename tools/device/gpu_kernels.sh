@@ -1,13 +1,33 @@
 #!/usr/bin/env bash
-# One device call: epilora-kernels' GPU tests, then the layer benchmark, on the H200, into $OUT.
-# Run from the repository root with `.device` carried (tools/device/prepare.sh).
+# One device call for epilora-kernels on the H200, into $OUT: the steps named as arguments, in
+# order, each under its own timeout (seconds, from the environment):
+#   tests   the kernel GPU tests (nox -s gpu-sm90 -- -k "fused_gpu or decode_gpu")  TESTS_TIMEOUT
+#   tune    benchmarks/tune.py -> $OUT/NVIDIA_H200.json (copy it to epilora_kernels/configs/)
+#                                                                                   TUNE_TIMEOUT
+#   layer   benchmarks/layer.py -> $OUT/layer.json                                 LAYER_TIMEOUT
+#   decode  benchmarks/decode.py -> $OUT/decode.json                               DECODE_TIMEOUT
+# Run from the repository root with `.device` carried (tools/device/prepare.sh first), e.g.
+#   EPILORA_GIT_SHA=$(git rev-parse HEAD) bash tools/device/gpu_kernels.sh tests tune
 set -uo pipefail
 source tools/device/setup.sh
-timeout "${TESTS_TIMEOUT:-240}" python3 -m nox -s gpu-sm90 -- -k fused_gpu \
-  --junitxml="$OUT/gpu-sm90-kernels-junit.xml" 2>&1 | tee "$OUT/gpu-sm90-kernels.log"
-tests_rc=${PIPESTATUS[0]}
-timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/layer.py --out "$OUT/layer.json" \
-  --git-sha "${EPILORA_GIT_SHA:-}" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/layer.log"
-bench_rc=${PIPESTATUS[0]}
-echo "kernel tests exit ${tests_rc}; layer benchmark exit ${bench_rc}"
-exit $(( tests_rc || bench_rc ))
+sha="${EPILORA_GIT_SHA:-}"
+status=0
+for step in "$@"; do
+  case "$step" in
+    tests) timeout "${TESTS_TIMEOUT:-240}" python3 -m nox -s gpu-sm90 -- \
+             -k "fused_gpu or decode_gpu" --junitxml="$OUT/gpu-sm90-kernels-junit.xml" \
+             2>&1 | tee "$OUT/gpu-sm90-kernels.log" ;;
+    tune) timeout "${TUNE_TIMEOUT:-420}" python3 benchmarks/tune.py \
+            --out-table "$OUT/NVIDIA_H200.json" --out "$OUT/tune.json" --git-sha "$sha" \
+            2>&1 | tee "$OUT/tune.log" ;;
+    layer) timeout "${LAYER_TIMEOUT:-300}" python3 benchmarks/layer.py --out "$OUT/layer.json" \
+             --git-sha "$sha" 2>&1 | tee "$OUT/layer.log" ;;
+    decode) timeout "${DECODE_TIMEOUT:-240}" python3 benchmarks/decode.py \
+              --out "$OUT/decode.json" --git-sha "$sha" 2>&1 | tee "$OUT/decode.log" ;;
+    *) echo "unknown step: $step"; exit 2 ;;
+  esac
+  rc=${PIPESTATUS[0]}
+  echo "step $step exit $rc"
+  status=$(( status || rc ))
+done
+exit $status

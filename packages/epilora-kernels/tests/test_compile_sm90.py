@@ -26,3 +26,9 @@ def test_kernels_compile_for_sm90_with_the_expected_instructions():
     assert "griddepcontrol.wait" in found["k2_pdl"]
     assert "div.full.f32" in found["k2_pdl"]  # K2 quantizes like K1
     assert found["k2_pdl_mma_before_wait"] and found["k2_pdl_no_store_before_wait"]
+    # Split-K: partials and the tile counter's acq_rel atomic only after the wait.
+    assert "griddepcontrol.wait" in found["k2_pdl_split_k"]
+    atomics = [op for op in found["k2_pdl_split_k"] if op.startswith("atom.global.gpu")]
+    assert atomics and all("acq_rel" in op for op in atomics)
+    assert found["k2_pdl_split_k_atomic_after_wait"]
+    assert found["k2_pdl_split_k_no_store_before_wait"]

@@ -152,3 +152,39 @@ def test_k1_codes_property(x):
         x, lora, batch, arithmetic=Fp8Arithmetic.TORCH_CPU)[:2]
     assert_bitwise_equal(codes, want_codes, name="codes", inputs=x)
     assert_bitwise_equal(scales, want_scales, name="scales")
+
+
+@pytest.mark.parametrize("split_k", [2, 3])
+@pytest.mark.parametrize("mapping", ["mixed_with_base", "one_token_each"])
+def test_split_k_gemm_matches_reference_and_repeats_bitwise(mapping, split_k):
+    # K = 160 in 32-wide steps: splits of 96+64 (2) and 64+64+32 (3), one tile of 16 rows, and
+    # a second launch reusing the tile counters the first one reset.
+    x, weight, w_scale, lora, batch = make_problem(10, 19, 160, (32, 16, 16), 8, 4, mapping)
+    cfg = fused.LaunchConfig(block_m=16, block_n=16, block_k=32, block_r=16, split_k=split_k)
+    codes, scales, h = fused.quantize_and_shrink(x, lora, batch)
+    runs = [fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=cfg)
+            for _ in range(2)]
+    assert_bitwise_equal(runs[1], runs[0], name="split-K run to run")
+    want = reference.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch)
+    assert relative_error(runs[0], want) < BF16_TOL
+    plain = fused.fp8_gemm(codes, scales, weight, w_scale, config=cfg)
+    assert relative_error(plain, reference.fp8_gemm(codes, scales, weight, w_scale)) < BF16_TOL
+    assert_bitwise_equal(fused.fp8_gemm_from_bf16(x, weight, w_scale, config=cfg), plain,
+                         name="split-K, in-kernel quantization vs codes")
+    decode = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, k2_config=cfg)
+    serial = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, k2_config=cfg,
+                                          pdl=False)
+    assert_bitwise_equal(decode, serial, name="split-K decode path vs serialized")
+    assert relative_error(decode, want) < BF16_TOL
+
+
+def test_expand_ignores_split_k():
+    # The expand has no K loop; a split-K config (shared with the shrink) must not change it.
+    x, _, _, lora, batch = make_problem(11, 7, 64, (32,), 8, 2, "mixed_with_base")
+    h = fused.lora_shrink(x, lora, batch)
+    base = torch.zeros(7, 32, dtype=torch.bfloat16)
+    one = fused.lora_expand(base.clone(), h, lora, batch,
+                            config=fused.LaunchConfig(block_n=16, block_k=32))
+    three = fused.lora_expand(base.clone(), h, lora, batch,
+                              config=fused.LaunchConfig(block_n=16, block_k=32, split_k=3))
+    assert_bitwise_equal(three, one, name="expand with split_k=3")

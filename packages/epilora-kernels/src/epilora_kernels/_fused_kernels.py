@@ -86,8 +86,8 @@ def _quantize_row(x_ptr, codes_ptr, scales_ptr, t, K, stride_x, BLOCK_K: tl.cons
 def _quantize_shrink_kernel(
     x_ptr, codes_ptr, scales_ptr, h_ptr,
     a0_ptr, a1_ptr, a2_ptr,
-    sorted_ptr, lora_ids_ptr, counts_ptr, start_ptr,
-    T, K, R, stride_x,
+    sorted_ptr, lora_ids_ptr, counts_ptr, start_ptr, counter_ptr,
+    T, K, R, stride_x, NUM_COUNTERS,
     QUANTIZE: tl.constexpr, NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     INTERPRETER: tl.constexpr, USE_PDL: tl.constexpr = False,
@@ -97,6 +97,12 @@ def _quantize_shrink_kernel(
         # now and stream its weights while we run; it waits for our h before its epilogue.
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
+    if pid == 0:
+        # Zero the split-K tile counters of the K2 that follows (it touches them only after
+        # this kernel is complete), so neither kernel needs a memset launched between them.
+        for c0 in range(0, NUM_COUNTERS, 1024):
+            c = c0 + tl.arange(0, 1024)
+            tl.store(counter_ptr + c, 0, mask=c < NUM_COUNTERS)
     if QUANTIZE:
         if pid < T:
             _quantize_row(x_ptr, codes_ptr, scales_ptr, pid, K, stride_x, BLOCK_K, INTERPRETER)
@@ -117,7 +123,7 @@ def _quantize_shrink_kernel(
     slot = tl.load(lora_ids_ptr + z)
     count = tl.load(counts_ptr + z)
     start = tl.load(start_ptr + z)
-    if (slot < 0) | (pid_m * BLOCK_M >= count):
+    if pid_m * BLOCK_M >= count:
         return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < count
@@ -127,8 +133,10 @@ def _quantize_shrink_kernel(
 
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_begin = split * k_per_split
+    # Tokens without an adapter (slot -1) get zero rows of h: no loop, the zero tile stored.
+    k_end = tl.where(slot >= 0, tl.minimum(k_begin + k_per_split, K), k_begin)
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for k0 in range(k_begin, tl.minimum(k_begin + k_per_split, K), BLOCK_K):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         xt = tl.load(x_ptr + tok[:, None] * stride_x + k[None, :],
                      mask=row_mask[:, None] & (k[None, :] < K), other=0.0)
@@ -143,14 +151,39 @@ def _quantize_shrink_kernel(
 
 
 @triton.jit
+def _split_k_reduce(acc, partial_ptr, counter_ptr, pos, n, N, n_mask, SPLIT_K: tl.constexpr,
+                    BLOCK_M: tl.constexpr):
+    # Deterministic split-K. Every split stores its fp32 partial in its plane of the workspace
+    # `[SPLIT_K, tiles_m * BLOCK_M, N]`; the split that arrives last at the tile's counter sums
+    # the planes in the fixed order 0..SPLIT_K-1 (the same bits whichever split came last) and
+    # resets the counter for the next launch. Returns (the sum, the number of splits that
+    # arrived before this one: SPLIT_K - 1 for the last).
+    plane = (tl.num_programs(0) * BLOCK_M).to(tl.int64) * N
+    offs = pos[:, None].to(tl.int64) * N + n[None, :]
+    tl.store(partial_ptr + tl.program_id(2) * plane + offs, acc, mask=n_mask[None, :])
+    tl.debug_barrier()  # every thread's partial is written before the counter moves
+    counter = counter_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLIT_K - 1
+    total = tl.zeros_like(acc)
+    if last:
+        for split in tl.static_range(SPLIT_K):
+            # .cg: read at L2, never a stale L1 line of another SM's partial
+            total += tl.load(partial_ptr + split * plane + offs, mask=n_mask[None, :], other=0.0,
+                             cache_modifier=".cg")
+        tl.store(counter, 0)
+    return total, arrived
+
+
+@triton.jit
 def _lora_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, y_ptr, h_ptr,
     b0_ptr, b1_ptr, b2_ptr,
-    sorted_ptr, lora_ids_ptr, start_ptr,
+    sorted_ptr, lora_ids_ptr, start_ptr, partial_ptr, counter_ptr,
     T, N, K, R, NUM_ENTRIES,
     stride_a, stride_y, N_OFF1, N_OFF2,
     MODE: tl.constexpr, HAS_LORA: tl.constexpr, NUM_SLICES: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    H_PLANES: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, INTERPRETER: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
@@ -166,12 +199,19 @@ def _lora_gemm_kernel(
     n_mask = n < N
     y_tile = y_ptr + tok[:, None].to(tl.int64) * stride_y + n[None, :]
     out_mask = pos_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        k_begin = 0
+        k_end = K
+    else:  # this program's share of K, whole BLOCK_K steps
+        k_step = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_begin = tl.program_id(2) * k_step
+        k_end = tl.minimum(k_begin + k_step, K)
 
     if MODE == 2:
         acc = tl.load(y_tile, mask=out_mask, other=0.0).to(tl.float32)
     elif MODE == 3:
-        # The decode path: quantize the bf16 rows here, exactly as K1 does (same amax, same
-        # division, same cast), so the accumulator is bit for bit the serialized path's.
+        # The decode path: quantize the bf16 rows here, exactly as K1 does (same amax over the
+        # whole row, same division, same cast), so the accumulator is the fused path's bits.
         amax = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
@@ -181,7 +221,7 @@ def _lora_gemm_kernel(
         x_scale = tl.maximum(tl.max(amax, axis=1) / FP8_MAX, FP8_MIN_SCALE)
         inverse = 1.0 / x_scale
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_begin, k_end, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             xt = tl.load(a_ptr + tok[:, None].to(tl.int64) * stride_a + k[None, :],
                          mask=pos_mask[:, None] & (k[None, :] < K), other=0.0)
@@ -189,10 +229,9 @@ def _lora_gemm_kernel(
             wt = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :],
                          mask=n_mask[:, None] & (k[None, :] < K), other=0.0)
             acc = tl.dot(_to_e4m3(q, INTERPRETER), tl.trans(wt), acc)
-        acc = x_scale[:, None] * (tl.load(w_scale_ptr) * acc)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_begin, k_end, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             at = tl.load(a_ptr + tok[:, None].to(tl.int64) * stride_a + k[None, :],
                          mask=pos_mask[:, None] & (k[None, :] < K), other=0.0)
@@ -204,16 +243,25 @@ def _lora_gemm_kernel(
                 acc += tl.dot(at.to(tl.float32), tl.trans(wt.to(tl.float32)))
             else:
                 acc += tl.dot(at, tl.trans(wt.to(tl.bfloat16)))
-        w_scale = tl.load(w_scale_ptr)
-        if MODE == 0:
-            x_scale = tl.load(a_scale_ptr + tok, mask=pos_mask, other=0.0)
-            acc = x_scale[:, None] * (w_scale * acc)
-        else:
-            acc = w_scale * acc
 
     if USE_PDL:
         # Everything above read only what existed before the shrink started; h is the shrink's.
+        # Unconditional and before any global store (split-K partials included): see
+        # docs/kernels.md, "The decode path".
         tl.extra.cuda.gdc_wait()
+    if SPLIT_K > 1:
+        acc, arrived = _split_k_reduce(acc, partial_ptr, counter_ptr, pos, n, N, n_mask,
+                                       SPLIT_K, BLOCK_M)
+        if arrived != SPLIT_K - 1:
+            return
+    if MODE == 3:
+        acc = x_scale[:, None] * (tl.load(w_scale_ptr) * acc)
+    elif MODE == 0:
+        x_scale = tl.load(a_scale_ptr + tok, mask=pos_mask, other=0.0)
+        acc = x_scale[:, None] * (tl.load(w_scale_ptr) * acc)
+    elif MODE == 1:
+        acc = tl.load(w_scale_ptr) * acc
+
     if HAS_LORA:
         n0 = pid_n * BLOCK_N
         s = (n0 >= N_OFF1).to(tl.int32) + (n0 >= N_OFF2).to(tl.int32)
@@ -224,7 +272,7 @@ def _lora_gemm_kernel(
         r = tl.arange(0, BLOCK_R)
         hmask = pos_mask[:, None] & (r[None, :] < R)
         hsum = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-        for split in tl.static_range(SPLIT_K):  # a fixed order: deterministic
+        for split in tl.static_range(H_PLANES):  # a fixed order: deterministic
             plane = h_ptr + ((split * NUM_SLICES + s) * T + tok[:, None]).to(tl.int64) * R
             hsum += tl.load(plane + r[None, :], mask=hmask, other=0.0)
         hb = hsum.to(tl.bfloat16)

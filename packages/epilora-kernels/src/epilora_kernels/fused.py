@@ -19,25 +19,32 @@ Weights are `[N, K]` float8_e4m3fn (row-major, K contiguous; vLLM keeps their tr
 with a one-element fp32 scale; activations `[T, K]` bf16.
 """
 
+import dataclasses
+
 import torch
 import triton
 
 from epilora_kernels import _env
 from epilora_kernels._fused_kernels import _lora_gemm_kernel, _quantize_shrink_kernel
 from epilora_kernels.batch import AdapterBatch, LoraWeights
-from epilora_kernels.launch import LaunchConfig, heuristic_config, table_config
+from epilora_kernels.launch import LaunchConfig, heuristic_config, rank_block, table_config
 
 
 def _config(op: str, tokens: int, lora: LoraWeights, given: LaunchConfig | None):
     if given is not None:
         return given
+    return _shape_config(op, tokens, lora.out_features, lora.in_features, lora.max_rank,
+                         lora.output_slices)
+
+
+def _shape_config(op: str, tokens: int, n: int, k: int, rank: int, slices: tuple[int, ...]):
     if torch.cuda.is_available() and not _env.triton_interpreter():
-        tuned = table_config(torch.cuda.get_device_name(), op, tokens, lora.out_features,
-                             lora.in_features)
+        tuned = table_config(torch.cuda.get_device_name(), op, tokens, n, k)
         if tuned is not None:
+            if op == "lora_gemm":  # tuned at one rank; K2's epilogue holds all R in one tile
+                return dataclasses.replace(tuned, block_r=rank_block(rank))
             return tuned
-    return heuristic_config(op, tokens, lora.out_features, lora.in_features, lora.max_rank,
-                            lora.output_slices)
+    return heuristic_config(op, tokens, n, k, rank, slices)
 
 
 def _check_inputs(x: torch.Tensor, lora: LoraWeights, batch: AdapterBatch) -> None:
@@ -77,7 +84,8 @@ def _use_pdl(pdl: bool) -> bool:
     return pdl and not _env.triton_interpreter()
 
 
-def _launch_k1(x, lora, batch, cfg: LaunchConfig, quantize: bool, pdl: bool = False):
+def _launch_k1(x, lora, batch, cfg: LaunchConfig, quantize: bool, pdl: bool = False,
+               counters: torch.Tensor | None = None):
     t, k = x.shape
     s_count, rank = len(lora.output_slices), lora.max_rank
     h = torch.empty(cfg.split_k, s_count, t, rank, dtype=torch.float32, device=x.device)
@@ -86,7 +94,8 @@ def _launch_k1(x, lora, batch, cfg: LaunchConfig, quantize: bool, pdl: bool = Fa
         scales = torch.empty(t, 1, dtype=torch.float32, device=x.device)
     else:
         codes, scales = h, h  # unused
-    h.zero_()  # planes of tokens without adapter stay zero
+    if counters is None:
+        counters = h  # not written: NUM_COUNTERS = 0
     a, _, _, _ = _slice_args(lora)
     shrink_programs = ((batch.max_loras + 1) * triton.cdiv(t, cfg.block_m)
                        * triton.cdiv(rank, cfg.block_r) * cfg.split_k * s_count)
@@ -94,8 +103,8 @@ def _launch_k1(x, lora, batch, cfg: LaunchConfig, quantize: bool, pdl: bool = Fa
     _quantize_shrink_kernel[grid](
         x, codes, scales, h, a[0], a[1], a[2],
         batch.sorted_token_indices, batch.lora_ids, batch.num_tokens_per_lora,
-        batch.lora_token_start,
-        t, k, rank, x.stride(0),
+        batch.lora_token_start, counters,
+        t, k, rank, x.stride(0), 0 if counters is h else counters.numel(),
         QUANTIZE=quantize, NUM_SLICES=s_count, SPLIT_K=cfg.split_k,
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
         INTERPRETER=_env.triton_interpreter(), USE_PDL=_use_pdl(pdl),
@@ -130,21 +139,54 @@ def lora_shrink(
     return _launch_k1(x, lora, batch, cfg, quantize=False, pdl=pdl)[2]
 
 
+def _split_k(mode: int, cfg: LaunchConfig) -> int:
+    return 1 if mode == 2 else cfg.split_k  # the expand has no K loop to split
+
+
+def _gemm_grid(mode: int, t: int, n: int, cfg: LaunchConfig) -> tuple[int, int, int]:
+    return (triton.cdiv(t, cfg.block_m), triton.cdiv(n, cfg.block_n), _split_k(mode, cfg))
+
+
+def _tile_counters(mode: int, t: int, n: int, cfg: LaunchConfig, device) -> torch.Tensor | None:
+    """Uninitialized split-K tile counters for a K2 launch (None without split-K): the K1 that
+    runs before it zeroes them (`counters=` of `_launch_k1`), at no extra launch."""
+    grid = _gemm_grid(mode, t, n, cfg)
+    if grid[2] == 1:
+        return None
+    return torch.empty(grid[0] * grid[1], dtype=torch.int32, device=device)
+
+
+def _gemm_workspace(mode, t, n, cfg: LaunchConfig, device, counters):
+    """The grid, the split-K partials and the tile counters (zeroed here unless given)."""
+    grid = _gemm_grid(mode, t, n, cfg)
+    if grid[2] == 1:
+        return grid, None, None
+    partial = torch.empty(grid[2], grid[0] * cfg.block_m, n, dtype=torch.float32, device=device)
+    if counters is None:
+        counters = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=device)
+    return grid, partial, counters
+
+
 def _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg: LaunchConfig,
-               pdl: bool = False):
+               pdl: bool = False, counters: torch.Tensor | None = None):
     t, n = y.shape
     k = lora.in_features
     _, b, off1, off2 = _slice_args(lora)
     if any(w % cfg.block_n for w in lora.output_slices[:-1]):
         raise ValueError(f"block_n={cfg.block_n} must divide the slice widths "
                          f"{lora.output_slices[:-1]} (a tile must not straddle two slices)")
-    grid = (triton.cdiv(t, cfg.block_m), triton.cdiv(n, cfg.block_n))
+    if cfg.block_r < lora.max_rank:
+        raise ValueError(f"block_r={cfg.block_r} must cover the adapters' max rank "
+                         f"{lora.max_rank}: K2's epilogue reads all of h in one tile")
+    grid, partial, counters = _gemm_workspace(mode, t, n, cfg, y.device, counters)
     _lora_gemm_kernel[grid](
         a, a_scale, weight, weight_scale, y, h, b[0], b[1], b[2],
         batch.sorted_token_indices, batch.lora_ids, batch.lora_token_start,
+        y if partial is None else partial, batch.lora_ids if counters is None else counters,
         t, n, k, lora.max_rank, batch.max_loras + 1,
         a.stride(0), y.stride(0), off1, off2,
-        MODE=mode, HAS_LORA=True, NUM_SLICES=len(lora.output_slices), SPLIT_K=h.shape[0],
+        MODE=mode, HAS_LORA=True, NUM_SLICES=len(lora.output_slices), H_PLANES=h.shape[0],
+        SPLIT_K=grid[2],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=cfg.block_r,
         INTERPRETER=_env.triton_interpreter(), USE_PDL=_use_pdl(pdl),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=_use_pdl(pdl),
@@ -159,15 +201,16 @@ def _gemm_config(batch, lora, config):
 def _launch_gemm_only(mode, a, a_scale, weight, weight_scale, cfg: LaunchConfig | None):
     t, k = a.shape
     n = weight.shape[0]
-    cfg = cfg or heuristic_config("lora_gemm", t, n, k, 16)
+    cfg = cfg or _shape_config("lora_gemm", t, n, k, 16, ())
     y = torch.empty(t, n, dtype=torch.bfloat16, device=a.device)
     unused = torch.zeros(1, dtype=torch.int32, device=a.device)
-    grid = (triton.cdiv(t, cfg.block_m), triton.cdiv(n, cfg.block_n))
+    grid, partial, counters = _gemm_workspace(mode, t, n, cfg, a.device, None)
     _lora_gemm_kernel[grid](
         a, a_scale, weight, weight_scale, y, weight_scale, weight, weight, weight,
-        unused, unused, unused,
+        unused, unused, unused, y if partial is None else partial,
+        unused if counters is None else counters,
         t, n, k, 1, 0, a.stride(0), y.stride(0), n, n,
-        MODE=mode, HAS_LORA=False, NUM_SLICES=1, SPLIT_K=1,
+        MODE=mode, HAS_LORA=False, NUM_SLICES=1, H_PLANES=1, SPLIT_K=grid[2],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=16,
         INTERPRETER=_env.triton_interpreter(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -278,9 +321,7 @@ def decode_lora_fp8_linear(
     """The decode path: the shrink first (no PDL), then K2 as its programmatic dependent, which
     streams its weights while the shrink runs. `pdl=False` runs the same kernels serialized;
     both give the same bits, and the same bits as `fused_lora_fp8_linear` with equal configs."""
-    h = lora_shrink(x, lora, batch, config=k1_config, pdl=pdl)
-    return lora_fp8_gemm_from_bf16(x, weight, weight_scale, h, lora, batch, config=k2_config,
-                                   pdl=pdl)
+    return _two_kernel_linear(3, x, weight, weight_scale, lora, batch, k1_config, k2_config, pdl)
 
 
 def lora_expand(
@@ -309,8 +350,7 @@ def fused_lora_fp8_linear(
     k2_config: LaunchConfig | None = None,
 ) -> torch.Tensor:
     """The fused path: K1 then K2."""
-    codes, scales, h = quantize_and_shrink(x, lora, batch, config=k1_config)
-    return lora_fp8_gemm(codes, scales, weight, weight_scale, h, lora, batch, config=k2_config)
+    return _two_kernel_linear(0, x, weight, weight_scale, lora, batch, k1_config, k2_config)
 
 
 def fused_lora_w8a16_linear(
@@ -324,5 +364,21 @@ def fused_lora_w8a16_linear(
     k2_config: LaunchConfig | None = None,
 ) -> torch.Tensor:
     """The matched engine's path: shrink, then the W8A16 GEMM with the up-projection."""
-    h = lora_shrink(x, lora, batch, config=k1_config)
-    return lora_w8a16_gemm(x, weight, weight_scale, h, lora, batch, config=k2_config)
+    return _two_kernel_linear(1, x, weight, weight_scale, lora, batch, k1_config, k2_config)
+
+
+def _two_kernel_linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config,
+                       pdl=False):
+    # K1 (quantizing for MODE 0, else the shrink alone), then K2 in `mode`; K1 zeroes K2's
+    # split-K tile counters, so the pair launches exactly two kernels.
+    _check_inputs(x, lora, batch)
+    _check_weight(weight, weight_scale, lora.in_features, lora.out_features)
+    cfg1 = _config("quantize_shrink", x.shape[0], lora, k1_config)
+    cfg2 = _gemm_config(batch, lora, k2_config)
+    y = torch.empty(x.shape[0], lora.out_features, dtype=torch.bfloat16, device=x.device)
+    counters = _tile_counters(mode, x.shape[0], lora.out_features, cfg2, x.device)
+    codes, scales, h = _launch_k1(x, lora, batch, cfg1, quantize=mode == 0, pdl=pdl,
+                                  counters=counters)
+    a, a_scale = (codes, scales) if mode == 0 else (x, weight_scale if mode == 1 else x)
+    return _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg2, pdl=pdl,
+                      counters=counters)

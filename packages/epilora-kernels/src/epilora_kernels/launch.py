@@ -43,6 +43,11 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def rank_block(rank: int) -> int:
+    """The rank tile that holds a whole adapter: the next power of two >= rank, at least 16."""
+    return max(16, _next_pow2(rank))
+
+
 def heuristic_config(
     op: str, tokens: int, n: int, k: int, rank: int, slices: tuple[int, ...] = ()
 ) -> LaunchConfig:
@@ -54,7 +59,7 @@ def heuristic_config(
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
     block_m = 16 if tokens <= 16 else (32 if tokens <= 32 else 64)
-    block_r = max(16, min(_next_pow2(rank), 128))
+    block_r = rank_block(rank)
     if op == "quantize_shrink":
         # Small batches: split K so that enough programs exist to stream A.
         split_k = 8 if tokens <= 32 else (2 if tokens <= 128 else 1)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from epilora_kernels import fused, reference
+from epilora_kernels.launch import LaunchConfig
 from epilora_testing import assert_bitwise_equal
 from epilora_testing.cuda_graphs import capture
 
@@ -19,28 +20,44 @@ CASES = [  # (tokens, K, slices, rank, max_loras)
 ]
 
 
+def _k2_config(split_k: int | None, rank: int):
+    # None: the launch table's (or the heuristic's) choice; else a decode tile with split-K.
+    if split_k is None:
+        return None
+    return LaunchConfig(block_m=16, block_n=64, block_k=256, block_r=max(16, rank),
+                        split_k=split_k, num_stages=4)
+
+
+@pytest.mark.parametrize("split_k", [None, 1, 4], ids=lambda s: f"split{s or 'auto'}")
 @pytest.mark.parametrize("shape", CASES, ids=lambda s: f"T{s[0]}-N{sum(s[2])}-r{s[3]}")
-def test_decode_equals_serialized_and_fused_bitwise(shape):
+def test_decode_equals_serialized_and_fused_bitwise(shape, split_k):
     t, k, slices, rank, max_loras = shape
     x, weight, w_scale, lora, batch = make_problem(0, t, k, slices, rank, max_loras,
                                                    "one_token_each", device="cuda")
-    decode = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, pdl=True)
-    serialized = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, pdl=False)
-    fused_y = fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch)
+    k2 = _k2_config(split_k, rank)
+    decode = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, pdl=True,
+                                          k2_config=k2)
+    serialized = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, pdl=False,
+                                              k2_config=k2)
+    fused_y = fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch, k2_config=k2)
     assert_bitwise_equal(decode, serialized, name="decode vs serialized")
     assert_bitwise_equal(decode, fused_y, name="decode vs fused")
-    for _ in range(3):
-        again = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, pdl=True)
+    for _ in range(10):  # split-K: a race in the tile counters would show as a changed bit
+        again = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, pdl=True,
+                                             k2_config=k2)
         assert_bitwise_equal(again, decode, name="repeat")
     want = reference.decode_lora_fp8_linear(x, weight, w_scale, lora, batch)
     assert relative_error(decode, want) < 1e-2
 
 
-def test_decode_in_a_cuda_graph_equals_eager():
+@pytest.mark.parametrize("split_k", [None, 4], ids=lambda s: f"split{s or 'auto'}")
+def test_decode_in_a_cuda_graph_equals_eager(split_k):
     x, weight, w_scale, lora, batch = make_problem(1, 8, 4096, (4096, 1024, 1024), 64, 4,
                                                    "mixed_with_base", device="cuda")
-    eager = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch)
-    graph, out = capture(lambda: fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch))
+    k2 = _k2_config(split_k, 64)
+    eager = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, k2_config=k2)
+    graph, out = capture(lambda: fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch,
+                                                              k2_config=k2))
     for _ in range(5):
         graph.replay()
         torch.cuda.synchronize()
