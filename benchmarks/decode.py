@@ -3,13 +3,14 @@
 Systems (one CUDA graph per system and case, L2 flushed before each replay, median of replays):
 `cutlass` (vLLM quant + CUTLASS, no adapter), `vllm-default` (+ Punica shrink/expand),
 `vllm-dual-stream` (vLLM's VLLM_LORA_ENABLE_DUAL_STREAM: the adapter on a second stream into a
-zeroed buffer, joined and added), `epilora-serialized` (our shrink, then K2 quantizing
-in-kernel, without PDL), `epilora-decode` (the same with K2 as the shrink's programmatic
-dependent). Overlap controls (the paper's table 11), K2 with PDL and h already computed, after:
-`control-empty` (an empty kernel), `control-cublas-shrink` (a cuBLAS x A^T), and alone:
-`epilora-h-given` (the lower bound). Components for the exposure model: `component-shrink` (our
-shrinks alone), `component-gemm` (K2 without adapters); `model-decode` is derived from them,
-t_k2(h given) + max(0, t_shrink - t_gemm), for comparison with `epilora-decode`.
+zeroed buffer, joined and added), `epilora-serialized` (our quantizer, our shrink, then K2, no
+PDL), `epilora-decode` (the same with K2 as the shrink's programmatic dependent). Overlap
+controls (the paper's table 11), our quantizer then K2 with PDL and h already computed, after:
+`control-empty` (an empty kernel), `control-cublas-shrink` (a cuBLAS x A^T), and with nothing
+between: `epilora-h-given` (the lower bound). Components for the exposure model:
+`component-shrink` (our shrinks alone), `component-gemm` (our quantizer + K2 without adapters);
+`model-decode` is derived from them, t(h given) + max(0, t_shrink - t_gemm), for comparison
+with `epilora-decode`.
 
     python3 benchmarks/decode.py --out benchmarks/results/h200/decode.json
 """
@@ -50,14 +51,14 @@ def _empty_kernel():
 def run_decode(system: str, xs, layer, batch, hs) -> None:
     for name, (weight, scale, lora) in layer.items():
         x = xs[name]
-        if system == "epilora-h-given":
-            fused.lora_fp8_gemm_from_bf16(x, weight, scale, hs[name], lora, batch)
-        elif system == "control-empty":
-            _empty_kernel[(1,)]()
-            fused.lora_fp8_gemm_from_bf16(x, weight, scale, hs[name], lora, batch, pdl=True)
-        elif system == "control-cublas-shrink":
-            torch.matmul(x, lora.lora_a[0][0, 0].T)  # cuBLAS, triggers no dependents
-            fused.lora_fp8_gemm_from_bf16(x, weight, scale, hs[name], lora, batch, pdl=True)
+        if system in ("epilora-h-given", "control-empty", "control-cublas-shrink"):
+            codes, scales = fused.quantize(x)
+            if system == "control-empty":
+                _empty_kernel[(1,)]()
+            elif system == "control-cublas-shrink":
+                torch.matmul(x, lora.lora_a[0][0, 0].T)  # cuBLAS, triggers no dependents
+            fused.lora_fp8_gemm(codes, scales, weight, scale, hs[name], lora, batch,
+                                pdl=system != "epilora-h-given")
         elif system == "component-shrink":
             fused.lora_shrink(x, lora, batch)
         elif system == "component-gemm":

@@ -3,9 +3,10 @@
 Systems, side by side in one run on one GPU (names as in DESIGN.md section 6):
 
 * `cutlass`: vLLM's per-token activation quant (CUDA kernel) + `cutlass_scaled_mm`, no adapter;
-* `epilora-gemm`: our FP8 GEMM alone (K2 quantizing in-kernel, no adapter), against `cutlass`;
+* `epilora-gemm`: our quantizer + our FP8 GEMM (K2 without adapter), against `cutlass`;
 * `vllm-default`: the same + vLLM's Punica `lora_shrink` / `lora_expand` at their defaults;
 * `epilora-fused`: our K1 (quant + shrink) + K2 (FP8 GEMM with the up-projection in its epilogue);
+* `epilora-decode`: the decode path (our quantizer, our shrink, K2 as its PDL dependent);
 * `epilora-hybrid`: vLLM's quant + CUTLASS, then our shrink and expand.
 
 Each system's whole layer (qkv 4096->6144, o 4096->4096, gate_up 4096->24576, down 12288->4096)
@@ -19,10 +20,12 @@ Weights are random FP8 with per-tensor scales; adapters random bf16.
 import argparse
 import datetime
 import functools
+import hashlib
 import json
 import statistics
 import subprocess
 import sys
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -63,6 +66,9 @@ def run_layer(system: str, xs: dict, layer: dict, batch: AdapterBatch, meta: tup
         x = xs[name]
         if system == "epilora-fused":
             fused.fused_lora_fp8_linear(x, weight, scale, lora, batch)
+            continue
+        if system == "epilora-decode":
+            fused.decode_lora_fp8_linear(x, weight, scale, lora, batch)
             continue
         if system == "epilora-gemm":  # our FP8 GEMM alone (quantizing in-kernel), no adapter
             fused.fp8_gemm_from_bf16(x, weight, scale)
@@ -108,7 +114,8 @@ def main() -> None:
     tokens_list = (1, 16, 64, 256) if args.quick else TOKENS
     gen = torch.Generator(device="cuda").manual_seed(0)
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
-    systems = ("cutlass", "epilora-gemm", "vllm-default", "epilora-fused", "epilora-hybrid")
+    systems = ("cutlass", "epilora-gemm", "vllm-default", "epilora-fused", "epilora-decode",
+               "epilora-hybrid")
     rows = []
     for num_adapters, rank in SETUPS:
         layer = make_layer(num_adapters, rank, gen)
@@ -141,7 +148,13 @@ def write_results(args, rows) -> None:
 
     sha = args.git_sha or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                          text=True).stdout.strip()
+    from epilora_kernels.launch import table_name
+
+    table = resources.files("epilora_kernels").joinpath("configs",
+                                                         table_name(torch.cuda.get_device_name()))
     meta = {"git_sha": sha or "unknown",
+            "launch_table": hashlib.sha256(table.read_bytes()).hexdigest()[:16]
+            if table.is_file() else None,
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "vllm": vllm.__version__,

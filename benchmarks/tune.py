@@ -7,9 +7,9 @@ what the settings change) and of K1 (`quantize_and_shrink`, rank 64, 4 adapters)
 replays with the L2 flushed (median of `--reps`), checks each candidate's result (K1 codes
 bitwise; outputs by relative error against the first candidate), and keeps the fastest. In the
 same run, per projection: `cutlass-mm` (vLLM's `cutlass_scaled_mm` on the same codes),
-`vllm-quant` (vLLM's per-token quantizer), and our best K2 again in MODE 3 (quantizing in-kernel:
-the decode path's GEMM). Writes the table (`epilora_kernels/configs/<device>.json` format,
-schema-checked) and every timing.
+`vllm-quant` (vLLM's per-token quantizer) and `epilora-quant` (our K1's quantizer alone, which
+the decode path launches before its shrink). Writes the table
+(`epilora_kernels/configs/<device>.json` format, schema-checked) and every timing.
 
     python3 benchmarks/tune.py --out-table $OUT/NVIDIA_H200.json --out $OUT/tune.json
 """
@@ -28,9 +28,11 @@ from epilora_kernels.launch import LaunchConfig, shape_key, validate_table
 
 TOKENS = (1, 4, 8, 16, 32, 64, 128, 256)
 RANK = 64
-DECODE_TILES = ((32, 256), (32, 512), (64, 128), (64, 256), (128, 128), (128, 256))  # (BN, BK)
-PREFILL_TILES = ((64, 64, 128, 4), (64, 128, 128, 4), (64, 256, 64, 8), (128, 128, 64, 8),
-                 (128, 128, 128, 8), (128, 256, 64, 8))  # (BM, BN, BK, warps)
+# Candidate tiles, pruned by the first sweep (benchmarks/results/h200/tune_v1.json: 128-wide N
+# and 128-deep K tiles never won at 1-32 tokens; split-K never won there either, but stays in).
+DECODE_TILES = ((32, 256), (32, 512), (64, 256), (64, 512))  # (BN, BK)
+PREFILL_TILES = ((64, 32, 256, 4), (64, 64, 128, 4), (64, 64, 256, 4), (64, 128, 128, 4),
+                 (128, 128, 64, 8), (128, 128, 128, 8), (128, 256, 64, 8))  # (BM, BN, BK, warps)
 
 
 def _block_m(tokens: int) -> int:
@@ -41,11 +43,12 @@ def k2_candidates(tokens: int, slices: tuple[int, ...]):
     if tokens <= 32:
         grid = [LaunchConfig(block_m=_block_m(tokens), block_n=bn, block_k=bk, block_r=RANK,
                              split_k=split, num_stages=stages, num_warps=4)
-                for bn, bk in DECODE_TILES for split in (1, 2, 4) for stages in (3, 5)]
+                for bn, bk in DECODE_TILES for split in (1, 2) for stages in (3, 5)]
     else:
-        grid = [LaunchConfig(block_m=bm, block_n=bn, block_k=bk, block_r=RANK, split_k=1,
+        grid = [LaunchConfig(block_m=bm, block_n=bn, block_k=bk, block_r=RANK, split_k=split,
                              num_stages=stages, num_warps=warps)
-                for bm, bn, bk, warps in PREFILL_TILES for stages in (3, 4)]
+                for bm, bn, bk, warps in PREFILL_TILES for stages in (3, 4)
+                for split in ((1, 2) if bm == 64 and tokens <= 64 else (1,))]
     return [c for c in grid if not any(width % c.block_n for width in slices[:-1])]
 
 
@@ -53,7 +56,7 @@ def k1_candidates(tokens: int):
     block_m = 16 if tokens <= 16 else (32 if tokens <= 32 else 64)
     return [LaunchConfig(block_m=block_m, block_k=block_k, block_r=RANK, split_k=split_k,
                          num_stages=2, num_warps=4)
-            for split_k in (1, 2, 4, 8, 16) for block_k in (64, 128, 256)]
+            for split_k in (1, 4, 8, 16) for block_k in (128, 256)]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -118,9 +121,8 @@ def main() -> None:
                                lambda run=run, want=want: rel(run(), want) < 1e-2)
                 row("lora_gemm", name, tokens, us, cfg, ok=ok)
                 best2 = min(best2, (us, cfg), key=lambda b: b[0])
-            mode3 = _time(functools.partial(fused.fp8_gemm_from_bf16, x, weight, scale,
-                                            config=best2[1]), args.reps, flush)[1]
-            row("gemm-from-bf16", name, tokens, mode3, best2[1])
+            our_quant = _time(functools.partial(fused.quantize, x), args.reps, flush)[1]
+            row("epilora-quant", name, tokens, our_quant)
             base = k1_candidates(tokens)[0]
             want_codes, _, want_h = fused.quantize_and_shrink(x, lora, batch, config=base)
             best1 = (float("inf"), None)
@@ -136,8 +138,8 @@ def main() -> None:
                 row("quantize_shrink", name, tokens, us, cfg, ok=ok)
                 best1 = min(best1, (us, cfg), key=lambda b: b[0])
             print(f"{name:8s} T={tokens:3d} cutlass-mm {cutlass:7.1f}  ours {best2[0]:7.1f} "
-                  f"({best2[0] / cutlass:4.2f}x)  in-kernel quant {mode3:7.1f}  vllm-quant "
-                  f"{quant:5.1f}  K1 {best1[0]:6.1f}  K2 {best2[1]}", flush=True)
+                  f"({best2[0] / cutlass:4.2f}x)  quant: vllm {quant:5.1f} ours {our_quant:5.1f}  "
+                  f"K1 {best1[0]:6.1f}  K2 {best2[1]}", flush=True)
             for op, (_, cfg) in (("lora_gemm", best2), ("quantize_shrink", best1)):
                 table[op].setdefault(shape_key(n, k), {})[str(tokens)] = cfg.__dict__
         validate_table(table)

@@ -2,7 +2,8 @@
 # One device call for epilora-kernels on the H200, into $OUT: the steps named as arguments, in
 # order, each under its own timeout (seconds, from the environment):
 #   tests   the kernel GPU tests (nox -s gpu-sm90 -- -k "fused_gpu or decode_gpu")  TESTS_TIMEOUT
-#   tune    benchmarks/tune.py -> $OUT/NVIDIA_H200.json (copy it to epilora_kernels/configs/)
+#   tune    benchmarks/tune.py -> $OUT/NVIDIA_H200.json, which the later steps of the call then
+#           use (installed into the package); copy it to epilora_kernels/configs/ to keep it
 #                                                                                   TUNE_TIMEOUT
 #   layer   benchmarks/layer.py -> $OUT/layer.json                                 LAYER_TIMEOUT
 #   decode  benchmarks/decode.py -> $OUT/decode.json                               DECODE_TIMEOUT
@@ -19,7 +20,8 @@ for step in "$@"; do
              2>&1 | tee "$OUT/gpu-sm90-kernels.log" ;;
     tune) timeout "${TUNE_TIMEOUT:-420}" python3 benchmarks/tune.py \
             --out-table "$OUT/NVIDIA_H200.json" --out "$OUT/tune.json" --git-sha "$sha" \
-            2>&1 | tee "$OUT/tune.log" ;;
+            2>&1 | tee "$OUT/tune.log"
+          cp "$OUT/NVIDIA_H200.json" /tmp/epilora-site/epilora_kernels/configs/ ;;
     layer) timeout "${LAYER_TIMEOUT:-300}" python3 benchmarks/layer.py --out "$OUT/layer.json" \
              --git-sha "$sha" 2>&1 | tee "$OUT/layer.log" ;;
     decode) timeout "${DECODE_TIMEOUT:-240}" python3 benchmarks/decode.py \

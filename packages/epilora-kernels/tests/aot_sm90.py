@@ -38,7 +38,7 @@ def main() -> None:
     for quantize in (True, False):
         ptx = compile_ptx(_quantize_shrink_kernel, K1, dict(
             QUANTIZE=quantize, NUM_SLICES=3, SPLIT_K=8, BLOCK_M=16, BLOCK_R=64, BLOCK_K=128,
-            INTERPRETER=False), num_warps=4)
+            QUANT_BLOCK=4096, INTERPRETER=False), num_warps=4)
         out[f"k1_quantize={quantize}"] = sorted(set(re.findall(PATTERN, ptx)))
     for mode in (0, 1, 2):
         sig = dict(K2)
@@ -48,23 +48,20 @@ def main() -> None:
             MODE=mode, HAS_LORA=True, NUM_SLICES=3, H_PLANES=8, SPLIT_K=1, BLOCK_M=16, BLOCK_N=32,
             BLOCK_K=256, BLOCK_R=64, INTERPRETER=False), num_warps=4, num_stages=4)
         out[f"k2_mode={mode}"] = sorted(set(re.findall(PATTERN, ptx)))
-    for mode in (0, 3):  # the GEMM without adapters
+    for mode in (0,):  # the GEMM without adapters
         sig = dict(K2)
-        if mode == 3:
-            sig["a_ptr"] = "*bf16"
         ptx = compile_ptx(_lora_gemm_kernel, sig, dict(
             MODE=mode, HAS_LORA=False, NUM_SLICES=1, H_PLANES=1, SPLIT_K=1, BLOCK_M=16, BLOCK_N=32,
             BLOCK_K=256, BLOCK_R=16, INTERPRETER=False), num_warps=4, num_stages=4)
         out[f"gemm_only_mode={mode}"] = sorted(set(re.findall(PATTERN, ptx)))
-    # The decode path: the shrink triggers its dependents; K2 (MODE 3) waits after its K loop.
+    # The decode path: the shrink triggers its dependents; K2 waits after its K loop.
     ptx = compile_ptx(_quantize_shrink_kernel, K1, dict(
         QUANTIZE=False, NUM_SLICES=3, SPLIT_K=8, BLOCK_M=16, BLOCK_R=64, BLOCK_K=128,
-        INTERPRETER=False, USE_PDL=True), num_warps=4)
+        QUANT_BLOCK=4096, INTERPRETER=False, USE_PDL=True), num_warps=4)
     out["k1_pdl"] = sorted(set(re.findall(PATTERN, ptx)))
     sig = dict(K2)
-    sig["a_ptr"] = "*bf16"
     ptx = compile_ptx(_lora_gemm_kernel, sig, dict(
-        MODE=3, HAS_LORA=True, NUM_SLICES=3, H_PLANES=8, SPLIT_K=1, BLOCK_M=16, BLOCK_N=32,
+        MODE=0, HAS_LORA=True, NUM_SLICES=3, H_PLANES=8, SPLIT_K=1, BLOCK_M=16, BLOCK_N=32,
         BLOCK_K=256, BLOCK_R=64, INTERPRETER=False, USE_PDL=True), num_warps=4, num_stages=4)
     out["k2_pdl"] = sorted(set(re.findall(PATTERN, ptx)))
     # Where the wait sits: after main-loop MMAs (the overlap), before any global store.
@@ -73,7 +70,7 @@ def main() -> None:
     out["k2_pdl_no_store_before_wait"] = wait > 0 and "st.global" not in ptx[:wait]
     # Split-K at decode: the partial stores and the tile counter's atomic come after the wait.
     ptx = compile_ptx(_lora_gemm_kernel, sig, dict(
-        MODE=3, HAS_LORA=True, NUM_SLICES=3, H_PLANES=8, SPLIT_K=4, BLOCK_M=16, BLOCK_N=32,
+        MODE=0, HAS_LORA=True, NUM_SLICES=3, H_PLANES=8, SPLIT_K=4, BLOCK_M=16, BLOCK_N=32,
         BLOCK_K=256, BLOCK_R=64, INTERPRETER=False, USE_PDL=True), num_warps=4, num_stages=4)
     wait = ptx.find("griddepcontrol.wait")
     out["k2_pdl_split_k"] = sorted(set(re.findall(PATTERN, ptx)))

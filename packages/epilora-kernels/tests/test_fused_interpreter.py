@@ -135,7 +135,7 @@ def test_gemm_without_adapters_matches_reference(t):
     y = fused.fp8_gemm(codes, scales, weight, w_scale)
     assert relative_error(y, reference.fp8_gemm(codes, scales, weight, w_scale)) < BF16_TOL
     from_bf16 = fused.fp8_gemm_from_bf16(x, weight, w_scale)
-    assert_bitwise_equal(from_bf16, y, name="in-kernel quantization vs codes")
+    assert_bitwise_equal(from_bf16, y, name="quantize + fp8_gemm vs K1 codes + fp8_gemm")
     # no adapter anywhere: the LoRA GEMM gives the same bits as the plain one
     h = fused.lora_shrink(x, lora, batch)
     assert_bitwise_equal(fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch), y,
@@ -170,7 +170,7 @@ def test_split_k_gemm_matches_reference_and_repeats_bitwise(mapping, split_k):
     plain = fused.fp8_gemm(codes, scales, weight, w_scale, config=cfg)
     assert relative_error(plain, reference.fp8_gemm(codes, scales, weight, w_scale)) < BF16_TOL
     assert_bitwise_equal(fused.fp8_gemm_from_bf16(x, weight, w_scale, config=cfg), plain,
-                         name="split-K, in-kernel quantization vs codes")
+                         name="split-K, fp8_gemm_from_bf16 vs fp8_gemm")
     decode = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, k2_config=cfg)
     serial = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, k2_config=cfg,
                                           pdl=False)
@@ -188,3 +188,17 @@ def test_expand_ignores_split_k():
     three = fused.lora_expand(base.clone(), h, lora, batch,
                               config=fused.LaunchConfig(block_n=16, block_k=32, split_k=3))
     assert_bitwise_equal(three, one, name="expand with split_k=3")
+
+
+@pytest.mark.parametrize("k", [12288, 16384 + 64], ids=["one_shot", "chunked"])
+def test_quantize_long_rows(k):
+    # Rows up to 16384 features are quantized from registers in one pass, longer ones in
+    # chunks: both give epilora-quant's codes and scales.
+    gen = torch.Generator().manual_seed(12)
+    x = (torch.randn(3, k, generator=gen) * torch.tensor([[1e-3], [1.0], [300.0]])).to(
+        torch.bfloat16)
+    x[1, k - 1] = 57.0  # the amax in the last chunk's tail
+    codes, scales = fused.quantize(x)
+    want_codes, want_scales = reference.quantize(x, arithmetic=Fp8Arithmetic.TORCH_CPU)
+    assert_bitwise_equal(codes, want_codes, name="codes", inputs=x)
+    assert_bitwise_equal(scales, want_scales, name="scales")

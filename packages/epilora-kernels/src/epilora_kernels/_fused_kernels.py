@@ -4,17 +4,18 @@
 token each (per-token FP8, in Triton's own arithmetic, which is vLLM's compiled arithmetic: see
 epilora_quant.fp8, mode INDUCTOR), the rest compute one `BLOCK_M x BLOCK_R` tile of
 `h = x A_slot^T` for one adapter, one slice and one split of K, over that adapter's tokens.
-Split-K partials go to separate planes of the fp32 workspace (no atomics), so the consumer sums
-them in a fixed order and results are deterministic.
+Either kind may be launched alone (the decode path quantizes, then shrinks). Split-K partials
+go to separate planes of the fp32 workspace (no atomics), so the consumer sums them in a fixed
+order and results are deterministic.
 
 `_lora_gemm_kernel` (K2) walks the tokens in adapter order. MODE 0: FP8 x FP8 GEMM scaled as
 vLLM's CUTLASS epilogue; MODE 1: W8A16 (FP8 weight widened to bf16 in registers); MODE 2: no
-GEMM, the tile starts from an existing output (the hybrid path's expand); MODE 3: MODE 0 with the
-activations quantized in the kernel (the decode path: launched as the shrink's programmatic
-dependent with `USE_PDL`, it runs its main loop while the shrink runs and waits, `gdc_wait`,
-only before the epilogue reads h). Its epilogue adds
+GEMM, the tile starts from an existing output (the hybrid path's expand). Its epilogue adds
 `bf16(h) B_slot^T` for each adapter segment that meets the tile, reading only the tile's columns
-of B, and writes the bf16 tile once.
+of B, and writes the bf16 tile once. With `USE_PDL` (the decode path) it is launched as the
+shrink's programmatic dependent: its main loop runs while the shrink runs, and it waits
+(`gdc_wait`) only before the epilogue reads h. With `SPLIT_K` > 1 the K loop is split over
+programs and the last split of each tile reduces in a fixed order (`_split_k_reduce`).
 
 `INTERPRETER` works around two bugs of Triton's CPU interpreter: its bf16 arithmetic (bf16 dots
 become fp32 dots; h is still rounded to bf16 first) and its fp32 -> e4m3 cast, which loses the
@@ -64,22 +65,34 @@ def _to_e4m3(v, INTERPRETER: tl.constexpr):
 
 
 @triton.jit
-def _quantize_row(x_ptr, codes_ptr, scales_ptr, t, K, stride_x, BLOCK_K: tl.constexpr,
+def _quantize_row(x_ptr, codes_ptr, scales_ptr, t, K, stride_x, QUANT_BLOCK: tl.constexpr,
                   INTERPRETER: tl.constexpr):
+    # One token. A row of up to QUANT_BLOCK elements is loaded once and kept in registers (a
+    # chunked two-pass loop over a 12288-wide row is ~100 dependent loads: 35 us on the H200,
+    # benchmarks/results/h200/tune_v1.json); longer rows take chunks of QUANT_BLOCK.
     row = x_ptr + t * stride_x
-    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs = k0 + tl.arange(0, BLOCK_K)
+    if K <= QUANT_BLOCK:
+        offs = tl.arange(0, QUANT_BLOCK)
         v = tl.load(row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(v))
-    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, FP8_MIN_SCALE)
-    inverse = 1.0 / scale
-    tl.store(scales_ptr + t, scale)
-    for k0 in range(0, K, BLOCK_K):
-        offs = k0 + tl.arange(0, BLOCK_K)
-        v = tl.load(row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(v), axis=0) / FP8_MAX, FP8_MIN_SCALE)
+        inverse = 1.0 / scale
+        tl.store(scales_ptr + t, scale)
         q = tl.minimum(tl.maximum(v * inverse, -FP8_MAX), FP8_MAX)
         tl.store(codes_ptr + t * K + offs, _to_e4m3(q, INTERPRETER), mask=offs < K)
+    else:
+        amax = tl.zeros([QUANT_BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, QUANT_BLOCK):
+            offs = k0 + tl.arange(0, QUANT_BLOCK)
+            v = tl.load(row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(v))
+        scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, FP8_MIN_SCALE)
+        inverse = 1.0 / scale
+        tl.store(scales_ptr + t, scale)
+        for k0 in range(0, K, QUANT_BLOCK):
+            offs = k0 + tl.arange(0, QUANT_BLOCK)
+            v = tl.load(row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(v * inverse, -FP8_MAX), FP8_MAX)
+            tl.store(codes_ptr + t * K + offs, _to_e4m3(q, INTERPRETER), mask=offs < K)
 
 
 @triton.jit
@@ -90,7 +103,7 @@ def _quantize_shrink_kernel(
     T, K, R, stride_x, NUM_COUNTERS,
     QUANTIZE: tl.constexpr, NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    INTERPRETER: tl.constexpr, USE_PDL: tl.constexpr = False,
+    QUANT_BLOCK: tl.constexpr, INTERPRETER: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     if USE_PDL:
         # The decode path: let the GEMM launched after us (its programmatic dependent) start
@@ -105,7 +118,8 @@ def _quantize_shrink_kernel(
             tl.store(counter_ptr + c, 0, mask=c < NUM_COUNTERS)
     if QUANTIZE:
         if pid < T:
-            _quantize_row(x_ptr, codes_ptr, scales_ptr, pid, K, stride_x, BLOCK_K, INTERPRETER)
+            _quantize_row(x_ptr, codes_ptr, scales_ptr, pid, K, stride_x, QUANT_BLOCK,
+                          INTERPRETER)
             return
         pid -= T
     n_m = tl.cdiv(T, BLOCK_M)
@@ -209,26 +223,6 @@ def _lora_gemm_kernel(
 
     if MODE == 2:
         acc = tl.load(y_tile, mask=out_mask, other=0.0).to(tl.float32)
-    elif MODE == 3:
-        # The decode path: quantize the bf16 rows here, exactly as K1 does (same amax over the
-        # whole row, same division, same cast), so the accumulator is the fused path's bits.
-        amax = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            xt = tl.load(a_ptr + tok[:, None].to(tl.int64) * stride_a + k[None, :],
-                         mask=pos_mask[:, None] & (k[None, :] < K), other=0.0)
-            amax = tl.maximum(amax, tl.abs(xt.to(tl.float32)))
-        x_scale = tl.maximum(tl.max(amax, axis=1) / FP8_MAX, FP8_MIN_SCALE)
-        inverse = 1.0 / x_scale
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            xt = tl.load(a_ptr + tok[:, None].to(tl.int64) * stride_a + k[None, :],
-                         mask=pos_mask[:, None] & (k[None, :] < K), other=0.0)
-            q = tl.minimum(tl.maximum(xt.to(tl.float32) * inverse[:, None], -FP8_MAX), FP8_MAX)
-            wt = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :],
-                         mask=n_mask[:, None] & (k[None, :] < K), other=0.0)
-            acc = tl.dot(_to_e4m3(q, INTERPRETER), tl.trans(wt), acc)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_begin, k_end, BLOCK_K):
@@ -245,18 +239,16 @@ def _lora_gemm_kernel(
                 acc += tl.dot(at, tl.trans(wt.to(tl.bfloat16)))
 
     if USE_PDL:
-        # Everything above read only what existed before the shrink started; h is the shrink's.
-        # Unconditional and before any global store (split-K partials included): see
-        # docs/kernels.md, "The decode path".
+        # Everything above read only what existed before the shrink started (the codes and
+        # scales come from the kernel before it); h is the shrink's. Unconditional, and before
+        # any global store (split-K partials included): see docs/kernels.md, "The decode path".
         tl.extra.cuda.gdc_wait()
     if SPLIT_K > 1:
         acc, arrived = _split_k_reduce(acc, partial_ptr, counter_ptr, pos, n, N, n_mask,
                                        SPLIT_K, BLOCK_M)
         if arrived != SPLIT_K - 1:
             return
-    if MODE == 3:
-        acc = x_scale[:, None] * (tl.load(w_scale_ptr) * acc)
-    elif MODE == 0:
+    if MODE == 0:
         x_scale = tl.load(a_scale_ptr + tok, mask=pos_mask, other=0.0)
         acc = x_scale[:, None] * (tl.load(w_scale_ptr) * acc)
     elif MODE == 1:

@@ -11,9 +11,10 @@ Every function here has a torch twin of the same name and positional signature i
 * `lora_w8a16_gemm`: the same with bf16 activations and the FP8 weight widened in registers.
 * `lora_shrink`, `lora_expand`: the hybrid path's kernels, after a vendor GEMM.
 * `fused_lora_fp8_linear`, `fused_lora_w8a16_linear`: K1 then K2.
-* `lora_fp8_gemm_from_bf16`, `decode_lora_fp8_linear`: K2 quantizing in-kernel; the decode path
-  (the shrink first, K2 as its programmatic dependent, waiting only before its epilogue).
-* `fp8_gemm`, `fp8_gemm_from_bf16`: K2 without adapters (our GEMM against CUTLASS).
+* `decode_lora_fp8_linear`: the decode path: quantize, then the shrink, then K2 as the shrink's
+  programmatic dependent (PDL), waiting for it only before its epilogue.
+* `quantize`, `fp8_gemm`, `fp8_gemm_from_bf16`: K1's quantization alone, K2 without adapters
+  (our GEMM against CUTLASS), and the two in a row.
 
 Weights are `[N, K]` float8_e4m3fn (row-major, K contiguous; vLLM keeps their transpose view)
 with a one-element fp32 scale; activations `[T, K]` bf16.
@@ -107,10 +108,45 @@ def _launch_k1(x, lora, batch, cfg: LaunchConfig, quantize: bool, pdl: bool = Fa
         t, k, rank, x.stride(0), 0 if counters is h else counters.numel(),
         QUANTIZE=quantize, NUM_SLICES=s_count, SPLIT_K=cfg.split_k,
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
-        INTERPRETER=_env.triton_interpreter(), USE_PDL=_use_pdl(pdl),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        QUANT_BLOCK=_quant_block(k), INTERPRETER=_env.triton_interpreter(),
+        USE_PDL=_use_pdl(pdl), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return codes, scales, h
+
+
+def _quant_block(k: int) -> int:
+    # A whole row in registers up to 16384 features (Qwen3-8B's widest input is 12288).
+    return min(triton.next_power_of_2(k), 16384)
+
+
+def _launch_quantize(x: torch.Tensor, counters: torch.Tensor | None = None):
+    """K1's quantizing programs alone: one per token (and zero `counters` on the way)."""
+    t, k = x.shape
+    codes = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(t, 1, dtype=torch.float32, device=x.device)
+    unused = scales
+    _quantize_shrink_kernel[(t,)](
+        x, codes, scales, unused, x, x, x, unused, unused, unused, unused,
+        unused if counters is None else counters,
+        t, k, 1, x.stride(0), 0 if counters is None else counters.numel(),
+        QUANTIZE=True, NUM_SLICES=1, SPLIT_K=1, BLOCK_M=16, BLOCK_R=16, BLOCK_K=16,
+        QUANT_BLOCK=_quant_block(k), INTERPRETER=_env.triton_interpreter(),
+        num_warps=8, num_stages=1,
+    )
+    return codes, scales
+
+
+def _check_activations(x: torch.Tensor) -> None:
+    if x.ndim != 2 or x.dtype != torch.bfloat16 or x.stride(1) != 1:
+        raise ValueError(f"x must be 2-D bfloat16 with contiguous rows, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K1's quantization alone: `(codes [T, K] fp8, scales [T, 1] fp32)`, per-token FP8 bit for
+    bit as vLLM's compiled quantizer (what vLLM runs before its CUTLASS GEMM)."""
+    _check_activations(x)
+    return _launch_quantize(x)
 
 
 def quantize_and_shrink(
@@ -239,13 +275,11 @@ def fp8_gemm_from_bf16(
     *,
     config: LaunchConfig | None = None,
 ) -> torch.Tensor:
-    """`fp8_gemm` quantizing its bf16 activations in the kernel (bit for bit as K1): one launch
-    where vLLM runs two (its quantizer, then CUTLASS)."""
-    if x.ndim != 2 or x.dtype != torch.bfloat16 or x.stride(1) != 1:
-        raise ValueError(f"x must be 2-D bfloat16 with contiguous rows, got {x.dtype} "
-                         f"{tuple(x.shape)}")
+    """`quantize` then `fp8_gemm`: the same two steps as vLLM's quantizer + CUTLASS."""
+    _check_activations(x)
     _check_weight(weight, weight_scale, x.shape[1], weight.shape[0])
-    return _launch_gemm_only(3, x, x, weight, weight_scale, config)
+    codes, scales = _launch_quantize(x)
+    return _launch_gemm_only(0, codes, scales, weight, weight_scale, config)
 
 
 def lora_fp8_gemm(
@@ -258,12 +292,16 @@ def lora_fp8_gemm(
     batch: AdapterBatch,
     *,
     config: LaunchConfig | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """K2: bf16 `[T, N]` = x_scale * (w_scale * codes @ weight^T) + bf16(h) @ B_slot^T."""
+    """K2: bf16 `[T, N]` = x_scale * (w_scale * codes @ weight^T) + bf16(h) @ B_slot^T.
+
+    `pdl=True` launches it as the programmatic dependent of the kernel before it, which it
+    waits for only before its epilogue: that kernel may compute h, not the codes or scales."""
     _check_weight(weight, weight_scale, lora.in_features, lora.out_features)
     y = torch.empty(codes.shape[0], lora.out_features, dtype=torch.bfloat16, device=codes.device)
     return _launch_k2(0, codes, scales, weight, weight_scale, y, h, lora, batch,
-                      _gemm_config(batch, lora, config))
+                      _gemm_config(batch, lora, config), pdl=pdl)
 
 
 def lora_w8a16_gemm(
@@ -284,29 +322,6 @@ def lora_w8a16_gemm(
                       _gemm_config(batch, lora, config))
 
 
-def lora_fp8_gemm_from_bf16(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    h: torch.Tensor,
-    lora: LoraWeights,
-    batch: AdapterBatch,
-    *,
-    config: LaunchConfig | None = None,
-    pdl: bool = False,
-) -> torch.Tensor:
-    """K2 quantizing its own activations (bit for bit as K1), then as `lora_fp8_gemm`.
-
-    With `pdl=True` it is launched as the programmatic dependent of the kernel before it (the
-    decode path's shrink) and waits for it only before the epilogue that reads h.
-    """
-    _check_inputs(x, lora, batch)
-    _check_weight(weight, weight_scale, lora.in_features, lora.out_features)
-    y = torch.empty(x.shape[0], lora.out_features, dtype=torch.bfloat16, device=x.device)
-    return _launch_k2(3, x, x, weight, weight_scale, y, h, lora, batch,
-                      _gemm_config(batch, lora, config), pdl=pdl)
-
-
 def decode_lora_fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -318,10 +333,13 @@ def decode_lora_fp8_linear(
     k2_config: LaunchConfig | None = None,
     pdl: bool = True,
 ) -> torch.Tensor:
-    """The decode path: the shrink first (no PDL), then K2 as its programmatic dependent, which
-    streams its weights while the shrink runs. `pdl=False` runs the same kernels serialized;
-    both give the same bits, and the same bits as `fused_lora_fp8_linear` with equal configs."""
-    return _two_kernel_linear(3, x, weight, weight_scale, lora, batch, k1_config, k2_config, pdl)
+    """The decode path: K1's quantization, then the shrink (K1 without quantizing, which lets
+    its dependents start at once), then K2 as the shrink's programmatic dependent: it streams
+    its weights while the shrink runs and waits for h only before its epilogue. `pdl=False`
+    runs the same kernels serialized; both give the same bits, and the same bits as
+    `fused_lora_fp8_linear` with equal configs."""
+    return _linear(0, x, weight, weight_scale, lora, batch, k1_config, k2_config,
+                   decode=True, pdl=pdl)
 
 
 def lora_expand(
@@ -350,7 +368,7 @@ def fused_lora_fp8_linear(
     k2_config: LaunchConfig | None = None,
 ) -> torch.Tensor:
     """The fused path: K1 then K2."""
-    return _two_kernel_linear(0, x, weight, weight_scale, lora, batch, k1_config, k2_config)
+    return _linear(0, x, weight, weight_scale, lora, batch, k1_config, k2_config)
 
 
 def fused_lora_w8a16_linear(
@@ -364,21 +382,26 @@ def fused_lora_w8a16_linear(
     k2_config: LaunchConfig | None = None,
 ) -> torch.Tensor:
     """The matched engine's path: shrink, then the W8A16 GEMM with the up-projection."""
-    return _two_kernel_linear(1, x, weight, weight_scale, lora, batch, k1_config, k2_config)
+    return _linear(1, x, weight, weight_scale, lora, batch, k1_config, k2_config)
 
 
-def _two_kernel_linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config,
-                       pdl=False):
-    # K1 (quantizing for MODE 0, else the shrink alone), then K2 in `mode`; K1 zeroes K2's
-    # split-K tile counters, so the pair launches exactly two kernels.
+def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
+            decode=False, pdl=False):
+    # MODE 0: K1 (quantize + shrink) then K2; MODE 1: the shrink then the W8A16 K2. `decode`:
+    # quantize, shrink, K2 (PDL-launched if `pdl`). The first kernel zeroes K2's split-K tile
+    # counters, so no memset runs between them.
     _check_inputs(x, lora, batch)
     _check_weight(weight, weight_scale, lora.in_features, lora.out_features)
     cfg1 = _config("quantize_shrink", x.shape[0], lora, k1_config)
     cfg2 = _gemm_config(batch, lora, k2_config)
     y = torch.empty(x.shape[0], lora.out_features, dtype=torch.bfloat16, device=x.device)
     counters = _tile_counters(mode, x.shape[0], lora.out_features, cfg2, x.device)
-    codes, scales, h = _launch_k1(x, lora, batch, cfg1, quantize=mode == 0, pdl=pdl,
-                                  counters=counters)
-    a, a_scale = (codes, scales) if mode == 0 else (x, weight_scale if mode == 1 else x)
+    if decode:
+        codes, scales = _launch_quantize(x, counters)
+        h = _launch_k1(x, lora, batch, cfg1, quantize=False, pdl=pdl)[2]
+    else:
+        codes, scales, h = _launch_k1(x, lora, batch, cfg1, quantize=mode == 0,
+                                      counters=counters)
+    a, a_scale = (codes, scales) if mode == 0 else (x, weight_scale)
     return _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg2, pdl=pdl,
                       counters=counters)

@@ -66,14 +66,16 @@ def heuristic_config(
         return LaunchConfig(block_m=block_m, block_n=64, block_k=128, block_r=block_r,
                             split_k=split_k, num_warps=4, num_stages=2)
     # Decode is bandwidth-bound: narrow N tiles give every SM weights to stream (N=4096 in
-    # 128-wide tiles is 32 programs for 132 SMs; in 32-wide tiles, 128), and a deeper K tile
-    # keeps more bytes in flight per program. (Layer benchmark, H200, 2026-11-30.)
-    block_n = 32 if tokens <= 64 else 128
-    block_k = 256 if tokens <= 64 else 128
+    # 128-wide tiles is 32 programs for 132 SMs; in 32-wide tiles, 128), and deep K tiles in 5
+    # stages keep bytes in flight (the H200 sweep, benchmarks/results/h200/tune_v1.json).
+    if tokens <= 32:
+        block_n, block_k, stages = 32, 512, 5
+    else:
+        block_n, block_k, stages = 64, 128, 4
     while block_n > 16 and any(width % block_n for width in slices[:-1]):
         block_n //= 2
     return LaunchConfig(block_m=block_m, block_n=block_n, block_k=block_k,
-                        block_r=block_r, split_k=1, num_warps=4, num_stages=4)
+                        block_r=block_r, split_k=1, num_warps=4, num_stages=stages)
 
 
 def table_name(device_name: str) -> str:

@@ -128,21 +128,6 @@ def fused_lora_w8a16_linear(
     return lora_w8a16_gemm(x, weight, weight_scale, lora_shrink(x, lora, batch), lora, batch)
 
 
-def lora_fp8_gemm_from_bf16(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    h: torch.Tensor,
-    lora: LoraWeights,
-    batch: AdapterBatch,
-    *,
-    arithmetic: Fp8Arithmetic = Fp8Arithmetic.INDUCTOR,
-) -> torch.Tensor:
-    """K2 quantizing its own activations: quantize as K1, then `lora_fp8_gemm`."""
-    codes, scales = quantize_fp8_per_token(x, arithmetic=arithmetic)
-    return lora_fp8_gemm(codes, scales, weight, weight_scale, h, lora, batch)
-
-
 def decode_lora_fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -154,6 +139,13 @@ def decode_lora_fp8_linear(
 ) -> torch.Tensor:
     """The decode path computes what the fused path computes."""
     return fused_lora_fp8_linear(x, weight, weight_scale, lora, batch, arithmetic=arithmetic)
+
+
+def quantize(
+    x: torch.Tensor, *, arithmetic: Fp8Arithmetic = Fp8Arithmetic.INDUCTOR
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K1's quantization alone: per-token FP8 `(codes, scales)`."""
+    return quantize_fp8_per_token(x, arithmetic=arithmetic)
 
 
 def fp8_gemm(

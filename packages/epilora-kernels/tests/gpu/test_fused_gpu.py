@@ -114,3 +114,21 @@ def test_k1_codes_property_equal_vllm_compiled_arithmetic(x):
     want_codes, want_scales = reference.quantize_and_shrink(x, lora, batch)[:2]
     assert_bitwise_equal(codes, want_codes, name="codes", inputs=x)
     assert_bitwise_equal(scales, want_scales, name="scales")
+
+
+@pytest.mark.parametrize("k", [4096, 12288, 16384 + 64], ids=["4096", "12288", "chunked"])
+def test_quantize_equals_vllm_compiled_arithmetic_on_model_widths(k):
+    # The quantizer alone (the decode path's first kernel): rows up to 16384 in one pass from
+    # registers, longer ones in chunks; special rows first, then random rows.
+    special = special_activations(torch.bfloat16, rows=4, cols=k)
+    x = torch.cat([*special.values(),
+                   torch.randn(8, k, generator=torch.Generator().manual_seed(k)).to(
+                       torch.bfloat16) * 3]).to(CUDA)
+    codes, scales = fused.quantize(x)
+    want_codes, want_scales = reference.quantize(x)
+    assert_bitwise_equal(codes, want_codes, name="codes", inputs=x)
+    assert_bitwise_equal(scales, want_scales, name="scales")
+    k1_codes, k1_scales, _ = fused.quantize_and_shrink(
+        x, *_problem((x.shape[0], k, (256,), 16, 2), "mixed_with_base")[3:])
+    assert_bitwise_equal(k1_codes, codes, name="K1 codes vs quantize")
+    assert_bitwise_equal(k1_scales, scales, name="K1 scales vs quantize")
