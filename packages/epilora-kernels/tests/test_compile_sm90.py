@@ -31,3 +31,14 @@ def test_kernels_compile_for_sm90_with_the_expected_instructions():
     assert atomics and all("acq_rel" in op for op in atomics)
     assert found["k2_pdl_split_k_atomic_after_wait"]
     assert found["k2_pdl_split_k_no_store_before_wait"]
+
+
+def test_every_launch_compiles_for_sm90_with_the_arguments_its_launcher_passes():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("aot_launchers_sm90.py")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            env=env, timeout=600, cwd=script.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    launches = json.loads(result.stdout.strip().splitlines()[-1])
+    assert launches == {"quantize": 1, "fp8_gemm_from_bf16": 2, "fused": 2, "fused_split_k": 2,
+                        "decode": 3, "decode_split_k": 3, "w8a16": 2, "expand": 2}

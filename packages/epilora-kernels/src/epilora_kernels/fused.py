@@ -124,9 +124,9 @@ def _launch_quantize(x: torch.Tensor, counters: torch.Tensor | None = None):
     t, k = x.shape
     codes = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(t, 1, dtype=torch.float32, device=x.device)
-    unused = scales
+    unused = torch.empty(1, dtype=torch.int32, device=x.device)  # the shrink's, never read
     _quantize_shrink_kernel[(t,)](
-        x, codes, scales, unused, x, x, x, unused, unused, unused, unused,
+        x, codes, scales, scales, x, x, x, unused, unused, unused, unused,
         unused if counters is None else counters,
         t, k, 1, x.stride(0), 0 if counters is None else counters.numel(),
         QUANTIZE=True, NUM_SLICES=1, SPLIT_K=1, BLOCK_M=16, BLOCK_R=16, BLOCK_K=16,

@@ -1,0 +1,78 @@
+"""Compile, for sm_90 and without a GPU, every kernel launch that `epilora_kernels.fused` makes,
+with the arguments its launchers really pass (run as a script, TRITON_INTERPRET unset: see
+test_compile_sm90.py). The launchers run on CPU tensors with the kernels' `run` replaced by a
+recorder; each recorded launch is then compiled from its argument types and constexprs. This
+catches what the interpreter cannot: a pointer of the wrong type in a branch that never runs."""
+
+import json
+
+import torch
+import triton
+from triton.compiler import ASTSource
+
+from epilora_kernels import _fused_kernels, fused
+from epilora_kernels.launch import LaunchConfig
+
+from aot_sm90 import TARGET
+from kernel_cases import make_problem
+
+DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
+          torch.float8_e4m3fn: "fp8e4nv"}
+OPTIONS = ("num_warps", "num_stages", "launch_pdl")
+
+
+def record_launches(launch) -> list[tuple]:
+    calls = []
+    kernels = (_fused_kernels._quantize_shrink_kernel, _fused_kernels._lora_gemm_kernel)
+    for kernel in kernels:
+        kernel.run = (lambda kernel: lambda *args, grid, warmup, **kw:
+                      calls.append((kernel, args, kw)))(kernel)
+    try:
+        launch()
+    finally:
+        for kernel in kernels:
+            del kernel.run  # back to the class's method
+    return calls
+
+
+def compile_launch(kernel, args, kwargs) -> None:
+    constexprs = {k: v for k, v in kwargs.items() if k not in OPTIONS}
+    options = {k: v for k, v in kwargs.items() if k in OPTIONS and k != "launch_pdl"}
+    signature = {}
+    for name, value in zip(kernel.arg_names, args, strict=False):
+        signature[name] = ("*" + DTYPES[value.dtype] if isinstance(value, torch.Tensor)
+                           else "i32")
+    signature.update({name: "constexpr" for name in constexprs})
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    triton.compile(source, target=TARGET, options=options)
+
+
+def main() -> None:
+    x, weight, w_scale, lora, batch = make_problem(0, 5, 256, (64, 32, 32), 16, 4,
+                                                   "mixed_with_base")
+    split = LaunchConfig(block_m=16, block_n=32, block_k=64, block_r=16, split_k=2)
+    launchers = {
+        "quantize": lambda: fused.quantize(x),
+        "fp8_gemm_from_bf16": lambda: fused.fp8_gemm_from_bf16(x, weight, w_scale),
+        "fused": lambda: fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch),
+        "fused_split_k": lambda: fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch,
+                                                             k2_config=split),
+        "decode": lambda: fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch),
+        "decode_split_k": lambda: fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch,
+                                                               k2_config=split),
+        "w8a16": lambda: fused.fused_lora_w8a16_linear(x, weight, w_scale, lora, batch),
+        "expand": lambda: fused.lora_expand(
+            torch.zeros(5, 128, dtype=torch.bfloat16), fused.lora_shrink(x, lora, batch), lora,
+            batch),
+    }
+    compiled = {}
+    for name, launch in launchers.items():
+        calls = record_launches(launch)
+        for kernel, args, kwargs in calls:
+            compile_launch(kernel, args, kwargs)
+        compiled[name] = len(calls)
+    print(json.dumps(compiled))
+
+
+if __name__ == "__main__":
+    main()
