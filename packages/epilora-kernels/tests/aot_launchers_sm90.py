@@ -8,12 +8,12 @@ import json
 
 import torch
 import triton
+from aot_sm90 import TARGET
 from triton.compiler import ASTSource
 
 from epilora_kernels import _fused_kernels, fused
 from epilora_kernels.launch import LaunchConfig
 
-from aot_sm90 import TARGET
 from kernel_cases import make_problem
 
 DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
