@@ -25,8 +25,10 @@ def record_launches(launch) -> list[tuple]:
     calls = []
     kernels = (_fused_kernels._quantize_shrink_kernel, _fused_kernels._lora_gemm_kernel)
     for kernel in kernels:
-        kernel.run = (lambda kernel: lambda *args, grid, warmup, **kw:
-                      calls.append((kernel, args, kw)))(kernel)
+        def recorder(*args, grid, warmup, _kernel=kernel, **kwargs):
+            calls.append((_kernel, args, kwargs))
+
+        kernel.run = recorder
     try:
         launch()
     finally:
