@@ -3,7 +3,8 @@ GEMM alone against vLLM's CUTLASS.
 
 For each Qwen3-8B projection shape (qkv, o, gate_up, down) and token count, times every
 candidate `LaunchConfig` of K2 without adapters (`fp8_gemm`: the GEMM's main loop, which is
-what the settings change) and of K1 (`quantize_and_shrink`, rank 64, 4 adapters) on CUDA-graph
+what the settings change) and of K1, quantizing (`quantize_and_shrink`) and not (`lora_shrink`,
+the decode and hybrid paths' shrink), at rank 64 with 4 adapters, on CUDA-graph
 replays with the L2 flushed (median of `--reps`), checks each candidate's result (K1 codes
 bitwise; outputs by relative error against the first candidate), and keeps the fastest. In the
 same run, per projection: `cutlass-mm` (vLLM's `cutlass_scaled_mm` on the same codes),
@@ -90,7 +91,7 @@ def main() -> None:
     layer = make_layer(4, RANK, gen)
     table: dict = {"_meta": {"device": torch.cuda.get_device_name(), "rank": RANK,
                              "tool": "benchmarks/tune.py"},
-                   "quantize_shrink": {}, "lora_gemm": {}}
+                   "quantize_shrink": {}, "shrink": {}, "lora_gemm": {}}
     rows = []
 
     def row(op, name, tokens, us, cfg=None, **extra):
@@ -125,22 +126,31 @@ def main() -> None:
             row("epilora-quant", name, tokens, our_quant)
             base = k1_candidates(tokens)[0]
             want_codes, _, want_h = fused.quantize_and_shrink(x, lora, batch, config=base)
-            best1 = (float("inf"), None)
-            for cfg in k1_candidates(tokens):
-                run = functools.partial(fused.quantize_and_shrink, x, lora, batch, config=cfg)
+            best1 = {}
+            for op in ("quantize_shrink", "shrink"):
+                best1[op] = (float("inf"), None)
+                for cfg in k1_candidates(tokens):
+                    if op == "shrink":
+                        run = functools.partial(fused.lora_shrink, x, lora, batch, config=cfg)
+                    else:
+                        run = functools.partial(fused.quantize_and_shrink, x, lora, batch,
+                                                config=cfg)
 
-                def same(run=run, want_codes=want_codes, want_h=want_h):
-                    c2, _, h2 = run()
-                    return bool(torch.equal(c2.view(torch.uint8), want_codes.view(torch.uint8))
-                                and rel(h2.sum(0), want_h.sum(0)) < 1e-5)
+                    def same(run=run, op=op, want_codes=want_codes, want_h=want_h):
+                        out = run()
+                        h2 = out if op == "shrink" else out[2]
+                        return (op == "shrink" or bool(torch.equal(
+                            out[0].view(torch.uint8), want_codes.view(torch.uint8)))) and \
+                            rel(h2.sum(0), want_h.sum(0)) < 1e-5
 
-                ok, us = _time(run, args.reps, flush, same)
-                row("quantize_shrink", name, tokens, us, cfg, ok=ok)
-                best1 = min(best1, (us, cfg), key=lambda b: b[0])
+                    ok, us = _time(run, args.reps, flush, same)
+                    row(op, name, tokens, us, cfg, ok=ok)
+                    best1[op] = min(best1[op], (us, cfg), key=lambda b: b[0])
             print(f"{name:8s} T={tokens:3d} cutlass-mm {cutlass:7.1f}  ours {best2[0]:7.1f} "
                   f"({best2[0] / cutlass:4.2f}x)  quant: vllm {quant:5.1f} ours {our_quant:5.1f}  "
-                  f"K1 {best1[0]:6.1f}  K2 {best2[1]}", flush=True)
-            for op, (_, cfg) in (("lora_gemm", best2), ("quantize_shrink", best1)):
+                  f"K1 {best1['quantize_shrink'][0]:6.1f}  shrink {best1['shrink'][0]:6.1f}  "
+                  f"K2 {best2[1]}", flush=True)
+            for op, (_, cfg) in (("lora_gemm", best2), *best1.items()):
                 table[op].setdefault(shape_key(n, k), {})[str(tokens)] = cfg.__dict__
         validate_table(table)
         with open(args.out_table, "w") as f:

@@ -108,15 +108,18 @@ def _launch_k1(x, lora, batch, cfg: LaunchConfig, quantize: bool, pdl: bool = Fa
         t, k, rank, x.stride(0), 0 if counters is h else counters.numel(),
         QUANTIZE=quantize, NUM_SLICES=s_count, SPLIT_K=cfg.split_k,
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
-        QUANT_BLOCK=_quant_block(k), INTERPRETER=_env.triton_interpreter(),
+        QUANT_BLOCK=_quant_block(k, 4096), INTERPRETER=_env.triton_interpreter(),
         USE_PDL=_use_pdl(pdl), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return codes, scales, h
 
 
-def _quant_block(k: int) -> int:
-    # A whole row in registers up to 16384 features (Qwen3-8B's widest input is 12288).
-    return min(triton.next_power_of_2(k), 16384)
+def _quant_block(k: int, cap: int) -> int:
+    # Row chunk of the quantizing programs. Alone (8 warps) a row of up to 16384 features
+    # (Qwen3-8B's widest input is 12288) stays in registers; beside the shrink's tiles in K1 a
+    # 16384 chunk spilled and made K1 ~10x slower (benchmarks/results/h200/tune_v2.json), so
+    # there rows go in chunks of 4096.
+    return min(triton.next_power_of_2(k), cap)
 
 
 def _launch_quantize(x: torch.Tensor, counters: torch.Tensor | None = None):
@@ -130,7 +133,7 @@ def _launch_quantize(x: torch.Tensor, counters: torch.Tensor | None = None):
         unused if counters is None else counters,
         t, k, 1, x.stride(0), 0 if counters is None else counters.numel(),
         QUANTIZE=True, NUM_SLICES=1, SPLIT_K=1, BLOCK_M=16, BLOCK_R=16, BLOCK_K=16,
-        QUANT_BLOCK=_quant_block(k), INTERPRETER=_env.triton_interpreter(),
+        QUANT_BLOCK=_quant_block(k, 16384), INTERPRETER=_env.triton_interpreter(),
         num_warps=8, num_stages=1,
     )
     return codes, scales
@@ -171,7 +174,7 @@ def lora_shrink(
     `pdl=True` (the decode path) lets the next kernel, launched with PDL, start at once.
     """
     _check_inputs(x, lora, batch)
-    cfg = _config("quantize_shrink", x.shape[0], lora, config)
+    cfg = _config("shrink", x.shape[0], lora, config)
     return _launch_k1(x, lora, batch, cfg, quantize=False, pdl=pdl)[2]
 
 
@@ -392,7 +395,8 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
     # counters, so no memset runs between them.
     _check_inputs(x, lora, batch)
     _check_weight(weight, weight_scale, lora.in_features, lora.out_features)
-    cfg1 = _config("quantize_shrink", x.shape[0], lora, k1_config)
+    cfg1 = _config("quantize_shrink" if mode == 0 and not decode else "shrink", x.shape[0], lora,
+                   k1_config)
     cfg2 = _gemm_config(batch, lora, k2_config)
     y = torch.empty(x.shape[0], lora.out_features, dtype=torch.bfloat16, device=x.device)
     counters = _tile_counters(mode, x.shape[0], lora.out_features, cfg2, x.device)

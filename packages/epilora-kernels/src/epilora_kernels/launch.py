@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from importlib import resources
 
-OPS = ("quantize_shrink", "lora_gemm")
+OPS = ("quantize_shrink", "shrink", "lora_gemm")
 
 
 @dataclass(frozen=True)
@@ -60,11 +60,12 @@ def heuristic_config(
         raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
     block_m = 16 if tokens <= 16 else (32 if tokens <= 32 else 64)
     block_r = rank_block(rank)
-    if op == "quantize_shrink":
-        # Small batches: split K so that enough programs exist to stream A.
-        split_k = 8 if tokens <= 32 else (2 if tokens <= 128 else 1)
-        return LaunchConfig(block_m=block_m, block_n=64, block_k=128, block_r=block_r,
-                            split_k=split_k, num_warps=4, num_stages=2)
+    if op in ("quantize_shrink", "shrink"):
+        # Small batches: split K so that enough programs stream A, each at least 256 deep (the
+        # H200 sweep's best at 1-32 tokens was split 16, K tile 256 for K = 4096).
+        split_k = max(1, min(16, k // 256)) if tokens <= 32 else (2 if tokens <= 128 else 1)
+        return LaunchConfig(block_m=block_m, block_n=64, block_k=256 if tokens <= 16 else 128,
+                            block_r=block_r, split_k=split_k, num_warps=4, num_stages=2)
     # Decode is bandwidth-bound: narrow N tiles give every SM weights to stream (N=4096 in
     # 128-wide tiles is 32 programs for 132 SMs; in 32-wide tiles, 128), and deep K tiles in 5
     # stages keep bytes in flight (the H200 sweep, benchmarks/results/h200/tune_v1.json).
