@@ -77,3 +77,15 @@ def test_vllm_meta_args_round_trip():
     assert args[5].tolist() == [False] and args[6].tolist() == [3]
     none = AdapterBatch.from_token_mapping(torch.tensor([-1, -1], dtype=torch.int32), 2)
     assert none.vllm_meta_args()[5].tolist() == [True]
+
+
+def test_the_shipped_h200_table_is_valid_and_covers_the_benchmark_shapes():
+    from epilora_kernels.launch import _load_table, table_config
+
+    table = _load_table("NVIDIA H200")
+    assert table is not None and "lora_gemm" in table
+    for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)):
+        for tokens in (1, 7, 32, 300):
+            cfg = table_config("NVIDIA H200", "lora_gemm", tokens, n, k)
+            assert cfg is not None and cfg.block_m >= min(tokens, 16)
+    assert table_config("NVIDIA H200", "shrink", 1, 4096, 4096) is None  # not tuned: heuristic

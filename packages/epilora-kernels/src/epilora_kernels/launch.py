@@ -3,8 +3,8 @@
 Tables live in `epilora_kernels/configs/<device>.json` (device name with spaces and dashes as
 underscores, as vLLM names its tables): `{op: {"<N>x<K>": {"<tokens>": LaunchConfig fields}}}`,
 written by `benchmarks/tune.py` on the device. The entry for the smallest token bucket >= the
-batch is used (else the largest). `validate_table` checks a table's schema on any machine. No
-table is shipped until one has been tuned on its device; until then the heuristic applies.
+batch is used (else the largest). `validate_table` checks a table's schema on any machine. Ops,
+shapes or devices a table lacks get the heuristic.
 """
 
 import dataclasses
