@@ -109,9 +109,10 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--quick", action="store_true", help="tokens 1, 16, 64, 256 only")
+    parser.add_argument("--tokens", type=int, nargs="+", help="these token counts only")
     parser.add_argument("--git-sha", default=None)
     args = parser.parse_args()
-    tokens_list = (1, 16, 64, 256) if args.quick else TOKENS
+    tokens_list = args.tokens or ((1, 16, 64, 256) if args.quick else TOKENS)
     gen = torch.Generator(device="cuda").manual_seed(0)
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
     systems = ("cutlass", "epilora-gemm", "vllm-default", "epilora-fused", "epilora-decode",
@@ -142,6 +143,20 @@ def main() -> None:
         write_results(args, rows)  # after every setup, so a run cut short keeps what it measured
 
 
+def _command() -> str:
+    """This run's command line, without its output path and commit (machine-specific)."""
+    words, skip = [], False
+    for word in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif word in ("--out", "--out-table", "--git-sha"):
+            skip = True
+            words += [word, "..."] if word != "--git-sha" else []
+        else:
+            words.append(word)
+    return " ".join(["python3", f"benchmarks/{Path(sys.argv[0]).name}", *words])
+
+
 def write_results(args, rows) -> None:
     import triton
     import vllm
@@ -158,8 +173,7 @@ def write_results(args, rows) -> None:
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "vllm": vllm.__version__,
-            "command": f"python3 benchmarks/{Path(sys.argv[0]).name} --out ... --reps "
-                       f"{args.reps}" + (" --quick" if getattr(args, "quick", False) else "")}
+            "command": _command()}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
 

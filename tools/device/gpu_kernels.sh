@@ -5,7 +5,7 @@
 #   tune    benchmarks/tune.py -> $OUT/NVIDIA_H200.json, which the later steps of the call then
 #           use (installed into the package); copy it to epilora_kernels/configs/ to keep it
 #                                                                                   TUNE_TIMEOUT
-#   layer   benchmarks/layer.py -> $OUT/layer.json                                 LAYER_TIMEOUT
+#   layer   benchmarks/layer.py $LAYER_ARGS -> $OUT/layer.json                     LAYER_TIMEOUT
 #   decode  benchmarks/decode.py -> $OUT/decode.json                               DECODE_TIMEOUT
 # Run from the repository root with `.device` carried (tools/device/prepare.sh first), e.g.
 #   EPILORA_GIT_SHA=$(git rev-parse HEAD) bash tools/device/gpu_kernels.sh tests tune
@@ -23,7 +23,7 @@ for step in "$@"; do
             2>&1 | tee "$OUT/tune.log"
           cp "$OUT/NVIDIA_H200.json" /tmp/epilora-site/epilora_kernels/configs/ ;;
     layer) timeout "${LAYER_TIMEOUT:-300}" python3 benchmarks/layer.py --out "$OUT/layer.json" \
-             --git-sha "$sha" 2>&1 | tee "$OUT/layer.log" ;;
+             --git-sha "$sha" ${LAYER_ARGS:-} 2>&1 | tee "$OUT/layer.log" ;;
     decode) timeout "${DECODE_TIMEOUT:-240}" python3 benchmarks/decode.py \
               --out "$OUT/decode.json" --git-sha "$sha" 2>&1 | tee "$OUT/decode.log" ;;
     *) echo "unknown step: $step"; exit 2 ;;

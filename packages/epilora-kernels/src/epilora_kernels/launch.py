@@ -62,8 +62,12 @@ def heuristic_config(
     block_r = rank_block(rank)
     if op in ("quantize_shrink", "shrink"):
         # Small batches: split K so that enough programs stream A, each at least 256 deep (the
-        # H200 sweep's best at 1-32 tokens was split 16, K tile 256 for K = 4096).
-        split_k = max(1, min(16, k // 256)) if tokens <= 32 else (2 if tokens <= 128 else 1)
+        # H200 sweep's best K1 alone at 1-32 tokens was split 16, K tile 256, for K = 4096).
+        # But K2's epilogue reads every split's plane of h for its rows: at rank 64-128 and
+        # 16-32 tokens, 16 planes made the LoRA paths jump (benchmarks/results/h200/layer.json),
+        # so at most 64 token-planes.
+        split_k = (max(1, min(16, k // 256, 64 // tokens)) if tokens <= 32
+                   else (2 if tokens <= 128 else 1))
         return LaunchConfig(block_m=block_m, block_n=64, block_k=256 if tokens <= 16 else 128,
                             block_r=block_r, split_k=split_k, num_warps=4, num_stages=2)
     # Decode is bandwidth-bound: narrow N tiles give every SM weights to stream (N=4096 in
