@@ -4,7 +4,7 @@ GEMM alone against vLLM's CUTLASS.
 For each Qwen3-8B projection shape (qkv, o, gate_up, down) and token count, times every
 candidate `LaunchConfig` of K2 without adapters (`fp8_gemm`: the GEMM's main loop, which is
 what the settings change) and of K1, quantizing (`quantize_and_shrink`, timed with the K2 after
-it: the fused path) and not (`lora_shrink`, timed as the decode path), at rank 64 with 4
+it: the fused path) and not (the `decode_shrink` op, timed as the decode path), at rank 64 with 4
 adapters, on CUDA-graph
 replays with the L2 flushed (median of `--reps`), checks each candidate's result (K1 codes
 bitwise; outputs by relative error against the first candidate), and keeps the fastest. In the
@@ -92,7 +92,7 @@ def main() -> None:
     layer = make_layer(4, RANK, gen)
     table: dict = {"_meta": {"device": torch.cuda.get_device_name(), "rank": RANK,
                              "tool": "benchmarks/tune.py"},
-                   "quantize_shrink": {}, "shrink": {}, "lora_gemm": {}}
+                   "quantize_shrink": {}, "decode_shrink": {}, "lora_gemm": {}}
     rows = []
 
     def row(op, name, tokens, us, cfg=None, **extra):
@@ -128,12 +128,12 @@ def main() -> None:
             base = k1_candidates(tokens)[0]
             want_codes, _, want_h = fused.quantize_and_shrink(x, lora, batch, config=base)
             best1 = {}
-            for op in ("quantize_shrink", "shrink"):
+            for op in ("quantize_shrink", "decode_shrink"):
                 # Timed with the K2 it feeds (its best config from above): K2's epilogue sums
                 # K1's split-K planes, so K1's split count costs in K2 too.
                 best1[op] = (float("inf"), None)
                 for cfg in k1_candidates(tokens):
-                    if op == "shrink":
+                    if op == "decode_shrink":
                         k1 = functools.partial(fused.lora_shrink, x, lora, batch, config=cfg)
                         pair = functools.partial(fused.decode_lora_fp8_linear, x, weight, scale,
                                                  lora, batch, k1_config=cfg, k2_config=best2[1])
@@ -145,8 +145,8 @@ def main() -> None:
 
                     def same(k1=k1, op=op, want_codes=want_codes, want_h=want_h):
                         out = k1()
-                        h2 = out if op == "shrink" else out[2]
-                        return (op == "shrink" or bool(torch.equal(
+                        h2 = out if op == "decode_shrink" else out[2]
+                        return (op == "decode_shrink" or bool(torch.equal(
                             out[0].view(torch.uint8), want_codes.view(torch.uint8)))) and \
                             rel(h2.sum(0), want_h.sum(0)) < 1e-5
 
@@ -156,7 +156,7 @@ def main() -> None:
             print(f"{name:8s} T={tokens:3d} cutlass-mm {cutlass:7.1f}  ours {best2[0]:7.1f} "
                   f"({best2[0] / cutlass:4.2f}x)  quant: vllm {quant:5.1f} ours {our_quant:5.1f}  "
                   f"K1+K2 {best1['quantize_shrink'][0]:6.1f}  decode "
-                  f"{best1['shrink'][0]:6.1f}  "
+                  f"{best1['decode_shrink'][0]:6.1f}  "
                   f"K2 {best2[1]}", flush=True)
             for op, (_, cfg) in (("lora_gemm", best2), *best1.items()):
                 table[op].setdefault(shape_key(n, k), {})[str(tokens)] = cfg.__dict__

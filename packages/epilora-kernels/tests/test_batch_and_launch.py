@@ -89,3 +89,16 @@ def test_the_shipped_h200_table_is_valid_and_covers_the_benchmark_shapes():
             cfg = table_config("NVIDIA H200", "lora_gemm", tokens, n, k)
             assert cfg is not None and cfg.block_m >= min(tokens, 16)
     assert table_config("NVIDIA H200", "shrink", 1, 4096, 4096) is None  # not tuned: heuristic
+
+
+def test_shrink_heuristics_by_path():
+    from epilora_kernels.launch import heuristic_config
+
+    # Measured on the H200: few split planes help the decode path's overlapped shrink up to 16
+    # tokens; K1 and the hybrid path's shrink keep 16 splits of 256.
+    assert heuristic_config("decode_shrink", 16, 4096, 4096, 64).split_k == 4
+    assert heuristic_config("decode_shrink", 1, 4096, 4096, 64).split_k == 16
+    assert heuristic_config("decode_shrink", 32, 4096, 4096, 64).split_k == 16
+    for op in ("shrink", "quantize_shrink"):
+        assert heuristic_config(op, 16, 4096, 4096, 64).split_k == 16
+    assert heuristic_config("shrink", 1, 4096, 12288, 64).split_k == 16

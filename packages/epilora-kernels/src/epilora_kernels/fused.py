@@ -395,8 +395,8 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
     # counters, so no memset runs between them.
     _check_inputs(x, lora, batch)
     _check_weight(weight, weight_scale, lora.in_features, lora.out_features)
-    cfg1 = _config("quantize_shrink" if mode == 0 and not decode else "shrink", x.shape[0], lora,
-                   k1_config)
+    op1 = "decode_shrink" if decode else ("quantize_shrink" if mode == 0 else "shrink")
+    cfg1 = _config(op1, x.shape[0], lora, k1_config)
     cfg2 = _gemm_config(batch, lora, k2_config)
     y = torch.empty(x.shape[0], lora.out_features, dtype=torch.bfloat16, device=x.device)
     counters = _tile_counters(mode, x.shape[0], lora.out_features, cfg2, x.device)

@@ -13,7 +13,9 @@ import json
 from dataclasses import dataclass
 from importlib import resources
 
-OPS = ("quantize_shrink", "shrink", "lora_gemm")
+# K1 quantizing (the fused path), K1's shrink alone for the hybrid path and for the decode path
+# (tuned apart: K2 overlaps the decode path's shrink, not the others), and K2.
+OPS = ("quantize_shrink", "shrink", "decode_shrink", "lora_gemm")
 
 
 @dataclass(frozen=True)
@@ -60,14 +62,16 @@ def heuristic_config(
         raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
     block_m = 16 if tokens <= 16 else (32 if tokens <= 32 else 64)
     block_r = rank_block(rank)
-    if op in ("quantize_shrink", "shrink"):
+    if op in ("quantize_shrink", "shrink", "decode_shrink"):
         # Small batches: split K so that enough programs stream A, each at least 256 deep (the
         # H200 sweep's best K1 alone at 1-32 tokens was split 16, K tile 256, for K = 4096).
-        # But K2's epilogue reads every split's plane of h for its rows: at rank 64-128 and
-        # 16-32 tokens, 16 planes made the LoRA paths jump (benchmarks/results/h200/layer.json),
-        # so at most 64 token-planes.
-        split_k = (max(1, min(16, k // 256, 64 // tokens)) if tokens <= 32
-                   else (2 if tokens <= 128 else 1))
+        # K2's epilogue then reads every split's plane of h for its rows. For the decode
+        # path's shrink, which K2 overlaps, at most 64 token-planes up to 16 tokens was faster
+        # (benchmarks/results/h200/layer_shrink_splits.json against layer.json); for K1 and the
+        # hybrid path's shrink, which run before K2 or the expand, and at 32 tokens, slower.
+        split_k = max(1, min(16, k // 256)) if tokens <= 32 else (2 if tokens <= 128 else 1)
+        if op == "decode_shrink" and tokens <= 16:
+            split_k = max(1, min(split_k, 64 // tokens))
         return LaunchConfig(block_m=block_m, block_n=64, block_k=256 if tokens <= 16 else 128,
                             block_r=block_r, split_k=split_k, num_warps=4, num_stages=2)
     # Decode is bandwidth-bound: narrow N tiles give every SM weights to stream (N=4096 in
