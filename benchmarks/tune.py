@@ -31,8 +31,10 @@ from epilora_kernels.launch import LaunchConfig, shape_key, validate_table
 TOKENS = (1, 4, 8, 16, 32, 64, 128, 256)
 RANK = 64
 # Candidate tiles, pruned by the first sweep (benchmarks/results/h200/tune_v1.json: 128-wide N
-# and 128-deep K tiles never won at 1-32 tokens; split-K never won there either, but stays in).
-DECODE_TILES = ((32, 256), (32, 512), (64, 256), (64, 512))  # (BN, BK)
+# and 128-deep K tiles never won at 1-32 tokens; split-K never won there either, but stays in);
+# 16-wide N and 1024-deep K are new (more programs, more bytes in flight per program: our K2
+# trails CUTLASS on the 4096-wide outputs, tune_v2.json), untried on a GPU so far.
+DECODE_TILES = ((16, 512), (32, 256), (32, 512), (32, 1024), (64, 256), (64, 512))  # (BN, BK)
 PREFILL_TILES = ((64, 32, 256, 4), (64, 64, 128, 4), (64, 64, 256, 4), (64, 128, 128, 4),
                  (128, 128, 64, 8), (128, 128, 128, 8), (128, 256, 64, 8))  # (BM, BN, BK, warps)
 
