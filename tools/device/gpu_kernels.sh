@@ -21,7 +21,7 @@ for step in "$@"; do
     tune) timeout "${TUNE_TIMEOUT:-420}" python3 benchmarks/tune.py \
             --out-table "$OUT/NVIDIA_H200.json" --out "$OUT/tune.json" --git-sha "$sha" \
             2>&1 | tee "$OUT/tune.log"
-          cp "$OUT/NVIDIA_H200.json" /tmp/epilora-site/epilora_kernels/configs/ ;;
+          cp "$OUT/NVIDIA_H200.json" "$EPILORA_SITE/epilora_kernels/configs/" ;;
     layer) timeout "${LAYER_TIMEOUT:-300}" python3 benchmarks/layer.py --out "$OUT/layer.json" \
              --git-sha "$sha" ${LAYER_ARGS:-} 2>&1 | tee "$OUT/layer.log" ;;
     decode) timeout "${DECODE_TIMEOUT:-240}" python3 benchmarks/decode.py \

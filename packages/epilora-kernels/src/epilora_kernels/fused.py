@@ -48,11 +48,14 @@ def _shape_config(op: str, tokens: int, n: int, k: int, rank: int, slices: tuple
     return heuristic_config(op, tokens, n, k, rank, slices)
 
 
+def _check_activations(x: torch.Tensor) -> None:
+    if x.ndim != 2 or x.dtype != torch.bfloat16 or x.stride(1) != 1:
+        raise ValueError(f"x must be 2-D bfloat16 with contiguous rows, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+
+
 def _check_inputs(x: torch.Tensor, lora: LoraWeights, batch: AdapterBatch) -> None:
-    if x.ndim != 2 or x.dtype != torch.bfloat16:
-        raise ValueError(f"x must be 2-D bfloat16, got {x.dtype} {tuple(x.shape)}")
-    if x.stride(1) != 1:
-        raise ValueError("x must have a contiguous last dimension")
+    _check_activations(x)
     if x.shape[1] != lora.in_features:
         raise ValueError(f"x has {x.shape[1]} features, the adapters take {lora.in_features}")
     if batch.num_tokens != x.shape[0]:
@@ -137,12 +140,6 @@ def _launch_quantize(x: torch.Tensor, counters: torch.Tensor | None = None):
         num_warps=8, num_stages=1,
     )
     return codes, scales
-
-
-def _check_activations(x: torch.Tensor) -> None:
-    if x.ndim != 2 or x.dtype != torch.bfloat16 or x.stride(1) != 1:
-        raise ValueError(f"x must be 2-D bfloat16 with contiguous rows, got {x.dtype} "
-                         f"{tuple(x.shape)}")
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,7 +239,7 @@ def _launch_gemm_only(mode, a, a_scale, weight, weight_scale, cfg: LaunchConfig 
     n = weight.shape[0]
     cfg = cfg or _shape_config("lora_gemm", t, n, k, 16, ())
     y = torch.empty(t, n, dtype=torch.bfloat16, device=a.device)
-    unused = torch.zeros(1, dtype=torch.int32, device=a.device)
+    unused = torch.empty(1, dtype=torch.int32, device=a.device)  # the epilogue's, never read
     grid, partial, counters = _gemm_workspace(mode, t, n, cfg, a.device, None)
     _lora_gemm_kernel[grid](
         a, a_scale, weight, weight_scale, y, weight_scale, weight, weight, weight,
