@@ -8,7 +8,7 @@ import json
 
 import torch
 import triton
-from aot_sm90 import TARGET
+from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from epilora_kernels import _fused_kernels, fused
@@ -16,6 +16,7 @@ from epilora_kernels.launch import LaunchConfig
 
 from kernel_cases import make_problem
 
+TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
           torch.float8_e4m3fn: "fp8e4nv"}
 OPTIONS = ("num_warps", "num_stages", "launch_pdl")
@@ -37,7 +38,8 @@ def record_launches(launch) -> list[tuple]:
     return calls
 
 
-def compile_launch(kernel, args, kwargs) -> None:
+def compile_launch(kernel, args, kwargs) -> str:
+    """Compile one recorded launch for sm_90; returns its PTX."""
     constexprs = {k: v for k, v in kwargs.items() if k not in OPTIONS}
     options = {k: v for k, v in kwargs.items() if k in OPTIONS and k != "launch_pdl"}
     signature = {}
@@ -46,7 +48,7 @@ def compile_launch(kernel, args, kwargs) -> None:
                            else "i32")
     signature.update({name: "constexpr" for name in constexprs})
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    triton.compile(source, target=TARGET, options=options)
+    return triton.compile(source, target=TARGET, options=options).asm["ptx"]
 
 
 def main() -> None:
