@@ -3,12 +3,14 @@
 Systems (one CUDA graph per system and case, L2 flushed before each replay, median of replays):
 `cutlass` (vLLM quant + CUTLASS, no adapter), `vllm-default` (+ Punica shrink/expand),
 `vllm-dual-stream` (vLLM's VLLM_LORA_ENABLE_DUAL_STREAM: the adapter on a second stream into a
-zeroed buffer, joined and added), `epilora-serialized` (our quantizer, our shrink, then K2, no
-PDL), `epilora-decode` (the same with K2 as the shrink's programmatic dependent). Overlap
+zeroed buffer, joined and added), `epilora-serialized` (our K1, quantize + shrink, then K2, no
+PDL), `epilora-decode` (the same with K2 as K1's programmatic dependent: it waits for K1's
+quantized rows before its K loop, for h before its epilogue). Overlap
 controls (the paper's table 11), our quantizer then K2 with PDL and h already computed, after:
 `control-empty` (an empty kernel), `control-cublas-shrink` (a cuBLAS x A^T), and with nothing
 between: `epilora-h-given` (the lower bound). Components for the exposure model:
-`component-shrink` (our shrinks alone), `component-gemm` (our quantizer + K2 without adapters);
+`component-shrink` (our shrinks alone, without quantizing), `component-gemm` (our quantizer +
+K2 without adapters);
 `model-decode` is derived from them, t(h given) + max(0, t_shrink - t_gemm), for comparison
 with `epilora-decode`.
 

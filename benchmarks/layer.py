@@ -6,7 +6,7 @@ Systems, side by side in one run on one GPU (names as in DESIGN.md section 6):
 * `epilora-gemm`: our quantizer + our FP8 GEMM (K2 without adapter), against `cutlass`;
 * `vllm-default`: the same + vLLM's Punica `lora_shrink` / `lora_expand` at their defaults;
 * `epilora-fused`: our K1 (quant + shrink) + K2 (FP8 GEMM with the up-projection in its epilogue);
-* `epilora-decode`: the decode path (our quantizer, our shrink, K2 as its PDL dependent);
+* `epilora-decode`: the decode path (K1, then K2 as its PDL dependent, overlapping the shrink);
 * `epilora-hybrid`: vLLM's quant + CUTLASS, then our shrink and expand.
 
 Each system's whole layer (qkv 4096->6144, o 4096->4096, gate_up 4096->24576, down 12288->4096)

@@ -3,15 +3,15 @@ GEMM alone against vLLM's CUTLASS.
 
 For each Qwen3-8B projection shape (qkv, o, gate_up, down) and token count, times every
 candidate `LaunchConfig` of K2 without adapters (`fp8_gemm`: the GEMM's main loop, which is
-what the settings change) and of K1, quantizing (`quantize_and_shrink`, timed with the K2 after
-it: the fused path) and not (the `decode_shrink` op, timed as the decode path), at rank 64 with 4
-adapters, on CUDA-graph
-replays with the L2 flushed (median of `--reps`), checks each candidate's result (K1 codes
-bitwise; outputs by relative error against the first candidate), and keeps the fastest. In the
-same run, per projection: `cutlass-mm` (vLLM's `cutlass_scaled_mm` on the same codes),
-`vllm-quant` (vLLM's per-token quantizer) and `epilora-quant` (our K1's quantizer alone, which
-the decode path launches before its shrink). Writes the table
-(`epilora_kernels/configs/<device>.json` format, schema-checked) and every timing.
+what the settings change) and of K1 (quantize + shrink) timed with the K2 after it, for the
+fused path (op `quantize_shrink`) and for the decode path (op `decode_shrink`: K2 overlaps
+K1), at rank 64 with 4 adapters, on CUDA-graph replays with the L2 flushed (median of
+`--reps`), checks each candidate's result (K1 codes bitwise; outputs by relative error against
+the first candidate), and keeps the fastest. In the same run, per projection: `cutlass-mm`
+(vLLM's `cutlass_scaled_mm` on the same codes), `vllm-quant` (vLLM's per-token quantizer) and
+`epilora-quant` (our quantizer alone). Writes the table (`epilora_kernels/configs/<device>.json`
+format, schema-checked; entries of the installed table for token counts not tuned here are
+kept) and every timing.
 
     python3 benchmarks/tune.py --out-table $OUT/NVIDIA_H200.json --out $OUT/tune.json
 """
@@ -63,6 +63,17 @@ def k1_candidates(tokens: int):
             for split_k in (1, 4, 8, 16) for block_k in (128, 256)]
 
 
+def _installed_table() -> dict:
+    """The launch table the package ships for this GPU (empty if none), to update."""
+    from importlib import resources
+
+    from epilora_kernels.launch import table_name
+
+    path = resources.files("epilora_kernels").joinpath(
+        "configs", table_name(torch.cuda.get_device_name()))
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
 
@@ -92,9 +103,11 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
     layer = make_layer(4, RANK, gen)
-    table: dict = {"_meta": {"device": torch.cuda.get_device_name(), "rank": RANK,
-                             "tool": "benchmarks/tune.py"},
-                   "quantize_shrink": {}, "decode_shrink": {}, "lora_gemm": {}}
+    table = _installed_table()
+    table["_meta"] = {"device": torch.cuda.get_device_name(), "rank": RANK,
+                      "tool": "benchmarks/tune.py", "tokens_tuned_last": args.tokens}
+    for op in ("quantize_shrink", "decode_shrink", "lora_gemm"):
+        table.setdefault(op, {})
     rows = []
 
     def row(op, name, tokens, us, cfg=None, **extra):
@@ -131,26 +144,23 @@ def main() -> None:
             want_codes, _, want_h = fused.quantize_and_shrink(x, lora, batch, config=base)
             best1 = {}
             for op in ("quantize_shrink", "decode_shrink"):
-                # Timed with the K2 it feeds (its best config from above): K2's epilogue sums
-                # K1's split-K planes, so K1's split count costs in K2 too.
+                # Timed with the K2 it feeds (its best config from above): K1's split count
+                # trades its own speed against its reduction, which K2 overlaps or waits for.
+                linear = (fused.decode_lora_fp8_linear if op == "decode_shrink"
+                          else fused.fused_lora_fp8_linear)
                 best1[op] = (float("inf"), None)
                 for cfg in k1_candidates(tokens):
-                    if op == "decode_shrink":
-                        k1 = functools.partial(fused.lora_shrink, x, lora, batch, config=cfg)
-                        pair = functools.partial(fused.decode_lora_fp8_linear, x, weight, scale,
-                                                 lora, batch, k1_config=cfg, k2_config=best2[1])
-                    else:
-                        k1 = functools.partial(fused.quantize_and_shrink, x, lora, batch,
-                                               config=cfg)
-                        pair = functools.partial(fused.fused_lora_fp8_linear, x, weight, scale,
-                                                 lora, batch, k1_config=cfg, k2_config=best2[1])
+                    pair = functools.partial(linear, x, weight, scale, lora, batch,
+                                             k1_config=cfg, k2_config=best2[1])
 
-                    def same(k1=k1, op=op, want_codes=want_codes, want_h=want_h):
-                        out = k1()
-                        h2 = out if op == "decode_shrink" else out[2]
-                        return (op == "decode_shrink" or bool(torch.equal(
-                            out[0].view(torch.uint8), want_codes.view(torch.uint8)))) and \
-                            rel(h2.sum(0), want_h.sum(0)) < 1e-5
+                    k1 = functools.partial(fused.quantize_and_shrink, x, lora, batch,
+                                           config=cfg)
+
+                    def same(k1=k1, want_codes=want_codes, want_h=want_h):
+                        codes, _, h = k1()
+                        return bool(torch.equal(codes.view(torch.uint8),
+                                                want_codes.view(torch.uint8))) and \
+                            rel(h, want_h) < 1e-5
 
                     ok, us = _time(pair, args.reps, flush, same)
                     row(op, name, tokens, us, cfg, ok=ok, timed="with K2")

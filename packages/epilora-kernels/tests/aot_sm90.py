@@ -14,7 +14,7 @@ from aot_launchers_sm90 import compile_launch, record_launches
 from kernel_cases import make_problem
 
 PATTERN = (r"(div\.[a-z.0-9]+|rcp\.[a-z.0-9]+|cvt\.rn\.satfinite\.e4m3x2\.f32|mma\.sync|wgmma"
-           r"|griddepcontrol\.[a-z_]+|atom\.[a-z_.0-9]+)")
+           r"|griddepcontrol\.[a-z_]+|atom\.[a-z_.0-9]+|ld\.global\.gpu\.acquire)")
 K1 = LaunchConfig(block_m=16, block_k=128, block_r=64, split_k=8, num_stages=2)
 K2 = LaunchConfig(block_m=16, block_n=32, block_k=256, block_r=64, num_stages=4)
 K2_SPLIT = LaunchConfig(block_m=16, block_n=32, block_k=256, block_r=64, split_k=4,
@@ -44,21 +44,28 @@ def main() -> None:
     out = {"k1_quantize=True": found(k1_quantize), "k1_quantize=False": found(k1_shrink),
            "k2_mode=0": found(k2_mode0), "k2_mode=1": found(k2_mode1),
            "k2_mode=2": found(k2_mode2), "gemm_only_mode=0": found(gemm_only)}
-    # The decode path: the shrink triggers its dependents; K2 waits after its K loop.
-    _, k1_pdl, k2_pdl = ptx_of(lambda: fused.decode_lora_fp8_linear(
+    # The decode path: K1 triggers its dependents and releases its count of quantized rows;
+    # K2 acquires that count before its K loop, waits for K1 after it (the overlap), and
+    # writes nothing but those counters (atomics) before the wait.
+    k1_pdl, k2_pdl = ptx_of(lambda: fused.decode_lora_fp8_linear(
         x, weight, w_scale, lora, batch, k1_config=K1, k2_config=K2))
     out["k1_pdl"], out["k2_pdl"] = found(k1_pdl), found(k2_pdl)
-    # Where the wait sits: after main-loop MMAs (the overlap), before any global store.
     wait = k2_pdl.find("griddepcontrol.wait")
-    out["k2_pdl_mma_before_wait"] = 0 <= k2_pdl.find("mma.sync") < wait
+    mma = k2_pdl.find("mma.sync")
+    out["k2_pdl_acquire_before_mma"] = 0 <= k2_pdl.find("ld.global.gpu.acquire") < mma
+    out["k2_pdl_mma_before_wait"] = 0 <= mma < wait
     out["k2_pdl_no_store_before_wait"] = wait > 0 and "st.global" not in k2_pdl[:wait]
-    # Split-K at decode: the partial stores and the tile counter's atomic come after the wait.
+    # Split-K at decode: the partial stores and the tile counter's atomic come after the wait
+    # (before it, the same counter atomics as without split-K).
     k2_split = ptx_of(lambda: fused.decode_lora_fp8_linear(
         x, weight, w_scale, lora, batch, k1_config=K1, k2_config=K2_SPLIT))[-1]
-    wait = k2_split.find("griddepcontrol.wait")
+    split_wait = k2_split.find("griddepcontrol.wait")
     out["k2_pdl_split_k"] = found(k2_split)
-    out["k2_pdl_split_k_atomic_after_wait"] = 0 < wait < k2_split.find("atom.")
-    out["k2_pdl_split_k_no_store_before_wait"] = wait > 0 and "st.global" not in k2_split[:wait]
+    out["k2_pdl_split_k_tile_counter_after_wait"] = (
+        0 < split_wait < k2_split.rfind("atom.global.gpu.acq_rel")
+        and k2_split[:split_wait].count("atom.") == k2_pdl[:wait].count("atom."))
+    out["k2_pdl_split_k_no_store_before_wait"] = (
+        split_wait > 0 and "st.global" not in k2_split[:split_wait])
     print(json.dumps(out))
 
 

@@ -20,16 +20,19 @@ def test_kernels_compile_for_sm90_with_the_expected_instructions():
     assert "cvt.rn.satfinite.e4m3x2.f32" in found["k1_quantize=True"]
     assert all("mma.sync" in found[f"k2_mode={m}"] for m in (0, 1, 2))
     assert "mma.sync" in found["gemm_only_mode=0"]
-    # The decode path's PDL: the shrink triggers its dependents, K2 waits after its main loop
-    # (so the GEMM overlaps the shrink) and stores nothing before the wait.
+    # The decode path's PDL: K1 triggers its dependents and releases its count of quantized
+    # rows; K2 acquires the count before its main loop, waits for K1 after it (so the GEMM
+    # overlaps the shrink) and stores nothing before the wait (its counters are atomics).
     assert "griddepcontrol.launch_dependents" in found["k1_pdl"]
+    assert "atom.global.gpu.release.add.u32" in found["k1_pdl"]
     assert "griddepcontrol.wait" in found["k2_pdl"]
+    assert found["k2_pdl_acquire_before_mma"]
     assert found["k2_pdl_mma_before_wait"] and found["k2_pdl_no_store_before_wait"]
     # Split-K: partials and the tile counter's acq_rel atomic only after the wait.
     assert "griddepcontrol.wait" in found["k2_pdl_split_k"]
     atomics = [op for op in found["k2_pdl_split_k"] if op.startswith("atom.global.gpu")]
-    assert atomics and all("acq_rel" in op for op in atomics)
-    assert found["k2_pdl_split_k_atomic_after_wait"]
+    assert "atom.global.gpu.acq_rel.add.u32" in atomics
+    assert found["k2_pdl_split_k_tile_counter_after_wait"]
     assert found["k2_pdl_split_k_no_store_before_wait"]
 
 
@@ -41,4 +44,4 @@ def test_every_launch_compiles_for_sm90_with_the_arguments_its_launcher_passes()
     assert result.returncode == 0, result.stderr[-3000:]
     launches = json.loads(result.stdout.strip().splitlines()[-1])
     assert launches == {"quantize": 1, "fp8_gemm_from_bf16": 2, "fused": 2, "fused_split_k": 2,
-                        "decode": 3, "decode_split_k": 3, "w8a16": 2, "expand": 2}
+                        "decode": 2, "decode_split_k": 2, "w8a16": 2, "expand": 2}

@@ -96,30 +96,49 @@ def _quantize_row(x_ptr, codes_ptr, scales_ptr, t, K, stride_x, QUANT_BLOCK: tl.
 
 
 @triton.jit
+def _sum_splits(acc, tile_ptrs, plane, mask, split, counter, SPLIT_K: tl.constexpr):
+    # Deterministic split-K: every split stores its fp32 partial at `tile_ptrs + split * plane`;
+    # the split that arrives last at the tile's counter sums the planes in the fixed order
+    # 0..SPLIT_K-1 (the same bits whichever split came last) and resets the counter to zero
+    # (counters are zero at rest: epilora_kernels._workspace). Returns (the sum, is last).
+    tl.store(tile_ptrs + split * plane, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial is written before the counter moves
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLIT_K - 1
+    total = tl.zeros_like(acc)
+    if last:
+        for i in tl.static_range(SPLIT_K):
+            # .cg: read at L2, never a stale L1 line of another SM's partial
+            total += tl.load(tile_ptrs + i * plane, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(counter, 0)
+    return total, last
+
+
+@triton.jit
 def _quantize_shrink_kernel(
     x_ptr, codes_ptr, scales_ptr, h_ptr,
     a0_ptr, a1_ptr, a2_ptr,
-    sorted_ptr, lora_ids_ptr, counts_ptr, start_ptr, counter_ptr,
-    T, K, R, stride_x, NUM_COUNTERS,
-    QUANTIZE: tl.constexpr, NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    sorted_ptr, lora_ids_ptr, counts_ptr, start_ptr, counter_ptr, ready_ptr,
+    T, K, R, stride_x,
+    QUANTIZE: tl.constexpr, SIGNAL_CODES: tl.constexpr, NUM_SLICES: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     QUANT_BLOCK: tl.constexpr, INTERPRETER: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     if USE_PDL:
-        # The decode path: let the GEMM launched after us (its programmatic dependent) start
-        # now and stream its weights while we run; it waits for our h before its epilogue.
+        # The decode path: let the GEMM launched after us (our programmatic dependent) start
+        # now; it waits for our codes (SIGNAL_CODES) before its K loop and for h before its
+        # epilogue.
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
-    if pid == 0:
-        # Zero the split-K tile counters of the K2 that follows (it touches them only after
-        # this kernel is complete), so neither kernel needs a memset launched between them.
-        for c0 in range(0, NUM_COUNTERS, 1024):
-            c = c0 + tl.arange(0, 1024)
-            tl.store(counter_ptr + c, 0, mask=c < NUM_COUNTERS)
     if QUANTIZE:
         if pid < T:
             _quantize_row(x_ptr, codes_ptr, scales_ptr, pid, K, stride_x, QUANT_BLOCK,
                           INTERPRETER)
+            if SIGNAL_CODES:
+                # Count this row as done for the K2 already running, which spins on the count;
+                # every thread's codes and the scale are stored before the release.
+                tl.debug_barrier()
+                tl.atomic_add(ready_ptr, 1, sem="release", scope="gpu")
             return
         pid -= T
     n_m = tl.cdiv(T, BLOCK_M)
@@ -143,12 +162,17 @@ def _quantize_shrink_kernel(
     row_mask = rows < count
     tok = tl.load(sorted_ptr + start + rows, mask=row_mask, other=0)
     r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    h_mask = row_mask[:, None] & (r[None, :] < R)
+    h_tile = h_ptr + (s * T + tok[:, None]).to(tl.int64) * R + r[None, :]
+    if slot < 0:  # tokens without an adapter get zero rows of h: no loop, no partials
+        if split == 0:
+            tl.store(h_tile, tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32), mask=h_mask)
+        return
     a_base = _pick(s, a0_ptr, a1_ptr, a2_ptr) + slot.to(tl.int64) * R * K
 
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_begin = split * k_per_split
-    # Tokens without an adapter (slot -1) get zero rows of h: no loop, the zero tile stored.
-    k_end = tl.where(slot >= 0, tl.minimum(k_begin + k_per_split, K), k_begin)
+    k_end = tl.minimum(k_begin + k_per_split, K)
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -160,46 +184,30 @@ def _quantize_shrink_kernel(
             acc += tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)))
         else:
             acc += tl.dot(xt, tl.trans(at))
-    h_rows = h_ptr + ((split * NUM_SLICES + s) * T + tok[:, None]).to(tl.int64) * R
-    tl.store(h_rows + r[None, :], acc, mask=row_mask[:, None] & (r[None, :] < R))
-
-
-@triton.jit
-def _split_k_reduce(acc, partial_ptr, counter_ptr, pos, n, N, n_mask, SPLIT_K: tl.constexpr,
-                    BLOCK_M: tl.constexpr):
-    # Deterministic split-K. Every split stores its fp32 partial in its plane of the workspace
-    # `[SPLIT_K, tiles_m * BLOCK_M, N]`; the split that arrives last at the tile's counter sums
-    # the planes in the fixed order 0..SPLIT_K-1 (the same bits whichever split came last) and
-    # resets the counter for the next launch. Returns (the sum, the number of splits that
-    # arrived before this one: SPLIT_K - 1 for the last).
-    plane = (tl.num_programs(0) * BLOCK_M).to(tl.int64) * N
-    offs = pos[:, None].to(tl.int64) * N + n[None, :]
-    tl.store(partial_ptr + tl.program_id(2) * plane + offs, acc, mask=n_mask[None, :])
-    tl.debug_barrier()  # every thread's partial is written before the counter moves
-    counter = counter_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    last = arrived == SPLIT_K - 1
-    total = tl.zeros_like(acc)
-    if last:
-        for split in tl.static_range(SPLIT_K):
-            # .cg: read at L2, never a stale L1 line of another SM's partial
-            total += tl.load(partial_ptr + split * plane + offs, mask=n_mask[None, :], other=0.0,
-                             cache_modifier=".cg")
-        tl.store(counter, 0)
-    return total, arrived
+    if SPLIT_K > 1:
+        # Summed here, once, into plane 0 (the other planes are scratch), so K2's epilogue
+        # reads one plane: it read all of them in every output tile (at rank 128, 16 planes
+        # made the h-given layer ~25% slower than rank 16: results/h200/decode.json).
+        tile = ((z * NUM_SLICES + s) * n_m + pid_m) * n_r + pid_r
+        acc, last = _sum_splits(acc, h_tile, NUM_SLICES * T * R, h_mask, split,
+                                counter_ptr + tile, SPLIT_K)
+        if not last:
+            return
+    tl.store(h_tile, acc, mask=h_mask)
 
 
 @triton.jit
 def _lora_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, y_ptr, h_ptr,
     b0_ptr, b1_ptr, b2_ptr,
-    sorted_ptr, lora_ids_ptr, start_ptr, partial_ptr, counter_ptr,
+    sorted_ptr, lora_ids_ptr, start_ptr, partial_ptr, counter_ptr, ready_ptr,
     T, N, K, R, NUM_ENTRIES,
     stride_a, stride_y, N_OFF1, N_OFF2,
     MODE: tl.constexpr, HAS_LORA: tl.constexpr, NUM_SLICES: tl.constexpr,
-    H_PLANES: tl.constexpr, SPLIT_K: tl.constexpr,
+    H_PLANES: tl.constexpr, SPLIT_K: tl.constexpr, ENTRIES_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, INTERPRETER: tl.constexpr, USE_PDL: tl.constexpr = False,
+    WAIT_CODES: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -213,6 +221,44 @@ def _lora_gemm_kernel(
     n_mask = n < N
     y_tile = y_ptr + tok[:, None].to(tl.int64) * stride_y + n[None, :]
     out_mask = pos_mask[:, None] & n_mask[None, :]
+
+    if HAS_LORA:
+        # Before the K loop, what the epilogue needs that K1 does not write: the adapter
+        # segments that meet this tile (one vector load, not a loop over every slot) and the
+        # first one's slice of B, so that after the wait only h is read.
+        n0 = pid_n * BLOCK_N
+        s = (n0 >= N_OFF1).to(tl.int32) + (n0 >= N_OFF2).to(tl.int32)
+        slice_begin = tl.where(s == 0, 0, tl.where(s == 1, N_OFF1, N_OFF2))
+        slice_end = tl.where(s == 0, N_OFF1, tl.where(s == 1, N_OFF2, N))
+        b_base = _pick(s, b0_ptr, b1_ptr, b2_ptr)
+        b_offs = (n - slice_begin)[:, None] * R + tl.arange(0, BLOCK_R)[None, :]
+        b_mask = (n < slice_end)[:, None] & n_mask[:, None] & (tl.arange(0, BLOCK_R)[None, :] < R)
+        e = tl.arange(0, ENTRIES_BLOCK)
+        e_mask = e < NUM_ENTRIES
+        slots = tl.load(lora_ids_ptr + e, mask=e_mask, other=-1)
+        seg_begins = tl.load(start_ptr + e, mask=e_mask, other=0)
+        seg_ends = tl.load(start_ptr + e + 1, mask=e_mask, other=0)
+        tile_begin = pid_m * BLOCK_M
+        meets = (slots >= 0) & (seg_begins < tile_begin + BLOCK_M) & (seg_ends > tile_begin)
+        z_first = tl.min(tl.where(meets, e, ENTRIES_BLOCK), axis=0)
+        z_last = tl.max(tl.where(meets, e, -1), axis=0)
+        first_slot = tl.max(tl.where(e == z_first, slots, -1), axis=0)
+        b_first = tl.load(b_base + first_slot.to(tl.int64) * (slice_end - slice_begin) * R
+                          + b_offs, mask=b_mask & (first_slot >= 0), other=0.0)
+
+    if WAIT_CODES:
+        # The decode path: launched while K1 runs, wait until its quantizing programs have
+        # counted every row (a spin on the count, which they release; they cannot be waiting
+        # for us: PDL launched us only once every K1 program had started). The last program
+        # past the wait zeroes both counts for the next launch (atomics: no plain store may
+        # precede gdc_wait, and none is needed).
+        while tl.atomic_add(ready_ptr, 0, sem="acquire", scope="gpu") < T:
+            pass
+        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        if tl.atomic_add(ready_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
+            tl.atomic_xchg(ready_ptr, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(ready_ptr + 1, 0, sem="relaxed", scope="gpu")
+
     if SPLIT_K == 1:
         k_begin = 0
         k_end = K
@@ -239,14 +285,17 @@ def _lora_gemm_kernel(
                 acc += tl.dot(at, tl.trans(wt.to(tl.bfloat16)))
 
     if USE_PDL:
-        # Everything above read only what existed before the shrink started (the codes and
-        # scales come from the kernel before it); h is the shrink's. Unconditional, and before
-        # any global store (split-K partials included): see docs/kernels.md, "The decode path".
+        # Everything above read what existed before K1 started or what K1 counted as done
+        # (WAIT_CODES); h is K1's. Unconditional, and before any global store (split-K
+        # partials included): see docs/kernels.md, "The decode path".
         tl.extra.cuda.gdc_wait()
     if SPLIT_K > 1:
-        acc, arrived = _split_k_reduce(acc, partial_ptr, counter_ptr, pos, n, N, n_mask,
-                                       SPLIT_K, BLOCK_M)
-        if arrived != SPLIT_K - 1:
+        plane = (tl.num_programs(0) * BLOCK_M).to(tl.int64) * N
+        acc, last = _sum_splits(
+            acc, partial_ptr + pos[:, None].to(tl.int64) * N + n[None, :], plane,
+            n_mask[None, :], tl.program_id(2),
+            counter_ptr + pid_m * tl.num_programs(1) + pid_n, SPLIT_K)
+        if not last:
             return
     if MODE == 0:
         x_scale = tl.load(a_scale_ptr + tok, mask=pos_mask, other=0.0)
@@ -255,12 +304,6 @@ def _lora_gemm_kernel(
         acc = tl.load(w_scale_ptr) * acc
 
     if HAS_LORA:
-        n0 = pid_n * BLOCK_N
-        s = (n0 >= N_OFF1).to(tl.int32) + (n0 >= N_OFF2).to(tl.int32)
-        slice_begin = tl.where(s == 0, 0, tl.where(s == 1, N_OFF1, N_OFF2))
-        slice_end = tl.where(s == 0, N_OFF1, tl.where(s == 1, N_OFF2, N))
-        n_local = n - slice_begin
-        b_base = _pick(s, b0_ptr, b1_ptr, b2_ptr)
         r = tl.arange(0, BLOCK_R)
         hmask = pos_mask[:, None] & (r[None, :] < R)
         hsum = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
@@ -268,20 +311,17 @@ def _lora_gemm_kernel(
             plane = h_ptr + ((split * NUM_SLICES + s) * T + tok[:, None]).to(tl.int64) * R
             hsum += tl.load(plane + r[None, :], mask=hmask, other=0.0)
         hb = hsum.to(tl.bfloat16)
-        tile_begin = pid_m * BLOCK_M
-        for z in range(0, NUM_ENTRIES):
+        for z in range(z_first, z_last + 1):
             slot = tl.load(lora_ids_ptr + z)
             seg_begin = tl.load(start_ptr + z)
             seg_end = tl.load(start_ptr + z + 1)
-            meets = (slot >= 0) & (seg_begin < tile_begin + BLOCK_M) & (seg_end > tile_begin)
-            if meets:
+            if slot >= 0:
+                if z == z_first:
+                    bt = b_first
+                else:
+                    bt = tl.load(b_base + slot.to(tl.int64) * (slice_end - slice_begin) * R
+                                 + b_offs, mask=b_mask, other=0.0)
                 in_seg = (pos >= seg_begin) & (pos < seg_end)
-                bt = tl.load(
-                    b_base + slot.to(tl.int64) * (slice_end - slice_begin) * R
-                    + n_local[:, None] * R + r[None, :],
-                    mask=(n < slice_end)[:, None] & n_mask[:, None] & (r[None, :] < R),
-                    other=0.0,
-                )
                 if INTERPRETER:
                     hz = tl.where(in_seg[:, None], hb.to(tl.float32), 0.0)
                     acc += tl.dot(hz, tl.trans(bt.to(tl.float32)))

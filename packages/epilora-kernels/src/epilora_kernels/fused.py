@@ -5,14 +5,16 @@ Every function here has a torch twin of the same name and positional signature i
 
 * `quantize_and_shrink` (K1): per-token FP8 codes and scales, bit for bit what vLLM's compiled
   quantizer computes on the GPU (`epilora_quant` mode INDUCTOR), plus every adapter's
-  `h = x A^T` over its tokens, as split-K partials `[split_k, S, T, R]`.
+  `h = x A^T` over its tokens, `[1, S, T, R]` fp32 (split-K partials summed in K1, in a fixed
+  order).
 * `lora_fp8_gemm` (K2): the FP8 GEMM over adapter-sorted tokens whose epilogue adds
   `bf16(h) B^T` for each adapter in the tile; multi-slice outputs (qkv, gate_up) in one launch.
 * `lora_w8a16_gemm`: the same with bf16 activations and the FP8 weight widened in registers.
 * `lora_shrink`, `lora_expand`: the hybrid path's kernels, after a vendor GEMM.
 * `fused_lora_fp8_linear`, `fused_lora_w8a16_linear`: K1 then K2.
-* `decode_lora_fp8_linear`: the decode path: quantize, then the shrink, then K2 as the shrink's
-  programmatic dependent (PDL), waiting for it only before its epilogue.
+* `decode_lora_fp8_linear`: the decode path: K1, then K2 as K1's programmatic dependent (PDL):
+  it waits for K1's quantized rows (a counter) before its K loop and for h only before its
+  epilogue, so its weight stream overlaps the shrink.
 * `quantize`, `fp8_gemm`, `fp8_gemm_from_bf16`: K1's quantization alone, K2 without adapters
   (our GEMM against CUTLASS), and the two in a row.
 
@@ -25,7 +27,7 @@ import dataclasses
 import torch
 import triton
 
-from epilora_kernels import _env
+from epilora_kernels import _env, _workspace
 from epilora_kernels._fused_kernels import _lora_gemm_kernel, _quantize_shrink_kernel
 from epilora_kernels.batch import AdapterBatch, LoraWeights
 from epilora_kernels.launch import LaunchConfig, heuristic_config, rank_block, table_config
@@ -84,37 +86,38 @@ def _slice_args(lora: LoraWeights) -> tuple:
 
 
 def _use_pdl(pdl: bool) -> bool:
-    # The interpreter has no PDL intrinsics; the launch attribute alone it ignores.
+    # The interpreter has no PDL intrinsics; the launch attribute alone it ignores. (The decode
+    # path's count of quantized rows runs there too: K1 counts, K2 spins and resets.)
     return pdl and not _env.triton_interpreter()
 
 
 def _launch_k1(x, lora, batch, cfg: LaunchConfig, quantize: bool, pdl: bool = False,
-               counters: torch.Tensor | None = None):
+               signal_codes: bool = False):
     t, k = x.shape
     s_count, rank = len(lora.output_slices), lora.max_rank
+    # Split-K partials in planes; K1 sums them into plane 0, the h it returns.
     h = torch.empty(cfg.split_k, s_count, t, rank, dtype=torch.float32, device=x.device)
     if quantize:
         codes = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
         scales = torch.empty(t, 1, dtype=torch.float32, device=x.device)
     else:
         codes, scales = h, h  # unused
-    if counters is None:
-        counters = h  # not written: NUM_COUNTERS = 0
     a, _, _, _ = _slice_args(lora)
-    shrink_programs = ((batch.max_loras + 1) * triton.cdiv(t, cfg.block_m)
-                       * triton.cdiv(rank, cfg.block_r) * cfg.split_k * s_count)
-    grid = ((t if quantize else 0) + shrink_programs,)
+    tiles = ((batch.max_loras + 1) * triton.cdiv(t, cfg.block_m)
+             * triton.cdiv(rank, cfg.block_r) * s_count)
+    counters = _workspace.counters(x.device, tiles if cfg.split_k > 1 else 0)
+    grid = ((t if quantize else 0) + tiles * cfg.split_k,)
     _quantize_shrink_kernel[grid](
         x, codes, scales, h, a[0], a[1], a[2],
         batch.sorted_token_indices, batch.lora_ids, batch.num_tokens_per_lora,
-        batch.lora_token_start, counters,
-        t, k, rank, x.stride(0), 0 if counters is h else counters.numel(),
-        QUANTIZE=quantize, NUM_SLICES=s_count, SPLIT_K=cfg.split_k,
+        batch.lora_token_start, counters[_workspace.TILES:], counters,
+        t, k, rank, x.stride(0),
+        QUANTIZE=quantize, SIGNAL_CODES=signal_codes, NUM_SLICES=s_count, SPLIT_K=cfg.split_k,
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
         QUANT_BLOCK=_quant_block(k, 4096), INTERPRETER=_env.triton_interpreter(),
         USE_PDL=_use_pdl(pdl), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return codes, scales, h
+    return codes, scales, h[:1]
 
 
 def _quant_block(k: int, cap: int) -> int:
@@ -125,18 +128,17 @@ def _quant_block(k: int, cap: int) -> int:
     return min(triton.next_power_of_2(k), cap)
 
 
-def _launch_quantize(x: torch.Tensor, counters: torch.Tensor | None = None):
-    """K1's quantizing programs alone: one per token (and zero `counters` on the way)."""
+def _launch_quantize(x: torch.Tensor):
+    """K1's quantizing programs alone: one per token."""
     t, k = x.shape
     codes = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(t, 1, dtype=torch.float32, device=x.device)
     unused = torch.empty(1, dtype=torch.int32, device=x.device)  # the shrink's, never read
     _quantize_shrink_kernel[(t,)](
-        x, codes, scales, scales, x, x, x, unused, unused, unused, unused,
-        unused if counters is None else counters,
-        t, k, 1, x.stride(0), 0 if counters is None else counters.numel(),
-        QUANTIZE=True, NUM_SLICES=1, SPLIT_K=1, BLOCK_M=16, BLOCK_R=16, BLOCK_K=16,
-        QUANT_BLOCK=_quant_block(k, 16384), INTERPRETER=_env.triton_interpreter(),
+        x, codes, scales, scales, x, x, x, unused, unused, unused, unused, unused, unused,
+        t, k, 1, x.stride(0),
+        QUANTIZE=True, SIGNAL_CODES=False, NUM_SLICES=1, SPLIT_K=1, BLOCK_M=16, BLOCK_R=16,
+        BLOCK_K=16, QUANT_BLOCK=_quant_block(k, 16384), INTERPRETER=_env.triton_interpreter(),
         num_warps=8, num_stages=1,
     )
     return codes, scales
@@ -152,7 +154,8 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_and_shrink(
     x: torch.Tensor, lora: LoraWeights, batch: AdapterBatch, *, config: LaunchConfig | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """K1: `(codes [T, K] fp8, scales [T, 1] fp32, h [split_k, S, T, R] fp32 partials)`."""
+    """K1: `(codes [T, K] fp8, scales [T, 1] fp32, h [1, S, T, R] fp32)`; split-K partials are
+    summed in K1, in a fixed order."""
     _check_inputs(x, lora, batch)
     cfg = _config("quantize_shrink", x.shape[0], lora, config)
     return _launch_k1(x, lora, batch, cfg, quantize=True)
@@ -164,15 +167,11 @@ def lora_shrink(
     batch: AdapterBatch,
     *,
     config: LaunchConfig | None = None,
-    pdl: bool = False,
 ) -> torch.Tensor:
-    """The hybrid path's shrink: `h [split_k, S, T, R]` fp32 partials of `x A_slot^T`.
-
-    `pdl=True` (the decode path) lets the next kernel, launched with PDL, start at once.
-    """
+    """The hybrid path's shrink: `h [1, S, T, R]` fp32, `x A_slot^T` per token and slice."""
     _check_inputs(x, lora, batch)
     cfg = _config("shrink", x.shape[0], lora, config)
-    return _launch_k1(x, lora, batch, cfg, quantize=False, pdl=pdl)[2]
+    return _launch_k1(x, lora, batch, cfg, quantize=False)[2]
 
 
 def _split_k(mode: int, cfg: LaunchConfig) -> int:
@@ -183,28 +182,17 @@ def _gemm_grid(mode: int, t: int, n: int, cfg: LaunchConfig) -> tuple[int, int, 
     return (triton.cdiv(t, cfg.block_m), triton.cdiv(n, cfg.block_n), _split_k(mode, cfg))
 
 
-def _tile_counters(mode: int, t: int, n: int, cfg: LaunchConfig, device) -> torch.Tensor | None:
-    """Uninitialized split-K tile counters for a K2 launch (None without split-K): the K1 that
-    runs before it zeroes them (`counters=` of `_launch_k1`), at no extra launch."""
+def _gemm_workspace(mode, t, n, cfg: LaunchConfig, device):
+    """The grid, the split-K partials (None without split-K) and the counter buffer."""
     grid = _gemm_grid(mode, t, n, cfg)
     if grid[2] == 1:
-        return None
-    return torch.empty(grid[0] * grid[1], dtype=torch.int32, device=device)
-
-
-def _gemm_workspace(mode, t, n, cfg: LaunchConfig, device, counters):
-    """The grid, the split-K partials and the tile counters (zeroed here unless given)."""
-    grid = _gemm_grid(mode, t, n, cfg)
-    if grid[2] == 1:
-        return grid, None, None
+        return grid, None, _workspace.counters(device, 0)
     partial = torch.empty(grid[2], grid[0] * cfg.block_m, n, dtype=torch.float32, device=device)
-    if counters is None:
-        counters = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=device)
-    return grid, partial, counters
+    return grid, partial, _workspace.counters(device, grid[0] * grid[1])
 
 
 def _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg: LaunchConfig,
-               pdl: bool = False, counters: torch.Tensor | None = None):
+               pdl: bool = False, wait_codes: bool = False):
     t, n = y.shape
     k = lora.in_features
     _, b, off1, off2 = _slice_args(lora)
@@ -214,17 +202,19 @@ def _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg: L
     if cfg.block_r < lora.max_rank:
         raise ValueError(f"block_r={cfg.block_r} must cover the adapters' max rank "
                          f"{lora.max_rank}: K2's epilogue reads all of h in one tile")
-    grid, partial, counters = _gemm_workspace(mode, t, n, cfg, y.device, counters)
+    grid, partial, counters = _gemm_workspace(mode, t, n, cfg, y.device)
+    entries = batch.max_loras + 1
     _lora_gemm_kernel[grid](
         a, a_scale, weight, weight_scale, y, h, b[0], b[1], b[2],
         batch.sorted_token_indices, batch.lora_ids, batch.lora_token_start,
-        y if partial is None else partial, batch.lora_ids if counters is None else counters,
-        t, n, k, lora.max_rank, batch.max_loras + 1,
+        y if partial is None else partial, counters[_workspace.TILES:], counters,
+        t, n, k, lora.max_rank, entries,
         a.stride(0), y.stride(0), off1, off2,
         MODE=mode, HAS_LORA=True, NUM_SLICES=len(lora.output_slices), H_PLANES=h.shape[0],
-        SPLIT_K=grid[2],
+        SPLIT_K=grid[2], ENTRIES_BLOCK=triton.next_power_of_2(entries),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=cfg.block_r,
         INTERPRETER=_env.triton_interpreter(), USE_PDL=_use_pdl(pdl),
+        WAIT_CODES=wait_codes,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=_use_pdl(pdl),
     )
     return y
@@ -240,13 +230,13 @@ def _launch_gemm_only(mode, a, a_scale, weight, weight_scale, cfg: LaunchConfig 
     cfg = cfg or _shape_config("lora_gemm", t, n, k, 16, ())
     y = torch.empty(t, n, dtype=torch.bfloat16, device=a.device)
     unused = torch.empty(1, dtype=torch.int32, device=a.device)  # the epilogue's, never read
-    grid, partial, counters = _gemm_workspace(mode, t, n, cfg, a.device, None)
+    grid, partial, counters = _gemm_workspace(mode, t, n, cfg, a.device)
     _lora_gemm_kernel[grid](
         a, a_scale, weight, weight_scale, y, weight_scale, weight, weight, weight,
         unused, unused, unused, y if partial is None else partial,
-        unused if counters is None else counters,
+        counters[_workspace.TILES:], counters,
         t, n, k, 1, 0, a.stride(0), y.stride(0), n, n,
-        MODE=mode, HAS_LORA=False, NUM_SLICES=1, H_PLANES=1, SPLIT_K=grid[2],
+        MODE=mode, HAS_LORA=False, NUM_SLICES=1, H_PLANES=1, SPLIT_K=grid[2], ENTRIES_BLOCK=16,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=16,
         INTERPRETER=_env.triton_interpreter(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -333,11 +323,12 @@ def decode_lora_fp8_linear(
     k2_config: LaunchConfig | None = None,
     pdl: bool = True,
 ) -> torch.Tensor:
-    """The decode path: K1's quantization, then the shrink (K1 without quantizing, which lets
-    its dependents start at once), then K2 as the shrink's programmatic dependent: it streams
-    its weights while the shrink runs and waits for h only before its epilogue. `pdl=False`
-    runs the same kernels serialized; both give the same bits, and the same bits as
-    `fused_lora_fp8_linear` with equal configs."""
+    """The decode path: K1 (quantize + shrink), and K2 launched as K1's programmatic dependent
+    while K1 runs. K2 waits for K1's quantizing programs (their count of finished rows, a spin
+    on a counter they release) before its K loop, and for the whole of K1 (`gdc_wait`, so h)
+    only before its epilogue: its weight stream overlaps the shrink. `pdl=False` runs the same
+    kernels serialized; both give the same bits, and the same bits as `fused_lora_fp8_linear`
+    with equal configs."""
     return _linear(0, x, weight, weight_scale, lora, batch, k1_config, k2_config,
                    decode=True, pdl=pdl)
 
@@ -388,21 +379,16 @@ def fused_lora_w8a16_linear(
 def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
             decode=False, pdl=False):
     # MODE 0: K1 (quantize + shrink) then K2; MODE 1: the shrink then the W8A16 K2. `decode`:
-    # quantize, shrink, K2 (PDL-launched if `pdl`). The first kernel zeroes K2's split-K tile
-    # counters, so no memset runs between them.
+    # the decode path's launch settings, and with `pdl` K2 launched as K1's programmatic
+    # dependent, waiting for K1's count of quantized rows before its K loop.
     _check_inputs(x, lora, batch)
     _check_weight(weight, weight_scale, lora.in_features, lora.out_features)
     op1 = "decode_shrink" if decode else ("quantize_shrink" if mode == 0 else "shrink")
     cfg1 = _config(op1, x.shape[0], lora, k1_config)
     cfg2 = _gemm_config(batch, lora, k2_config)
     y = torch.empty(x.shape[0], lora.out_features, dtype=torch.bfloat16, device=x.device)
-    counters = _tile_counters(mode, x.shape[0], lora.out_features, cfg2, x.device)
-    if decode:
-        codes, scales = _launch_quantize(x, counters)
-        h = _launch_k1(x, lora, batch, cfg1, quantize=False, pdl=pdl)[2]
-    else:
-        codes, scales, h = _launch_k1(x, lora, batch, cfg1, quantize=mode == 0,
-                                      counters=counters)
+    codes, scales, h = _launch_k1(x, lora, batch, cfg1, quantize=mode == 0, pdl=pdl,
+                                  signal_codes=pdl)
     a, a_scale = (codes, scales) if mode == 0 else (x, weight_scale)
     return _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg2, pdl=pdl,
-                      counters=counters)
+                      wait_codes=pdl)

@@ -1,12 +1,13 @@
-"""The decode path on the H200: shrink first, K2 as its programmatic dependent (PDL). Its output
-must equal the same kernels serialized and the fused path bit for bit, run to run, and inside a
-CUDA graph (where the launch becomes a programmatic edge)."""
+"""The decode path on the H200: K1, then K2 as its programmatic dependent (PDL), waiting for K1's
+count of quantized rows before its K loop and for K1 before its epilogue. Its output must equal
+the same kernels serialized and the fused path bit for bit, run to run, and inside a CUDA graph
+(where the launch becomes a programmatic edge), and leave the shared counters at zero."""
 
 import pytest
 import torch
 
-from epilora_kernels import fused, reference
-from epilora_kernels.launch import LaunchConfig
+from epilora_kernels import _workspace, fused, reference
+from epilora_kernels.launch import LaunchConfig, rank_block
 from epilora_testing import assert_bitwise_equal
 from epilora_testing.cuda_graphs import capture
 
@@ -18,6 +19,12 @@ CASES = [  # (tokens, K, slices, rank, max_loras)
     (16, 4096, (2048, 2048), 128, 4),
     (32, 2048, (1024,), 64, 32),
 ]
+
+
+def _assert_counters_at_rest():
+    # Every stream's buffer (the graph's capture stream has its own).
+    for key, buf in _workspace._buffers.items():
+        assert int(buf.count_nonzero()) == 0, (key, buf.nonzero().flatten().tolist()[:8])
 
 
 def _k2_config(split_k: int | None, rank: int):
@@ -39,13 +46,21 @@ def test_decode_equals_serialized_and_fused_bitwise(shape, split_k):
                                           k2_config=k2)
     serialized = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, pdl=False,
                                               k2_config=k2)
-    fused_y = fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch, k2_config=k2)
     assert_bitwise_equal(decode, serialized, name="decode vs serialized")
-    assert_bitwise_equal(decode, fused_y, name="decode vs fused")
-    for _ in range(10):  # split-K: a race in the tile counters would show as a changed bit
+    # The fused path with the same K1 split (the paths' tables may choose different ones).
+    k1 = LaunchConfig(block_m=16, block_k=256, block_r=rank_block(rank), split_k=4,
+                      num_stages=2)
+    fused_y = fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch, k1_config=k1,
+                                          k2_config=k2)
+    decode_k1 = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, k1_config=k1,
+                                             k2_config=k2)
+    assert_bitwise_equal(decode_k1, fused_y, name="decode vs fused")
+    for _ in range(10):  # a race in the counters would show as a changed bit
         again = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, pdl=True,
                                              k2_config=k2)
         assert_bitwise_equal(again, decode, name="repeat")
+    torch.cuda.synchronize()
+    _assert_counters_at_rest()
     want = reference.decode_lora_fp8_linear(x, weight, w_scale, lora, batch)
     assert relative_error(decode, want) < 1e-2
 
@@ -62,3 +77,4 @@ def test_decode_in_a_cuda_graph_equals_eager(split_k):
         graph.replay()
         torch.cuda.synchronize()
         assert_bitwise_equal(out, eager, name="graph replay")
+        _assert_counters_at_rest()
