@@ -249,15 +249,9 @@ def _lora_gemm_kernel(
     if WAIT_CODES:
         # The decode path: launched while K1 runs, wait until its quantizing programs have
         # counted every row (a spin on the count, which they release; they cannot be waiting
-        # for us: PDL launched us only once every K1 program had started). The last program
-        # past the wait zeroes both counts for the next launch (atomics: no plain store may
-        # precede gdc_wait, and none is needed).
+        # for us: PDL launched us only once every K1 program had started).
         while tl.atomic_add(ready_ptr, 0, sem="acquire", scope="gpu") < T:
             pass
-        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        if tl.atomic_add(ready_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
-            tl.atomic_xchg(ready_ptr, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(ready_ptr + 1, 0, sem="relaxed", scope="gpu")
 
     if SPLIT_K == 1:
         k_begin = 0
@@ -284,6 +278,15 @@ def _lora_gemm_kernel(
             else:
                 acc += tl.dot(at, tl.trans(wt.to(tl.bfloat16)))
 
+    if WAIT_CODES:
+        # The last program past the K loop (so past the spin) zeroes both counts for the next
+        # launch. Here, not after the spin, where every program would hit one address at
+        # once before its K loop; here the atomic's latency hides behind the wait below.
+        # (Atomics: no plain store may precede gdc_wait, and none is needed.)
+        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        if tl.atomic_add(ready_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
+            tl.atomic_xchg(ready_ptr, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(ready_ptr + 1, 0, sem="relaxed", scope="gpu")
     if USE_PDL:
         # Everything above read what existed before K1 started or what K1 counted as done
         # (WAIT_CODES); h is K1's. Unconditional, and before any global store (split-K
