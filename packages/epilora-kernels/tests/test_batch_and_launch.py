@@ -91,14 +91,13 @@ def test_the_shipped_h200_table_is_valid_and_covers_the_benchmark_shapes():
     assert table_config("NVIDIA H200", "shrink", 1, 4096, 4096) is None  # not tuned: heuristic
 
 
-def test_shrink_heuristics_by_path():
+def test_shrink_heuristics_split_small_batches():
     from epilora_kernels.launch import heuristic_config
 
-    # Measured on the H200: few split planes help the decode path's overlapped shrink up to 16
-    # tokens; K1 and the hybrid path's shrink keep 16 splits of 256.
-    assert heuristic_config("decode_shrink", 16, 4096, 4096, 64).split_k == 4
-    assert heuristic_config("decode_shrink", 1, 4096, 4096, 64).split_k == 16
-    assert heuristic_config("decode_shrink", 32, 4096, 4096, 64).split_k == 16
-    for op in ("shrink", "quantize_shrink"):
+    # K split into at most 16 parts, each at least 256 deep, up to 32 tokens, for every K1 op.
+    for op in ("shrink", "quantize_shrink", "decode_shrink"):
         assert heuristic_config(op, 16, 4096, 4096, 64).split_k == 16
-    assert heuristic_config("shrink", 1, 4096, 12288, 64).split_k == 16
+        assert heuristic_config(op, 1, 4096, 12288, 64).split_k == 16
+        assert heuristic_config(op, 32, 4096, 2048, 64).split_k == 8
+        assert heuristic_config(op, 1, 64, 128, 16).split_k == 1
+        assert heuristic_config(op, 64, 4096, 4096, 64).split_k == 2

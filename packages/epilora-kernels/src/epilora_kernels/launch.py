@@ -63,15 +63,11 @@ def heuristic_config(
     block_m = 16 if tokens <= 16 else (32 if tokens <= 32 else 64)
     block_r = rank_block(rank)
     if op in ("quantize_shrink", "shrink", "decode_shrink"):
-        # Small batches: split K so that enough programs stream A, each at least 256 deep (the
-        # H200 sweep's best K1 alone at 1-32 tokens was split 16, K tile 256, for K = 4096).
-        # K2's epilogue then reads every split's plane of h for its rows. For the decode
-        # path's shrink, which K2 overlaps, at most 64 token-planes up to 16 tokens was faster
-        # (benchmarks/results/h200/layer_shrink_splits.json against layer.json); for K1 and the
-        # hybrid path's shrink, which run before K2 or the expand, and at 32 tokens, slower.
+        # Small batches: split K so that enough programs stream A, each at least 256 deep; K1
+        # sums the splits. The H200 sweep at 1-32 tokens, K1 timed with the K2 it feeds
+        # (benchmarks/results/h200/tune.json): split 16 best or within noise of the best for
+        # both paths on every Qwen3-8B shape.
         split_k = max(1, min(16, k // 256)) if tokens <= 32 else (2 if tokens <= 128 else 1)
-        if op == "decode_shrink" and tokens <= 16:
-            split_k = max(1, min(split_k, 64 // tokens))
         return LaunchConfig(block_m=block_m, block_n=64, block_k=256 if tokens <= 16 else 128,
                             block_r=block_r, split_k=split_k, num_warps=4, num_stages=2)
     # Decode is bandwidth-bound: narrow N tiles give every SM weights to stream (N=4096 in
