@@ -1,5 +1,5 @@
 """Render docs/benchmarks/layer.md and layer.png from benchmarks/results/h200/layer.json (and the
-per-projection kernel table from benchmarks/results/h200/tune_v2.json).
+per-projection kernel table from benchmarks/results/h200/tune.json).
 
 No number is typed by hand: every figure in the page comes from the result file.
 
@@ -15,8 +15,7 @@ ROOT = Path(__file__).parents[1]
 SOURCE = ROOT / "benchmarks/results/h200/layer.json"
 PAGE = ROOT / "docs/benchmarks/layer.md"
 PLOT = ROOT / "docs/benchmarks/layer.png"
-TUNE = ROOT / "benchmarks/results/h200/tune_v2.json"
-FOLLOW_UP = ROOT / "benchmarks/results/h200/layer_shrink_splits.json"
+TUNE = ROOT / "benchmarks/results/h200/tune.json"
 SYSTEMS = ("cutlass", "vllm-default", "epilora-fused", "epilora-decode", "epilora-hybrid")
 OURS = ("epilora-fused", "epilora-decode", "epilora-hybrid")
 BASELINES = ("cutlass", "epilora-gemm")  # no adapter: measured once per token count
@@ -64,10 +63,10 @@ def _kernel_lines() -> list[str]:
     return lines + [""]
 
 
-def _setup_lines(table: dict, level: str) -> list[str]:
+def _setup_lines(table: dict) -> list[str]:
     lines = []
     for (adapters, rank), by_tokens in sorted(table.items()):
-        lines += [f"{level} {adapters} adapter(s), rank {rank}", "",
+        lines += [f"## {adapters} adapter(s), rank {rank}", "",
                   "| tokens | " + " | ".join(SYSTEMS) + " | vLLM added | our best added "
                   "| best path | ratio |", "|---" * (len(SYSTEMS) + 5) + "|"]
         met = []
@@ -115,17 +114,7 @@ def main() -> None:
                          f"{gemm[tokens] / base[tokens]:.2f} |")
         lines.append("")
     lines += _kernel_lines()
-    lines += _setup_lines(table, "##")
-    if FOLLOW_UP.exists():
-        follow = json.loads(FOLLOW_UP.read_text())
-        lines += ["## Follow-up: fewer shrink splits at 8-32 tokens", "",
-                  f"From `{FOLLOW_UP.relative_to(ROOT)}` (commit "
-                  f"`{follow['meta']['git_sha'][:10]}`, `{follow['meta']['command']}`), its own "
-                  "baselines in the same run: every shrink (K1, the decode and hybrid paths') "
-                  "split into at most 64 token-planes. The code now keeps that only for the "
-                  "decode path's shrink up to 16 tokens, where it was faster; K1 and the "
-                  "hybrid path's shrink keep the split of the main run above.", ""]
-        lines += _setup_lines(_table(follow["rows"]), "###")
+    lines += _setup_lines(table)
     lines += ["![layer time per system and token count](layer.png)", ""]
     PAGE.parent.mkdir(parents=True, exist_ok=True)
     PAGE.write_text("\n".join(lines))

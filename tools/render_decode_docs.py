@@ -15,7 +15,8 @@ PLOT = ROOT / "docs/benchmarks/decode.png"
 PLOTTED = ("cutlass", "vllm-default", "vllm-dual-stream", "epilora-serialized", "epilora-decode",
            "epilora-h-given")
 COLUMNS = ("cutlass", "vllm-default", "vllm-dual-stream", "epilora-serialized", "epilora-decode",
-           "control-empty", "control-cublas-shrink", "epilora-h-given", "model-decode")
+           "control-empty", "control-cublas-shrink", "epilora-h-given", "component-shrink",
+           "component-gemm", "model-decode")
 TARGET = {16: 0.10, 64: 0.05, 128: 0.10}  # the decode issue: added time / CUTLASS alone
 
 

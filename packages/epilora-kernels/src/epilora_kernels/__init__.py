@@ -3,7 +3,7 @@
 The fused path (K1: quantize + shrink; K2: FP8 GEMM with the adapters' up-projection in its
 epilogue), the W8A16 path and the hybrid kernels are in `epilora_kernels.fused`, their torch
 twins in `epilora_kernels.reference`, the inputs in `epilora_kernels.batch`. Correct and tested
-(CPU interpreter and H200); not yet tuned to the performance targets (docs/kernels.md). This
+(CPU interpreter and H200); the performance targets are met in part (docs/kernels.md). This
 package imports neither vLLM nor epilora-vllm; importing it compiles nothing.
 """
 

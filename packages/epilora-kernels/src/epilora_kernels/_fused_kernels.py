@@ -4,18 +4,21 @@
 token each (per-token FP8, in Triton's own arithmetic, which is vLLM's compiled arithmetic: see
 epilora_quant.fp8, mode INDUCTOR), the rest compute one `BLOCK_M x BLOCK_R` tile of
 `h = x A_slot^T` for one adapter, one slice and one split of K, over that adapter's tokens.
-Either kind may be launched alone (the decode path quantizes, then shrinks). Split-K partials
-go to separate planes of the fp32 workspace (no atomics), so the consumer sums them in a fixed
-order and results are deterministic.
+Either kind may be launched alone. Split-K partials go to separate fp32 planes and the last
+split of each tile sums them in a fixed order into plane 0 (`_sum_splits`): deterministic, and
+K2 reads one plane. In the decode path (`SIGNAL_CODES`) the quantizing programs count the rows
+they finished, for the K2 that runs beside them.
 
 `_lora_gemm_kernel` (K2) walks the tokens in adapter order. MODE 0: FP8 x FP8 GEMM scaled as
 vLLM's CUTLASS epilogue; MODE 1: W8A16 (FP8 weight widened to bf16 in registers); MODE 2: no
 GEMM, the tile starts from an existing output (the hybrid path's expand). Its epilogue adds
 `bf16(h) B_slot^T` for each adapter segment that meets the tile, reading only the tile's columns
-of B, and writes the bf16 tile once. With `USE_PDL` (the decode path) it is launched as the
-shrink's programmatic dependent: its main loop runs while the shrink runs, and it waits
-(`gdc_wait`) only before the epilogue reads h. With `SPLIT_K` > 1 the K loop is split over
-programs and the last split of each tile reduces in a fixed order (`_split_k_reduce`).
+of B, and writes the bf16 tile once. In the decode path (`USE_PDL`, `WAIT_CODES`) it is K1's
+programmatic dependent: it waits for K1's count of quantized rows before its K loop, streams its
+weights while K1's shrink runs, and waits for all of K1 (`gdc_wait`) only before its epilogue.
+With `SPLIT_K` > 1 the K loop is split over programs and the last split of each tile reduces in
+a fixed order. Counters (split-K tiles, the decode path's counts) are zero at rest
+(epilora_kernels._workspace): whoever arrives last resets them.
 
 `INTERPRETER` works around two bugs of Triton's CPU interpreter: its bf16 arithmetic (bf16 dots
 become fp32 dots; h is still rounded to bf16 first) and its fp32 -> e4m3 cast, which loses the
