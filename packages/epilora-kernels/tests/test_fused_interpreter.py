@@ -230,3 +230,20 @@ def test_counters_are_zero_at_rest_after_every_path(path):
     assert int(counters.count_nonzero()) == 0, counters.nonzero().flatten().tolist()
     assert_bitwise_equal(runs[path](), first, name=f"{path}, second run")
     assert int(_workspace.counters(x.device, 0).count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("path", ["fused", "decode"])
+def test_k1_rank_in_several_tiles_with_split_k(path):
+    # K1 may cover the rank in several tiles (block_r < rank) while K2 holds it whole; with
+    # split-K each rank tile has its own counter and reduction.
+    x, weight, w_scale, lora, batch = make_problem(14, 21, 160, (32, 16), 40, 3,
+                                                   "mixed_with_base")
+    k1 = fused.LaunchConfig(block_m=16, block_k=32, block_r=16, split_k=3)
+    k2 = fused.LaunchConfig(block_m=16, block_n=16, block_k=32, block_r=64)
+    _, _, h = fused.quantize_and_shrink(x, lora, batch, config=k1)
+    assert relative_error(h, reference.lora_shrink(x, lora, batch)) < 1e-5
+    run = fused.fused_lora_fp8_linear if path == "fused" else fused.decode_lora_fp8_linear
+    y = run(x, weight, w_scale, lora, batch, k1_config=k1, k2_config=k2)
+    want = reference.fused_lora_fp8_linear(x, weight, w_scale, lora, batch,
+                                           arithmetic=Fp8Arithmetic.TORCH_CPU)
+    assert relative_error(y, want) < BF16_TOL
