@@ -5,15 +5,22 @@ For each Qwen3-8B projection shape (qkv, o, gate_up, down) and token count, time
 candidate `LaunchConfig` of K2 without adapters (`fp8_gemm`: the GEMM's main loop, which is
 what the settings change) and of K1 (quantize + shrink) timed with the K2 after it, for the
 fused path (op `quantize_shrink`) and for the decode path (op `decode_shrink`: K2 overlaps
-K1), at rank 64 with 4 adapters, on CUDA-graph replays with the L2 flushed (median of
-`--reps`), checks each candidate's result (K1 codes bitwise; outputs by relative error against
-the first candidate), and keeps the fastest. In the same run, per projection: `cutlass-mm`
+K1), at rank 64 with the tokens spread over `--adapters` adapters (4), on CUDA-graph replays
+with the L2 flushed (median of `--reps`), checks each candidate's result (K2 against CUTLASS,
+K1's codes bitwise against our quantizer, h against torch's fp32), and keeps the fastest;
+`--ops k1` tunes K1 only, with the installed K2 settings. In the same run, per projection:
+`cutlass-mm`
 (vLLM's `cutlass_scaled_mm` on the same codes), `vllm-quant` (vLLM's per-token quantizer) and
 `epilora-quant` (our quantizer alone). Writes the table (`epilora_kernels/configs/<device>.json`
 format, schema-checked; entries of the installed table for token counts not tuned here are
 kept) and every timing.
 
     python3 benchmarks/tune.py --out-table $OUT/NVIDIA_H200.json --out $OUT/tune.json
+    python3 benchmarks/tune.py --ops k1 --adapters 1 --tokens 64 128 256 --out-table ... --out ...
+
+The whole sweep takes longer than one device call's 10 minutes: split it by `--tokens`, and
+copy each call's table into `epilora_kernels/configs/` before the next (entries for counts not
+tuned are kept).
 """
 
 import argparse
@@ -58,10 +65,18 @@ def k2_candidates(tokens: int, slices: tuple[int, ...]):
 
 
 def k1_candidates(tokens: int):
-    block_m = 16 if tokens <= 16 else (32 if tokens <= 32 else 64)
-    return [LaunchConfig(block_m=block_m, block_k=block_k, block_r=RANK, split_k=split_k,
+    # Up to 32 tokens one row tile; split 16 won at every shape of the d30d2c3 sweep (tune.json),
+    # rank tiles narrower than the rank (more programs, no reduction between them) are untried.
+    # Beyond 32 tokens the heuristic's 1-2 splits of 64-row tiles leave few programs with few
+    # adapters (the layer page's misses at 64-256 tokens): more splits and narrower row tiles.
+    if tokens <= 32:
+        block_m = 16 if tokens <= 16 else 32
+        return [LaunchConfig(block_m=block_m, block_k=block_k, block_r=block_r,
+                             split_k=split_k, num_stages=2, num_warps=4)
+                for split_k in (4, 8, 16) for block_k in (128, 256) for block_r in (32, RANK)]
+    return [LaunchConfig(block_m=block_m, block_k=128, block_r=block_r, split_k=split_k,
                          num_stages=2, num_warps=4)
-            for split_k in (1, 4, 8, 16) for block_k in (128, 256)]
+            for split_k in (1, 2, 4, 8) for block_m in (16, 64) for block_r in (32, RANK)]
 
 
 def _installed_table() -> dict:
@@ -99,13 +114,18 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
+    parser.add_argument("--ops", choices=("all", "k1"), default="all",
+                        help="k1: tune K1's two ops only, each with the installed K2 settings")
+    parser.add_argument("--adapters", type=int, default=4,
+                        help="adapters the tokens are spread over (round robin)")
     parser.add_argument("--git-sha", default=None)
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
-    layer = make_layer(4, RANK, gen)
+    layer = make_layer(max(4, args.adapters), RANK, gen)
     table = _installed_table()
     table["_meta"] = {"device": torch.cuda.get_device_name(), "rank": RANK,
+                      "adapters": args.adapters, "ops": args.ops,
                       "tool": "benchmarks/tune.py", "tokens_tuned_last": []}
     for op in ("quantize_shrink", "decode_shrink", "lora_gemm"):
         table.setdefault(op, {})
@@ -118,8 +138,8 @@ def main() -> None:
                      **extra})
 
     for tokens in args.tokens:
-        mapping = torch.arange(tokens, device="cuda", dtype=torch.int32) % 4
-        batch = AdapterBatch.from_token_mapping(mapping, 4)
+        mapping = torch.arange(tokens, device="cuda", dtype=torch.int32) % args.adapters
+        batch = AdapterBatch.from_token_mapping(mapping, max(4, args.adapters))
         for name, (weight, scale, lora) in layer.items():
             k, slices = PROJECTIONS[name]
             n = sum(slices)
@@ -132,8 +152,8 @@ def main() -> None:
                                             use_per_token_if_dynamic=True), args.reps, flush)[1]
             row("vllm-quant", name, tokens, quant)
             want = ops.cutlass_scaled_mm(codes, weight.t(), scales, scale, torch.bfloat16)
-            best2 = (float("inf"), None)
-            for cfg in k2_candidates(tokens, slices):
+            best2 = (float("inf"), None)  # (None: the installed table's or heuristic's K2)
+            for cfg in k2_candidates(tokens, slices) if args.ops == "all" else ():
                 run = functools.partial(fused.fp8_gemm, codes, scales, weight, scale, config=cfg)
                 ok, us = _time(run, args.reps, flush,
                                lambda run=run, want=want: rel(run(), want) < 1e-2)
@@ -176,7 +196,8 @@ def main() -> None:
                   f"{best1['decode_shrink'][0]:6.1f}  "
                   f"K2 {best2[1]}", flush=True)
             for op, (_, cfg) in (("lora_gemm", best2), *best1.items()):
-                table[op].setdefault(shape_key(n, k), {})[str(tokens)] = cfg.__dict__
+                if cfg is not None:  # not tuned (--ops k1) or no candidate passed its check
+                    table[op].setdefault(shape_key(n, k), {})[str(tokens)] = cfg.__dict__
         table["_meta"]["tokens_tuned_last"].append(tokens)  # a run cut short says so
         validate_table(table)
         with open(args.out_table, "w") as f:
