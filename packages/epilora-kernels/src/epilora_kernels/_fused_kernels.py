@@ -283,9 +283,10 @@ def _lora_gemm_kernel(
 
     if WAIT_CODES:
         # The last program past the K loop (so past the spin) zeroes both counts for the next
-        # launch. Here, not after the spin, where every program would hit one address at
-        # once before its K loop; here the atomic's latency hides behind the wait below.
-        # (Atomics: no plain store may precede gdc_wait, and none is needed.)
+        # launch: here its latency overlaps the wait below (right after the spin every program
+        # hit one address before its K loop; the H200 showed no difference either way,
+        # results/h200/decode_v3_count_after_spin.json). Atomics: no plain store may precede
+        # gdc_wait, and none is needed.
         programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
         if tl.atomic_add(ready_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
             tl.atomic_xchg(ready_ptr, 0, sem="relaxed", scope="gpu")

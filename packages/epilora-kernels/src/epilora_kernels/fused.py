@@ -387,8 +387,10 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
     cfg1 = _config(op1, x.shape[0], lora, k1_config)
     cfg2 = _gemm_config(batch, lora, k2_config)
     y = torch.empty(x.shape[0], lora.out_features, dtype=torch.bfloat16, device=x.device)
+    # Only a quantizing K1 counts rows: a K2 waiting for a count nobody makes would spin forever.
+    counted = pdl and mode == 0
     codes, scales, h = _launch_k1(x, lora, batch, cfg1, quantize=mode == 0, pdl=pdl,
-                                  signal_codes=pdl)
+                                  signal_codes=counted)
     a, a_scale = (codes, scales) if mode == 0 else (x, weight_scale)
     return _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg2, pdl=pdl,
-                      wait_codes=pdl)
+                      wait_codes=counted)
