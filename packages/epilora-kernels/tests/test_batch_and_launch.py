@@ -94,10 +94,15 @@ def test_the_shipped_h200_table_is_valid_and_covers_the_benchmark_shapes():
 def test_shrink_heuristics_split_small_batches():
     from epilora_kernels.launch import heuristic_config
 
-    # K split into at most 16 parts, each at least 256 deep, up to 32 tokens, for every K1 op.
+    # Up to 32 tokens K split into at most 16 parts, each at least 256 deep, for every K1 op.
     for op in ("shrink", "quantize_shrink", "decode_shrink"):
         assert heuristic_config(op, 16, 4096, 4096, 64).split_k == 16
         assert heuristic_config(op, 1, 4096, 12288, 64).split_k == 16
         assert heuristic_config(op, 32, 4096, 2048, 64).split_k == 8
         assert heuristic_config(op, 1, 64, 128, 16).split_k == 1
-        assert heuristic_config(op, 64, 4096, 4096, 64).split_k == 2
+        # Beyond 32 tokens: about 16 row tiles x splits, at most 8 splits.
+        assert [heuristic_config(op, t, 4096, 4096, 64).split_k
+                for t in (64, 128, 256, 512, 2048)] == [8, 8, 4, 2, 1]
+        # K1 takes rank 128 in two tiles; K2's epilogue needs it whole.
+        assert heuristic_config(op, 64, 4096, 4096, 128).block_r == 64
+    assert heuristic_config("lora_gemm", 64, 4096, 4096, 128).block_r == 128
