@@ -3,17 +3,17 @@ GEMM alone against vLLM's CUTLASS.
 
 For each Qwen3-8B projection shape (qkv, o, gate_up, down) and token count, times every
 candidate `LaunchConfig` of K2 without adapters (`fp8_gemm`: the GEMM's main loop, which is
-what the settings change) and of K1 (quantize + shrink) timed with the K2 after it, for the
-fused path (op `quantize_shrink`) and for the decode path (op `decode_shrink`: K2 overlaps
-K1), at rank 64 with the tokens spread over `--adapters` adapters (4), on CUDA-graph replays
-with the L2 flushed (median of `--reps`), checks each candidate's result (K2 against CUTLASS,
-K1's codes bitwise against our quantizer, h against torch's fp32), and keeps the fastest;
-`--ops k1` tunes K1 only, with the installed K2 settings. In the same run, per projection:
-`cutlass-mm`
-(vLLM's `cutlass_scaled_mm` on the same codes), `vllm-quant` (vLLM's per-token quantizer) and
-`epilora-quant` (our quantizer alone). Writes the table (`epilora_kernels/configs/<device>.json`
-format, schema-checked; entries of the installed table for token counts not tuned here are
-kept) and every timing.
+what the settings change) and of K1 timed with the kernel after it: quantize + shrink then K2
+for the fused path (op `quantize_shrink`) and for the decode path (op `decode_shrink`: K2
+overlaps K1; up to 32 tokens), the shrink then the expand after vLLM's GEMM for the hybrid
+path (op `shrink`); at rank 64 with the tokens spread over `--adapters` adapters (4), on
+CUDA-graph replays with the L2 flushed (median of `--reps`). It checks each candidate's result
+(K2 against CUTLASS, K1's codes bitwise against our quantizer, h against torch's fp32) and
+keeps the fastest; `--ops k1` tunes K1 only, with the installed K2 settings. In the same run,
+per projection: `cutlass-mm` (vLLM's `cutlass_scaled_mm` on the same codes), `vllm-quant`
+(vLLM's per-token quantizer) and `epilora-quant` (our quantizer alone). Writes the table
+(`epilora_kernels/configs/<device>.json` format, schema-checked; entries of the installed table
+for token counts not tuned here are kept) and every timing.
 
     python3 benchmarks/tune.py --out-table $OUT/NVIDIA_H200.json --out $OUT/tune.json
     python3 benchmarks/tune.py --ops k1 --adapters 1 --tokens 64 128 256 --out-table ... --out ...
@@ -79,6 +79,24 @@ def k1_candidates(tokens: int):
             for split_k in (1, 2, 4, 8) for block_m in (16, 64) for block_r in (32, RANK)]
 
 
+# K1's ops, each timed with the kernel it feeds (K2, or the hybrid path's expand after vLLM's
+# CUTLASS): K1's split count trades its own speed against its reduction, which K2 overlaps
+# (the decode path) or waits for.
+K1_OPS = ("quantize_shrink", "shrink", "decode_shrink")
+
+
+def _k1_pair(op, x, weight, scale, lora, batch, k1_cfg, k2_cfg, base_out):
+    if op == "shrink":  # the hybrid path after vLLM's GEMM (`base_out`, added to in place)
+        def pair():
+            h = fused.lora_shrink(x, lora, batch, config=k1_cfg)
+            return fused.lora_expand(base_out, h, lora, batch, config=k2_cfg)
+        return pair
+    linear = (fused.decode_lora_fp8_linear if op == "decode_shrink"
+              else fused.fused_lora_fp8_linear)
+    return functools.partial(linear, x, weight, scale, lora, batch, k1_config=k1_cfg,
+                             k2_config=k2_cfg)
+
+
 def _installed_table() -> dict:
     """The launch table the package ships for this GPU (empty if none), to update."""
     from importlib import resources
@@ -127,7 +145,7 @@ def main() -> None:
     table["_meta"] = {"device": torch.cuda.get_device_name(), "rank": RANK,
                       "adapters": args.adapters, "ops": args.ops,
                       "tool": "benchmarks/tune.py", "tokens_tuned_last": []}
-    for op in ("quantize_shrink", "decode_shrink", "lora_gemm"):
+    for op in (*K1_OPS, "lora_gemm"):
         table.setdefault(op, {})
     rows = []
 
@@ -168,15 +186,11 @@ def main() -> None:
             want_codes, _ = fused.quantize(x)
             want_h = reference.lora_shrink(x, lora, batch)  # fp32 matmuls (no TF32)
             best1 = {}
-            for op in ("quantize_shrink", "decode_shrink"):
-                # Timed with the K2 it feeds (its best config from above): K1's split count
-                # trades its own speed against its reduction, which K2 overlaps or waits for.
-                linear = (fused.decode_lora_fp8_linear if op == "decode_shrink"
-                          else fused.fused_lora_fp8_linear)
+            for op in K1_OPS if tokens <= 32 else K1_OPS[:2]:  # the decode path ends at 32
                 best1[op] = (float("inf"), None)
                 for cfg in k1_candidates(tokens):
-                    pair = functools.partial(linear, x, weight, scale, lora, batch,
-                                             k1_config=cfg, k2_config=best2[1])
+                    pair = _k1_pair(op, x, weight, scale, lora, batch, cfg, best2[1],
+                                    want.clone())
 
                     k1 = functools.partial(fused.quantize_and_shrink, x, lora, batch,
                                            config=cfg)
@@ -192,9 +206,8 @@ def main() -> None:
                     best1[op] = min(best1[op], (us, cfg), key=lambda b: b[0])
             print(f"{name:8s} T={tokens:3d} cutlass-mm {cutlass:7.1f}  ours {best2[0]:7.1f} "
                   f"({best2[0] / cutlass:4.2f}x)  quant: vllm {quant:5.1f} ours {our_quant:5.1f}  "
-                  f"K1+K2 {best1['quantize_shrink'][0]:6.1f}  decode "
-                  f"{best1['decode_shrink'][0]:6.1f}  "
-                  f"K2 {best2[1]}", flush=True)
+                  + "  ".join(f"{op} {us:6.1f}" for op, (us, _) in best1.items())
+                  + f"  K2 {best2[1]}", flush=True)
             for op, (_, cfg) in (("lora_gemm", best2), *best1.items()):
                 if cfg is not None:  # not tuned (--ops k1) or no candidate passed its check
                     table[op].setdefault(shape_key(n, k), {})[str(tokens)] = cfg.__dict__

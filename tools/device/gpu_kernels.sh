@@ -2,11 +2,12 @@
 # One device call for epilora-kernels on the H200, into $OUT: the steps named as arguments, in
 # order, each under its own timeout (seconds, from the environment):
 #   tests   the kernel GPU tests (nox -s gpu-sm90 -- -k "fused_gpu or decode_gpu")  TESTS_TIMEOUT
-#   tune    benchmarks/tune.py -> $OUT/NVIDIA_H200.json, which the later steps of the call then
-#           use (installed into the package); copy it to epilora_kernels/configs/ to keep it
-#                                                                                   TUNE_TIMEOUT
+#   tune    benchmarks/tune.py $TUNE_ARGS -> $OUT/NVIDIA_H200.json, which the later steps of the
+#           call then use (installed into the package); copy it to epilora_kernels/configs/ to
+#           keep it                                                                 TUNE_TIMEOUT
 #   layer   benchmarks/layer.py $LAYER_ARGS -> $OUT/layer.json                     LAYER_TIMEOUT
 #   decode  benchmarks/decode.py -> $OUT/decode.json                               DECODE_TIMEOUT
+#   timeline benchmarks/decode_timeline.py -> $OUT/decode_timeline.json          TIMELINE_TIMEOUT
 # Run from the repository root with `.device` carried (tools/device/prepare.sh first), e.g.
 #   EPILORA_GIT_SHA=$(git rev-parse HEAD) bash tools/device/gpu_kernels.sh tests tune
 set -uo pipefail
@@ -20,12 +21,15 @@ for step in "$@"; do
              2>&1 | tee "$OUT/gpu-sm90-kernels.log" ;;
     tune) timeout "${TUNE_TIMEOUT:-420}" python3 benchmarks/tune.py \
             --out-table "$OUT/NVIDIA_H200.json" --out "$OUT/tune.json" --git-sha "$sha" \
-            2>&1 | tee "$OUT/tune.log"
+            ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log"
           cp "$OUT/NVIDIA_H200.json" "$EPILORA_SITE/epilora_kernels/configs/" ;;
     layer) timeout "${LAYER_TIMEOUT:-300}" python3 benchmarks/layer.py --out "$OUT/layer.json" \
              --git-sha "$sha" ${LAYER_ARGS:-} 2>&1 | tee "$OUT/layer.log" ;;
     decode) timeout "${DECODE_TIMEOUT:-240}" python3 benchmarks/decode.py \
               --out "$OUT/decode.json" --git-sha "$sha" 2>&1 | tee "$OUT/decode.log" ;;
+    timeline) timeout "${TIMELINE_TIMEOUT:-240}" python3 benchmarks/decode_timeline.py \
+                --out "$OUT/decode_timeline.json" --git-sha "$sha" 2>&1 \
+                | tee "$OUT/decode_timeline.log" ;;
     *) echo "unknown step: $step"; exit 2 ;;
   esac
   rc=${PIPESTATUS[0]}

@@ -18,7 +18,7 @@ from kernel_cases import make_problem
 
 TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
-          torch.float8_e4m3fn: "fp8e4nv"}
+          torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
 OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 
 
@@ -64,6 +64,11 @@ def main() -> None:
         "decode": lambda: fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch),
         "decode_split_k": lambda: fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch,
                                                                k2_config=split),
+        # benchmarks/decode_timeline.py's launches: clocks in both kernels, K2 warming L2
+        "decode_traced": lambda: fused._linear(
+            0, x, weight, w_scale, lora, batch, None, None, decode=True, pdl=True, warm_l2=512,
+            traces=(torch.zeros(256, 8, dtype=torch.int64),
+                    torch.zeros(256, 8, dtype=torch.int64))),
         "w8a16": lambda: fused.fused_lora_w8a16_linear(x, weight, w_scale, lora, batch),
         "expand": lambda: fused.lora_expand(
             torch.zeros(5, 128, dtype=torch.bfloat16), fused.lora_shrink(x, lora, batch), lora,

@@ -99,6 +99,22 @@ def _quantize_row(x_ptr, codes_ptr, scales_ptr, t, K, stride_x, QUANT_BLOCK: tl.
 
 
 @triton.jit
+def _stamp(trace_ptr, event: tl.constexpr, TRACE: tl.constexpr):
+    # Diagnostics only (benchmarks/decode_timeline.py): this program's SM and global clock (ns)
+    # at `event`, in its row of 8 int64 (slot 7: the SM). Compiled out unless TRACE.
+    if TRACE:
+        pid = tl.program_id(0) + tl.num_programs(0) * (
+            tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+        row = trace_ptr + pid.to(tl.int64) * 8
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                        is_pure=False, pack=1)
+        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32,
+                                       is_pure=True, pack=1)
+        tl.store(row + event, now)
+        tl.store(row + 7, sm.to(tl.int64))
+
+
+@triton.jit
 def _sum_splits(acc, tile_ptrs, plane, mask, split, counter, SPLIT_K: tl.constexpr):
     # Deterministic split-K: every split stores its fp32 partial at `tile_ptrs + split * plane`;
     # the split that arrives last at the tile's counter sums the planes in the fixed order
@@ -121,12 +137,14 @@ def _sum_splits(acc, tile_ptrs, plane, mask, split, counter, SPLIT_K: tl.constex
 def _quantize_shrink_kernel(
     x_ptr, codes_ptr, scales_ptr, h_ptr,
     a0_ptr, a1_ptr, a2_ptr,
-    sorted_ptr, lora_ids_ptr, counts_ptr, start_ptr, counter_ptr, ready_ptr,
+    sorted_ptr, lora_ids_ptr, counts_ptr, start_ptr, counter_ptr, ready_ptr, trace_ptr,
     T, K, R, stride_x,
     QUANTIZE: tl.constexpr, SIGNAL_CODES: tl.constexpr, NUM_SLICES: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     QUANT_BLOCK: tl.constexpr, INTERPRETER: tl.constexpr, USE_PDL: tl.constexpr = False,
+    TRACE: tl.constexpr = False,
 ):
+    _stamp(trace_ptr, 0, TRACE)
     if USE_PDL:
         # The decode path: let the GEMM launched after us (our programmatic dependent) start
         # now; it waits for our codes (SIGNAL_CODES) before its K loop and for h before its
@@ -142,6 +160,7 @@ def _quantize_shrink_kernel(
                 # every thread's codes and the scale are stored before the release.
                 tl.debug_barrier()
                 tl.atomic_add(ready_ptr, 1, sem="release", scope="gpu")
+            _stamp(trace_ptr, 1, TRACE)
             return
         pid -= T
     n_m = tl.cdiv(T, BLOCK_M)
@@ -160,6 +179,7 @@ def _quantize_shrink_kernel(
     count = tl.load(counts_ptr + z)
     start = tl.load(start_ptr + z)
     if pid_m * BLOCK_M >= count:
+        _stamp(trace_ptr, 1, TRACE)
         return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < count
@@ -170,6 +190,7 @@ def _quantize_shrink_kernel(
     if slot < 0:  # tokens without an adapter get zero rows of h: no loop, no partials
         if split == 0:
             tl.store(h_tile, tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32), mask=h_mask)
+        _stamp(trace_ptr, 1, TRACE)
         return
     a_base = _pick(s, a0_ptr, a1_ptr, a2_ptr) + slot.to(tl.int64) * R * K
 
@@ -195,23 +216,26 @@ def _quantize_shrink_kernel(
         acc, last = _sum_splits(acc, h_tile, NUM_SLICES * T * R, h_mask, split,
                                 counter_ptr + tile, SPLIT_K)
         if not last:
+            _stamp(trace_ptr, 1, TRACE)
             return
     tl.store(h_tile, acc, mask=h_mask)
+    _stamp(trace_ptr, 1, TRACE)
 
 
 @triton.jit
 def _lora_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, y_ptr, h_ptr,
     b0_ptr, b1_ptr, b2_ptr,
-    sorted_ptr, lora_ids_ptr, start_ptr, partial_ptr, counter_ptr, ready_ptr,
+    sorted_ptr, lora_ids_ptr, start_ptr, partial_ptr, counter_ptr, ready_ptr, trace_ptr,
     T, N, K, R, NUM_ENTRIES,
     stride_a, stride_y, N_OFF1, N_OFF2,
     MODE: tl.constexpr, HAS_LORA: tl.constexpr, NUM_SLICES: tl.constexpr,
     H_PLANES: tl.constexpr, SPLIT_K: tl.constexpr, ENTRIES_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, INTERPRETER: tl.constexpr, USE_PDL: tl.constexpr = False,
-    WAIT_CODES: tl.constexpr = False,
+    WAIT_CODES: tl.constexpr = False, WARM_L2: tl.constexpr = 0, TRACE: tl.constexpr = False,
 ):
+    _stamp(trace_ptr, 0, TRACE)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pos = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -249,13 +273,6 @@ def _lora_gemm_kernel(
         b_first = tl.load(b_base + first_slot.to(tl.int64) * (slice_end - slice_begin) * R
                           + b_offs, mask=b_mask & (first_slot >= 0), other=0.0)
 
-    if WAIT_CODES:
-        # The decode path: launched while K1 runs, wait until its quantizing programs have
-        # counted every row (a spin on the count, which they release; they cannot be waiting
-        # for us: PDL launched us only once every K1 program had started).
-        while tl.atomic_add(ready_ptr, 0, sem="acquire", scope="gpu") < T:
-            pass
-
     if SPLIT_K == 1:
         k_begin = 0
         k_end = K
@@ -263,6 +280,23 @@ def _lora_gemm_kernel(
         k_step = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
         k_begin = tl.program_id(2) * k_step
         k_end = tl.minimum(k_begin + k_step, K)
+
+    if WARM_L2 and not INTERPRETER:
+        # While K1 quantizes, pull the first WARM_L2 bytes of each of this program's weight rows
+        # into L2 (one prefetch per 128-byte line): weights do not depend on K1.
+        k_warm = k_begin + tl.arange(0, WARM_L2 // 128) * 128
+        warm = (w_ptr + n[:, None].to(tl.int64) * K + k_warm[None, :])
+        warm = tl.where(n_mask[:, None] & (k_warm[None, :] < k_end), warm, w_ptr)
+        tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [warm],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+    if WAIT_CODES:
+        # The decode path: launched while K1 runs, wait until its quantizing programs have
+        # counted every row (a spin on the count, which they release; they cannot be waiting
+        # for us: PDL launched us only once every K1 program had started).
+        while tl.atomic_add(ready_ptr, 0, sem="acquire", scope="gpu") < T:
+            pass
+        _stamp(trace_ptr, 1, TRACE)
 
     if MODE == 2:
         acc = tl.load(y_tile, mask=out_mask, other=0.0).to(tl.float32)
@@ -280,6 +314,7 @@ def _lora_gemm_kernel(
                 acc += tl.dot(at.to(tl.float32), tl.trans(wt.to(tl.float32)))
             else:
                 acc += tl.dot(at, tl.trans(wt.to(tl.bfloat16)))
+    _stamp(trace_ptr, 2, TRACE)
 
     if WAIT_CODES:
         # The last program past the K loop (so past the spin) zeroes both counts for the next
@@ -296,6 +331,7 @@ def _lora_gemm_kernel(
         # (WAIT_CODES); h is K1's. Unconditional, and before any global store (split-K
         # partials included): see docs/kernels.md, "The decode path".
         tl.extra.cuda.gdc_wait()
+        _stamp(trace_ptr, 3, TRACE)
     if SPLIT_K > 1:
         plane = (tl.num_programs(0) * BLOCK_M).to(tl.int64) * N
         acc, last = _sum_splits(
@@ -303,6 +339,7 @@ def _lora_gemm_kernel(
             n_mask[None, :], tl.program_id(2),
             counter_ptr + pid_m * tl.num_programs(1) + pid_n, SPLIT_K)
         if not last:
+            _stamp(trace_ptr, 4, TRACE)
             return
     if MODE == 0:
         x_scale = tl.load(a_scale_ptr + tok, mask=pos_mask, other=0.0)
@@ -336,3 +373,4 @@ def _lora_gemm_kernel(
                     hz = tl.where(in_seg[:, None], hb, tl.zeros_like(hb))
                     acc += tl.dot(hz, tl.trans(bt))
     tl.store(y_tile, acc.to(tl.bfloat16), mask=out_mask)
+    _stamp(trace_ptr, 4, TRACE)

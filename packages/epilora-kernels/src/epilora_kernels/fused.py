@@ -85,6 +85,14 @@ def _slice_args(lora: LoraWeights) -> tuple:
     return a, b, off1, off2
 
 
+def _trace_arg(trace: torch.Tensor | None, unused: torch.Tensor) -> torch.Tensor:
+    # `trace`: int64 [programs, 8] for the kernels' timestamps (benchmarks/decode_timeline.py;
+    # never under the interpreter, which has no clock); otherwise any pointer, never written.
+    if trace is not None and (trace.dtype != torch.int64 or not trace.is_contiguous()):
+        raise ValueError("trace must be a contiguous int64 tensor [programs, 8]")
+    return unused if trace is None else trace
+
+
 def _use_pdl(pdl: bool) -> bool:
     # The interpreter has no PDL intrinsics; the launch attribute alone it ignores. (The decode
     # path's count of quantized rows runs there too: K1 counts, K2 spins and resets.)
@@ -92,7 +100,7 @@ def _use_pdl(pdl: bool) -> bool:
 
 
 def _launch_k1(x, lora, batch, cfg: LaunchConfig, quantize: bool, pdl: bool = False,
-               signal_codes: bool = False):
+               signal_codes: bool = False, trace: torch.Tensor | None = None):
     t, k = x.shape
     s_count, rank = len(lora.output_slices), lora.max_rank
     # Split-K partials in planes; K1 sums them into plane 0, the h it returns.
@@ -110,12 +118,13 @@ def _launch_k1(x, lora, batch, cfg: LaunchConfig, quantize: bool, pdl: bool = Fa
     _quantize_shrink_kernel[grid](
         x, codes, scales, h, a[0], a[1], a[2],
         batch.sorted_token_indices, batch.lora_ids, batch.num_tokens_per_lora,
-        batch.lora_token_start, counters[_workspace.TILES:], counters,
+        batch.lora_token_start, counters[_workspace.TILES:], counters, _trace_arg(trace, counters),
         t, k, rank, x.stride(0),
         QUANTIZE=quantize, SIGNAL_CODES=signal_codes, NUM_SLICES=s_count, SPLIT_K=cfg.split_k,
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
         QUANT_BLOCK=_quant_block(k, 4096), INTERPRETER=_env.triton_interpreter(),
-        USE_PDL=_use_pdl(pdl), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_PDL=_use_pdl(pdl), TRACE=trace is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return codes, scales, h[:1]
 
@@ -135,7 +144,7 @@ def _launch_quantize(x: torch.Tensor):
     scales = torch.empty(t, 1, dtype=torch.float32, device=x.device)
     unused = torch.empty(1, dtype=torch.int32, device=x.device)  # the shrink's, never read
     _quantize_shrink_kernel[(t,)](
-        x, codes, scales, scales, x, x, x, unused, unused, unused, unused, unused, unused,
+        x, codes, scales, scales, x, x, x, unused, unused, unused, unused, unused, unused, unused,
         t, k, 1, x.stride(0),
         QUANTIZE=True, SIGNAL_CODES=False, NUM_SLICES=1, SPLIT_K=1, BLOCK_M=16, BLOCK_R=16,
         BLOCK_K=16, QUANT_BLOCK=_quant_block(k, 16384), INTERPRETER=_env.triton_interpreter(),
@@ -192,7 +201,8 @@ def _gemm_workspace(mode, t, n, cfg: LaunchConfig, device):
 
 
 def _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg: LaunchConfig,
-               pdl: bool = False, wait_codes: bool = False):
+               pdl: bool = False, wait_codes: bool = False, warm_l2: int = 0,
+               trace: torch.Tensor | None = None):
     t, n = y.shape
     k = lora.in_features
     _, b, off1, off2 = _slice_args(lora)
@@ -208,13 +218,13 @@ def _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg: L
         a, a_scale, weight, weight_scale, y, h, b[0], b[1], b[2],
         batch.sorted_token_indices, batch.lora_ids, batch.lora_token_start,
         y if partial is None else partial, counters[_workspace.TILES:], counters,
-        t, n, k, lora.max_rank, entries,
+        _trace_arg(trace, counters), t, n, k, lora.max_rank, entries,
         a.stride(0), y.stride(0), off1, off2,
         MODE=mode, HAS_LORA=True, NUM_SLICES=len(lora.output_slices), H_PLANES=h.shape[0],
         SPLIT_K=grid[2], ENTRIES_BLOCK=triton.next_power_of_2(entries),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=cfg.block_r,
         INTERPRETER=_env.triton_interpreter(), USE_PDL=_use_pdl(pdl),
-        WAIT_CODES=wait_codes,
+        WAIT_CODES=wait_codes, WARM_L2=warm_l2 if wait_codes else 0, TRACE=trace is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=_use_pdl(pdl),
     )
     return y
@@ -234,7 +244,7 @@ def _launch_gemm_only(mode, a, a_scale, weight, weight_scale, cfg: LaunchConfig 
     _lora_gemm_kernel[grid](
         a, a_scale, weight, weight_scale, y, weight_scale, weight, weight, weight,
         unused, unused, unused, y if partial is None else partial,
-        counters[_workspace.TILES:], counters,
+        counters[_workspace.TILES:], counters, unused,
         t, n, k, 1, 0, a.stride(0), y.stride(0), n, n,
         MODE=mode, HAS_LORA=False, NUM_SLICES=1, H_PLANES=1, SPLIT_K=grid[2], ENTRIES_BLOCK=16,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=16,
@@ -377,7 +387,7 @@ def fused_lora_w8a16_linear(
 
 
 def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
-            decode=False, pdl=False):
+            decode=False, pdl=False, warm_l2=0, traces=(None, None)):
     # MODE 0: K1 (quantize + shrink) then K2; MODE 1: the shrink then the W8A16 K2. `decode`:
     # the decode path's launch settings, and with `pdl` K2 launched as K1's programmatic
     # dependent, waiting for K1's count of quantized rows before its K loop.
@@ -390,7 +400,7 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
     # Only a quantizing K1 counts rows: a K2 waiting for a count nobody makes would spin forever.
     counted = pdl and mode == 0
     codes, scales, h = _launch_k1(x, lora, batch, cfg1, quantize=mode == 0, pdl=pdl,
-                                  signal_codes=counted)
+                                  signal_codes=counted, trace=traces[0])
     a, a_scale = (codes, scales) if mode == 0 else (x, weight_scale)
     return _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg2, pdl=pdl,
-                      wait_codes=counted)
+                      wait_codes=counted, warm_l2=warm_l2, trace=traces[1])

@@ -1,0 +1,175 @@
+"""Where the decode path's time goes: K1's and K2's programs timed by their own clocks, and the
+decode layer with K2 warming L2 or K1 in narrower rank tiles, against CUTLASS in the same run.
+
+Timeline: one Qwen3-8B layer (4 projections, one adapter) in a CUDA graph, the L2 flushed before
+each replay; the kernels are built with `TRACE`, so every program stores its SM and the global
+clock (`%globaltimer`, ns) at its start and end, and K2's also after its spin on K1's count of
+quantized rows, after its K loop and after `gdc_wait`. Per projection and replay, in us from
+the first K1 program's start (from K2's first start for `h-given`, which has no traced K1);
+medians over replays:
+
+  k1_quant_end  the last quantizing program of K1 done (the codes K2 waits for)
+  k1_end        the last K1 program done (h complete)
+  k2_start      the first K2 program started
+  k2_spin       the median program's wait for the codes
+  k2_loop_end   the last K2 program past its K loop
+  k2_wait_end   the last K2 program past gdc_wait
+  k2_end        the last K2 program done
+  k2_wait_max   the longest gdc_wait of any K2 program
+  k2_late       K2 programs that started after K1's end (no room for them beside K1)
+
+Variants: `decode` (the decode path), `decode-warm<B>` (K2 prefetches the first B bytes of
+each of its weight rows into L2 before its spin), `decode-k1r32` (K1 in 32-wide rank tiles),
+`serialized` (no PDL), `h-given` (our quantizer, then K2 with h given). The layer timings
+(untraced, median of `--reps`) add `cutlass` (vLLM quant + CUTLASS) for the ratio.
+
+    python3 benchmarks/decode_timeline.py --out benchmarks/results/h200/decode_timeline.json
+"""
+
+import argparse
+import dataclasses
+import functools
+import statistics
+
+import torch
+from layer import PROJECTIONS, make_layer, run_layer, time_graph, write_results
+
+from epilora_kernels import fused
+from epilora_kernels.batch import AdapterBatch
+
+RANKS = (16, 64, 128)
+TOKENS = (1, 4, 16)
+TRACED_TOKENS = (1, 16)
+WARM_BYTES = (512, 2048)
+TRACE_ROWS = 1 << 14  # programs per traced launch, at most
+
+
+def _k1_config(variant: str, tokens: int, lora):
+    if variant != "decode-k1r32":
+        return None
+    cfg = fused._shape_config("decode_shrink", tokens, lora.out_features, lora.in_features,
+                              lora.max_rank, lora.output_slices)
+    return dataclasses.replace(cfg, block_r=32)
+
+
+def _warm(variant: str) -> int:
+    return int(variant.removeprefix("decode-warm")) if variant.startswith("decode-warm") else 0
+
+
+def run_variant(variant, xs, layer, batch, hs, traces=None):
+    for name, (weight, scale, lora) in layer.items():
+        pair = traces[name] if traces else (None, None)
+        x = xs[name]
+        if variant == "h-given":
+            codes, scales = fused.quantize(x)
+            fused._launch_k2(0, codes, scales, weight, scale,
+                             torch.empty(x.shape[0], lora.out_features, dtype=torch.bfloat16,
+                                         device=x.device),
+                             hs[name], lora, batch, fused._gemm_config(batch, lora, None),
+                             trace=pair[1])
+        else:
+            fused._linear(0, x, weight, scale, lora, batch,
+                          _k1_config(variant, x.shape[0], lora), None, decode=True,
+                          pdl=variant != "serialized", warm_l2=_warm(variant), traces=pair)
+
+
+def _stats(k1: torch.Tensor | None, k2: torch.Tensor, tokens: int) -> dict:
+    """One projection's timeline from its trace rows (int64 [programs, 8], zero = not run)."""
+    k2 = k2[k2[:, 0] != 0]
+    t0 = int(k1[k1[:, 0] != 0][:, 0].min()) if k1 is not None else int(k2[:, 0].min())
+    us = lambda t: (int(t) - t0) / 1000.0  # noqa: E731
+    out = {"k2_start": us(k2[:, 0].min()), "k2_loop_end": us(k2[:, 2].max()),
+           "k2_end": us(k2[:, 4].max()), "k2_programs": int(k2.shape[0])}
+    if k1 is not None:
+        k1 = k1[k1[:, 0] != 0]
+        k1_end = int(k1[:, 1].max())
+        out.update(k1_quant_end=us(k1[:tokens, 1].max()), k1_end=us(k1_end),
+                   k1_programs=int(k1.shape[0]), k1_sms=int(k1[:, 7].unique().numel()),
+                   k2_late=int((k2[:, 0] > k1_end).sum()))
+    if bool((k2[:, 1] != 0).any()):
+        out["k2_spin"] = statistics.median(((k2[:, 1] - k2[:, 0]) / 1000.0).tolist())
+    if bool((k2[:, 3] != 0).any()):
+        out["k2_wait_end"] = us(k2[:, 3].max())
+        out["k2_wait_max"] = float((k2[:, 3] - k2[:, 2]).max()) / 1000.0
+    return out
+
+
+def timeline(variant, xs, layer, batch, hs, reps, flush) -> dict:
+    traces = {name: (torch.zeros(TRACE_ROWS, 8, dtype=torch.int64, device="cuda"),
+                     torch.zeros(TRACE_ROWS, 8, dtype=torch.int64, device="cuda"))
+              for name in layer}
+    run = functools.partial(run_variant, variant, xs, layer, batch, hs, traces)
+    run()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    tokens = next(iter(xs.values())).shape[0]
+    per_rep = []
+    for _ in range(reps):
+        for pair in traces.values():
+            for t in pair:
+                t.zero_()
+        flush.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        rep = {}
+        for name, (k1, k2) in traces.items():
+            rep[name] = _stats(None if variant == "h-given" else k1.cpu(), k2.cpu(), tokens)
+        per_rep.append(rep)
+    return {name: {key: statistics.median(r[name][key] for r in per_rep)
+                   for key in per_rep[0][name]} for name in layer}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--trace-reps", type=int, default=20)
+    parser.add_argument("--git-sha", default=None)
+    args = parser.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+    rows = []
+    variants = ("decode", *(f"decode-warm{b}" for b in WARM_BYTES), "decode-k1r32",
+                "serialized", "h-given")
+    for rank in RANKS:
+        layer = make_layer(1, rank, gen)
+        for tokens in TOKENS:
+            batch = AdapterBatch.from_token_mapping(
+                torch.zeros(tokens, dtype=torch.int32, device="cuda"), 1)
+            xs = {name: torch.randn(tokens, k, generator=gen, device="cuda").to(torch.bfloat16)
+                  for name, (k, _) in PROJECTIONS.items()}
+            hs = {name: fused.lora_shrink(xs[name], lora, batch)
+                  for name, (_, _, lora) in layer.items()}
+            bufs = {name: torch.zeros(len(s), tokens, rank, device="cuda")
+                    for name, (_, s) in PROJECTIONS.items()}
+            base = dict(bench="decode_timeline", model="qwen3-8b", base="fp8", tokens=tokens,
+                        rank=rank, adapters=1)
+            cutlass = time_graph(functools.partial(run_layer, "cutlass", xs, layer, batch,
+                                                   batch.vllm_meta_args(), bufs),
+                                 args.reps, flush)
+            rows.append({**base, "system": "cutlass", "metric": "layer_us",
+                         "value": round(cutlass, 2), "n": args.reps})
+            for variant in variants:
+                us = time_graph(functools.partial(run_variant, variant, xs, layer, batch, hs),
+                                args.reps, flush)
+                rows.append({**base, "system": variant, "metric": "layer_us",
+                             "value": round(us, 2), "n": args.reps})
+                print(f"rank={rank:3d} T={tokens:2d} {variant:16s} {us:7.1f} us "
+                      f"({(us / cutlass - 1) * 100:+5.1f}% over cutlass {cutlass:.1f})",
+                      flush=True)
+                if tokens not in TRACED_TOKENS or variant in ("decode-k1r32", "decode-warm512"):
+                    continue
+                for name, stats in timeline(variant, xs, layer, batch, hs, args.trace_reps,
+                                            flush).items():
+                    rows.append({**base, "system": variant, "projection": name,
+                                 "metric": "timeline_us", "value": stats,
+                                 "n": args.trace_reps})
+                    print("    " + f"{name:8s} " + " ".join(
+                        f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                        for k, v in stats.items()), flush=True)
+        write_results(args, rows)
+
+
+if __name__ == "__main__":
+    main()
