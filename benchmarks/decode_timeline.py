@@ -18,10 +18,11 @@ medians over replays:
   k2_wait_max   the longest gdc_wait of any K2 program
   k2_late       K2 programs that started after K1's end (no room for them beside K1)
 
-Variants: `decode` (the decode path), `decode-warm<B>` (K2 prefetches the first B bytes of
-each of its weight rows into L2 before its spin), `decode-k1r32` (K1 in 32-wide rank tiles),
-`serialized` (no PDL), `h-given` (our quantizer, then K2 with h given). The layer timings
-(untraced, median of `--reps`) add `cutlass` (vLLM quant + CUTLASS) for the ratio.
+Variants: `decode` (the decode path as shipped), `decode-warm<B>` (K2 prefetches the first B
+bytes of each of its weight rows into L2 before its spin; 0: none), `decode-k1r32` (K1 in
+32-wide rank tiles), `serialized` (no PDL), `h-given` (our quantizer, then K2 with h given);
+`--variants` picks them, `--traced` those also traced. The layer timings (untraced, median of
+`--reps`) add `cutlass` (vLLM quant + CUTLASS) for the ratio.
 
     python3 benchmarks/decode_timeline.py --out benchmarks/results/h200/decode_timeline.json
 """
@@ -40,7 +41,6 @@ from epilora_kernels.batch import AdapterBatch
 RANKS = (16, 64, 128)
 TOKENS = (1, 4, 16)
 TRACED_TOKENS = (1, 16)
-WARM_BYTES = (512, 2048)
 TRACE_ROWS = 1 << 14  # programs per traced launch, at most
 
 
@@ -53,7 +53,9 @@ def _k1_config(variant: str, tokens: int, lora):
 
 
 def _warm(variant: str) -> int:
-    return int(variant.removeprefix("decode-warm")) if variant.startswith("decode-warm") else 0
+    if variant.startswith("decode-warm"):
+        return int(variant.removeprefix("decode-warm"))
+    return fused.DECODE_WARM_L2
 
 
 def run_variant(variant, xs, layer, batch, hs, traces=None):
@@ -123,15 +125,16 @@ def timeline(variant, xs, layer, batch, hs, reps, flush) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--reps", type=int, default=50)
-    parser.add_argument("--trace-reps", type=int, default=20)
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--trace-reps", type=int, default=15)
+    parser.add_argument("--variants", nargs="*",
+                        default=["decode", "decode-warm0", "decode-warm256", "h-given"])
+    parser.add_argument("--traced", nargs="*", default=["decode", "h-given"])
     parser.add_argument("--git-sha", default=None)
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
     rows = []
-    variants = ("decode", *(f"decode-warm{b}" for b in WARM_BYTES), "decode-k1r32",
-                "serialized", "h-given")
     for rank in RANKS:
         layer = make_layer(1, rank, gen)
         for tokens in TOKENS:
@@ -150,7 +153,7 @@ def main() -> None:
                                  args.reps, flush)
             rows.append({**base, "system": "cutlass", "metric": "layer_us",
                          "value": round(cutlass, 2), "n": args.reps})
-            for variant in variants:
+            for variant in args.variants:
                 us = time_graph(functools.partial(run_variant, variant, xs, layer, batch, hs),
                                 args.reps, flush)
                 rows.append({**base, "system": variant, "metric": "layer_us",
@@ -158,7 +161,7 @@ def main() -> None:
                 print(f"rank={rank:3d} T={tokens:2d} {variant:16s} {us:7.1f} us "
                       f"({(us / cutlass - 1) * 100:+5.1f}% over cutlass {cutlass:.1f})",
                       flush=True)
-                if tokens not in TRACED_TOKENS or variant in ("decode-k1r32", "decode-warm512"):
+                if tokens not in TRACED_TOKENS or variant not in args.traced:
                     continue
                 for name, stats in timeline(variant, xs, layer, batch, hs, args.trace_reps,
                                             flush).items():

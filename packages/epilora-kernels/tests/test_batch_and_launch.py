@@ -100,9 +100,11 @@ def test_shrink_heuristics_split_small_batches():
         assert heuristic_config(op, 1, 4096, 12288, 64).split_k == 16
         assert heuristic_config(op, 32, 4096, 2048, 64).split_k == 8
         assert heuristic_config(op, 1, 64, 128, 16).split_k == 1
-        # Beyond 32 tokens: about 16 row tiles x splits, at most 8 splits.
-        assert [heuristic_config(op, t, 4096, 4096, 64).split_k
-                for t in (64, 128, 256, 512, 2048)] == [8, 8, 4, 2, 1]
-        # K1 takes rank 128 in two tiles; K2's epilogue needs it whole.
-        assert heuristic_config(op, 64, 4096, 4096, 128).block_r == 64
+        # Beyond 32 tokens: 16-row tiles, K in at most 8 parts each at least 512 deep.
+        assert [heuristic_config(op, t, 4096, k, 64).split_k
+                for t, k in ((64, 4096), (256, 12288), (2048, 2048), (64, 256))] == [8, 8, 4, 1]
+        assert heuristic_config(op, 256, 4096, 4096, 64).block_m == 16
+        # K1 takes rank 128 in 32-wide tiles there; K2's epilogue needs it whole.
+        assert heuristic_config(op, 64, 4096, 4096, 128).block_r == 32
+        assert heuristic_config(op, 64, 4096, 4096, 16).block_r == 16
     assert heuristic_config("lora_gemm", 64, 4096, 4096, 128).block_r == 128

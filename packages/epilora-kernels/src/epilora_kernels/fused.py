@@ -386,8 +386,15 @@ def fused_lora_w8a16_linear(
     return _linear(1, x, weight, weight_scale, lora, batch, k1_config, k2_config)
 
 
+# The decode path's K2 prefetches the first bytes of each of its weight rows into L2 before it
+# spins on K1's count of quantized rows: 512 took 1-4 us off the layer at ranks 16-128, 1-16
+# tokens; 2048 made the spin itself longer and the layer slower
+# (benchmarks/results/h200/decode_timeline.json).
+DECODE_WARM_L2 = 512
+
+
 def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
-            decode=False, pdl=False, warm_l2=0, traces=(None, None)):
+            decode=False, pdl=False, warm_l2=DECODE_WARM_L2, traces=(None, None)):
     # MODE 0: K1 (quantize + shrink) then K2; MODE 1: the shrink then the W8A16 K2. `decode`:
     # the decode path's launch settings, and with `pdl` K2 launched as K1's programmatic
     # dependent, waiting for K1's count of quantized rows before its K loop.

@@ -63,23 +63,18 @@ def heuristic_config(
     block_m = 16 if tokens <= 16 else (32 if tokens <= 32 else 64)
     block_r = rank_block(rank)
     if op in ("quantize_shrink", "shrink", "decode_shrink"):
-        # Small batches: split K so that enough programs stream A, each at least 256 deep; K1
-        # sums the splits. The H200 sweep at 1-32 tokens, K1 timed with the K2 it feeds
-        # (benchmarks/results/h200/tune.json): split 16 best or within noise of the best for
-        # both paths on every Qwen3-8B shape.
+        # K1's K loop is latency-bound (one dependent load per BLOCK_K step: unsplit, the down
+        # projection's shrink took over 100 us at 64 tokens), so K is split and the last split
+        # sums the planes. Up to 32 tokens split 16, each at least 256 deep (best or within
+        # noise on every Qwen3-8B shape, benchmarks/results/h200/tune.json). Beyond, with one
+        # adapter, 16-row by 32-rank tiles split 8 were fastest or within 3% at 64-256 tokens on
+        # every shape (tune_k1_64_256.json; 64-row unsplit tiles, the previous rule, 2-4x slower).
         if tokens <= 32:
-            split_k = max(1, min(16, k // 256))
-        else:
-            # With few adapters K1 has few programs here (one per 64-row tile, slice and rank
-            # tile of each adapter: 12 for qkv at 128 tokens, one adapter, rank 128), each
-            # streaming all of A over all of K. Split until ~16 row tiles x splits, at most 8
-            # (the last split sums the planes).
-            split_k = max(1, min(8, 16 // -(-tokens // block_m), k // 256))
-        # Rank 128 in two 64-wide tiles: twice the programs, each with half of A (the tuned
-        # K1 entries, tuned at rank 64, give every rank 64 too).
-        return LaunchConfig(block_m=block_m, block_n=64, block_k=256 if tokens <= 16 else 128,
-                            block_r=min(block_r, 64), split_k=split_k, num_warps=4,
-                            num_stages=2)
+            return LaunchConfig(block_m=block_m, block_n=64, block_k=256 if tokens <= 16 else 128,
+                                block_r=block_r, split_k=max(1, min(16, k // 256)),
+                                num_warps=4, num_stages=2)
+        return LaunchConfig(block_m=16, block_n=64, block_k=128, block_r=min(block_r, 32),
+                            split_k=max(1, min(8, k // 512)), num_warps=4, num_stages=2)
     # Decode is bandwidth-bound: narrow N tiles give every SM weights to stream (N=4096 in
     # 128-wide tiles is 32 programs for 132 SMs; in 32-wide tiles, 128), and deep K tiles in 5
     # stages keep bytes in flight (the H200 sweep, benchmarks/results/h200/tune_v1.json).
