@@ -110,15 +110,19 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--quick", action="store_true", help="tokens 1, 16, 64, 256 only")
     parser.add_argument("--tokens", type=int, nargs="+", help="these token counts only")
+    parser.add_argument("--setups", nargs="+", default=[f"{a}x{r}" for a, r in SETUPS],
+                        help="ADAPTERSxRANK, e.g. 32x64 (the no-adapter systems run with the "
+                             "first)")
     parser.add_argument("--git-sha", default=None)
     args = parser.parse_args()
+    setups = [tuple(int(v) for v in s.split("x")) for s in args.setups]
     tokens_list = args.tokens or ((1, 16, 64, 256) if args.quick else TOKENS)
     gen = torch.Generator(device="cuda").manual_seed(0)
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
     systems = ("cutlass", "epilora-gemm", "vllm-default", "epilora-fused", "epilora-decode",
                "epilora-hybrid")
     rows = []
-    for num_adapters, rank in SETUPS:
+    for num_adapters, rank in setups:
         layer = make_layer(num_adapters, rank, gen)
         for tokens in tokens_list:
             mapping = torch.arange(tokens, device="cuda", dtype=torch.int32) % num_adapters
@@ -129,7 +133,7 @@ def main() -> None:
             bufs = {name: torch.zeros(len(s), tokens, rank, device="cuda")
                     for name, (_, s) in PROJECTIONS.items()}
             for system in systems:
-                if system in ("cutlass", "epilora-gemm") and (num_adapters, rank) != SETUPS[0]:
+                if system in ("cutlass", "epilora-gemm") and (num_adapters, rank) != setups[0]:
                     continue  # the no-adapter GEMMs do not depend on the adapters
                 run = functools.partial(run_layer, system, xs, layer, batch, meta, bufs)
                 us = time_graph(run, args.reps, flush)
