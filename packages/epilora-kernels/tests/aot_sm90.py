@@ -14,7 +14,8 @@ from aot_launchers_sm90 import compile_launch, record_launches
 from kernel_cases import make_problem
 
 PATTERN = (r"(div\.[a-z.0-9]+|rcp\.[a-z.0-9]+|cvt\.rn\.satfinite\.e4m3x2\.f32|mma\.sync|wgmma"
-           r"|griddepcontrol\.[a-z_]+|atom\.[a-z_.0-9]+|ld\.global\.gpu\.acquire)")
+           r"|griddepcontrol\.[a-z_]+|atom\.[a-z_.0-9]+|ld\.global\.gpu\.acquire"
+           r"|prefetch\.global\.L2|%globaltimer)")
 K1 = LaunchConfig(block_m=16, block_k=128, block_r=64, split_k=8, num_stages=2)
 K2 = LaunchConfig(block_m=16, block_n=32, block_k=256, block_r=64, num_stages=4)
 K2_SPLIT = LaunchConfig(block_m=16, block_n=32, block_k=256, block_r=64, split_k=4,
@@ -55,6 +56,9 @@ def main() -> None:
     out["k2_pdl_acquire_before_mma"] = 0 <= k2_pdl.find("ld.global.gpu.acquire") < mma
     out["k2_pdl_mma_before_wait"] = 0 <= mma < wait
     out["k2_pdl_no_store_before_wait"] = wait > 0 and "st.global" not in k2_pdl[:wait]
+    # The L2 warming of its weight rows is issued before the spin, not after.
+    out["k2_pdl_prefetch_before_acquire"] = (
+        0 <= k2_pdl.find("prefetch.global.L2") < k2_pdl.find("ld.global.gpu.acquire"))
     # Split-K at decode: the partial stores and the tile counter's atomic come after the wait
     # (before it, the same counter atomics as without split-K).
     k2_split = ptx_of(lambda: fused.decode_lora_fp8_linear(

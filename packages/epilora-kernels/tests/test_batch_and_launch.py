@@ -88,7 +88,9 @@ def test_the_shipped_h200_table_is_valid_and_covers_the_benchmark_shapes():
         for tokens in (1, 7, 32, 300):
             cfg = table_config("NVIDIA H200", "lora_gemm", tokens, n, k)
             assert cfg is not None and cfg.block_m >= min(tokens, 16)
-    assert table_config("NVIDIA H200", "shrink", 1, 4096, 4096) is None  # not tuned: heuristic
+            for op in ("quantize_shrink", "shrink", "decode_shrink"):
+                assert table_config("NVIDIA H200", op, tokens, n, k) is not None
+    assert table_config("NVIDIA H200", "shrink", 1, 2048, 2048) is None  # not tuned: heuristic
 
 
 def test_shrink_heuristics_split_small_batches():

@@ -28,6 +28,11 @@ def test_kernels_compile_for_sm90_with_the_expected_instructions():
     assert "griddepcontrol.wait" in found["k2_pdl"]
     assert found["k2_pdl_acquire_before_mma"]
     assert found["k2_pdl_mma_before_wait"] and found["k2_pdl_no_store_before_wait"]
+    # Only the decode path's K2 warms L2 with its weight rows, before its spin.
+    assert found["k2_pdl_prefetch_before_acquire"]
+    assert "prefetch.global.L2" not in found["k2_mode=0"]
+    # The timeline's clocks (TRACE) are compiled out of every shipped launch.
+    assert not any("%globaltimer" in ops for ops in found.values() if isinstance(ops, list))
     # Split-K: partials and the tile counter's acq_rel atomic only after the wait.
     assert "griddepcontrol.wait" in found["k2_pdl_split_k"]
     atomics = [op for op in found["k2_pdl_split_k"] if op.startswith("atom.global.gpu")]

@@ -95,6 +95,9 @@ def test_bad_inputs_are_rejected():
         from epilora_kernels.batch import AdapterBatch
         fused.quantize_and_shrink(x, lora, AdapterBatch.from_token_mapping(
             batch.token_lora_mapping, 3))
+    with pytest.raises(ValueError, match="trace"):  # the timeline's buffers: int64 rows
+        fused._linear(0, x, weight, w_scale, lora, batch, None, None, decode=True,
+                      traces=(torch.zeros(64, 8), None))
 
 
 @pytest.mark.parametrize("case", sorted(special_activations(torch.float32)))

@@ -14,11 +14,16 @@ vLLM's CUTLASS epilogue; MODE 1: W8A16 (FP8 weight widened to bf16 in registers)
 GEMM, the tile starts from an existing output (the hybrid path's expand). Its epilogue adds
 `bf16(h) B_slot^T` for each adapter segment that meets the tile, reading only the tile's columns
 of B, and writes the bf16 tile once. In the decode path (`USE_PDL`, `WAIT_CODES`) it is K1's
-programmatic dependent: it waits for K1's count of quantized rows before its K loop, streams its
-weights while K1's shrink runs, and waits for all of K1 (`gdc_wait`) only before its epilogue.
+programmatic dependent: it waits for K1's count of quantized rows before its K loop (prefetching
+the first `WARM_L2` bytes of its weight rows into L2 meanwhile), streams its weights while K1's
+shrink runs, and waits for all of K1 (`gdc_wait`) only before its epilogue.
 With `SPLIT_K` > 1 the K loop is split over programs and the last split of each tile reduces in
 a fixed order. Counters (split-K tiles, the decode path's counts) are zero at rest
 (epilora_kernels._workspace): whoever arrives last resets them.
+
+`TRACE` (diagnostics, benchmarks/decode_timeline.py) makes every program of either kernel store
+its SM and global clock at its start, after each wait and at its end; it is compiled out
+otherwise (checked in tests/test_compile_sm90.py).
 
 `INTERPRETER` works around two bugs of Triton's CPU interpreter: its bf16 arithmetic (bf16 dots
 become fp32 dots; h is still rounded to bf16 first) and its fp32 -> e4m3 cast, which loses the

@@ -335,8 +335,9 @@ def decode_lora_fp8_linear(
 ) -> torch.Tensor:
     """The decode path: K1 (quantize + shrink), and K2 launched as K1's programmatic dependent
     while K1 runs. K2 waits for K1's quantizing programs (their count of finished rows, a spin
-    on a counter they release) before its K loop, and for the whole of K1 (`gdc_wait`, so h)
-    only before its epilogue: its weight stream overlaps the shrink. `pdl=False` runs the same
+    on a counter they release; it prefetches the first `DECODE_WARM_L2` bytes of its weight rows
+    into L2 meanwhile) before its K loop, and for the whole of K1 (`gdc_wait`, so h) only
+    before its epilogue: its weight stream overlaps the shrink. `pdl=False` runs the same
     kernels serialized; both give the same bits, and the same bits as `fused_lora_fp8_linear`
     with equal configs."""
     return _linear(0, x, weight, weight_scale, lora, batch, k1_config, k2_config,
