@@ -90,6 +90,19 @@ def run_dual_stream(xs, layer, batch, meta, bufs, outs, aux: torch.cuda.Stream) 
         y.add_(outs[name])
 
 
+def one_adapter_case(tokens: int, rank: int, layer: dict, gen: torch.Generator):
+    """Every token on the one adapter (slot 0): the batch, the activations per projection, their
+    h (our shrink) and zeroed buffers for vLLM's shrink."""
+    batch = AdapterBatch.from_token_mapping(
+        torch.zeros(tokens, dtype=torch.int32, device="cuda"), 1)
+    xs = {name: torch.randn(tokens, k, generator=gen, device="cuda").to(torch.bfloat16)
+          for name, (k, _) in PROJECTIONS.items()}
+    hs = {name: fused.lora_shrink(xs[name], lora, batch) for name, (_, _, lora) in layer.items()}
+    bufs = {name: torch.zeros(len(s), tokens, rank, device="cuda")
+            for name, (_, s) in PROJECTIONS.items()}
+    return batch, xs, hs, bufs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -102,15 +115,8 @@ def main() -> None:
     for rank in RANKS:
         layer = make_layer(1, rank, gen)
         for tokens in TOKENS:
-            batch = AdapterBatch.from_token_mapping(
-                torch.zeros(tokens, dtype=torch.int32, device="cuda"), 1)
+            batch, xs, hs, bufs = one_adapter_case(tokens, rank, layer, gen)
             meta = batch.vllm_meta_args()
-            xs = {name: torch.randn(tokens, k, generator=gen, device="cuda").to(torch.bfloat16)
-                  for name, (k, _) in PROJECTIONS.items()}
-            bufs = {name: torch.zeros(len(s), tokens, rank, device="cuda")
-                    for name, (_, s) in PROJECTIONS.items()}
-            hs = {name: fused.lora_shrink(xs[name], lora, batch)
-                  for name, (_, _, lora) in layer.items()}
             outs = {name: torch.zeros(tokens, sum(sl), dtype=torch.bfloat16, device="cuda")
                     for name, (_, sl) in PROJECTIONS.items()}
             aux = torch.cuda.Stream()

@@ -33,10 +33,10 @@ import functools
 import statistics
 
 import torch
-from layer import PROJECTIONS, make_layer, run_layer, time_graph, write_results
+from decode import one_adapter_case
+from layer import make_layer, run_layer, time_graph, write_results
 
 from epilora_kernels import fused
-from epilora_kernels.batch import AdapterBatch
 
 RANKS = (16, 64, 128)
 TOKENS = (1, 4, 16)
@@ -138,14 +138,7 @@ def main() -> None:
     for rank in RANKS:
         layer = make_layer(1, rank, gen)
         for tokens in TOKENS:
-            batch = AdapterBatch.from_token_mapping(
-                torch.zeros(tokens, dtype=torch.int32, device="cuda"), 1)
-            xs = {name: torch.randn(tokens, k, generator=gen, device="cuda").to(torch.bfloat16)
-                  for name, (k, _) in PROJECTIONS.items()}
-            hs = {name: fused.lora_shrink(xs[name], lora, batch)
-                  for name, (_, _, lora) in layer.items()}
-            bufs = {name: torch.zeros(len(s), tokens, rank, device="cuda")
-                    for name, (_, s) in PROJECTIONS.items()}
+            batch, xs, hs, bufs = one_adapter_case(tokens, rank, layer, gen)
             base = dict(bench="decode_timeline", model="qwen3-8b", base="fp8", tokens=tokens,
                         rank=rank, adapters=1)
             cutlass = time_graph(functools.partial(run_layer, "cutlass", xs, layer, batch,
