@@ -120,6 +120,19 @@ def _stamp(trace_ptr, event: tl.constexpr, TRACE: tl.constexpr):
 
 
 @triton.jit
+def _add_segment(acc, hb, bt, pos, seg_begin, seg_end, INTERPRETER: tl.constexpr):
+    # acc += h B^T over the tile's rows in [seg_begin, seg_end) (one adapter's segment).
+    in_seg = (pos >= seg_begin) & (pos < seg_end)
+    if INTERPRETER:
+        hz = tl.where(in_seg[:, None], hb.to(tl.float32), 0.0)
+        acc += tl.dot(hz, tl.trans(bt.to(tl.float32)))
+    else:
+        hz = tl.where(in_seg[:, None], hb, tl.zeros_like(hb))
+        acc += tl.dot(hz, tl.trans(bt))
+    return acc
+
+
+@triton.jit
 def _sum_splits(acc, tile_ptrs, plane, mask, split, counter, SPLIT_K: tl.constexpr):
     # Deterministic split-K: every split stores its fp32 partial at `tile_ptrs + split * plane`;
     # the split that arrives last at the tile's counter sums the planes in the fixed order
@@ -360,22 +373,34 @@ def _lora_gemm_kernel(
             plane = h_ptr + ((split * NUM_SLICES + s) * T + tok[:, None]).to(tl.int64) * R
             hsum += tl.load(plane + r[None, :], mask=hmask, other=0.0)
         hb = hsum.to(tl.bfloat16)
-        for z in range(z_first, z_last + 1):
-            slot = tl.load(lora_ids_ptr + z)
-            seg_begin = tl.load(start_ptr + z)
-            seg_end = tl.load(start_ptr + z + 1)
-            if slot >= 0:
-                if z == z_first:
-                    bt = b_first
-                else:
-                    bt = tl.load(b_base + slot.to(tl.int64) * (slice_end - slice_begin) * R
-                                 + b_offs, mask=b_mask, other=0.0)
-                in_seg = (pos >= seg_begin) & (pos < seg_end)
-                if INTERPRETER:
-                    hz = tl.where(in_seg[:, None], hb.to(tl.float32), 0.0)
-                    acc += tl.dot(hz, tl.trans(bt.to(tl.float32)))
-                else:
-                    hz = tl.where(in_seg[:, None], hb, tl.zeros_like(hb))
-                    acc += tl.dot(hz, tl.trans(bt))
+        if ENTRIES_BLOCK > 2:
+            # Several slots: a tile may meet many segments (32 adapters at 128 tokens, 16 per
+            # 64-row tile). Each segment's slice of B is loaded while the previous one's dot
+            # runs, and the segment bounds come from the vectors loaded above, so no load is
+            # waited for in turn.
+            b_stride = (slice_end - slice_begin) * R  # one slot's slice of B
+            bt = b_first
+            for z in range(z_first, z_last + 1):
+                slot_next = tl.max(tl.where((e == z + 1) & (z < z_last), slots, -1), axis=0)
+                bt_next = tl.load(b_base + slot_next.to(tl.int64) * b_stride + b_offs,
+                                  mask=b_mask & (slot_next >= 0), other=0.0)
+                if tl.max(tl.where(e == z, slots, -1), axis=0) >= 0:
+                    acc = _add_segment(acc, hb, bt, pos,
+                                       tl.sum(tl.where(e == z, seg_begins, 0), axis=0),
+                                       tl.sum(tl.where(e == z, seg_ends, 0), axis=0),
+                                       INTERPRETER)
+                bt = bt_next
+        else:  # one slot: at most one segment with an adapter
+            for z in range(z_first, z_last + 1):
+                slot = tl.load(lora_ids_ptr + z)
+                seg_begin = tl.load(start_ptr + z)
+                seg_end = tl.load(start_ptr + z + 1)
+                if slot >= 0:
+                    if z == z_first:
+                        bt = b_first
+                    else:
+                        bt = tl.load(b_base + slot.to(tl.int64) * (slice_end - slice_begin)
+                                     * R + b_offs, mask=b_mask, other=0.0)
+                    acc = _add_segment(acc, hb, bt, pos, seg_begin, seg_end, INTERPRETER)
     tl.store(y_tile, acc.to(tl.bfloat16), mask=out_mask)
     _stamp(trace_ptr, 4, TRACE)
