@@ -5,9 +5,10 @@ the decode benchmark may have to stop it early: the rest then runs with `--setup
 keeps its run's index (`run`), so a page compares systems within one run only (each run times
 its own `cutlass`); `meta.runs` holds every run's meta. The runs must share the launch table
 and, if their commits differ, the packages' sources (`git diff` between them, under
-packages/, empty): only the benchmark scripts may differ.
+packages/, empty): only the benchmark scripts may differ. Otherwise `--note` must say why the
+difference does not touch what the earlier runs measured (it goes into `meta.merge_note`).
 
-    python tools/merge_layer_results.py OUT.json RUN1.json RUN2.json [...]
+    python tools/merge_layer_results.py OUT.json RUN1.json RUN2.json [...] [--note TEXT]
 """
 
 import json
@@ -15,7 +16,7 @@ import subprocess
 import sys
 
 
-def merge(paths: list[str]) -> dict:
+def merge(paths: list[str], note: str | None = None) -> dict:
     runs, rows = [], []
     for index, path in enumerate(paths):
         data = json.loads(open(path).read())
@@ -26,14 +27,23 @@ def merge(paths: list[str]) -> dict:
     for meta in runs[1:]:
         same = subprocess.run(["git", "diff", "--quiet", runs[0]["git_sha"], meta["git_sha"],
                                "--", "packages"])
-        if same.returncode != 0:
+        if same.returncode != 0 and not note:
             raise SystemExit(f"packages differ between {runs[0]['git_sha']} and "
-                             f"{meta['git_sha']}")
-    return {"meta": {**runs[-1], "runs": runs}, "rows": rows}
+                             f"{meta['git_sha']}; say why that is harmless with --note")
+    merged_meta = {**runs[-1], "runs": runs}
+    if note:
+        merged_meta["merge_note"] = note
+    return {"meta": merged_meta, "rows": rows}
 
 
 if __name__ == "__main__":
-    out, *paths = sys.argv[1:]
-    merged = merge(paths)
+    args = sys.argv[1:]
+    note = None
+    if "--note" in args:
+        at = args.index("--note")
+        note = args[at + 1]
+        del args[at:at + 2]
+    out, *paths = args
+    merged = merge(paths, note)
     with open(out, "w") as f:
         json.dump(merged, f, indent=1)

@@ -37,8 +37,9 @@ def _table(rows: list[dict]):
 
 def _runs_line(meta: dict) -> str:
     runs = meta.get("runs", [meta])
-    return "; ".join(f"commit `{run['git_sha'][:10]}`, {run['date']}, `{run['command']}`"
+    line = "; ".join(f"commit `{run['git_sha'][:10]}`, {run['date']}, `{run['command']}`"
                      for run in runs)
+    return line + (f" (merged: {meta['merge_note']})" if "merge_note" in meta else "")
 
 
 def _kernel_lines() -> list[str]:

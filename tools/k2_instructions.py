@@ -1,0 +1,53 @@
+"""Write the sm_90 instruction stream of K2 as each fused launcher compiles it (one slot and
+four slots; no GPU needed, TRITON_INTERPRET unset), normalized so that two checkouts compare
+equal when they emit the same instructions: debug lines, register declarations and numbers,
+labels and DWARF data are dropped.
+
+    python tools/k2_instructions.py OUT.json   # at two commits (git worktree), then diff
+
+The layer page's merge of two runs rests on it (meta.merge_note in layer.json): 993031f and
+752257b emit the same one-slot K2.
+"""
+
+import functools
+import json
+import re
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).parents[1] / "packages/epilora-kernels/tests"
+
+
+def normalize(ptx: str) -> list[str]:
+    out = []
+    for line in ptx.splitlines():
+        line = line.split("//")[0].strip()
+        if not line or line.startswith((".loc", ".reg", ".file", ".b8", ".b32", ".b64",
+                                        ".section", "$L__")):
+            continue
+        out.append(re.sub(r"%(r|rd|p|f|rs|hh|h)\d+", r"%\1", line))
+    return out
+
+
+def main(out_path: str) -> None:
+    sys.path.insert(0, str(TESTS))
+    from epilora_kernels import fused
+
+    from aot_launchers_sm90 import compile_launch, record_launches
+    from kernel_cases import make_problem
+
+    out = {}
+    for name, slots, mapping in (("one-slot", 1, "one_adapter"),
+                                 ("four-slots", 4, "mixed_with_base")):
+        x, weight, w_scale, lora, batch = make_problem(0, 5, 256, (64, 32, 32), 16, slots,
+                                                       mapping)
+        for label, launch in (
+                ("fused", fused.fused_lora_fp8_linear), ("decode", fused.decode_lora_fp8_linear),
+                ("w8a16", fused.fused_lora_w8a16_linear)):
+            calls = record_launches(functools.partial(launch, x, weight, w_scale, lora, batch))
+            out[f"{name}-{label}"] = normalize(compile_launch(*calls[-1]))
+    Path(out_path).write_text(json.dumps(out, indent=0))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
