@@ -106,7 +106,9 @@ def _quantize_row(x_ptr, codes_ptr, scales_ptr, t, K, stride_x, QUANT_BLOCK: tl.
 @triton.jit
 def _stamp(trace_ptr, event: tl.constexpr, TRACE: tl.constexpr):
     # Diagnostics only (benchmarks/decode_timeline.py): this program's SM and global clock (ns)
-    # at `event`, in its row of 8 int64 (slot 7: the SM). Compiled out unless TRACE.
+    # at `event`, in its row of 8 int64 (slot 7: the SM). Compiled out unless TRACE. In K2 these
+    # stores precede gdc_wait: harmless for a buffer allocated before the run that no kernel
+    # reads.
     if TRACE:
         pid = tl.program_id(0) + tl.num_programs(0) * (
             tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))

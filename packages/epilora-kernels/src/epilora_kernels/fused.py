@@ -388,9 +388,9 @@ def fused_lora_w8a16_linear(
 
 
 # The decode path's K2 prefetches the first bytes of each of its weight rows into L2 before it
-# spins on K1's count of quantized rows: 512 took 1-4 us off the layer at ranks 16-128, 1-16
-# tokens; 2048 made the spin itself longer and the layer slower
-# (benchmarks/results/h200/decode_timeline.json).
+# spins on K1's count of quantized rows: 512 made the layer faster, or no slower, at every rank
+# (16-128) and token count (1-16) measured; 2048 made the spin itself longer and the layer
+# slower (benchmarks/results/h200/decode_timeline_v1.json, decode_timeline.json).
 DECODE_WARM_L2 = 512
 
 
