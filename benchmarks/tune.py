@@ -84,6 +84,7 @@ def k1_candidates(tokens: int):
 # CUTLASS): K1's split count trades its own speed against its reduction, which K2 overlaps
 # (the decode path) or waits for.
 K1_OPS = ("quantize_shrink", "shrink", "decode_shrink")
+TUNED_OPS = {"all": ("lora_gemm", *K1_OPS), "k1": K1_OPS}
 
 
 def _k1_pair(op, x, weight, scale, lora, batch, k1_cfg, k2_cfg, base_out):
@@ -143,9 +144,16 @@ def main() -> None:
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
     layer = make_layer(max(4, args.adapters), RANK, gen)
     table = _installed_table()
+    # Where each entry came from: the table's earlier provenance (`sources`) and the runs since,
+    # in order, a later run's ops and finished token counts replacing an earlier one's (a run
+    # cut short lists only what it finished).
+    old = table.get("_meta", {})
+    run = {"git_sha": args.git_sha, "ops": list(TUNED_OPS[args.ops]), "adapters": args.adapters,
+           "tokens": []}
     table["_meta"] = {"device": torch.cuda.get_device_name(), "rank": RANK,
-                      "adapters": args.adapters, "ops": args.ops,
-                      "tool": "benchmarks/tune.py", "tokens_tuned_last": []}
+                      "tool": "benchmarks/tune.py",
+                      **({"sources": old["sources"]} if "sources" in old else {}),
+                      "runs": [*old.get("runs", []), run]}
     for op in (*K1_OPS, "lora_gemm"):
         table.setdefault(op, {})
     rows = []
@@ -212,7 +220,7 @@ def main() -> None:
             for op, (_, cfg) in (("lora_gemm", best2), *best1.items()):
                 if cfg is not None:  # not tuned (--ops k1) or no candidate passed its check
                     table[op].setdefault(shape_key(n, k), {})[str(tokens)] = cfg.__dict__
-        table["_meta"]["tokens_tuned_last"].append(tokens)  # a run cut short says so
+        run["tokens"].append(tokens)
         validate_table(table)
         with open(args.out_table, "w") as f:
             json.dump(table, f, indent=1)
