@@ -90,11 +90,11 @@ def run_dual_stream(xs, layer, batch, meta, bufs, outs, aux: torch.cuda.Stream) 
         y.add_(outs[name])
 
 
-def one_adapter_case(tokens: int, rank: int, layer: dict, gen: torch.Generator):
-    """Every token on the one adapter (slot 0): the batch, the activations per projection, their
-    h (our shrink) and zeroed buffers for vLLM's shrink."""
-    batch = AdapterBatch.from_token_mapping(
-        torch.zeros(tokens, dtype=torch.int32, device="cuda"), 1)
+def adapter_case(tokens: int, rank: int, layer: dict, gen: torch.Generator, adapters: int = 1):
+    """The tokens spread round robin over `adapters` slots (here: all on slot 0): the batch, the
+    activations per projection, their h (our shrink) and zeroed buffers for vLLM's shrink."""
+    mapping = torch.arange(tokens, dtype=torch.int32, device="cuda") % adapters
+    batch = AdapterBatch.from_token_mapping(mapping, adapters)
     xs = {name: torch.randn(tokens, k, generator=gen, device="cuda").to(torch.bfloat16)
           for name, (k, _) in PROJECTIONS.items()}
     hs = {name: fused.lora_shrink(xs[name], lora, batch) for name, (_, _, lora) in layer.items()}
@@ -115,7 +115,7 @@ def main() -> None:
     for rank in RANKS:
         layer = make_layer(1, rank, gen)
         for tokens in TOKENS:
-            batch, xs, hs, bufs = one_adapter_case(tokens, rank, layer, gen)
+            batch, xs, hs, bufs = adapter_case(tokens, rank, layer, gen)
             meta = batch.vllm_meta_args()
             outs = {name: torch.zeros(tokens, sum(sl), dtype=torch.bfloat16, device="cuda")
                     for name, (_, sl) in PROJECTIONS.items()}

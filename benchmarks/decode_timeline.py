@@ -20,9 +20,12 @@ medians over replays:
 
 Variants: `decode` (the decode path as shipped), `decode-warm<B>` (K2 prefetches the first B
 bytes of each of its weight rows into L2 before its spin; 0: none), `decode-k1r32` (K1 in
-32-wide rank tiles), `serialized` (no PDL), `h-given` (our quantizer, then K2 with h given);
-`--variants` picks them, `--traced` those also traced. The layer timings (untraced, median of
-`--reps`) add `cutlass` (vLLM quant + CUTLASS) for the ratio.
+32-wide rank tiles), `serialized` (no PDL), `fused` (the fused path: K1 then K2 with their own
+settings), `h-given` (our quantizer, then K2 with h given); `--variants` picks them, `--traced`
+those also traced; `--ranks`, `--tokens`, `--adapters` (tokens round robin over them) pick the
+cases, e.g. the layer page's misses: `--adapters 32 --ranks 64 --tokens 128 256 --variants
+fused h-given --traced fused h-given`. The layer timings (untraced, median of `--reps`) add
+`cutlass` (vLLM quant + CUTLASS) for the ratio.
 
     python3 benchmarks/decode_timeline.py --out benchmarks/results/h200/decode_timeline.json
 """
@@ -33,15 +36,14 @@ import functools
 import statistics
 
 import torch
-from decode import one_adapter_case
+from decode import adapter_case
 from layer import make_layer, run_layer, time_graph, write_results
 
 from epilora_kernels import fused
 
 RANKS = (16, 64, 128)
 TOKENS = (1, 4, 16)
-TRACED_TOKENS = (1, 16)
-TRACE_ROWS = 1 << 14  # programs per traced launch, at most
+TRACED_TOKENS = (1, 16)  # of the default TOKENS; given --tokens, all are traced
 
 
 def _k1_config(variant: str, tokens: int, lora):
@@ -62,7 +64,9 @@ def run_variant(variant, xs, layer, batch, hs, traces=None):
     for name, (weight, scale, lora) in layer.items():
         pair = traces[name] if traces else (None, None)
         x = xs[name]
-        if variant == "h-given":
+        if variant == "fused":  # K1 then K2, the fused path's settings, no PDL
+            fused._linear(0, x, weight, scale, lora, batch, None, None, traces=pair)
+        elif variant == "h-given":
             codes, scales = fused.quantize(x)
             fused._launch_k2(0, codes, scales, weight, scale,
                              torch.empty(x.shape[0], lora.out_features, dtype=torch.bfloat16,
@@ -96,16 +100,26 @@ def _stats(k1: torch.Tensor | None, k2: torch.Tensor, tokens: int) -> dict:
     return out
 
 
+def _trace_rows(tokens: int, adapters: int, rank: int) -> int:
+    """At least as many programs as any K1 or K2 launch here has, whatever its settings (tiles
+    of 16 or more, at most 3 slices, split-K at most 16, N at most 24576): a trace row each."""
+    k1 = tokens + (adapters + 1) * -(-tokens // 16) * -(-rank // 16) * 3 * 16
+    k2 = -(-tokens // 16) * (24576 // 16) * 16
+    return max(k1, k2)
+
+
 def timeline(variant, xs, layer, batch, hs, reps, flush) -> dict:
-    traces = {name: (torch.zeros(TRACE_ROWS, 8, dtype=torch.int64, device="cuda"),
-                     torch.zeros(TRACE_ROWS, 8, dtype=torch.int64, device="cuda"))
+    tokens = next(iter(xs.values())).shape[0]
+    _, _, lora = next(iter(layer.values()))
+    rows = _trace_rows(tokens, batch.max_loras, lora.max_rank)
+    traces = {name: (torch.zeros(rows, 8, dtype=torch.int64, device="cuda"),
+                     torch.zeros(rows, 8, dtype=torch.int64, device="cuda"))
               for name in layer}
     run = functools.partial(run_variant, variant, xs, layer, batch, hs, traces)
     run()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
-    tokens = next(iter(xs.values())).shape[0]
     per_rep = []
     for _ in range(reps):
         for pair in traces.values():
@@ -130,17 +144,21 @@ def main() -> None:
     parser.add_argument("--variants", nargs="*",
                         default=["decode", "decode-warm0", "decode-warm256", "h-given"])
     parser.add_argument("--traced", nargs="*", default=["decode", "h-given"])
+    parser.add_argument("--ranks", type=int, nargs="+", default=list(RANKS))
+    parser.add_argument("--tokens", type=int, nargs="+", help=f"default {TOKENS}")
+    parser.add_argument("--adapters", type=int, default=1, help="tokens round robin over them")
     parser.add_argument("--git-sha", default=None)
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
     rows = []
-    for rank in RANKS:
-        layer = make_layer(1, rank, gen)
-        for tokens in TOKENS:
-            batch, xs, hs, bufs = one_adapter_case(tokens, rank, layer, gen)
+    traced_tokens = args.tokens or TRACED_TOKENS
+    for rank in args.ranks:
+        layer = make_layer(args.adapters, rank, gen)
+        for tokens in args.tokens or TOKENS:
+            batch, xs, hs, bufs = adapter_case(tokens, rank, layer, gen, args.adapters)
             base = dict(bench="decode_timeline", model="qwen3-8b", base="fp8", tokens=tokens,
-                        rank=rank, adapters=1)
+                        rank=rank, adapters=args.adapters)
             cutlass = time_graph(functools.partial(run_layer, "cutlass", xs, layer, batch,
                                                    batch.vllm_meta_args(), bufs),
                                  args.reps, flush)
@@ -154,7 +172,7 @@ def main() -> None:
                 print(f"rank={rank:3d} T={tokens:2d} {variant:16s} {us:7.1f} us "
                       f"({(us / cutlass - 1) * 100:+5.1f}% over cutlass {cutlass:.1f})",
                       flush=True)
-                if tokens not in TRACED_TOKENS or variant not in args.traced:
+                if tokens not in traced_tokens or variant not in args.traced:
                     continue
                 for name, stats in timeline(variant, xs, layer, batch, hs, args.trace_reps,
                                             flush).items():

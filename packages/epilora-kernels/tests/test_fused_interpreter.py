@@ -98,6 +98,9 @@ def test_bad_inputs_are_rejected():
     with pytest.raises(ValueError, match="trace"):  # the timeline's buffers: int64 rows
         fused._linear(0, x, weight, w_scale, lora, batch, None, None, decode=True,
                       traces=(torch.zeros(64, 8), None))
+    with pytest.raises(ValueError, match="trace"):  # a row for every program
+        fused._linear(0, x, weight, w_scale, lora, batch, None, None, decode=True,
+                      traces=(torch.zeros(1, 8, dtype=torch.int64), None))
 
 
 @pytest.mark.parametrize("case", sorted(special_activations(torch.float32)))

@@ -85,12 +85,17 @@ def _slice_args(lora: LoraWeights) -> tuple:
     return a, b, off1, off2
 
 
-def _trace_arg(trace: torch.Tensor | None, unused: torch.Tensor) -> torch.Tensor:
-    # `trace`: int64 [programs, 8] for the kernels' timestamps (benchmarks/decode_timeline.py;
-    # never under the interpreter, which has no clock); otherwise any pointer, never written.
-    if trace is not None and (trace.dtype != torch.int64 or not trace.is_contiguous()):
-        raise ValueError("trace must be a contiguous int64 tensor [programs, 8]")
-    return unused if trace is None else trace
+def _trace_arg(trace: torch.Tensor | None, unused: torch.Tensor, programs: int) -> torch.Tensor:
+    # `trace`: int64 [>= programs, 8] for the kernels' timestamps, a row per program
+    # (benchmarks/decode_timeline.py; never under the interpreter, which has no clock);
+    # otherwise any pointer, never written.
+    if trace is None:
+        return unused
+    if (trace.dtype != torch.int64 or not trace.is_contiguous() or trace.ndim != 2
+            or trace.shape[1] != 8 or trace.shape[0] < programs):
+        raise ValueError(f"trace must be a contiguous int64 tensor [>= {programs}, 8], got "
+                         f"{trace.dtype} {tuple(trace.shape)}")
+    return trace
 
 
 def _use_pdl(pdl: bool) -> bool:
@@ -118,7 +123,8 @@ def _launch_k1(x, lora, batch, cfg: LaunchConfig, quantize: bool, pdl: bool = Fa
     _quantize_shrink_kernel[grid](
         x, codes, scales, h, a[0], a[1], a[2],
         batch.sorted_token_indices, batch.lora_ids, batch.num_tokens_per_lora,
-        batch.lora_token_start, counters[_workspace.TILES:], counters, _trace_arg(trace, counters),
+        batch.lora_token_start, counters[_workspace.TILES:], counters,
+        _trace_arg(trace, counters, grid[0]),
         t, k, rank, x.stride(0),
         QUANTIZE=quantize, SIGNAL_CODES=signal_codes, NUM_SLICES=s_count, SPLIT_K=cfg.split_k,
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
@@ -218,7 +224,8 @@ def _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg: L
         a, a_scale, weight, weight_scale, y, h, b[0], b[1], b[2],
         batch.sorted_token_indices, batch.lora_ids, batch.lora_token_start,
         y if partial is None else partial, counters[_workspace.TILES:], counters,
-        _trace_arg(trace, counters), t, n, k, lora.max_rank, entries,
+        _trace_arg(trace, counters, grid[0] * grid[1] * grid[2]), t, n, k, lora.max_rank,
+        entries,
         a.stride(0), y.stride(0), off1, off2,
         MODE=mode, HAS_LORA=True, NUM_SLICES=len(lora.output_slices), H_PLANES=h.shape[0],
         SPLIT_K=grid[2], ENTRIES_BLOCK=triton.next_power_of_2(entries),
