@@ -67,17 +67,22 @@ def k2_candidates(tokens: int, slices: tuple[int, ...]):
 def k1_candidates(tokens: int):
     # K1's K loop is latency-bound: the sweeps so far (tune.json at 1-32 tokens,
     # tune_k1_64_256.json beyond) favoured the most splits offered everywhere, so deeper splits,
-    # deeper K steps and more stages are in.
+    # deeper K steps and more stages are in. With 8 warps K1's quantizing programs read a row of
+    # up to 16384 features once (fused._quant_block): untried on a GPU.
     if tokens <= 32:
         block_m = 16 if tokens <= 16 else 32
         return [LaunchConfig(block_m=block_m, block_k=block_k, block_r=block_r,
                              split_k=split_k, num_stages=2, num_warps=4)
-                for split_k in (4, 8, 16) for block_k in (128, 256) for block_r in (32, RANK)]
+                for split_k in (4, 8, 16) for block_k in (128, 256) for block_r in (32, RANK)] + [
+            LaunchConfig(block_m=block_m, block_k=256, block_r=RANK, split_k=split_k,
+                         num_stages=2, num_warps=8) for split_k in (8, 16)]
     return [LaunchConfig(block_m=16, block_k=block_k, block_r=32, split_k=split_k,
                          num_stages=stages, num_warps=4)
             for split_k in (8, 16) for block_k in (128, 256) for stages in (2, 3, 4)] + [
         LaunchConfig(block_m=64, block_k=128, block_r=32, split_k=8, num_stages=stages,
-                     num_warps=4) for stages in (2, 4)]
+                     num_warps=4) for stages in (2, 4)] + [
+        LaunchConfig(block_m=16, block_k=128, block_r=32, split_k=8, num_stages=2,
+                     num_warps=8)]
 
 
 # K1's ops, each timed with the kernel it feeds (K2, or the hybrid path's expand after vLLM's

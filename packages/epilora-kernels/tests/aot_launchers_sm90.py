@@ -55,6 +55,8 @@ def main() -> None:
     x, weight, w_scale, lora, batch = make_problem(0, 5, 256, (64, 32, 32), 16, 4,
                                                    "mixed_with_base")
     split = LaunchConfig(block_m=16, block_n=32, block_k=64, block_r=16, split_k=2)
+    wide = make_problem(0, 2, 12288, (32,), 16, 1, "one_adapter")  # the down projection's K
+    eight_warps = LaunchConfig(block_m=16, block_k=128, block_r=16, split_k=8, num_warps=8)
     launchers = {
         "quantize": lambda: fused.quantize(x),
         "fp8_gemm_from_bf16": lambda: fused.fp8_gemm_from_bf16(x, weight, w_scale),
@@ -69,6 +71,9 @@ def main() -> None:
             0, x, weight, w_scale, lora, batch, None, None, decode=True, pdl=True, warm_l2=512,
             traces=(torch.zeros(256, 8, dtype=torch.int64),
                     torch.zeros(256, 8, dtype=torch.int64))),
+        # K1 with 8 warps quantizes a 12288-wide row in one pass (a 16384 block)
+        "k1_eight_warps_wide": lambda: fused.quantize_and_shrink(
+            wide[0], wide[3], wide[4], config=eight_warps),
         "w8a16": lambda: fused.fused_lora_w8a16_linear(x, weight, w_scale, lora, batch),
         "expand": lambda: fused.lora_expand(
             torch.zeros(5, 128, dtype=torch.bfloat16), fused.lora_shrink(x, lora, batch), lora,

@@ -208,6 +208,14 @@ def test_quantize_long_rows(k):
     want_codes, want_scales = reference.quantize(x, arithmetic=Fp8Arithmetic.TORCH_CPU)
     assert_bitwise_equal(codes, want_codes, name="codes", inputs=x)
     assert_bitwise_equal(scales, want_scales, name="scales")
+    # K1's quantizing programs: 4096-wide chunks with 4 warps, one pass up to 16384 with 8.
+    _, _, lora, batch = make_problem(0, 3, k, (32,), 16, 1, "one_adapter")[1:]
+    for warps in (4, 8):
+        cfg = fused.LaunchConfig(block_m=16, block_k=64, block_r=16, split_k=2,
+                                 num_warps=warps)
+        codes, scales, _ = fused.quantize_and_shrink(x, lora, batch, config=cfg)
+        assert_bitwise_equal(codes, want_codes, name=f"K1 codes, {warps} warps", inputs=x)
+        assert_bitwise_equal(scales, want_scales, name=f"K1 scales, {warps} warps")
 
 
 @pytest.mark.parametrize("path", ["fused", "decode", "decode_serialized", "hybrid", "gemm"])

@@ -128,7 +128,8 @@ def _launch_k1(x, lora, batch, cfg: LaunchConfig, quantize: bool, pdl: bool = Fa
         t, k, rank, x.stride(0),
         QUANTIZE=quantize, SIGNAL_CODES=signal_codes, NUM_SLICES=s_count, SPLIT_K=cfg.split_k,
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
-        QUANT_BLOCK=_quant_block(k, 4096), INTERPRETER=_env.triton_interpreter(),
+        QUANT_BLOCK=_quant_block(k, 16384 if cfg.num_warps >= 8 else 4096),
+        INTERPRETER=_env.triton_interpreter(),
         USE_PDL=_use_pdl(pdl), TRACE=trace is not None, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -136,10 +137,12 @@ def _launch_k1(x, lora, batch, cfg: LaunchConfig, quantize: bool, pdl: bool = Fa
 
 
 def _quant_block(k: int, cap: int) -> int:
-    # Row chunk of the quantizing programs. Alone (8 warps) a row of up to 16384 features
-    # (Qwen3-8B's widest input is 12288) stays in registers; beside the shrink's tiles in K1 a
-    # 16384 chunk spilled and made K1 ~10x slower (benchmarks/results/h200/tune_v2.json), so
-    # there rows go in chunks of 4096.
+    # Row chunk of the quantizing programs. With 8 warps a row of up to 16384 features
+    # (Qwen3-8B's widest input is 12288) stays in registers, 64 values a thread, and is read
+    # once; with 4 warps beside the shrink's tiles in K1 a 16384 chunk spilled and made K1 ~10x
+    # slower (benchmarks/results/h200/tune_v2.json), so there rows go in chunks of 4096, read
+    # twice (the decode timeline shows the 12288-wide row's codes done last: K1 with 8 warps is
+    # a tuning candidate for it).
     return min(triton.next_power_of_2(k), cap)
 
 
