@@ -39,15 +39,23 @@ def record_launches(launch) -> list[tuple]:
 
 
 def compile_launch(kernel, args, kwargs) -> str:
-    """Compile one recorded launch for sm_90; returns its PTX."""
+    """Compile one recorded launch for sm_90; returns its PTX. Pointers and integers that are
+    multiples of 16 are marked so, as Triton's launcher specializes them at run time: without
+    it the K loops' loads cannot become asynchronous copies and the PTX is not the GPU's."""
     constexprs = {k: v for k, v in kwargs.items() if k not in OPTIONS}
     options = {k: v for k, v in kwargs.items() if k in OPTIONS and k != "launch_pdl"}
-    signature = {}
-    for name, value in zip(kernel.arg_names, args, strict=False):
-        signature[name] = ("*" + DTYPES[value.dtype] if isinstance(value, torch.Tensor)
-                           else "i32")
+    signature, attrs = {}, {}
+    for index, (name, value) in enumerate(zip(kernel.arg_names, args, strict=False)):
+        if isinstance(value, torch.Tensor):
+            signature[name] = "*" + DTYPES[value.dtype]
+            aligned = value.data_ptr() % 16 == 0
+        else:
+            signature[name] = "i32"
+            aligned = value % 16 == 0
+        if aligned:
+            attrs[(index,)] = [["tt.divisibility", 16]]
     signature.update({name: "constexpr" for name in constexprs})
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=TARGET, options=options).asm["ptx"]
 
 

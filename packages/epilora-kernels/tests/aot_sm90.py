@@ -15,7 +15,7 @@ from kernel_cases import make_problem
 
 PATTERN = (r"(div\.[a-z.0-9]+|rcp\.[a-z.0-9]+|cvt\.rn\.satfinite\.e4m3x2\.f32|mma\.sync|wgmma"
            r"|griddepcontrol\.[a-z_]+|atom\.[a-z_.0-9]+|ld\.global\.gpu\.acquire"
-           r"|prefetch\.global\.L2|%globaltimer)")
+           r"|prefetch\.global\.L2|%globaltimer|cp\.async\.c[ag]\.shared\.global)")
 K1 = LaunchConfig(block_m=16, block_k=128, block_r=64, split_k=8, num_stages=2)
 K2 = LaunchConfig(block_m=16, block_n=32, block_k=256, block_r=64, num_stages=4)
 K2_SPLIT = LaunchConfig(block_m=16, block_n=32, block_k=256, block_r=64, split_k=4,

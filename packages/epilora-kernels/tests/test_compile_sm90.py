@@ -19,6 +19,10 @@ def test_kernels_compile_for_sm90_with_the_expected_instructions():
     assert "div.full.f32" in found["k1_quantize=True"]
     assert "cvt.rn.satfinite.e4m3x2.f32" in found["k1_quantize=True"]
     assert all("mma.sync" in found[f"k2_mode={m}"] for m in (0, 1, 2))
+    # The K loops are software-pipelined (asynchronous copies to shared memory, as on the GPU:
+    # the compile marks 16-aligned arguments as Triton's launcher does); the expand has none.
+    for kernel in ("k1_quantize=True", "k2_mode=0", "k2_mode=1", "k2_pdl", "gemm_only_mode=0"):
+        assert "cp.async.cg.shared.global" in found[kernel], kernel
     assert "mma.sync" in found["gemm_only_mode=0"]
     # The decode path's PDL: K1 triggers its dependents and releases its count of quantized
     # rows; K2 acquires the count before its main loop, waits for K1 after it (so the GEMM
