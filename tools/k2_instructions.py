@@ -3,10 +3,13 @@ four slots; no GPU needed, TRITON_INTERPRET unset), normalized so that two check
 equal when they emit the same instructions: debug lines, register declarations and numbers,
 labels and DWARF data are dropped.
 
-    python tools/k2_instructions.py OUT.json   # at two commits (git worktree), then diff
+    python tools/k2_instructions.py OUT.json
+    git worktree add /tmp/old REV && PYTHONPATH=/tmp/old/packages/epilora-kernels/src \
+        python tools/k2_instructions.py OLD.json   # REV's kernels, this checkout's compiler harness
 
-The layer page's merge of two runs rests on it (meta.merge_note in layer.json): 993031f and
-752257b emit the same one-slot K2.
+The layer page's merge of two runs rests on it (meta.merge_note in layer.json): 993031f,
+752257b and every later commit of this session emit the same one-slot K2, and 752257b onwards
+the same several-slot K2.
 """
 
 import functools
