@@ -22,12 +22,15 @@ DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
 OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 
 
-def record_launches(launch) -> list[tuple]:
+def record_launches(launch, grids: list | None = None) -> list[tuple]:
+    """(kernel, args, kwargs) of every launch `launch()` makes; their grids go to `grids`."""
     calls = []
     kernels = (_fused_kernels._quantize_shrink_kernel, _fused_kernels._lora_gemm_kernel)
     for kernel in kernels:
         def recorder(*args, grid, warmup, _kernel=kernel, **kwargs):
             calls.append((_kernel, args, kwargs))
+            if grids is not None:
+                grids.append(tuple(grid))
 
         kernel.run = recorder
     try:
@@ -39,9 +42,15 @@ def record_launches(launch) -> list[tuple]:
 
 
 def compile_launch(kernel, args, kwargs) -> str:
-    """Compile one recorded launch for sm_90; returns its PTX. Pointers and integers that are
-    multiples of 16 are marked so, as Triton's launcher specializes them at run time: without
-    it the K loops' loads cannot become asynchronous copies and the PTX is not the GPU's."""
+    """Compile one recorded launch for sm_90; returns its PTX (`compile_launch_full`)."""
+    return compile_launch_full(kernel, args, kwargs).asm["ptx"]
+
+
+def compile_launch_full(kernel, args, kwargs):
+    """Compile one recorded launch for sm_90; returns Triton's compiled kernel. Pointers and
+    integers that are multiples of 16 are marked so, as Triton's launcher specializes them at
+    run time: without it the K loops' loads cannot become asynchronous copies and the PTX is
+    not the GPU's."""
     constexprs = {k: v for k, v in kwargs.items() if k not in OPTIONS}
     options = {k: v for k, v in kwargs.items() if k in OPTIONS and k != "launch_pdl"}
     signature, attrs = {}, {}
@@ -56,7 +65,7 @@ def compile_launch(kernel, args, kwargs) -> str:
             attrs[(index,)] = [["tt.divisibility", 16]]
     signature.update({name: "constexpr" for name in constexprs})
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=TARGET, options=options).asm["ptx"]
+    return triton.compile(source, target=TARGET, options=options)
 
 
 def main() -> None:

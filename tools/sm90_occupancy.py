@@ -1,0 +1,120 @@
+"""Registers, shared memory, spills and occupancy of K1 and K2 as the launchers run them on one
+Qwen3-8B layer, compiled for sm_90 on a CPU (no GPU needed; TRITON_INTERPRET unset).
+
+For each projection, token count and adapter rank, the decode path (1-32 tokens) and the fused
+path record their launches with the shipped launch table (`epilora_kernels/configs/
+NVIDIA_H200.json`; one adapter), compile them as Triton's launcher would (16-aligned arguments
+marked), and ask Triton's bundled ptxas for registers and spill stores. Occupancy is the H200's
+limit per SM (65536 registers allocated per warp in units of 256, 228 KB of shared memory with
+1 KB reserved per block, 32 blocks, 2048 threads); `waves` = programs / (blocks per SM x 132).
+
+    python tools/sm90_occupancy.py --out benchmarks/results/cpu/sm90_occupancy.json
+
+Why it exists: the decode timeline showed gate_up's K2 main loop slower at rank 128 than at
+rank 64 with h given (decode_timeline.json); here K2 there holds more registers at rank 128
+(the first segment's slice of B is loaded before the K loop), fewer blocks fit an SM and its
+programs need more waves.
+"""
+
+import argparse
+import dataclasses
+import functools
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+
+ROOT = Path(__file__).parents[1]
+SMS, REGS_PER_SM, SMEM_PER_SM, MAX_BLOCKS, MAX_THREADS = 132, 65536, 228 * 1024, 32, 2048
+PROJECTIONS = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)),
+               "gate_up": (4096, (12288, 12288)), "down": (12288, (4096,))}
+
+
+def ptxas_usage(ptx: str) -> tuple[int, int]:
+    """(registers per thread, spill-store bytes) from Triton's bundled ptxas."""
+    ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        report = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
+                                capture_output=True, text=True, check=True).stderr
+    return (int(re.search(r"Used (\d+) registers", report).group(1)),
+            int(re.search(r"(\d+) bytes spill stores", report).group(1)))
+
+
+def blocks_per_sm(regs: int, shared: int, warps: int) -> int:
+    per_warp = -(-regs * 32 // 256) * 256
+    return min(REGS_PER_SM // (per_warp * warps), SMEM_PER_SM // (shared + 1024), MAX_BLOCKS,
+               MAX_THREADS // (32 * warps))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128, 256])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64, 128])
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT / "packages/epilora-kernels/tests"))
+    from epilora_kernels import fused
+    from epilora_kernels.batch import AdapterBatch, LoraWeights
+    from epilora_kernels.launch import heuristic_config, rank_block, table_config
+
+    from aot_launchers_sm90 import compile_launch_full, record_launches
+
+    def config(op, tokens, n, k, rank, slices):
+        # What fused._shape_config picks on an H200 (it asks CUDA for the device's name).
+        tuned = table_config("NVIDIA H200", op, tokens, n, k)
+        if tuned is None:
+            return heuristic_config(op, tokens, n, k, rank, slices)
+        return dataclasses.replace(tuned, block_r=rank_block(rank)) if op == "lora_gemm" else tuned
+
+    rows = []
+    for name, (k, slices) in PROJECTIONS.items():
+        n = sum(slices)
+        weight = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+        for rank in args.ranks:
+            lora = LoraWeights(
+                tuple(torch.empty(1, 1, rank, k, dtype=torch.bfloat16) for _ in slices),
+                tuple(torch.empty(1, 1, width, rank, dtype=torch.bfloat16) for width in slices),
+                slices)
+            for tokens in args.tokens:
+                x = torch.empty(tokens, k, dtype=torch.bfloat16)
+                batch = AdapterBatch.from_token_mapping(torch.zeros(tokens, dtype=torch.int32), 1)
+                k2 = config("lora_gemm", tokens, n, k, rank, slices)
+                paths = {"fused": (fused.fused_lora_fp8_linear,
+                                   config("quantize_shrink", tokens, n, k, rank, slices))}
+                if tokens <= 32:
+                    paths["decode"] = (fused.decode_lora_fp8_linear,
+                                       config("decode_shrink", tokens, n, k, rank, slices))
+                for path, (linear, k1) in paths.items():
+                    grids = []
+                    calls = record_launches(functools.partial(
+                        linear, x, weight, torch.ones(1), lora, batch, k1_config=k1,
+                        k2_config=k2), grids)
+                    for kernel_name, call, grid in zip(("K1", "K2"), calls, grids, strict=True):
+                        compiled = compile_launch_full(*call)
+                        regs, spills = ptxas_usage(compiled.asm["ptx"])
+                        warps = call[2]["num_warps"]
+                        per_sm = blocks_per_sm(regs, compiled.metadata.shared, warps)
+                        programs = grid[0] * (grid[1] if len(grid) > 1 else 1) * (
+                            grid[2] if len(grid) > 2 else 1)
+                        row = {"projection": name, "rank": rank, "tokens": tokens, "path": path,
+                               "kernel": kernel_name, "registers": regs, "spill_bytes": spills,
+                               "shared_bytes": compiled.metadata.shared, "warps": warps,
+                               "blocks_per_sm": per_sm, "programs": programs,
+                               "waves": round(programs / (per_sm * SMS), 2)}
+                        rows.append(row)
+                        print(" ".join(f"{key}={value}" for key, value in row.items()),
+                              flush=True)
+    Path(args.out).write_text(json.dumps({"meta": {"tool": "tools/sm90_occupancy.py",
+                                                   "target": "sm_90a (H200: 132 SMs)"},
+                                          "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
