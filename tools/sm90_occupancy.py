@@ -17,7 +17,6 @@ programs need more waves.
 """
 
 import argparse
-import dataclasses
 import functools
 import json
 import re
@@ -62,16 +61,11 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "packages/epilora-kernels/tests"))
     from epilora_kernels import fused
     from epilora_kernels.batch import AdapterBatch, LoraWeights
-    from epilora_kernels.launch import heuristic_config, rank_block, table_config
+    from epilora_kernels.launch import select_config
 
     from aot_launchers_sm90 import compile_launch_full, record_launches
 
-    def config(op, tokens, n, k, rank, slices):
-        # What fused._shape_config picks on an H200 (it asks CUDA for the device's name).
-        tuned = table_config("NVIDIA H200", op, tokens, n, k)
-        if tuned is None:
-            return heuristic_config(op, tokens, n, k, rank, slices)
-        return dataclasses.replace(tuned, block_r=rank_block(rank)) if op == "lora_gemm" else tuned
+    config = functools.partial(select_config, "NVIDIA H200")  # what the launchers pick there
 
     rows = []
     for name, (k, slices) in PROJECTIONS.items():

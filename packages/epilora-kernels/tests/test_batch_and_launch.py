@@ -110,3 +110,13 @@ def test_shrink_heuristics_split_small_batches():
         assert heuristic_config(op, 64, 4096, 4096, 128).block_r == 32
         assert heuristic_config(op, 64, 4096, 4096, 16).block_r == 16
     assert heuristic_config("lora_gemm", 64, 4096, 4096, 128).block_r == 128
+
+
+def test_select_config_is_the_table_with_k2_rank_else_the_heuristic():
+    from epilora_kernels.launch import heuristic_config, select_config, table_config
+
+    tuned = table_config("NVIDIA H200", "lora_gemm", 1, 24576, 4096)
+    assert select_config("NVIDIA H200", "lora_gemm", 1, 24576, 4096, 128).block_r == 128
+    assert select_config("NVIDIA H200", "lora_gemm", 1, 24576, 4096, 128).block_n == tuned.block_n
+    assert select_config(None, "shrink", 64, 4096, 4096, 128) == heuristic_config(
+        "shrink", 64, 4096, 4096, 128)

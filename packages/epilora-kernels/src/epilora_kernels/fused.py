@@ -22,7 +22,6 @@ Weights are `[N, K]` float8_e4m3fn (row-major, K contiguous; vLLM keeps their tr
 with a one-element fp32 scale; activations `[T, K]` bf16.
 """
 
-import dataclasses
 
 import torch
 import triton
@@ -30,7 +29,7 @@ import triton
 from epilora_kernels import _env, _workspace
 from epilora_kernels._fused_kernels import _lora_gemm_kernel, _quantize_shrink_kernel
 from epilora_kernels.batch import AdapterBatch, LoraWeights
-from epilora_kernels.launch import LaunchConfig, heuristic_config, rank_block, table_config
+from epilora_kernels.launch import LaunchConfig, select_config
 
 
 def _config(op: str, tokens: int, lora: LoraWeights, given: LaunchConfig | None):
@@ -41,13 +40,9 @@ def _config(op: str, tokens: int, lora: LoraWeights, given: LaunchConfig | None)
 
 
 def _shape_config(op: str, tokens: int, n: int, k: int, rank: int, slices: tuple[int, ...]):
-    if torch.cuda.is_available() and not _env.triton_interpreter():
-        tuned = table_config(torch.cuda.get_device_name(), op, tokens, n, k)
-        if tuned is not None:
-            if op == "lora_gemm":  # tuned at one rank; K2's epilogue holds all R in one tile
-                return dataclasses.replace(tuned, block_r=rank_block(rank))
-            return tuned
-    return heuristic_config(op, tokens, n, k, rank, slices)
+    on_gpu = torch.cuda.is_available() and not _env.triton_interpreter()
+    return select_config(torch.cuda.get_device_name() if on_gpu else None, op, tokens, n, k,
+                         rank, slices)
 
 
 def _check_activations(x: torch.Tensor) -> None:

@@ -137,3 +137,14 @@ def table_config(device_name: str, op: str, tokens: int, n: int, k: int) -> Laun
     buckets = sorted(int(b) for b in entries)
     bucket = next((b for b in buckets if b >= tokens), buckets[-1])
     return LaunchConfig(**entries[str(bucket)])
+
+
+def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int, rank: int,
+                  slices: tuple[int, ...] = ()) -> LaunchConfig:
+    """The launchers' choice: the device's tuned entry, else the heuristic (`device_name`
+    None: the heuristic). K2's table entries are tuned at one rank; its epilogue holds a whole
+    adapter's rank in one tile, so their `block_r` becomes the rank's."""
+    tuned = None if device_name is None else table_config(device_name, op, tokens, n, k)
+    if tuned is None:
+        return heuristic_config(op, tokens, n, k, rank, slices)
+    return dataclasses.replace(tuned, block_r=rank_block(rank)) if op == "lora_gemm" else tuned
