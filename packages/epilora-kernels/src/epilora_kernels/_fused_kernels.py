@@ -254,6 +254,7 @@ def _lora_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, INTERPRETER: tl.constexpr, USE_PDL: tl.constexpr = False,
     WAIT_CODES: tl.constexpr = False, WARM_L2: tl.constexpr = 0, TRACE: tl.constexpr = False,
+    B_IN_REGS: tl.constexpr = True,
 ):
     _stamp(trace_ptr, 0, TRACE)
     pid_m = tl.program_id(0)
@@ -290,8 +291,19 @@ def _lora_gemm_kernel(
         z_first = tl.min(tl.where(meets, e, ENTRIES_BLOCK), axis=0)
         z_last = tl.max(tl.where(meets, e, -1), axis=0)
         first_slot = tl.max(tl.where(e == z_first, slots, -1), axis=0)
-        b_first = tl.load(b_base + first_slot.to(tl.int64) * (slice_end - slice_begin) * R
-                          + b_offs, mask=b_mask & (first_slot >= 0), other=0.0)
+        first_b = b_base + first_slot.to(tl.int64) * (slice_end - slice_begin) * R
+        if B_IN_REGS:
+            b_first = tl.load(first_b + b_offs, mask=b_mask & (first_slot >= 0), other=0.0)
+        elif not INTERPRETER:
+            # Too big to hold in registers through the K loop (at rank 128 it cost gate_up's K2
+            # a third of its blocks per SM: results/cpu/sm90_occupancy.json): warm L2 with it,
+            # one prefetch per 128-byte line, and load it after the wait.
+            lines = tl.arange(0, BLOCK_R // 64) * 64
+            warm_b = first_b + (n - slice_begin)[:, None] * R + lines[None, :]
+            warm_b = tl.where((n < slice_end)[:, None] & n_mask[:, None] & (lines[None, :] < R)
+                              & (first_slot >= 0), warm_b, b_base)
+            tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l",
+                                      [warm_b], dtype=tl.int32, is_pure=False, pack=1)
 
     if SPLIT_K == 1:
         k_begin = 0
@@ -381,7 +393,10 @@ def _lora_gemm_kernel(
             # runs, and the segment bounds come from the vectors loaded above, so no load is
             # waited for in turn.
             b_stride = (slice_end - slice_begin) * R  # one slot's slice of B
-            bt = b_first
+            if B_IN_REGS:
+                bt = b_first
+            else:
+                bt = tl.load(first_b + b_offs, mask=b_mask & (first_slot >= 0), other=0.0)
             for z in range(z_first, z_last + 1):
                 slot_next = tl.max(tl.where((e == z + 1) & (z < z_last), slots, -1), axis=0)
                 bt_next = tl.load(b_base + slot_next.to(tl.int64) * b_stride + b_offs,
@@ -398,7 +413,7 @@ def _lora_gemm_kernel(
                 seg_begin = tl.load(start_ptr + z)
                 seg_end = tl.load(start_ptr + z + 1)
                 if slot >= 0:
-                    if z == z_first:
+                    if B_IN_REGS and z == z_first:
                         bt = b_first
                     else:
                         bt = tl.load(b_base + slot.to(tl.int64) * (slice_end - slice_begin)

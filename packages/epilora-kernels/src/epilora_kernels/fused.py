@@ -230,9 +230,18 @@ def _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg: L
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=cfg.block_r,
         INTERPRETER=_env.triton_interpreter(), USE_PDL=_use_pdl(pdl),
         WAIT_CODES=wait_codes, WARM_L2=warm_l2 if wait_codes else 0, TRACE=trace is not None,
+        B_IN_REGS=_b_in_registers(cfg),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=_use_pdl(pdl),
     )
     return y
+
+
+def _b_in_registers(cfg: LaunchConfig) -> bool:
+    # K2 loads the first adapter segment's slice of B (block_n x block_r bf16) before its K
+    # loop and holds it there when it is at most 32 values a thread; larger ones it only warms
+    # in L2 then (results/cpu/sm90_occupancy.json: at rank 128, 64 a thread cost gate_up's K2
+    # a third of its blocks per SM).
+    return cfg.block_n * cfg.block_r <= 32 * 32 * cfg.num_warps
 
 
 def _gemm_config(batch, lora, config):
