@@ -290,20 +290,21 @@ def _lora_gemm_kernel(
         meets = (slots >= 0) & (seg_begins < tile_begin + BLOCK_M) & (seg_ends > tile_begin)
         z_first = tl.min(tl.where(meets, e, ENTRIES_BLOCK), axis=0)
         z_last = tl.max(tl.where(meets, e, -1), axis=0)
-        first_slot = tl.max(tl.where(e == z_first, slots, -1), axis=0)
-        first_b = b_base + first_slot.to(tl.int64) * (slice_end - slice_begin) * R
-        if B_IN_REGS:
-            b_first = tl.load(first_b + b_offs, mask=b_mask & (first_slot >= 0), other=0.0)
-        elif not INTERPRETER:
-            # Too big to hold in registers through the K loop (at rank 128 it cost gate_up's K2
-            # a third of its blocks per SM: results/cpu/sm90_occupancy.json): warm L2 with it,
-            # one prefetch per 128-byte line, and load it after the wait.
-            lines = tl.arange(0, BLOCK_R // 64) * 64
-            warm_b = first_b + (n - slice_begin)[:, None] * R + lines[None, :]
-            warm_b = tl.where((n < slice_end)[:, None] & n_mask[:, None] & (lines[None, :] < R)
-                              & (first_slot >= 0), warm_b, b_base)
-            tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l",
-                                      [warm_b], dtype=tl.int32, is_pure=False, pack=1)
+        if ENTRIES_BLOCK <= 2:  # one slot (several: the segment loop pipelines its loads)
+            first_slot = tl.max(tl.where(e == z_first, slots, -1), axis=0)
+            first_b = b_base + first_slot.to(tl.int64) * (slice_end - slice_begin) * R
+            if B_IN_REGS:
+                b_first = tl.load(first_b + b_offs, mask=b_mask & (first_slot >= 0), other=0.0)
+            elif not INTERPRETER:
+                # Too big to hold in registers through the K loop (at rank 128 it cost gate_up's
+                # K2 a third of its blocks per SM: results/cpu/sm90_occupancy.json): warm L2
+                # with it, one prefetch per 128-byte line, and load it after the wait.
+                lines = tl.arange(0, BLOCK_R // 64) * 64
+                warm_b = first_b + (n - slice_begin)[:, None] * R + lines[None, :]
+                warm_b = tl.where((n < slice_end)[:, None] & n_mask[:, None]
+                                  & (lines[None, :] < R) & (first_slot >= 0), warm_b, b_base)
+                tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l",
+                                          [warm_b], dtype=tl.int32, is_pure=False, pack=1)
 
     if SPLIT_K == 1:
         k_begin = 0
@@ -389,24 +390,21 @@ def _lora_gemm_kernel(
         hb = hsum.to(tl.bfloat16)
         if ENTRIES_BLOCK > 2:
             # Several slots: a tile may meet many segments (32 adapters at 128 tokens, 16 per
-            # 64-row tile). Each segment's slice of B is loaded while the previous one's dot
-            # runs, and the segment bounds come from the vectors loaded above, so no load is
-            # waited for in turn.
+            # 64-row tile). The loop over them is a K loop of its own, branch-free (a slot's
+            # B masked to zero for tokens without an adapter), so Triton's pipeliner keeps
+            # num_stages - 1 segments' slices of B in flight.
             b_stride = (slice_end - slice_begin) * R  # one slot's slice of B
-            if B_IN_REGS:
-                bt = b_first
-            else:
-                bt = tl.load(first_b + b_offs, mask=b_mask & (first_slot >= 0), other=0.0)
             for z in range(z_first, z_last + 1):
-                slot_next = tl.max(tl.where((e == z + 1) & (z < z_last), slots, -1), axis=0)
-                bt_next = tl.load(b_base + slot_next.to(tl.int64) * b_stride + b_offs,
-                                  mask=b_mask & (slot_next >= 0), other=0.0)
-                if tl.max(tl.where(e == z, slots, -1), axis=0) >= 0:
-                    acc = _add_segment(acc, hb, bt, pos,
-                                       tl.sum(tl.where(e == z, seg_begins, 0), axis=0),
-                                       tl.sum(tl.where(e == z, seg_ends, 0), axis=0),
-                                       INTERPRETER)
-                bt = bt_next
+                slot = tl.load(lora_ids_ptr + z)
+                in_seg = (pos >= tl.load(start_ptr + z)) & (pos < tl.load(start_ptr + z + 1))
+                bt = tl.load(b_base + slot.to(tl.int64) * b_stride + b_offs,
+                             mask=b_mask & (slot >= 0), other=0.0)
+                if INTERPRETER:
+                    hz = tl.where(in_seg[:, None], hb.to(tl.float32), 0.0)
+                    acc = tl.dot(hz, tl.trans(bt.to(tl.float32)), acc)
+                else:
+                    hz = tl.where(in_seg[:, None], hb, tl.zeros_like(hb))
+                    acc = tl.dot(hz, tl.trans(bt), acc)
         else:  # one slot: at most one segment with an adapter
             for z in range(z_first, z_last + 1):
                 slot = tl.load(lora_ids_ptr + z)
