@@ -7,7 +7,8 @@
 #           keep it                                                                 TUNE_TIMEOUT
 #   layer   benchmarks/layer.py $LAYER_ARGS -> $OUT/layer.json                     LAYER_TIMEOUT
 #   decode  benchmarks/decode.py -> $OUT/decode.json                               DECODE_TIMEOUT
-#   timeline benchmarks/decode_timeline.py -> $OUT/decode_timeline.json          TIMELINE_TIMEOUT
+#   timeline benchmarks/decode_timeline.py $TIMELINE_ARGS -> $OUT/decode_timeline.json
+#                                                                            TIMELINE_TIMEOUT
 # Run from the repository root with `.device` carried (tools/device/prepare.sh first), e.g.
 #   EPILORA_GIT_SHA=$(git rev-parse HEAD) bash tools/device/gpu_kernels.sh tests tune
 set -uo pipefail
@@ -28,7 +29,7 @@ for step in "$@"; do
     decode) timeout "${DECODE_TIMEOUT:-240}" python3 benchmarks/decode.py \
               --out "$OUT/decode.json" --git-sha "$sha" 2>&1 | tee "$OUT/decode.log" ;;
     timeline) timeout "${TIMELINE_TIMEOUT:-240}" python3 benchmarks/decode_timeline.py \
-                --out "$OUT/decode_timeline.json" --git-sha "$sha" 2>&1 \
+                --out "$OUT/decode_timeline.json" --git-sha "$sha" ${TIMELINE_ARGS:-} 2>&1 \
                 | tee "$OUT/decode_timeline.log" ;;
     *) echo "unknown step: $step"; exit 2 ;;
   esac

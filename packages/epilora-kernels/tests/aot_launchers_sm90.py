@@ -52,6 +52,9 @@ def compile_launch_full(kernel, args, kwargs):
     run time: without it the K loops' loads cannot become asynchronous copies and the PTX is
     not the GPU's."""
     constexprs = {k: v for k, v in kwargs.items() if k not in OPTIONS}
+    for param in kernel.params:  # the launch left them at their defaults, as Triton would
+        if param.is_constexpr and param.has_default and param.name not in constexprs:
+            constexprs[param.name] = param.default
     options = {k: v for k, v in kwargs.items() if k in OPTIONS and k != "launch_pdl"}
     signature, attrs = {}, {}
     for index, (name, value) in enumerate(zip(kernel.arg_names, args, strict=False)):
