@@ -4,7 +4,7 @@ decode layer with K2 warming L2 or K1 in narrower rank tiles, against CUTLASS in
 Timeline: one Qwen3-8B layer (4 projections, one adapter) in a CUDA graph, the L2 flushed before
 each replay; the kernels are built with `TRACE`, so every program stores its SM and the global
 clock (`%globaltimer`, ns) at its start and end, and K2's also after its spin on K1's count of
-quantized rows, after its K loop and after its wait for h. Per projection and replay, in us from
+quantized rows, after its K loop and after `gdc_wait`. Per projection and replay, in us from
 the first K1 program's start (from K2's first start for `h-given`, which has no traced K1);
 medians over replays:
 
@@ -13,16 +13,14 @@ medians over replays:
   k2_start      the first K2 program started
   k2_spin       the median program's wait for the codes
   k2_loop_end   the last K2 program past its K loop
-  k2_wait_end   the last K2 program past its wait for h (gdc_wait, or K1's count)
+  k2_wait_end   the last K2 program past gdc_wait
   k2_end        the last K2 program done
-  k2_wait_max   the longest wait for h of any K2 program
+  k2_wait_max   the longest gdc_wait of any K2 program
   k2_late       K2 programs that started after K1's end (no room for them beside K1)
 
 Variants: `decode` (the decode path as shipped), `decode-warm<B>` (K2 prefetches the first B
-bytes of each of its weight rows into L2 before its spin; 0: none), `decode-h<wait>` (K2
-waits for h by `gdc` = gdc_wait, `count` = a spin on K1's count of finished shrink programs,
-or `count-gdc` = that spin and gdc_wait after its stores), `decode-k1r32` (K1 in 32-wide rank
-tiles), `serialized` (no PDL), `fused` (the fused path: K1 then K2 with their own
+bytes of each of its weight rows into L2 before its spin; 0: none), `decode-k1r32` (K1 in
+32-wide rank tiles), `serialized` (no PDL), `fused` (the fused path: K1 then K2 with their own
 settings), `h-given` (our quantizer, then K2 with h given); `--variants` picks them, `--traced`
 those also traced; `--ranks`, `--tokens`, `--adapters` (tokens round robin over them) pick the
 cases, e.g. the layer page's misses: `--adapters 32 --ranks 64 --tokens 128 256 --variants
@@ -62,10 +60,6 @@ def _warm(variant: str) -> int:
     return fused.DECODE_WARM_L2
 
 
-H_WAITS = {"decode-hgdc": fused.H_WAIT_GDC, "decode-hcount": fused.H_WAIT_COUNT,
-           "decode-hcount-gdc": fused.H_WAIT_COUNT_THEN_GDC}
-
-
 def run_variant(variant, xs, layer, batch, hs, traces=None):
     for name, (weight, scale, lora) in layer.items():
         pair = traces[name] if traces else (None, None)
@@ -82,8 +76,7 @@ def run_variant(variant, xs, layer, batch, hs, traces=None):
         else:
             fused._linear(0, x, weight, scale, lora, batch,
                           _k1_config(variant, x.shape[0], lora), None, decode=True,
-                          pdl=variant != "serialized", warm_l2=_warm(variant),
-                          h_wait=H_WAITS.get(variant, fused.DECODE_H_WAIT), traces=pair)
+                          pdl=variant != "serialized", warm_l2=_warm(variant), traces=pair)
 
 
 def _stats(k1: torch.Tensor | None, k2: torch.Tensor, tokens: int) -> dict:
@@ -157,7 +150,7 @@ def main() -> None:
     parser.add_argument("--git-sha", default=None)
     args = parser.parse_args()
     for variant in args.variants:
-        known = variant in ("decode", "decode-k1r32", "serialized", "fused", "h-given", *H_WAITS)
+        known = variant in ("decode", "decode-k1r32", "serialized", "fused", "h-given")
         if not (known or variant.removeprefix("decode-warm").isdigit()):
             parser.error(f"unknown variant {variant!r}")
     gen = torch.Generator(device="cuda").manual_seed(0)

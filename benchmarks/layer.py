@@ -144,7 +144,7 @@ def main() -> None:
                              "metric": "layer_us", "value": round(us, 2), "n": args.reps})
                 print(f"{system:15s} adapters={num_adapters:2d} rank={rank:3d} "
                       f"tokens={tokens:3d} {us:8.1f} us", flush=True)
-        write_results(args, rows)  # after every setup, so a run cut short keeps what it measured
+            write_results(args, rows)  # after every count: a run cut short keeps what it measured
 
 
 def _command() -> str:

@@ -70,22 +70,6 @@ def main() -> None:
         and k2_split[:split_wait].count("atom.") == k2_pdl[:wait].count("atom."))
     out["k2_pdl_split_k_no_store_before_wait"] = (
         split_wait > 0 and "st.global" not in k2_split[:split_wait])
-    # Waiting for h on K1's count of finished shrink programs instead of gdc_wait: K1 releases
-    # a second count; K2 acquires it after its K loop's MMAs and stores nothing before, and
-    # has no gdc_wait (H_WAIT_COUNT) or one after its last store (H_WAIT_COUNT_THEN_GDC).
-    for name, h_wait in (("count", fused.H_WAIT_COUNT), ("count_gdc", fused.H_WAIT_COUNT_THEN_GDC)):
-        k1_h, k2_h = ptx_of(lambda h_wait=h_wait: fused._linear(
-            0, x, weight, w_scale, lora, batch, K1, K2, decode=True, pdl=True, h_wait=h_wait))
-        release = "atom.global.gpu.release.add"
-        out[f"k1_h_{name}_counts_more"] = k1_h.count(release) > k1_pdl.count(release)
-        acquires = [m.start() for m in re.finditer(r"ld\.global\.gpu\.acquire", k2_h)]
-        first_mma = k2_h.find("mma.sync")
-        out[f"k2_h_{name}_acquires"] = (len(acquires) == 2
-                                        and acquires[0] < first_mma < acquires[1])
-        out[f"k2_h_{name}_no_store_before_h"] = "st.global" not in k2_h[:acquires[-1]]
-        out[f"k2_h_{name}_waits"] = k2_h.count("griddepcontrol.wait")
-        out[f"k2_h_{name}_wait_after_stores"] = (
-            k2_h.rfind("st.global") < k2_h.find("griddepcontrol.wait"))
     print(json.dumps(out))
 
 

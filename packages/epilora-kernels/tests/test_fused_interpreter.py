@@ -218,12 +218,10 @@ def test_quantize_long_rows(k):
         assert_bitwise_equal(scales, want_scales, name=f"K1 scales, {warps} warps")
 
 
-@pytest.mark.parametrize("path", ["fused", "decode", "decode_h_count", "decode_h_count_gdc",
-                                  "decode_serialized", "hybrid", "gemm"])
+@pytest.mark.parametrize("path", ["fused", "decode", "decode_serialized", "hybrid", "gemm"])
 def test_counters_are_zero_at_rest_after_every_path(path):
     # Every kernel leaves the shared counters (split-K tiles in K1 and K2, the decode path's
-    # counts of quantized rows, of finished shrink programs and of K2 programs past its waits)
-    # at zero; the next launch relies on
+    # count of quantized rows and of K2 programs past it) at zero; the next launch relies on
     # it. Split-K everywhere, several adapter segments per tile, a second run for repeats.
     x, weight, w_scale, lora, batch = make_problem(13, 19, 160, (32, 16, 16), 8, 4,
                                                    "mixed_with_base")
@@ -234,12 +232,6 @@ def test_counters_are_zero_at_rest_after_every_path(path):
                                                      k1_config=k1, k2_config=k2),
         "decode": lambda: fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch,
                                                        k1_config=k1, k2_config=k2),
-        "decode_h_count": lambda: fused._linear(0, x, weight, w_scale, lora, batch, k1, k2,
-                                                decode=True, pdl=True,
-                                                h_wait=fused.H_WAIT_COUNT),
-        "decode_h_count_gdc": lambda: fused._linear(0, x, weight, w_scale, lora, batch, k1, k2,
-                                                    decode=True, pdl=True,
-                                                    h_wait=fused.H_WAIT_COUNT_THEN_GDC),
         "decode_serialized": lambda: fused.decode_lora_fp8_linear(
             x, weight, w_scale, lora, batch, k1_config=k1, k2_config=k2, pdl=False),
         "hybrid": lambda: fused.lora_expand(

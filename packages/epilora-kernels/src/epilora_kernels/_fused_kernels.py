@@ -79,8 +79,7 @@ def _quantize_row(x_ptr, codes_ptr, scales_ptr, t, K, stride_x, QUANT_BLOCK: tl.
     # chunked two-pass loop over a 12288-wide row is ~100 dependent loads: 35 us on the H200,
     # benchmarks/results/h200/tune_v1.json); longer rows take QUANT_CHUNKS = cdiv(K,
     # QUANT_BLOCK) chunks in two unrolled passes, so each pass's loads are issued back to back
-    # (in a loop each chunk's load waited for the previous chunk's max: the 12288-wide row's
-    # codes were the decode path's last, results/h200/decode_timeline.json).
+    # (in a loop each chunk's load waited for the previous chunk's max).
     row = x_ptr + t * stride_x
     if QUANT_CHUNKS == 1:
         offs = tl.arange(0, QUANT_BLOCK)
@@ -157,23 +156,12 @@ def _sum_splits(acc, tile_ptrs, plane, mask, split, counter, SPLIT_K: tl.constex
 
 
 @triton.jit
-def _shrink_done(ready_ptr, trace_ptr, SIGNAL_H: tl.constexpr, TRACE: tl.constexpr):
-    # A shrink program's last step on every way out. SIGNAL_H: count it as done (after every
-    # thread's stores, released) for a K2 that waits on that count instead of gdc_wait.
-    if SIGNAL_H:
-        tl.debug_barrier()
-        tl.atomic_add(ready_ptr + 2, 1, sem="release", scope="gpu")
-    _stamp(trace_ptr, 1, TRACE)
-
-
-@triton.jit
 def _quantize_shrink_kernel(
     x_ptr, codes_ptr, scales_ptr, h_ptr,
     a0_ptr, a1_ptr, a2_ptr,
     sorted_ptr, lora_ids_ptr, counts_ptr, start_ptr, counter_ptr, ready_ptr, trace_ptr,
     T, K, R, stride_x,
-    QUANTIZE: tl.constexpr, SIGNAL_CODES: tl.constexpr, SIGNAL_H: tl.constexpr,
-    NUM_SLICES: tl.constexpr,
+    QUANTIZE: tl.constexpr, SIGNAL_CODES: tl.constexpr, NUM_SLICES: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     QUANT_BLOCK: tl.constexpr, QUANT_CHUNKS: tl.constexpr, INTERPRETER: tl.constexpr,
     USE_PDL: tl.constexpr = False, TRACE: tl.constexpr = False,
@@ -213,7 +201,7 @@ def _quantize_shrink_kernel(
     count = tl.load(counts_ptr + z)
     start = tl.load(start_ptr + z)
     if pid_m * BLOCK_M >= count:
-        _shrink_done(ready_ptr, trace_ptr, SIGNAL_H, TRACE)
+        _stamp(trace_ptr, 1, TRACE)
         return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < count
@@ -224,7 +212,7 @@ def _quantize_shrink_kernel(
     if slot < 0:  # tokens without an adapter get zero rows of h: no loop, no partials
         if split == 0:
             tl.store(h_tile, tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32), mask=h_mask)
-        _shrink_done(ready_ptr, trace_ptr, SIGNAL_H, TRACE)
+        _stamp(trace_ptr, 1, TRACE)
         return
     a_base = _pick(s, a0_ptr, a1_ptr, a2_ptr) + slot.to(tl.int64) * R * K
 
@@ -250,20 +238,10 @@ def _quantize_shrink_kernel(
         acc, last = _sum_splits(acc, h_tile, NUM_SLICES * T * R, h_mask, split,
                                 counter_ptr + tile, SPLIT_K)
         if not last:
-            _shrink_done(ready_ptr, trace_ptr, SIGNAL_H, TRACE)
+            _stamp(trace_ptr, 1, TRACE)
             return
     tl.store(h_tile, acc, mask=h_mask)
-    _shrink_done(ready_ptr, trace_ptr, SIGNAL_H, TRACE)
-
-
-@triton.jit
-def _grid_done(trace_ptr, H_WAIT: tl.constexpr, USE_PDL: tl.constexpr, TRACE: tl.constexpr):
-    # K2's last step on every way out. H_WAIT 2: gdc_wait here, after the stores, so that K2
-    # cannot complete before K1 (as with gdc_wait before the epilogue); H_WAIT 1 relies on the
-    # count alone: every K1 program has done its last memory access when it counts itself.
-    if H_WAIT == 2 and USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    _stamp(trace_ptr, 4, TRACE)
+    _stamp(trace_ptr, 1, TRACE)
 
 
 @triton.jit
@@ -271,14 +249,14 @@ def _lora_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, y_ptr, h_ptr,
     b0_ptr, b1_ptr, b2_ptr,
     sorted_ptr, lora_ids_ptr, start_ptr, partial_ptr, counter_ptr, ready_ptr, trace_ptr,
-    T, N, K, R, NUM_ENTRIES, H_PROGRAMS,
+    T, N, K, R, NUM_ENTRIES,
     stride_a, stride_y, N_OFF1, N_OFF2,
     MODE: tl.constexpr, HAS_LORA: tl.constexpr, NUM_SLICES: tl.constexpr,
     H_PLANES: tl.constexpr, SPLIT_K: tl.constexpr, ENTRIES_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, INTERPRETER: tl.constexpr, USE_PDL: tl.constexpr = False,
     WAIT_CODES: tl.constexpr = False, WARM_L2: tl.constexpr = 0, TRACE: tl.constexpr = False,
-    B_IN_REGS: tl.constexpr = True, H_WAIT: tl.constexpr = 0,
+    B_IN_REGS: tl.constexpr = True,
 ):
     _stamp(trace_ptr, 0, TRACE)
     pid_m = tl.program_id(0)
@@ -373,37 +351,22 @@ def _lora_gemm_kernel(
                 acc += tl.dot(at, tl.trans(wt.to(tl.bfloat16)))
     _stamp(trace_ptr, 2, TRACE)
 
-    if H_WAIT > 0:
-        # The decode path, waiting for h on K1's count of finished shrink programs (H_PROGRAMS
-        # of them, each released after its stores) instead of gdc_wait, which took about a
-        # microsecond per program even long after K1 had ended (results/h200/
-        # decode_timeline.json). Every K1 program has started (PDL), so none waits for us.
-        while tl.atomic_add(ready_ptr + 2, 0, sem="acquire", scope="gpu") < H_PROGRAMS:
-            pass
-        _stamp(trace_ptr, 3, TRACE)
-        # The last program past both spins zeroes the three counts for the next launch.
+    if WAIT_CODES:
+        # The last program past the K loop (so past the spin) zeroes both counts for the next
+        # launch: here its latency overlaps the wait below (right after the spin every program
+        # hit one address before its K loop; the H200 showed no difference either way,
+        # results/h200/decode_v3_count_after_spin.json). Atomics: no plain store may precede
+        # gdc_wait, and none is needed.
         programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
         if tl.atomic_add(ready_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
             tl.atomic_xchg(ready_ptr, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(ready_ptr + 1, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(ready_ptr + 2, 0, sem="relaxed", scope="gpu")
-    else:
-        if WAIT_CODES:
-            # The last program past the K loop (so past the spin) zeroes both counts for the
-            # next launch: here its latency overlaps the wait below (right after the spin every
-            # program hit one address before its K loop; the H200 showed no difference either
-            # way, results/h200/decode_v3_count_after_spin.json). Atomics: no plain store may
-            # precede gdc_wait, and none is needed.
-            programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-            if tl.atomic_add(ready_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
-                tl.atomic_xchg(ready_ptr, 0, sem="relaxed", scope="gpu")
-                tl.atomic_xchg(ready_ptr + 1, 0, sem="relaxed", scope="gpu")
-        if USE_PDL:
-            # Everything above read what existed before K1 started or what K1 counted as done
-            # (WAIT_CODES); h is K1's. Unconditional, and before any global store (split-K
-            # partials included): see docs/kernels.md, "The decode path".
-            tl.extra.cuda.gdc_wait()
-            _stamp(trace_ptr, 3, TRACE)
+    if USE_PDL:
+        # Everything above read what existed before K1 started or what K1 counted as done
+        # (WAIT_CODES); h is K1's. Unconditional, and before any global store (split-K
+        # partials included): see docs/kernels.md, "The decode path".
+        tl.extra.cuda.gdc_wait()
+        _stamp(trace_ptr, 3, TRACE)
     if SPLIT_K > 1:
         plane = (tl.num_programs(0) * BLOCK_M).to(tl.int64) * N
         acc, last = _sum_splits(
@@ -411,7 +374,7 @@ def _lora_gemm_kernel(
             n_mask[None, :], tl.program_id(2),
             counter_ptr + pid_m * tl.num_programs(1) + pid_n, SPLIT_K)
         if not last:
-            _grid_done(trace_ptr, H_WAIT, USE_PDL, TRACE)
+            _stamp(trace_ptr, 4, TRACE)
             return
     if MODE == 0:
         x_scale = tl.load(a_scale_ptr + tok, mask=pos_mask, other=0.0)
@@ -457,4 +420,4 @@ def _lora_gemm_kernel(
                                      * R + b_offs, mask=b_mask, other=0.0)
                     acc = _add_segment(acc, hb, bt, pos, seg_begin, seg_end, INTERPRETER)
     tl.store(y_tile, acc.to(tl.bfloat16), mask=out_mask)
-    _grid_done(trace_ptr, H_WAIT, USE_PDL, TRACE)
+    _stamp(trace_ptr, 4, TRACE)

@@ -99,16 +99,8 @@ def _use_pdl(pdl: bool) -> bool:
     return pdl and not _env.triton_interpreter()
 
 
-def _shrink_programs(t: int, lora: LoraWeights, batch: AdapterBatch, cfg: LaunchConfig) -> int:
-    # K1's shrink programs: a tile per (slot or none, M block, rank block, slice), each split.
-    tiles = ((batch.max_loras + 1) * triton.cdiv(t, cfg.block_m)
-             * triton.cdiv(lora.max_rank, cfg.block_r) * len(lora.output_slices))
-    return tiles * cfg.split_k
-
-
 def _launch_k1(x, lora, batch, cfg: LaunchConfig, quantize: bool, pdl: bool = False,
-               signal_codes: bool = False, signal_h: bool = False,
-               trace: torch.Tensor | None = None):
+               signal_codes: bool = False, trace: torch.Tensor | None = None):
     t, k = x.shape
     s_count, rank = len(lora.output_slices), lora.max_rank
     # Split-K partials in planes; K1 sums them into plane 0, the h it returns.
@@ -120,18 +112,18 @@ def _launch_k1(x, lora, batch, cfg: LaunchConfig, quantize: bool, pdl: bool = Fa
         codes, scales = h, h  # unused
     a, _, _, _ = _slice_args(lora)
     quant_block = _quant_block(k, 16384 if cfg.num_warps >= 8 else 4096)
-    programs = _shrink_programs(t, lora, batch, cfg)
-    tiles = programs // cfg.split_k
+    tiles = ((batch.max_loras + 1) * triton.cdiv(t, cfg.block_m)
+             * triton.cdiv(rank, cfg.block_r) * s_count)
     counters = _workspace.counters(x.device, tiles if cfg.split_k > 1 else 0)
-    grid = ((t if quantize else 0) + programs,)
+    grid = ((t if quantize else 0) + tiles * cfg.split_k,)
     _quantize_shrink_kernel[grid](
         x, codes, scales, h, a[0], a[1], a[2],
         batch.sorted_token_indices, batch.lora_ids, batch.num_tokens_per_lora,
         batch.lora_token_start, counters[_workspace.TILES:], counters,
         _trace_arg(trace, counters, grid[0]),
         t, k, rank, x.stride(0),
-        QUANTIZE=quantize, SIGNAL_CODES=signal_codes, SIGNAL_H=signal_h, NUM_SLICES=s_count,
-        SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
+        QUANTIZE=quantize, SIGNAL_CODES=signal_codes, NUM_SLICES=s_count, SPLIT_K=cfg.split_k,
+        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
         QUANT_BLOCK=quant_block, QUANT_CHUNKS=triton.cdiv(k, quant_block),
         INTERPRETER=_env.triton_interpreter(),
         USE_PDL=_use_pdl(pdl), TRACE=trace is not None, num_warps=cfg.num_warps,
@@ -160,9 +152,9 @@ def _launch_quantize(x: torch.Tensor):
     _quantize_shrink_kernel[(t,)](
         x, codes, scales, scales, x, x, x, unused, unused, unused, unused, unused, unused, unused,
         t, k, 1, x.stride(0),
-        QUANTIZE=True, SIGNAL_CODES=False, SIGNAL_H=False, NUM_SLICES=1, SPLIT_K=1, BLOCK_M=16,
-        BLOCK_R=16, BLOCK_K=16, QUANT_BLOCK=quant_block,
-        QUANT_CHUNKS=triton.cdiv(k, quant_block), INTERPRETER=_env.triton_interpreter(),
+        QUANTIZE=True, SIGNAL_CODES=False, NUM_SLICES=1, SPLIT_K=1, BLOCK_M=16, BLOCK_R=16,
+        BLOCK_K=16, QUANT_BLOCK=quant_block, QUANT_CHUNKS=triton.cdiv(k, quant_block),
+        INTERPRETER=_env.triton_interpreter(),
         num_warps=8, num_stages=1,
     )
     return codes, scales
@@ -217,7 +209,7 @@ def _gemm_workspace(mode, t, n, cfg: LaunchConfig, device):
 
 def _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg: LaunchConfig,
                pdl: bool = False, wait_codes: bool = False, warm_l2: int = 0,
-               h_wait: int = 0, h_programs: int = 0, trace: torch.Tensor | None = None):
+               trace: torch.Tensor | None = None):
     t, n = y.shape
     k = lora.in_features
     _, b, off1, off2 = _slice_args(lora)
@@ -234,14 +226,14 @@ def _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg: L
         batch.sorted_token_indices, batch.lora_ids, batch.lora_token_start,
         y if partial is None else partial, counters[_workspace.TILES:], counters,
         _trace_arg(trace, counters, grid[0] * grid[1] * grid[2]), t, n, k, lora.max_rank,
-        entries, h_programs,
+        entries,
         a.stride(0), y.stride(0), off1, off2,
         MODE=mode, HAS_LORA=True, NUM_SLICES=len(lora.output_slices), H_PLANES=h.shape[0],
         SPLIT_K=grid[2], ENTRIES_BLOCK=triton.next_power_of_2(entries),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=cfg.block_r,
         INTERPRETER=_env.triton_interpreter(), USE_PDL=_use_pdl(pdl),
         WAIT_CODES=wait_codes, WARM_L2=warm_l2 if wait_codes else 0, TRACE=trace is not None,
-        B_IN_REGS=_b_in_registers(cfg), H_WAIT=h_wait if wait_codes else 0,
+        B_IN_REGS=_b_in_registers(cfg),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=_use_pdl(pdl),
     )
     return y
@@ -270,7 +262,7 @@ def _launch_gemm_only(mode, a, a_scale, weight, weight_scale, cfg: LaunchConfig 
         a, a_scale, weight, weight_scale, y, weight_scale, weight, weight, weight,
         unused, unused, unused, y if partial is None else partial,
         counters[_workspace.TILES:], counters, unused,
-        t, n, k, 1, 0, 0, a.stride(0), y.stride(0), n, n,
+        t, n, k, 1, 0, a.stride(0), y.stride(0), n, n,
         MODE=mode, HAS_LORA=False, NUM_SLICES=1, H_PLANES=1, SPLIT_K=grid[2], ENTRIES_BLOCK=16,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=16,
         INTERPRETER=_env.triton_interpreter(),
@@ -418,16 +410,9 @@ def fused_lora_w8a16_linear(
 # slower (benchmarks/results/h200/decode_timeline_v1.json, decode_timeline.json).
 DECODE_WARM_L2 = 512
 
-# How the decode path's K2 waits for h before its epilogue: `gdc_wait` (H_WAIT_GDC); a spin on
-# K1's count of finished shrink programs (H_WAIT_COUNT); or that spin, and `gdc_wait` after
-# the output is stored (H_WAIT_COUNT_THEN_GDC), so K2 still completes after K1.
-H_WAIT_GDC, H_WAIT_COUNT, H_WAIT_COUNT_THEN_GDC = 0, 1, 2
-DECODE_H_WAIT = H_WAIT_GDC
-
 
 def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
-            decode=False, pdl=False, warm_l2=DECODE_WARM_L2, h_wait=DECODE_H_WAIT,
-            traces=(None, None)):
+            decode=False, pdl=False, warm_l2=DECODE_WARM_L2, traces=(None, None)):
     # MODE 0: K1 (quantize + shrink) then K2; MODE 1: the shrink then the W8A16 K2. `decode`:
     # the decode path's launch settings, and with `pdl` K2 launched as K1's programmatic
     # dependent, waiting for K1's count of quantized rows before its K loop.
@@ -439,13 +424,8 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
     y = torch.empty(x.shape[0], lora.out_features, dtype=torch.bfloat16, device=x.device)
     # Only a quantizing K1 counts rows: a K2 waiting for a count nobody makes would spin forever.
     counted = pdl and mode == 0
-    if h_wait not in (H_WAIT_GDC, H_WAIT_COUNT, H_WAIT_COUNT_THEN_GDC):
-        raise ValueError(f"unknown h_wait {h_wait!r}")
     codes, scales, h = _launch_k1(x, lora, batch, cfg1, quantize=mode == 0, pdl=pdl,
-                                  signal_codes=counted,
-                                  signal_h=counted and h_wait != H_WAIT_GDC, trace=traces[0])
+                                  signal_codes=counted, trace=traces[0])
     a, a_scale = (codes, scales) if mode == 0 else (x, weight_scale)
     return _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg2, pdl=pdl,
-                      wait_codes=counted, warm_l2=warm_l2, h_wait=h_wait,
-                      h_programs=_shrink_programs(x.shape[0], lora, batch, cfg1),
-                      trace=traces[1])
+                      wait_codes=counted, warm_l2=warm_l2, trace=traces[1])

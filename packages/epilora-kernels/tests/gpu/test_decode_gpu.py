@@ -78,34 +78,3 @@ def test_decode_in_a_cuda_graph_equals_eager(split_k):
         torch.cuda.synchronize()
         assert_bitwise_equal(out, eager, name="graph replay")
         _assert_counters_at_rest()
-
-
-H_WAITS = {"gdc": fused.H_WAIT_GDC, "count": fused.H_WAIT_COUNT,
-           "count_then_gdc": fused.H_WAIT_COUNT_THEN_GDC}
-
-
-@pytest.mark.parametrize("split_k", [None, 4], ids=lambda s: f"split{s or 'auto'}")
-@pytest.mark.parametrize("h_wait", list(H_WAITS), ids=str)
-@pytest.mark.parametrize("shape", CASES, ids=lambda s: f"T{s[0]}-N{sum(s[2])}-r{s[3]}")
-def test_every_wait_for_h_gives_the_serialized_bits(shape, h_wait, split_k):
-    # However K2 waits for h (gdc_wait, or K1's count of finished shrink programs), eager and
-    # in a CUDA graph, repeated: the serialized path's bits, and the counters left at zero.
-    t, k, slices, rank, max_loras = shape
-    x, weight, w_scale, lora, batch = make_problem(2, t, k, slices, rank, max_loras,
-                                                   "mixed_with_base", device="cuda")
-    k2 = _k2_config(split_k, rank)
-
-    def run():
-        return fused._linear(0, x, weight, w_scale, lora, batch, None, k2, decode=True,
-                             pdl=True, h_wait=H_WAITS[h_wait])
-
-    serialized = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, pdl=False,
-                                              k2_config=k2)
-    for _ in range(5):
-        assert_bitwise_equal(run(), serialized, name=f"h_wait={h_wait} eager")
-    graph, out = capture(run)
-    for _ in range(5):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_bitwise_equal(out, serialized, name=f"h_wait={h_wait} graph replay")
-        _assert_counters_at_rest()
