@@ -73,6 +73,26 @@ def test_hybrid_shrink_and_expand_match_reference(split_k):
     assert relative_error(y, want) < BF16_TOL
 
 
+@pytest.mark.parametrize("max_loras", [1, 4], ids=["one_slot", "several_slots"])
+@pytest.mark.parametrize("mapping", ["mixed_with_base", "one_token_each"])
+def test_epilogue_in_rank_steps_matches_reference(mapping, max_loras):
+    # 64-row tiles add h B^T in 32-wide rank steps (fused._epilogue_rank_chunk): rank 40 in a
+    # 64-wide rank tile (a partial last step), segments of several slots in one tile, the
+    # fused path and the hybrid path's expand.
+    x, weight, w_scale, lora, batch = make_problem(15, 70, 64, (32, 16, 16), 40, max_loras,
+                                                   mapping)
+    k2 = fused.LaunchConfig(block_m=64, block_n=16, block_k=32, block_r=64)
+    assert fused._epilogue_rank_chunk(k2) == 32
+    codes, scales, h = fused.quantize_and_shrink(x, lora, batch)
+    y = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2)
+    exact = fp64_reference(x, weight, w_scale, codes, scales, lora, batch)
+    assert relative_error(y, exact) < BF16_TOL
+    base = torch.randn(70, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    expanded = fused.lora_expand(base.clone(), h, lora, batch, config=k2)
+    assert relative_error(expanded, reference.lora_expand(base.clone(), h, lora, batch)) \
+        < BF16_TOL
+
+
 def test_rank_below_the_slot_maximum_and_all_slots_filled():
     x, weight, w_scale, lora, batch = make_problem(4, 9, 64, (32,), 16, 4, "one_token_each",
                                                    rank_used=3)

@@ -124,6 +124,27 @@ def _stamp(trace_ptr, event: tl.constexpr, TRACE: tl.constexpr):
 
 
 @triton.jit
+def _h_bf16(h_ptr, tok, rows, s, T, R, r, NUM_SLICES: tl.constexpr, H_PLANES: tl.constexpr):
+    # bf16(h) of slice s for the tile's tokens (`rows` masks them) at rank columns r, its
+    # planes summed in a fixed order (deterministic; plane 0 first, so one plane is exact).
+    mask = rows[:, None] & (r[None, :] < R)
+    total = tl.load(h_ptr + (s * T + tok[:, None]).to(tl.int64) * R + r[None, :], mask=mask,
+                    other=0.0)
+    for split in tl.static_range(1, H_PLANES):
+        plane = h_ptr + ((split * NUM_SLICES + s) * T + tok[:, None]).to(tl.int64) * R
+        total += tl.load(plane + r[None, :], mask=mask, other=0.0)
+    return total.to(tl.bfloat16)
+
+
+@triton.jit
+def _dot_acc(acc, hz, bt, INTERPRETER: tl.constexpr):
+    # acc += hz bt^T in the MMA (the interpreter's bf16 dot is an fp32 one).
+    if INTERPRETER:
+        return tl.dot(hz.to(tl.float32), tl.trans(bt.to(tl.float32)), acc)
+    return tl.dot(hz, tl.trans(bt), acc)
+
+
+@triton.jit
 def _add_segment(acc, hb, bt, pos, seg_begin, seg_end, INTERPRETER: tl.constexpr):
     # acc += h B^T over the tile's rows in [seg_begin, seg_end) (one adapter's segment).
     in_seg = (pos >= seg_begin) & (pos < seg_end)
@@ -256,7 +277,7 @@ def _lora_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, INTERPRETER: tl.constexpr, USE_PDL: tl.constexpr = False,
     WAIT_CODES: tl.constexpr = False, WARM_L2: tl.constexpr = 0, TRACE: tl.constexpr = False,
-    B_IN_REGS: tl.constexpr = True,
+    B_IN_REGS: tl.constexpr = True, R_CHUNK: tl.constexpr = 0,  # 0: the whole rank at once
 ):
     _stamp(trace_ptr, 0, TRACE)
     pid_m = tl.program_id(0)
@@ -383,31 +404,41 @@ def _lora_gemm_kernel(
         acc = tl.load(w_scale_ptr) * acc
 
     if HAS_LORA:
-        r = tl.arange(0, BLOCK_R)
-        hmask = pos_mask[:, None] & (r[None, :] < R)
-        hsum = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-        for split in tl.static_range(H_PLANES):  # a fixed order: deterministic
-            plane = h_ptr + ((split * NUM_SLICES + s) * T + tok[:, None]).to(tl.int64) * R
-            hsum += tl.load(plane + r[None, :], mask=hmask, other=0.0)
-        hb = hsum.to(tl.bfloat16)
-        if ENTRIES_BLOCK > 2:
+        b_stride = (slice_end - slice_begin) * R  # one slot's slice of B
+        if R_CHUNK > 0 and R_CHUNK < BLOCK_R:
+            # The rank in R_CHUNK-wide steps, over every (segment, step) that meets the tile:
+            # one branch-free loop that Triton pipelines like a K loop. Holding h and B whole
+            # (64 x 128 each at rank 128 in a 64-row tile) took K2 to 200-255 registers, with
+            # spills, and slowed its main loop (results/cpu/sm90_occupancy*.json).
+            steps: tl.constexpr = BLOCK_R // R_CHUNK
+            for i in range(z_first * steps, (z_last + 1) * steps):
+                z = i // steps
+                rr = (i % steps) * R_CHUNK + tl.arange(0, R_CHUNK)
+                slot = tl.load(lora_ids_ptr + z)
+                in_seg = (pos >= tl.load(start_ptr + z)) & (pos < tl.load(start_ptr + z + 1))
+                bt = tl.load(b_base + slot.to(tl.int64) * b_stride
+                             + (n - slice_begin)[:, None] * R + rr[None, :],
+                             mask=(n < slice_end)[:, None] & n_mask[:, None]
+                             & (rr[None, :] < R) & (slot >= 0), other=0.0)
+                hz = _h_bf16(h_ptr, tok, pos_mask & in_seg, s, T, R, rr, NUM_SLICES, H_PLANES)
+                acc = _dot_acc(acc, hz, bt, INTERPRETER)
+        elif ENTRIES_BLOCK > 2:
             # Several slots: a tile may meet many segments (32 adapters at 128 tokens, 16 per
             # 64-row tile). The loop over them is a K loop of its own, branch-free (a slot's
             # B masked to zero for tokens without an adapter), so Triton's pipeliner keeps
             # num_stages - 1 segments' slices of B in flight.
-            b_stride = (slice_end - slice_begin) * R  # one slot's slice of B
+            hb = _h_bf16(h_ptr, tok, pos_mask, s, T, R, tl.arange(0, BLOCK_R), NUM_SLICES,
+                         H_PLANES)
             for z in range(z_first, z_last + 1):
                 slot = tl.load(lora_ids_ptr + z)
                 in_seg = (pos >= tl.load(start_ptr + z)) & (pos < tl.load(start_ptr + z + 1))
                 bt = tl.load(b_base + slot.to(tl.int64) * b_stride + b_offs,
                              mask=b_mask & (slot >= 0), other=0.0)
-                if INTERPRETER:
-                    hz = tl.where(in_seg[:, None], hb.to(tl.float32), 0.0)
-                    acc = tl.dot(hz, tl.trans(bt.to(tl.float32)), acc)
-                else:
-                    hz = tl.where(in_seg[:, None], hb, tl.zeros_like(hb))
-                    acc = tl.dot(hz, tl.trans(bt), acc)
+                acc = _dot_acc(acc, tl.where(in_seg[:, None], hb, tl.zeros_like(hb)), bt,
+                               INTERPRETER)
         else:  # one slot: at most one segment with an adapter
+            hb = _h_bf16(h_ptr, tok, pos_mask, s, T, R, tl.arange(0, BLOCK_R), NUM_SLICES,
+                         H_PLANES)
             for z in range(z_first, z_last + 1):
                 slot = tl.load(lora_ids_ptr + z)
                 seg_begin = tl.load(start_ptr + z)
@@ -416,8 +447,8 @@ def _lora_gemm_kernel(
                     if B_IN_REGS and z == z_first:
                         bt = b_first
                     else:
-                        bt = tl.load(b_base + slot.to(tl.int64) * (slice_end - slice_begin)
-                                     * R + b_offs, mask=b_mask, other=0.0)
+                        bt = tl.load(b_base + slot.to(tl.int64) * b_stride + b_offs,
+                                     mask=b_mask, other=0.0)
                     acc = _add_segment(acc, hb, bt, pos, seg_begin, seg_end, INTERPRETER)
     tl.store(y_tile, acc.to(tl.bfloat16), mask=out_mask)
     _stamp(trace_ptr, 4, TRACE)

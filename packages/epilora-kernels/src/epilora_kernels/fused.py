@@ -233,7 +233,8 @@ def _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg: L
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=cfg.block_r,
         INTERPRETER=_env.triton_interpreter(), USE_PDL=_use_pdl(pdl),
         WAIT_CODES=wait_codes, WARM_L2=warm_l2 if wait_codes else 0, TRACE=trace is not None,
-        B_IN_REGS=_b_in_registers(cfg),
+        B_IN_REGS=_b_in_registers(cfg) and not _epilogue_rank_chunk(cfg),
+        R_CHUNK=_epilogue_rank_chunk(cfg),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=_use_pdl(pdl),
     )
     return y
@@ -245,6 +246,13 @@ def _b_in_registers(cfg: LaunchConfig) -> bool:
     # in L2 then (results/cpu/sm90_occupancy.json: at rank 128, 64 a thread cost gate_up's K2
     # a third of its blocks per SM).
     return cfg.block_n * cfg.block_r <= 32 * 32 * cfg.num_warps
+
+
+def _epilogue_rank_chunk(cfg: LaunchConfig) -> int:
+    # Tiles of 64 rows or more (prefill) add h B^T in 32-wide rank steps, a pipelined loop:
+    # whole, h and B took K2 past 200 registers at rank 128 (results/cpu/sm90_occupancy.json).
+    # 0: the whole rank at once (decode tiles, and ranks up to 32).
+    return 32 if cfg.block_m >= 64 and cfg.block_r > 32 else 0
 
 
 def _gemm_config(batch, lora, config):
