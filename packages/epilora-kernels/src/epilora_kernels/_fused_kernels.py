@@ -74,14 +74,12 @@ def _to_e4m3(v, INTERPRETER: tl.constexpr):
 
 @triton.jit
 def _quantize_row(x_ptr, codes_ptr, scales_ptr, t, K, stride_x, QUANT_BLOCK: tl.constexpr,
-                  QUANT_CHUNKS: tl.constexpr, INTERPRETER: tl.constexpr):
+                  INTERPRETER: tl.constexpr):
     # One token. A row of up to QUANT_BLOCK elements is loaded once and kept in registers (a
     # chunked two-pass loop over a 12288-wide row is ~100 dependent loads: 35 us on the H200,
-    # benchmarks/results/h200/tune_v1.json); longer rows take QUANT_CHUNKS = cdiv(K,
-    # QUANT_BLOCK) chunks in two unrolled passes, so each pass's loads are issued back to back
-    # (in a loop each chunk's load waited for the previous chunk's max).
+    # benchmarks/results/h200/tune_v1.json); longer rows take chunks of QUANT_BLOCK.
     row = x_ptr + t * stride_x
-    if QUANT_CHUNKS == 1:
+    if K <= QUANT_BLOCK:
         offs = tl.arange(0, QUANT_BLOCK)
         v = tl.load(row + offs, mask=offs < K, other=0.0).to(tl.float32)
         scale = tl.maximum(tl.max(tl.abs(v), axis=0) / FP8_MAX, FP8_MIN_SCALE)
@@ -91,15 +89,15 @@ def _quantize_row(x_ptr, codes_ptr, scales_ptr, t, K, stride_x, QUANT_BLOCK: tl.
         tl.store(codes_ptr + t * K + offs, _to_e4m3(q, INTERPRETER), mask=offs < K)
     else:
         amax = tl.zeros([QUANT_BLOCK], dtype=tl.float32)
-        for c in tl.static_range(QUANT_CHUNKS):
-            offs = c * QUANT_BLOCK + tl.arange(0, QUANT_BLOCK)
+        for k0 in range(0, K, QUANT_BLOCK):
+            offs = k0 + tl.arange(0, QUANT_BLOCK)
             v = tl.load(row + offs, mask=offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(v))
         scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, FP8_MIN_SCALE)
         inverse = 1.0 / scale
         tl.store(scales_ptr + t, scale)
-        for c in tl.static_range(QUANT_CHUNKS):
-            offs = c * QUANT_BLOCK + tl.arange(0, QUANT_BLOCK)
+        for k0 in range(0, K, QUANT_BLOCK):
+            offs = k0 + tl.arange(0, QUANT_BLOCK)
             v = tl.load(row + offs, mask=offs < K, other=0.0).to(tl.float32)
             q = tl.minimum(tl.maximum(v * inverse, -FP8_MAX), FP8_MAX)
             tl.store(codes_ptr + t * K + offs, _to_e4m3(q, INTERPRETER), mask=offs < K)
@@ -184,8 +182,8 @@ def _quantize_shrink_kernel(
     T, K, R, stride_x,
     QUANTIZE: tl.constexpr, SIGNAL_CODES: tl.constexpr, NUM_SLICES: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    QUANT_BLOCK: tl.constexpr, QUANT_CHUNKS: tl.constexpr, INTERPRETER: tl.constexpr,
-    USE_PDL: tl.constexpr = False, TRACE: tl.constexpr = False,
+    QUANT_BLOCK: tl.constexpr, INTERPRETER: tl.constexpr, USE_PDL: tl.constexpr = False,
+    TRACE: tl.constexpr = False,
 ):
     _stamp(trace_ptr, 0, TRACE)
     if USE_PDL:
@@ -197,7 +195,7 @@ def _quantize_shrink_kernel(
     if QUANTIZE:
         if pid < T:
             _quantize_row(x_ptr, codes_ptr, scales_ptr, pid, K, stride_x, QUANT_BLOCK,
-                          QUANT_CHUNKS, INTERPRETER)
+                          INTERPRETER)
             if SIGNAL_CODES:
                 # Count this row as done for the K2 already running, which spins on the count;
                 # every thread's codes and the scale are stored before the release.

@@ -111,7 +111,6 @@ def _launch_k1(x, lora, batch, cfg: LaunchConfig, quantize: bool, pdl: bool = Fa
     else:
         codes, scales = h, h  # unused
     a, _, _, _ = _slice_args(lora)
-    quant_block = _quant_block(k, 16384 if cfg.num_warps >= 8 else 4096)
     tiles = ((batch.max_loras + 1) * triton.cdiv(t, cfg.block_m)
              * triton.cdiv(rank, cfg.block_r) * s_count)
     counters = _workspace.counters(x.device, tiles if cfg.split_k > 1 else 0)
@@ -124,7 +123,7 @@ def _launch_k1(x, lora, batch, cfg: LaunchConfig, quantize: bool, pdl: bool = Fa
         t, k, rank, x.stride(0),
         QUANTIZE=quantize, SIGNAL_CODES=signal_codes, NUM_SLICES=s_count, SPLIT_K=cfg.split_k,
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
-        QUANT_BLOCK=quant_block, QUANT_CHUNKS=triton.cdiv(k, quant_block),
+        QUANT_BLOCK=_quant_block(k, 16384 if cfg.num_warps >= 8 else 4096),
         INTERPRETER=_env.triton_interpreter(),
         USE_PDL=_use_pdl(pdl), TRACE=trace is not None, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -138,7 +137,7 @@ def _quant_block(k: int, cap: int) -> int:
     # once; with 4 warps beside the shrink's tiles in K1 a 16384 chunk spilled and made K1 ~10x
     # slower (benchmarks/results/h200/tune_v2.json), so there rows go in chunks of 4096, read
     # twice (the decode timeline shows the 12288-wide row's codes done last: K1 with 8 warps is
-    # a tuning candidate for it). The chunks' loads are unrolled, so issued back to back.
+    # a tuning candidate for it).
     return min(triton.next_power_of_2(k), cap)
 
 
@@ -148,13 +147,11 @@ def _launch_quantize(x: torch.Tensor):
     codes = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(t, 1, dtype=torch.float32, device=x.device)
     unused = torch.empty(1, dtype=torch.int32, device=x.device)  # the shrink's, never read
-    quant_block = _quant_block(k, 16384)
     _quantize_shrink_kernel[(t,)](
         x, codes, scales, scales, x, x, x, unused, unused, unused, unused, unused, unused, unused,
         t, k, 1, x.stride(0),
         QUANTIZE=True, SIGNAL_CODES=False, NUM_SLICES=1, SPLIT_K=1, BLOCK_M=16, BLOCK_R=16,
-        BLOCK_K=16, QUANT_BLOCK=quant_block, QUANT_CHUNKS=triton.cdiv(k, quant_block),
-        INTERPRETER=_env.triton_interpreter(),
+        BLOCK_K=16, QUANT_BLOCK=_quant_block(k, 16384), INTERPRETER=_env.triton_interpreter(),
         num_warps=8, num_stages=1,
     )
     return codes, scales
@@ -233,26 +230,39 @@ def _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg: L
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=cfg.block_r,
         INTERPRETER=_env.triton_interpreter(), USE_PDL=_use_pdl(pdl),
         WAIT_CODES=wait_codes, WARM_L2=warm_l2 if wait_codes else 0, TRACE=trace is not None,
-        B_IN_REGS=_b_in_registers(cfg) and not _epilogue_rank_chunk(cfg),
-        R_CHUNK=_epilogue_rank_chunk(cfg),
+        B_IN_REGS=_b_in_registers(cfg), R_CHUNK=_epilogue_rank_chunk(cfg, entries),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=_use_pdl(pdl),
     )
     return y
 
 
-def _b_in_registers(cfg: LaunchConfig) -> bool:
-    # K2 loads the first adapter segment's slice of B (block_n x block_r bf16) before its K
-    # loop and holds it there when it is at most 32 values a thread; larger ones it only warms
-    # in L2 then (results/cpu/sm90_occupancy.json: at rank 128, 64 a thread cost gate_up's K2
-    # a third of its blocks per SM).
+def _b_fits_registers(cfg: LaunchConfig) -> bool:
+    # The first adapter segment's slice of B (block_n x block_r bf16) is at most 32 values a
+    # thread (at rank 128, 64 a thread cost gate_up's 16-row K2 a third of its blocks per SM:
+    # results/cpu/sm90_occupancy.json).
     return cfg.block_n * cfg.block_r <= 32 * 32 * cfg.num_warps
 
 
-def _epilogue_rank_chunk(cfg: LaunchConfig) -> int:
-    # Tiles of 64 rows or more (prefill) add h B^T in 32-wide rank steps, a pipelined loop:
-    # whole, h and B took K2 past 200 registers at rank 128 (results/cpu/sm90_occupancy.json).
-    # 0: the whole rank at once (decode tiles, and ranks up to 32).
-    return 32 if cfg.block_m >= 64 and cfg.block_r > 32 else 0
+def _b_in_registers(cfg: LaunchConfig) -> bool:
+    # Whether K2 loads that slice before its K loop and holds it there. A 16-row tile (decode,
+    # 1-16 tokens) whose slice does not fit only warms L2 with it and loads it after the wait:
+    # the rank-128 decode layer got faster at 1-16 tokens. At 32 tokens (32-row tiles) the
+    # decode layer got slower that way (results/h200/decode_ed9125f.json against decode.json
+    # of 993031f), so those hold it whatever its size. Larger tiles with one slot step through
+    # the rank instead (_epilogue_rank_chunk); with several slots none is loaded early.
+    return _b_fits_registers(cfg) or cfg.block_m == 32
+
+
+def _epilogue_rank_chunk(cfg: LaunchConfig, entries: int) -> int:
+    # Prefill tiles (64 rows or more) of one slot whose slice of B is too big to hold in
+    # registers add h B^T in 32-wide rank steps, a pipelined loop: whole, h and B took K2 past
+    # 200 registers at rank 128 (results/cpu/sm90_occupancy.json), and stepping made the
+    # rank-128 layer faster at 64-256 tokens. Stepping every tile of 64 rows or more
+    # (results/h200/layer_run5_rank_steps_everywhere.json) was slower where B fits (rank 64
+    # in 64-wide tiles) and with several slots, where each step reloads h for every segment.
+    # 0: the whole rank.
+    one_slot = entries <= 2
+    return 32 if one_slot and cfg.block_m >= 64 and not _b_fits_registers(cfg) else 0
 
 
 def _gemm_config(batch, lora, config):
