@@ -247,8 +247,8 @@ def _b_in_registers(cfg: LaunchConfig) -> bool:
     # Whether K2 loads that slice before its K loop and holds it there. A 16-row tile (decode,
     # 1-16 tokens) whose slice does not fit only warms L2 with it and loads it after the wait:
     # the rank-128 decode layer got faster at 1-16 tokens. At 32 tokens (32-row tiles) the
-    # decode layer got slower that way (results/h200/decode_ed9125f.json against decode.json
-    # of 993031f), so those hold it whatever its size. Larger tiles with one slot step through
+    # decode layer got slower that way (results/h200/decode_ed9125f.json against
+    # decode_993031f.json), so those hold it whatever its size. Larger tiles with one slot step through
     # the rank instead (_epilogue_rank_chunk); with several slots none is loaded early.
     return _b_fits_registers(cfg) or cfg.block_m == 32
 
