@@ -7,9 +7,9 @@ labels and DWARF data are dropped.
     git worktree add /tmp/old REV && PYTHONPATH=/tmp/old/packages/epilora-kernels/src \
         python tools/k2_instructions.py OLD.json   # REV's kernels, this checkout's compiler harness
 
-The layer page's merge of two runs rests on it (meta.merge_note in layer.json): 993031f,
-752257b and every later commit of this session emit the same one-slot K2, and 752257b onwards
-the same several-slot K2.
+The merge of two layer runs (993031f and 752257b, tools/merge_layer_results.py) rested on it:
+both emit the same one-slot K2. Comparing K1 as well, with decode shapes, showed da578d8's K1
+equal to 993031f's.
 """
 
 import functools
