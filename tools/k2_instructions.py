@@ -1,15 +1,17 @@
 """Write the sm_90 instruction stream of K2 as each fused launcher compiles it (one slot and
-four slots; no GPU needed, TRITON_INTERPRET unset), normalized so that two checkouts compare
-equal when they emit the same instructions: debug lines, register declarations and numbers,
-labels and DWARF data are dropped.
+four slots), and of K1 and K2 as the decode path launches them on the model's shapes (no GPU
+needed, TRITON_INTERPRET unset), normalized so that two checkouts compare equal when they emit
+the same instructions: debug lines, register declarations and numbers, labels and DWARF data
+are dropped.
 
     python tools/k2_instructions.py OUT.json
     git worktree add /tmp/old REV && PYTHONPATH=/tmp/old/packages/epilora-kernels/src \
         python tools/k2_instructions.py OLD.json   # REV's kernels, this checkout's compiler harness
 
 The merge of two layer runs (993031f and 752257b, tools/merge_layer_results.py) rested on it:
-both emit the same one-slot K2. Comparing K1 as well, with decode shapes, showed da578d8's K1
-equal to 993031f's.
+both emit the same one-slot K2. The decode entries showed K1 at da578d8 equal to 993031f's
+(the unrolled quantizer of 1861f49-0eec973 was not), and K2 differing only by a few reordered
+instructions and dropped additions of zero to h.
 """
 
 import functools
@@ -19,6 +21,8 @@ import sys
 from pathlib import Path
 
 TESTS = Path(__file__).parents[1] / "packages/epilora-kernels/tests"
+DECODE_SHAPES = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (12288, 12288)),
+                 "down": (12288, (4096,))}
 
 
 def normalize(ptx: str) -> list[str]:
@@ -49,6 +53,18 @@ def main(out_path: str) -> None:
                 ("w8a16", fused.fused_lora_w8a16_linear)):
             calls = record_launches(functools.partial(launch, x, weight, w_scale, lora, batch))
             out[f"{name}-{label}"] = normalize(compile_launch(*calls[-1]))
+    # Both kernels of the decode path on the model's shapes with one adapter, as the decode
+    # benchmark launches them (the shipped table's settings do not depend on the machine here:
+    # the launchers pick the heuristic without a GPU, so these are the heuristic's launches).
+    for proj, (k, slices) in DECODE_SHAPES.items():
+        for tokens in (1, 16):
+            for rank in (16, 64):
+                x, weight, w_scale, lora, batch = make_problem(0, tokens, k, slices, rank, 1,
+                                                               "one_adapter")
+                calls = record_launches(functools.partial(
+                    fused.decode_lora_fp8_linear, x, weight, w_scale, lora, batch))
+                for i, call in enumerate(calls, start=1):
+                    out[f"decode-{proj}-T{tokens}-r{rank}-K{i}"] = normalize(compile_launch(*call))
     Path(out_path).write_text(json.dumps(out, indent=0))
 
 
