@@ -318,8 +318,8 @@ def _lora_gemm_kernel(
                 b_first = tl.load(first_b + b_offs, mask=b_mask & (first_slot >= 0), other=0.0)
             elif not INTERPRETER:
                 # Too big to hold in registers through the K loop (at rank 128 it cost gate_up's
-                # K2 a third of its blocks per SM: results/cpu/sm90_occupancy.json): warm L2
-                # with it, one prefetch per 128-byte line, and load it after the wait.
+                # K2 a third of its blocks per SM: results/cpu/sm90_occupancy.json of f2cbeef):
+                # warm L2 with it, one prefetch per 128-byte line, and load it after the wait.
                 lines = tl.arange(0, BLOCK_R // 64) * 64
                 warm_b = first_b + (n - slice_begin)[:, None] * R + lines[None, :]
                 warm_b = tl.where((n < slice_end)[:, None] & n_mask[:, None]
@@ -407,7 +407,8 @@ def _lora_gemm_kernel(
             # The rank in R_CHUNK-wide steps, over every (segment, step) that meets the tile:
             # one branch-free loop that Triton pipelines like a K loop. Holding h and B whole
             # (64 x 128 each at rank 128 in a 64-row tile) took K2 to 200-255 registers, with
-            # spills, and slowed its main loop (results/cpu/sm90_occupancy*.json).
+            # spills, and slowed its main loop (results/cpu/sm90_occupancy_b_first_l2.json, and
+            # sm90_occupancy.json with the steps; results/h200/layer.json).
             steps: tl.constexpr = BLOCK_R // R_CHUNK
             for i in range(z_first * steps, (z_last + 1) * steps):
                 z = i // steps

@@ -239,7 +239,7 @@ def _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg: L
 def _b_fits_registers(cfg: LaunchConfig) -> bool:
     # The first adapter segment's slice of B (block_n x block_r bf16) is at most 32 values a
     # thread (at rank 128, 64 a thread cost gate_up's 16-row K2 a third of its blocks per SM:
-    # results/cpu/sm90_occupancy.json).
+    # results/cpu/sm90_occupancy.json of f2cbeef, in git history).
     return cfg.block_n * cfg.block_r <= 32 * 32 * cfg.num_warps
 
 
@@ -248,19 +248,21 @@ def _b_in_registers(cfg: LaunchConfig) -> bool:
     # 1-16 tokens) whose slice does not fit only warms L2 with it and loads it after the wait:
     # the rank-128 decode layer got faster at 1-16 tokens. At 32 tokens (32-row tiles) the
     # decode layer got slower that way (results/h200/decode_ed9125f.json against
-    # decode_993031f.json), so those hold it whatever its size. Larger tiles with one slot step through
-    # the rank instead (_epilogue_rank_chunk); with several slots none is loaded early.
+    # decode_993031f.json), so those hold it whatever its size. Larger tiles with one slot
+    # step through the rank instead (_epilogue_rank_chunk); with several slots none is loaded
+    # early.
     return _b_fits_registers(cfg) or cfg.block_m == 32
 
 
 def _epilogue_rank_chunk(cfg: LaunchConfig, entries: int) -> int:
     # Prefill tiles (64 rows or more) of one slot whose slice of B is too big to hold in
     # registers add h B^T in 32-wide rank steps, a pipelined loop: whole, h and B took K2 past
-    # 200 registers at rank 128 (results/cpu/sm90_occupancy.json), and stepping made the
-    # rank-128 layer faster at 64-256 tokens. Stepping every tile of 64 rows or more
-    # (results/h200/layer_run5_rank_steps_everywhere.json) was slower where B fits (rank 64
-    # in 64-wide tiles) and with several slots, where each step reloads h for every segment.
-    # 0: the whole rank.
+    # 200 registers at rank 128 (results/cpu/sm90_occupancy_b_first_l2.json; with the steps,
+    # sm90_occupancy.json), and stepping made the rank-128 layer faster at 64-256 tokens
+    # (results/h200/layer.json against layer_run4_b_first_l2_1x128.json). Stepping every tile of 64
+    # rows or more (results/h200/layer_run5_rank_steps_everywhere.json) was slower where B
+    # fits (rank 64 in 64-wide tiles) and with several slots, where each step reloads h for
+    # every segment. 0: the whole rank.
     one_slot = entries <= 2
     return 32 if one_slot and cfg.block_m >= 64 and not _b_fits_registers(cfg) else 0
 
