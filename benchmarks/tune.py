@@ -6,7 +6,9 @@ candidate `LaunchConfig` of K2 without adapters (`fp8_gemm`: the GEMM's main loo
 what the settings change) and of K1 timed with the kernel after it: quantize + shrink then K2
 for the fused path (op `quantize_shrink`) and for the decode path (op `decode_shrink`: K2
 overlaps K1; up to 32 tokens), the shrink then the expand after vLLM's GEMM for the hybrid
-path (op `shrink`); at rank 64 with the tokens spread over `--adapters` adapters (4), on
+path (op `shrink`); at rank 64 (`--rank`: another rank, its entries written under
+`"NxK@r<rank tile>"` keys, which the launchers prefer at that rank tile) with the tokens spread
+over `--adapters` adapters (4), on
 CUDA-graph replays with the L2 flushed (median of `--reps`). It checks each candidate's result
 (K2 against CUTLASS, K1's codes bitwise against our quantizer, h against torch's fp32) and
 keeps the fastest; `--ops k1` tunes K1 only, with the installed K2 settings. In the same run,
@@ -17,6 +19,7 @@ for token counts not tuned here are kept) and every timing.
 
     python3 benchmarks/tune.py --out-table $OUT/NVIDIA_H200.json --out $OUT/tune.json
     python3 benchmarks/tune.py --ops k1 --adapters 1 --tokens 64 128 256 --out-table ... --out ...
+    python3 benchmarks/tune.py --ops k1 --adapters 1 --rank 128 --tokens 64 128 256 ...
 
 The whole sweep takes longer than one device call's 10 minutes: split it by `--tokens`, and
 copy each call's table into `epilora_kernels/configs/` before the next (entries for counts not
@@ -33,10 +36,10 @@ from layer import PROJECTIONS, make_layer, time_graph, write_results
 
 from epilora_kernels import fused, reference
 from epilora_kernels.batch import AdapterBatch
-from epilora_kernels.launch import LaunchConfig, shape_key, validate_table
+from epilora_kernels.launch import LaunchConfig, rank_block, shape_key, validate_table
 
 TOKENS = (1, 4, 8, 16, 32, 64, 128, 256)
-RANK = 64
+RANK = 64  # the table's plain entries; --rank tunes others under rank keys
 H_TOLERANCE = 1e-4  # relative; the epilogue rounds h to bf16 (4e-3) anyway
 # Candidate tiles, pruned by the first sweep (benchmarks/results/h200/tune_v1.json: 128-wide N
 # and 128-deep K tiles never won at 1-32 tokens; split-K never won there either, but stays in);
@@ -51,30 +54,35 @@ def _block_m(tokens: int) -> int:
     return 16 if tokens <= 16 else 32
 
 
-def k2_candidates(tokens: int, slices: tuple[int, ...]):
+def k2_candidates(tokens: int, slices: tuple[int, ...], rank: int = RANK):
+    block_r = rank_block(rank)
     if tokens <= 32:
-        grid = [LaunchConfig(block_m=_block_m(tokens), block_n=bn, block_k=bk, block_r=RANK,
+        grid = [LaunchConfig(block_m=_block_m(tokens), block_n=bn, block_k=bk, block_r=block_r,
                              split_k=split, num_stages=stages, num_warps=4)
                 for bn, bk in DECODE_TILES for split in (1, 2) for stages in (3, 5)]
     else:
-        grid = [LaunchConfig(block_m=bm, block_n=bn, block_k=bk, block_r=RANK, split_k=split,
+        grid = [LaunchConfig(block_m=bm, block_n=bn, block_k=bk, block_r=block_r, split_k=split,
                              num_stages=stages, num_warps=warps)
                 for bm, bn, bk, warps in PREFILL_TILES for stages in (3, 4)
                 for split in ((1, 2) if bm == 64 and tokens <= 64 else (1,))]
     return [c for c in grid if not any(width % c.block_n for width in slices[:-1])]
 
 
-def k1_candidates(tokens: int):
+def k1_candidates(tokens: int, rank: int = RANK):
     # K1's K loop is latency-bound: the sweeps so far (tune.json at 1-32 tokens,
     # tune_k1_64_256.json beyond) favoured the most splits offered everywhere, so deeper splits,
     # deeper K steps and more stages are in. With 8 warps K1's quantizing programs read a row of
-    # up to 16384 features once (fused._quant_block): untried on a GPU.
+    # up to 16384 features once (fused._quant_block): untried on a GPU. Beyond 32 tokens rank
+    # tiles wider than 32 are offered too (untried: at rank 128 a 32-wide tile makes four
+    # programs re-read each x tile, decode_timeline_prefill_r128.json).
+    whole = rank_block(rank)
     if tokens <= 32:
         block_m = 16 if tokens <= 16 else 32
         return [LaunchConfig(block_m=block_m, block_k=block_k, block_r=block_r,
                              split_k=split_k, num_stages=2, num_warps=4)
-                for split_k in (4, 8, 16) for block_k in (128, 256) for block_r in (32, RANK)] + [
-            LaunchConfig(block_m=block_m, block_k=256, block_r=RANK, split_k=split_k,
+                for split_k in (4, 8, 16) for block_k in (128, 256)
+                for block_r in sorted({32, whole})] + [
+            LaunchConfig(block_m=block_m, block_k=256, block_r=whole, split_k=split_k,
                          num_stages=2, num_warps=8) for split_k in (8, 16)]
     return [LaunchConfig(block_m=16, block_k=block_k, block_r=32, split_k=split_k,
                          num_stages=stages, num_warps=4)
@@ -82,7 +90,10 @@ def k1_candidates(tokens: int):
         LaunchConfig(block_m=64, block_k=128, block_r=32, split_k=8, num_stages=stages,
                      num_warps=4) for stages in (2, 4)] + [
         LaunchConfig(block_m=16, block_k=128, block_r=32, split_k=8, num_stages=2,
-                     num_warps=8)]
+                     num_warps=8)] + [
+        LaunchConfig(block_m=block_m, block_k=128, block_r=block_r, split_k=8, num_stages=2,
+                     num_warps=4)
+        for block_m in (16, 32) for block_r in (64, 128) if block_r <= whole]
 
 
 # K1's ops, each timed with the kernel it feeds (K2, or the hybrid path's expand after vLLM's
@@ -143,18 +154,21 @@ def main() -> None:
                         help="k1: tune K1's two ops only, each with the installed K2 settings")
     parser.add_argument("--adapters", type=int, default=4,
                         help="adapters the tokens are spread over (round robin)")
+    parser.add_argument("--rank", type=int, default=RANK,
+                        help=f"the adapters' rank; other than {RANK}, entries go under rank keys")
     parser.add_argument("--git-sha", default=None)
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
-    layer = make_layer(max(4, args.adapters), RANK, gen)
+    layer = make_layer(max(4, args.adapters), args.rank, gen)
+    key_rank = None if args.rank == RANK else args.rank
     table = _installed_table()
     # Where each entry came from: the table's earlier provenance (`sources`) and the runs since,
     # in order, a later run's ops and finished token counts replacing an earlier one's (a run
     # cut short lists only what it finished).
     old = table.get("_meta", {})
     run = {"git_sha": args.git_sha, "ops": list(TUNED_OPS[args.ops]), "adapters": args.adapters,
-           "tokens": []}
+           "rank": args.rank, "tokens": []}
     table["_meta"] = {"device": torch.cuda.get_device_name(), "rank": RANK,
                       "tool": "benchmarks/tune.py",
                       **({"sources": old["sources"]} if "sources" in old else {}),
@@ -185,7 +199,7 @@ def main() -> None:
             row("vllm-quant", name, tokens, quant)
             want = ops.cutlass_scaled_mm(codes, weight.t(), scales, scale, torch.bfloat16)
             best2 = (float("inf"), None)  # (None: the installed table's or heuristic's K2)
-            for cfg in k2_candidates(tokens, slices) if args.ops == "all" else ():
+            for cfg in k2_candidates(tokens, slices, args.rank) if args.ops == "all" else ():
                 run = functools.partial(fused.fp8_gemm, codes, scales, weight, scale, config=cfg)
                 ok, us = _time(run, args.reps, flush,
                                lambda run=run, want=want: rel(run(), want) < 1e-2)
@@ -202,7 +216,7 @@ def main() -> None:
             best1 = {}
             for op in K1_OPS if tokens <= 32 else K1_OPS[:2]:  # the decode path ends at 32
                 best1[op] = (float("inf"), None)
-                for cfg in k1_candidates(tokens):
+                for cfg in k1_candidates(tokens, args.rank):
                     pair = _k1_pair(op, x, weight, scale, lora, batch, cfg, best2[1],
                                     want.clone())
 
@@ -224,7 +238,8 @@ def main() -> None:
                   + f"  K2 {best2[1]}", flush=True)
             for op, (_, cfg) in (("lora_gemm", best2), *best1.items()):
                 if cfg is not None:  # not tuned (--ops k1) or no candidate passed its check
-                    table[op].setdefault(shape_key(n, k), {})[str(tokens)] = cfg.__dict__
+                    table[op].setdefault(shape_key(n, k, key_rank), {})[str(tokens)] = \
+                        cfg.__dict__
         run["tokens"].append(tokens)
         validate_table(table)
         with open(args.out_table, "w") as f:

@@ -67,6 +67,26 @@ def test_table_lookup_picks_the_smallest_bucket_at_or_above(tmp_path, monkeypatc
     launch._load_table.cache_clear()
 
 
+def test_entries_tuned_at_a_rank_are_preferred_for_that_rank_tile(tmp_path, monkeypatch):
+    from epilora_kernels import launch
+
+    table = {"shrink": {"64x32": {"16": {"block_r": 32}},
+                        "64x32@r128": {"16": {"block_r": 128}}}}
+    validate_table(table)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "Test_GPU.json").write_text(json.dumps(table))
+    monkeypatch.setattr(launch.resources, "files", lambda _pkg: tmp_path)
+    launch._load_table.cache_clear()
+    assert launch.table_config("Test GPU", "shrink", 4, 64, 32, rank=128).block_r == 128
+    assert launch.table_config("Test GPU", "shrink", 4, 64, 32, rank=65).block_r == 128
+    assert launch.table_config("Test GPU", "shrink", 4, 64, 32, rank=64).block_r == 32
+    assert launch.table_config("Test GPU", "shrink", 4, 64, 32).block_r == 32
+    assert launch.select_config("Test GPU", "shrink", 4, 64, 32, 128).block_r == 128
+    launch._load_table.cache_clear()
+    with pytest.raises(ValueError, match="6144x4096@r128"):
+        validate_table({"shrink": {"64x32@rx": {}}})
+
+
 def test_vllm_meta_args_round_trip():
     batch = AdapterBatch.from_token_mapping(torch.tensor([1, -1, 1], dtype=torch.int32), 2)
     args = batch.vllm_meta_args()

@@ -2,9 +2,11 @@
 
 Tables live in `epilora_kernels/configs/<device>.json` (device name with spaces and dashes as
 underscores, as vLLM names its tables): `{op: {"<N>x<K>": {"<tokens>": LaunchConfig fields}}}`,
-written by `benchmarks/tune.py` on the device. The entry for the smallest token bucket >= the
-batch is used (else the largest). `validate_table` checks a table's schema on any machine. Ops,
-shapes or devices a table lacks get the heuristic.
+written by `benchmarks/tune.py` on the device, which tunes at rank 64; entries tuned at another
+rank sit under `"<N>x<K>@r<R>"` (R the rank tile, `rank_block`) and are preferred for adapters
+of that rank tile. The entry for the smallest token bucket >= the batch is used (else the
+largest). `validate_table` checks a table's schema on any machine. Ops, shapes or devices a
+table lacks get the heuristic.
 """
 
 import dataclasses
@@ -92,8 +94,9 @@ def table_name(device_name: str) -> str:
     return device_name.replace(" ", "_").replace("-", "_") + ".json"
 
 
-def shape_key(n: int, k: int) -> str:
-    return f"{n}x{k}"
+def shape_key(n: int, k: int, rank: int | None = None) -> str:
+    """`"NxK"`, or `"NxK@rR"` (R = rank_block(rank)) for entries tuned at that rank."""
+    return f"{n}x{k}" if rank is None else f"{n}x{k}@r{rank_block(rank)}"
 
 
 def validate_table(table: dict) -> None:
@@ -106,9 +109,11 @@ def validate_table(table: dict) -> None:
         if op not in OPS:
             raise ValueError(f"unknown op {op!r} in launch table; expected one of {OPS}")
         for shape, entries in shapes.items():
-            n, _, k = shape.partition("x")
-            if not (n.isdigit() and k.isdigit()):
-                raise ValueError(f"{op}: shape key {shape!r} must look like '6144x4096'")
+            dims, at, rank = shape.partition("@r")
+            n, _, k = dims.partition("x")
+            if not (n.isdigit() and k.isdigit()) or (at and not rank.isdigit()):
+                raise ValueError(f"{op}: shape key {shape!r} must look like '6144x4096' or "
+                                 "'6144x4096@r128'")
             for bucket, fields in entries.items():
                 if not bucket.isdigit():
                     raise ValueError(f"{op} {shape}: bucket {bucket!r} must be a token count")
@@ -126,12 +131,16 @@ def _load_table(device_name: str) -> dict | None:
     return table
 
 
-def table_config(device_name: str, op: str, tokens: int, n: int, k: int) -> LaunchConfig | None:
-    """The tuned entry for (op, N x K) at the smallest bucket >= tokens (else the largest)."""
+def table_config(device_name: str, op: str, tokens: int, n: int, k: int,
+                 rank: int | None = None) -> LaunchConfig | None:
+    """The tuned entry for (op, N x K) at the smallest bucket >= tokens (else the largest);
+    given a rank, its rank tile's entries first if the table has them."""
     table = _load_table(device_name)
     if table is None:
         return None
-    entries = table.get(op, {}).get(shape_key(n, k))
+    shapes = table.get(op, {})
+    entries = (shapes.get(shape_key(n, k, rank)) if rank is not None else None) or \
+        shapes.get(shape_key(n, k))
     if not entries:
         return None
     buckets = sorted(int(b) for b in entries)
@@ -144,7 +153,7 @@ def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int,
     """The launchers' choice: the device's tuned entry, else the heuristic (`device_name`
     None: the heuristic). K2's table entries are tuned at one rank; its epilogue holds a whole
     adapter's rank in one tile, so their `block_r` becomes the rank's."""
-    tuned = None if device_name is None else table_config(device_name, op, tokens, n, k)
+    tuned = None if device_name is None else table_config(device_name, op, tokens, n, k, rank)
     if tuned is None:
         return heuristic_config(op, tokens, n, k, rank, slices)
     return dataclasses.replace(tuned, block_r=rank_block(rank)) if op == "lora_gemm" else tuned
