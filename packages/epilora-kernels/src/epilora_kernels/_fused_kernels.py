@@ -293,8 +293,9 @@ def _lora_gemm_kernel(
 
     if HAS_LORA:
         # Before the K loop, what the epilogue needs that K1 does not write: the adapter
-        # segments that meet this tile (one vector load, not a loop over every slot) and the
-        # first one's slice of B, so that after the wait only h is read.
+        # segments that meet this tile (one vector load, not a loop over every slot) and, with
+        # one slot, the first one's slice of B (B_IN_REGS: held in registers, so that after the
+        # wait only h is read; else warmed in L2).
         n0 = pid_n * BLOCK_N
         s = (n0 >= N_OFF1).to(tl.int32) + (n0 >= N_OFF2).to(tl.int32)
         slice_begin = tl.where(s == 0, 0, tl.where(s == 1, N_OFF1, N_OFF2))
