@@ -20,9 +20,7 @@ import re
 import sys
 from pathlib import Path
 
-TESTS = Path(__file__).parents[1] / "packages/epilora-kernels/tests"
-DECODE_SHAPES = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (12288, 12288)),
-                 "down": (12288, (4096,))}
+ROOT = Path(__file__).parents[1]
 
 
 def normalize(ptx: str) -> list[str]:
@@ -37,7 +35,10 @@ def normalize(ptx: str) -> list[str]:
 
 
 def main(out_path: str) -> None:
-    sys.path.insert(0, str(TESTS))
+    sys.path.insert(0, str(ROOT / "packages/epilora-kernels/tests"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from layer import PROJECTIONS  # the benchmarks' Qwen3-8B shapes
+
     from epilora_kernels import fused
 
     from aot_launchers_sm90 import compile_launch, record_launches
@@ -56,7 +57,8 @@ def main(out_path: str) -> None:
     # Both kernels of the decode path on the model's shapes with one adapter, as the decode
     # benchmark launches them (the shipped table's settings do not depend on the machine here:
     # the launchers pick the heuristic without a GPU, so these are the heuristic's launches).
-    for proj, (k, slices) in DECODE_SHAPES.items():
+    for proj in ("qkv", "gate_up", "down"):
+        k, slices = PROJECTIONS[proj]
         for tokens in (1, 16):
             for rank in (16, 64):
                 x, weight, w_scale, lora, batch = make_problem(0, tokens, k, slices, rank, 1,

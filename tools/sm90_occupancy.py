@@ -30,8 +30,6 @@ import triton
 
 ROOT = Path(__file__).parents[1]
 SMS, REGS_PER_SM, SMEM_PER_SM, MAX_BLOCKS, MAX_THREADS = 132, 65536, 228 * 1024, 32, 2048
-PROJECTIONS = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)),
-               "gate_up": (4096, (12288, 12288)), "down": (12288, (4096,))}
 
 
 def ptxas_usage(ptx: str) -> tuple[int, int]:
@@ -59,6 +57,9 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64, 128])
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "packages/epilora-kernels/tests"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from layer import PROJECTIONS  # the benchmarks' Qwen3-8B shapes
+
     from epilora_kernels import fused
     from epilora_kernels.batch import AdapterBatch, LoraWeights
     from epilora_kernels.launch import select_config
