@@ -9,14 +9,24 @@
 #   decode  benchmarks/decode.py -> $OUT/decode.json                               DECODE_TIMEOUT
 #   timeline benchmarks/decode_timeline.py $TIMELINE_ARGS -> $OUT/decode_timeline.json
 #                                                                            TIMELINE_TIMEOUT
+#   use:NAME the later steps run epilora-kernels as built from git ref NAME (a wheel that
+#           `VARIANTS="NAME ..." tools/device/prepare.sh` put in .device/variants/) and write
+#           into $OUT/NAME/ (slashes as dashes), e.g. `use:main layer use:next/x layer` times
+#           two branches in one call with the working tree's benchmark scripts
 # Run from the repository root with `.device` carried (tools/device/prepare.sh first), e.g.
 #   EPILORA_GIT_SHA=$(git rev-parse HEAD) bash tools/device/gpu_kernels.sh tests tune
 set -uo pipefail
 source tools/device/setup.sh
+BASE_OUT="$OUT"
 sha="${EPILORA_GIT_SHA:-}"
 status=0
 for step in "$@"; do
   case "$step" in
+    use:*) name="${step#use:}"; dir=".device/variants/${name//\//-}"
+           python3 -m pip install -q --upgrade --force-reinstall --no-index --no-deps \
+             --no-compile --target "$EPILORA_SITE" "$dir"/epilora_kernels-*.whl || exit 1
+           sha="$(cat "$dir/sha")"; OUT="$BASE_OUT/${name//\//-}"; mkdir -p "$OUT"
+           echo "epilora-kernels from $name at $sha" ;;
     tests) timeout "${TESTS_TIMEOUT:-240}" python3 -m nox -s gpu-sm90 -- \
              -k "fused_gpu or decode_gpu" --junitxml="$OUT/gpu-sm90-kernels-junit.xml" \
              2>&1 | tee "$OUT/gpu-sm90-kernels.log" ;;

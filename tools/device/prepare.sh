@@ -2,7 +2,8 @@
 # Prepare `.device/` (git-ignored) for a device call, from the repository root on this machine:
 # the vLLM bundle (once), nox and its pure-Python dependencies as wheels (the GPU machine has no
 # network and no nox), and wheels of our packages (vLLM finds plugins, pytest its plugin,
-# through installed entry points).
+# through installed entry points). VARIANTS="ref ..." also builds epilora-kernels from each git
+# ref into .device/variants/<ref, slashes as dashes>/ for gpu_kernels.sh's `use:ref` step.
 set -euo pipefail
 [ -s .device/vllm-bundle.tar.xz ] || ../shared/device/make-vllm-bundle
 mkdir -p .device/wheels
@@ -11,4 +12,12 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   nox==2026.10.20 argcomplete colorlog dependency-groups humanize python-discovery \
   platformdirs filelock attrs packaging==25.0
 rm -rf .device/dist && uv build --all-packages -q -o .device/dist --wheel
+rm -rf .device/variants
+for ref in ${VARIANTS:-}; do
+  dir=".device/variants/${ref//\//-}" tree="$(mktemp -d)"
+  git worktree add -q --detach "$tree" "$ref"
+  (cd "$tree" && uv build --package epilora-kernels -q -o "$OLDPWD/$dir" --wheel)
+  git -C "$tree" rev-parse HEAD > "$dir/sha"
+  git worktree remove --force "$tree"
+done
 du -sh .device/*
