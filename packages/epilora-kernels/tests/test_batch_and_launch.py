@@ -2,6 +2,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from epilora_kernels.batch import AdapterBatch, LoraWeights
 from epilora_kernels.launch import LaunchConfig, heuristic_config, validate_table
@@ -140,3 +142,22 @@ def test_select_config_is_the_table_with_k2_rank_else_the_heuristic():
     assert select_config("NVIDIA H200", "lora_gemm", 1, 24576, 4096, 128).block_n == tuned.block_n
     assert select_config(None, "shrink", 64, 4096, 4096, 128) == heuristic_config(
         "shrink", 64, 4096, 4096, 128)
+
+
+@given(st.lists(st.integers(-1, 7), min_size=1, max_size=300), st.sampled_from([16, 32, 64]))
+def test_k1_launches_a_program_for_every_row_tile_of_every_entry(mapping, block_m):
+    # K1 lays the entries' row tiles end to end and launches a bound on their number (tight
+    # where it matters, never short: a missing program would leave rows of h unwritten).
+    from epilora_kernels import fused
+
+    batch = AdapterBatch.from_token_mapping(torch.tensor(mapping, dtype=torch.int32), 8)
+    a = torch.zeros(8, 1, 64, 16, dtype=torch.bfloat16)
+    b = torch.zeros(8, 1, 32, 64, dtype=torch.bfloat16)
+    lora = LoraWeights((a, a), (b, b), (32, 32))
+    cfg = LaunchConfig(block_m=block_m, block_r=32, split_k=3)
+    counts = batch.num_tokens_per_lora.tolist()
+    row_tiles = sum(-(-c // block_m) for c in counts)
+    per_row_tile = 2 * 2 * 3  # rank tiles x slices x splits
+    launched = fused._shrink_programs(len(mapping), lora, batch, cfg)
+    assert row_tiles * per_row_tile <= launched
+    assert launched <= min(9 * -(-len(mapping) // block_m), row_tiles + 8) * per_row_tile

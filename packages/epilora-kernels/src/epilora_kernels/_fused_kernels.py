@@ -179,11 +179,11 @@ def _quantize_shrink_kernel(
     x_ptr, codes_ptr, scales_ptr, h_ptr,
     a0_ptr, a1_ptr, a2_ptr,
     sorted_ptr, lora_ids_ptr, counts_ptr, start_ptr, counter_ptr, ready_ptr, trace_ptr,
-    T, K, R, stride_x,
+    T, K, R, stride_x, NUM_ENTRIES,
     QUANTIZE: tl.constexpr, SIGNAL_CODES: tl.constexpr, NUM_SLICES: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    QUANT_BLOCK: tl.constexpr, INTERPRETER: tl.constexpr, USE_PDL: tl.constexpr = False,
-    TRACE: tl.constexpr = False,
+    QUANT_BLOCK: tl.constexpr, INTERPRETER: tl.constexpr, ENTRIES_BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False, TRACE: tl.constexpr = False,
 ):
     _stamp(trace_ptr, 0, TRACE)
     if USE_PDL:
@@ -206,22 +206,28 @@ def _quantize_shrink_kernel(
         pid -= T
     n_m = tl.cdiv(T, BLOCK_M)
     n_r = tl.cdiv(R, BLOCK_R)
-    per_entry = n_m * n_r * SPLIT_K * NUM_SLICES
-    z = pid // per_entry
-    rest = pid % per_entry
-    s = rest // (n_m * n_r * SPLIT_K)
-    rest = rest % (n_m * n_r * SPLIT_K)
-    split = rest // (n_m * n_r)
-    rest = rest % (n_m * n_r)
-    pid_m = rest // n_r
+    per_tile = n_r * SPLIT_K * NUM_SLICES
+    m_tile = pid // per_tile
+    rest = pid % per_tile
+    s = rest // (n_r * SPLIT_K)
+    rest = rest % (n_r * SPLIT_K)
+    split = rest // n_r
     pid_r = rest % n_r
+    # The entries' row tiles laid end to end (entry z has cdiv(count_z, BLOCK_M) of them): the
+    # launch has one program per tile of that list, not per tile of every entry times the
+    # tokens' tiles, most of which would find no row (32 adapters at 128 tokens: 40 tiles for
+    # 264).
+    e = tl.arange(0, ENTRIES_BLOCK)
+    tiles = tl.cdiv(tl.load(counts_ptr + e, mask=e < NUM_ENTRIES, other=0), BLOCK_M)
+    z = tl.sum((tl.cumsum(tiles, axis=0) <= m_tile).to(tl.int32), axis=0)
+    if z >= NUM_ENTRIES:  # the list is shorter than the launch's bound
+        _stamp(trace_ptr, 1, TRACE)
+        return
+    pid_m = m_tile - tl.sum(tl.where(e < z, tiles, 0), axis=0)
 
     slot = tl.load(lora_ids_ptr + z)
     count = tl.load(counts_ptr + z)
     start = tl.load(start_ptr + z)
-    if pid_m * BLOCK_M >= count:
-        _stamp(trace_ptr, 1, TRACE)
-        return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < count
     tok = tl.load(sorted_ptr + start + rows, mask=row_mask, other=0)

@@ -99,6 +99,15 @@ def _use_pdl(pdl: bool) -> bool:
     return pdl and not _env.triton_interpreter()
 
 
+def _shrink_programs(t: int, lora: LoraWeights, batch: AdapterBatch, cfg: LaunchConfig) -> int:
+    # K1's shrink programs: one per (row tile of the entries' list, slice, rank tile, split).
+    # The entries' row tiles number at most cdiv(T, block_m) + (entries with tokens) - 1, and
+    # at most min(entries, T) entries have tokens.
+    row_tiles = max(0, triton.cdiv(t, cfg.block_m) + min(batch.max_loras + 1, t) - 1)
+    return (row_tiles * triton.cdiv(lora.max_rank, cfg.block_r) * len(lora.output_slices)
+            * cfg.split_k)
+
+
 def _launch_k1(x, lora, batch, cfg: LaunchConfig, quantize: bool, pdl: bool = False,
                signal_codes: bool = False, trace: torch.Tensor | None = None):
     t, k = x.shape
@@ -111,20 +120,22 @@ def _launch_k1(x, lora, batch, cfg: LaunchConfig, quantize: bool, pdl: bool = Fa
     else:
         codes, scales = h, h  # unused
     a, _, _, _ = _slice_args(lora)
-    tiles = ((batch.max_loras + 1) * triton.cdiv(t, cfg.block_m)
-             * triton.cdiv(rank, cfg.block_r) * s_count)
-    counters = _workspace.counters(x.device, tiles if cfg.split_k > 1 else 0)
-    grid = ((t if quantize else 0) + tiles * cfg.split_k,)
+    entries = batch.max_loras + 1
+    # Split-K counters are indexed by (entry, slice, row tile, rank tile): room for all.
+    counters = _workspace.counters(x.device, entries * triton.cdiv(t, cfg.block_m)
+                                   * triton.cdiv(rank, cfg.block_r) * s_count
+                                   if cfg.split_k > 1 else 0)
+    grid = ((t if quantize else 0) + _shrink_programs(t, lora, batch, cfg),)
     _quantize_shrink_kernel[grid](
         x, codes, scales, h, a[0], a[1], a[2],
         batch.sorted_token_indices, batch.lora_ids, batch.num_tokens_per_lora,
         batch.lora_token_start, counters[_workspace.TILES:], counters,
         _trace_arg(trace, counters, grid[0]),
-        t, k, rank, x.stride(0),
+        t, k, rank, x.stride(0), entries,
         QUANTIZE=quantize, SIGNAL_CODES=signal_codes, NUM_SLICES=s_count, SPLIT_K=cfg.split_k,
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
         QUANT_BLOCK=_quant_block(k, 16384 if cfg.num_warps >= 8 else 4096),
-        INTERPRETER=_env.triton_interpreter(),
+        INTERPRETER=_env.triton_interpreter(), ENTRIES_BLOCK=triton.next_power_of_2(entries),
         USE_PDL=_use_pdl(pdl), TRACE=trace is not None, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -149,9 +160,10 @@ def _launch_quantize(x: torch.Tensor):
     unused = torch.empty(1, dtype=torch.int32, device=x.device)  # the shrink's, never read
     _quantize_shrink_kernel[(t,)](
         x, codes, scales, scales, x, x, x, unused, unused, unused, unused, unused, unused, unused,
-        t, k, 1, x.stride(0),
+        t, k, 1, x.stride(0), 1,
         QUANTIZE=True, SIGNAL_CODES=False, NUM_SLICES=1, SPLIT_K=1, BLOCK_M=16, BLOCK_R=16,
         BLOCK_K=16, QUANT_BLOCK=_quant_block(k, 16384), INTERPRETER=_env.triton_interpreter(),
+        ENTRIES_BLOCK=1,
         num_warps=8, num_stages=1,
     )
     return codes, scales
