@@ -73,15 +73,17 @@ def test_hybrid_shrink_and_expand_match_reference(split_k):
     assert relative_error(y, want) < BF16_TOL
 
 
-@pytest.mark.parametrize("mapping", ["mixed_with_base", "one_adapter"])
-def test_epilogue_in_rank_steps_matches_reference(mapping):
-    # One slot's prefill tiles whose slice of B is too big for registers add h B^T in 32-wide
-    # rank steps (fused._epilogue_rank_chunk; one warp makes 16 x 128 too big): rank 40 of a
-    # 128-wide rank tile (partial and empty steps), the fused path and the hybrid's expand.
-    x, weight, w_scale, lora, batch = make_problem(15, 70, 64, (32, 16, 16), 40, 1, mapping)
+@pytest.mark.parametrize(("mapping", "slots"), [("mixed_with_base", 1), ("one_adapter", 1),
+                                              ("mixed_with_base", 4), ("one_token_each", 4)])
+def test_epilogue_in_rank_steps_matches_reference(mapping, slots):
+    # Prefill tiles whose slice of B is too big for registers add h B^T in 32-wide rank steps
+    # (fused._epilogue_rank_chunk; one warp makes 16 x 128 too big): rank 40 of a 128-wide
+    # rank tile (partial and empty steps), one slot and several (each step's h loaded once for
+    # all segments), the fused path and the hybrid's expand.
+    x, weight, w_scale, lora, batch = make_problem(15, 70, 64, (32, 16, 16), 40, slots,
+                                                   mapping)
     k2 = fused.LaunchConfig(block_m=64, block_n=16, block_k=32, block_r=128, num_warps=1)
-    assert fused._epilogue_rank_chunk(k2, entries=2) == 32
-    assert fused._epilogue_rank_chunk(k2, entries=5) == 0  # several slots: the whole rank
+    assert fused._epilogue_rank_chunk(k2) == 32
     codes, scales, h = fused.quantize_and_shrink(x, lora, batch)
     y = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2)
     exact = fp64_reference(x, weight, w_scale, codes, scales, lora, batch)

@@ -410,7 +410,26 @@ def _lora_gemm_kernel(
 
     if HAS_LORA:
         b_stride = (slice_end - slice_begin) * R  # one slot's slice of B
-        if R_CHUNK > 0 and R_CHUNK < BLOCK_R:
+        if R_CHUNK > 0 and R_CHUNK < BLOCK_R and ENTRIES_BLOCK > 2:
+            # Several slots, the rank in R_CHUNK-wide steps: each step's columns of h are
+            # loaded once for all segments, then the segments' slices of B for that step in a
+            # loop Triton pipelines (branch-free, as below). Whole, h and B took gate_up's K2
+            # at 128 tokens past 200 registers and to one and a half waves.
+            steps: tl.constexpr = BLOCK_R // R_CHUNK
+            for step in tl.static_range(steps):
+                rr = step * R_CHUNK + tl.arange(0, R_CHUNK)
+                hs = _h_bf16(h_ptr, tok, pos_mask, s, T, R, rr, NUM_SLICES, H_PLANES)
+                for z in range(z_first, z_last + 1):
+                    slot = tl.load(lora_ids_ptr + z)
+                    in_seg = ((pos >= tl.load(start_ptr + z))
+                              & (pos < tl.load(start_ptr + z + 1)))
+                    bt = tl.load(b_base + slot.to(tl.int64) * b_stride
+                                 + (n - slice_begin)[:, None] * R + rr[None, :],
+                                 mask=(n < slice_end)[:, None] & n_mask[:, None]
+                                 & (rr[None, :] < R) & (slot >= 0), other=0.0)
+                    acc = _dot_acc(acc, tl.where(in_seg[:, None], hs, tl.zeros_like(hs)), bt,
+                                   INTERPRETER)
+        elif R_CHUNK > 0 and R_CHUNK < BLOCK_R:
             # The rank in R_CHUNK-wide steps, over every (segment, step) that meets the tile:
             # one branch-free loop that Triton pipelines like a K loop. Holding h and B whole
             # (64 x 128 each at rank 128 in a 64-row tile) took K2 to 200-255 registers, with

@@ -242,7 +242,7 @@ def _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg: L
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=cfg.block_r,
         INTERPRETER=_env.triton_interpreter(), USE_PDL=_use_pdl(pdl),
         WAIT_CODES=wait_codes, WARM_L2=warm_l2 if wait_codes else 0, TRACE=trace is not None,
-        B_IN_REGS=_b_in_registers(cfg), R_CHUNK=_epilogue_rank_chunk(cfg, entries),
+        B_IN_REGS=_b_in_registers(cfg), R_CHUNK=_epilogue_rank_chunk(cfg),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=_use_pdl(pdl),
     )
     return y
@@ -266,17 +266,17 @@ def _b_in_registers(cfg: LaunchConfig) -> bool:
     return _b_fits_registers(cfg) or cfg.block_m == 32
 
 
-def _epilogue_rank_chunk(cfg: LaunchConfig, entries: int) -> int:
-    # Prefill tiles (64 rows or more) of one slot whose slice of B is too big to hold in
-    # registers add h B^T in 32-wide rank steps, a pipelined loop: whole, h and B took K2 past
-    # 200 registers at rank 128 (results/cpu/sm90_occupancy_b_first_l2.json; with the steps,
+def _epilogue_rank_chunk(cfg: LaunchConfig) -> int:
+    # Prefill tiles (64 rows or more) whose slice of B is too big to hold in registers add
+    # h B^T in 32-wide rank steps, pipelined loops: whole, h and B took K2 past 200 registers
+    # at rank 128 (results/cpu/sm90_occupancy_b_first_l2.json; with the steps,
     # sm90_occupancy.json), and stepping made the rank-128 layer faster at 64-256 tokens
-    # (results/h200/layer.json against layer_run4_b_first_l2_1x128.json). Stepping every tile of 64
-    # rows or more (results/h200/layer_run5_rank_steps_everywhere.json) was slower where B
-    # fits (rank 64 in 64-wide tiles) and with several slots, where each step reloads h for
-    # every segment. 0: the whole rank.
-    one_slot = entries <= 2
-    return 32 if one_slot and cfg.block_m >= 64 and not _b_fits_registers(cfg) else 0
+    # (results/h200/layer.json against layer_run4_b_first_l2_1x128.json). Stepping every tile
+    # of 64 rows or more (results/h200/layer_run5_rank_steps_everywhere.json) was slower where
+    # B fits (rank 64 in 64-wide tiles) and with several slots, where that loop reloaded h for
+    # every segment and step; several slots now load each step of h once (unmeasured).
+    # 0: the whole rank.
+    return 32 if cfg.block_m >= 64 and not _b_fits_registers(cfg) else 0
 
 
 def _gemm_config(batch, lora, config):
