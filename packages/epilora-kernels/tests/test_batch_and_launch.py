@@ -72,8 +72,10 @@ def test_table_lookup_picks_the_smallest_bucket_at_or_above(tmp_path, monkeypatc
 def test_entries_tuned_at_a_rank_are_preferred_for_that_rank_tile(tmp_path, monkeypatch):
     from epilora_kernels import launch
 
-    table = {"shrink": {"64x32": {"16": {"block_r": 32}},
-                        "64x32@r128": {"16": {"block_r": 128}}}}
+    table = {"shrink": {"64x32": {"1": {"block_r": 16}, "16": {"block_r": 32},
+                                  "256": {"block_r": 32}},
+                        "64x32@r128": {"16": {"block_r": 128}},
+                        "64x32@r64": {"64": {"block_r": 64}}}}
     validate_table(table)
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "Test_GPU.json").write_text(json.dumps(table))
@@ -84,6 +86,11 @@ def test_entries_tuned_at_a_rank_are_preferred_for_that_rank_tile(tmp_path, monk
     assert launch.table_config("Test GPU", "shrink", 4, 64, 32, rank=64).block_r == 32
     assert launch.table_config("Test GPU", "shrink", 4, 64, 32).block_r == 32
     assert launch.select_config("Test GPU", "shrink", 4, 64, 32, 128).block_r == 128
+    # Only at the buckets the rank tile was tuned at: the others' entries elsewhere.
+    assert launch.table_config("Test GPU", "shrink", 1, 64, 32, rank=128).block_r == 16
+    assert launch.table_config("Test GPU", "shrink", 999, 64, 32, rank=128).block_r == 32
+    assert launch.table_config("Test GPU", "shrink", 1, 64, 32, rank=64).block_r == 16
+    assert launch.table_config("Test GPU", "shrink", 17, 64, 32, rank=64).block_r == 64
     launch._load_table.cache_clear()
     with pytest.raises(ValueError, match="6144x4096@r128"):
         validate_table({"shrink": {"64x32@rx": {}}})

@@ -134,13 +134,14 @@ def _load_table(device_name: str) -> dict | None:
 def table_config(device_name: str, op: str, tokens: int, n: int, k: int,
                  rank: int | None = None) -> LaunchConfig | None:
     """The tuned entry for (op, N x K) at the smallest bucket >= tokens (else the largest);
-    given a rank, its rank tile's entries first if the table has them."""
+    given a rank, its rank tile's entries replace the others' at the buckets they tuned (a
+    rank tuned at 64-256 tokens leaves the decode buckets to the rank-64 entries)."""
     table = _load_table(device_name)
     if table is None:
         return None
     shapes = table.get(op, {})
-    entries = (shapes.get(shape_key(n, k, rank)) if rank is not None else None) or \
-        shapes.get(shape_key(n, k))
+    entries = {**shapes.get(shape_key(n, k), {}),
+               **(shapes.get(shape_key(n, k, rank), {}) if rank is not None else {})}
     if not entries:
         return None
     buckets = sorted(int(b) for b in entries)
