@@ -11,7 +11,10 @@ path (op `shrink`); at rank 64 (`--rank`: another rank, its entries written unde
 over `--adapters` adapters (4), on
 CUDA-graph replays with the L2 flushed (median of `--reps`). It checks each candidate's result
 (K2 against CUTLASS, K1's codes bitwise against our quantizer, h against torch's fp32) and
-keeps the fastest; `--ops k1` tunes K1 only, with the installed K2 settings. In the same run,
+keeps the fastest; `--ops k1` tunes K1 only, with the installed K2 settings; `--ops k2-lora`
+tunes K2 only, each candidate timed in the fused path with its epilogue (K1 with the installed
+settings; checked against torch's fused path), for ranks whose epilogue changes which tiles win
+(write them under rank keys: `--rank`). In the same run,
 per projection: `cutlass-mm` (vLLM's `cutlass_scaled_mm` on the same codes), `vllm-quant`
 (vLLM's per-token quantizer) and `epilora-quant` (our quantizer alone). Writes the table
 (`epilora_kernels/configs/<device>.json` format, schema-checked; entries of the installed table
@@ -20,6 +23,7 @@ for token counts not tuned here are kept) and every timing.
     python3 benchmarks/tune.py --out-table $OUT/NVIDIA_H200.json --out $OUT/tune.json
     python3 benchmarks/tune.py --ops k1 --adapters 1 --tokens 64 128 256 --out-table ... --out ...
     python3 benchmarks/tune.py --ops k1 --adapters 1 --rank 128 --tokens 64 128 256 ...
+    python3 benchmarks/tune.py --ops k2-lora --adapters 1 --rank 128 --tokens 256 ...
 
 The whole sweep takes longer than one device call's 10 minutes: split it by `--tokens`, and
 copy each call's table into `epilora_kernels/configs/` before the next (entries for counts not
@@ -100,7 +104,7 @@ def k1_candidates(tokens: int, rank: int = RANK):
 # CUTLASS): K1's split count trades its own speed against its reduction, which K2 overlaps
 # (the decode path) or waits for.
 K1_OPS = ("quantize_shrink", "shrink", "decode_shrink")
-TUNED_OPS = {"all": ("lora_gemm", *K1_OPS), "k1": K1_OPS}
+TUNED_OPS = {"all": ("lora_gemm", *K1_OPS), "k1": K1_OPS, "k2-lora": ("lora_gemm",)}
 
 
 def _k1_pair(op, x, weight, scale, lora, batch, k1_cfg, k2_cfg, base_out):
@@ -150,8 +154,10 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
-    parser.add_argument("--ops", choices=("all", "k1"), default="all",
-                        help="k1: tune K1's two ops only, each with the installed K2 settings")
+    parser.add_argument("--ops", choices=("all", "k1", "k2-lora"), default="all",
+                        help="k1: tune K1's ops only, each with the installed K2 settings; "
+                             "k2-lora: K2 only, timed with its epilogue (the fused path with "
+                             "the installed K1 settings) instead of without adapters")
     parser.add_argument("--adapters", type=int, default=4,
                         help="adapters the tokens are spread over (round robin)")
     parser.add_argument("--rank", type=int, default=RANK,
@@ -167,7 +173,8 @@ def main() -> None:
     # in order, a later run's ops and finished token counts replacing an earlier one's (a run
     # cut short lists only what it finished).
     old = table.get("_meta", {})
-    run = {"git_sha": args.git_sha, "ops": list(TUNED_OPS[args.ops]), "adapters": args.adapters,
+    run = {"git_sha": args.git_sha, "mode": args.ops, "ops": list(TUNED_OPS[args.ops]),
+           "adapters": args.adapters,
            "rank": args.rank, "tokens": []}
     table["_meta"] = {"device": torch.cuda.get_device_name(), "rank": RANK,
                       "tool": "benchmarks/tune.py",
@@ -199,11 +206,17 @@ def main() -> None:
             row("vllm-quant", name, tokens, quant)
             want = ops.cutlass_scaled_mm(codes, weight.t(), scales, scale, torch.bfloat16)
             best2 = (float("inf"), None)  # (None: the installed table's or heuristic's K2)
-            for cfg in k2_candidates(tokens, slices, args.rank) if args.ops == "all" else ():
-                run = functools.partial(fused.fp8_gemm, codes, scales, weight, scale, config=cfg)
+            if args.ops == "k2-lora":  # against torch's fused path (fp32 matmuls)
+                want = reference.fused_lora_fp8_linear(x, weight, scale, lora, batch)
+            for cfg in k2_candidates(tokens, slices, args.rank) if args.ops != "k1" else ():
+                run = (functools.partial(fused.fused_lora_fp8_linear, x, weight, scale, lora,
+                                         batch, k2_config=cfg) if args.ops == "k2-lora" else
+                       functools.partial(fused.fp8_gemm, codes, scales, weight, scale,
+                                         config=cfg))
                 ok, us = _time(run, args.reps, flush,
                                lambda run=run, want=want: rel(run(), want) < 1e-2)
-                row("lora_gemm", name, tokens, us, cfg, ok=ok)
+                row("lora_gemm", name, tokens, us, cfg, ok=ok,
+                    **({"timed": "with K1 and the epilogue"} if args.ops == "k2-lora" else {}))
                 best2 = min(best2, (us, cfg), key=lambda b: b[0])
             our_quant = _time(functools.partial(fused.quantize, x), args.reps, flush)[1]
             row("epilora-quant", name, tokens, our_quant)
@@ -214,7 +227,8 @@ def main() -> None:
             want_codes, _ = fused.quantize(x)
             want_h = reference.lora_shrink(x, lora, batch)  # fp32 matmuls (no TF32)
             best1 = {}
-            for op in K1_OPS if tokens <= 32 else K1_OPS[:2]:  # the decode path ends at 32
+            k1_ops = K1_OPS if args.ops != "k2-lora" else ()
+            for op in k1_ops if tokens <= 32 else k1_ops[:2]:  # the decode path ends at 32
                 best1[op] = (float("inf"), None)
                 for cfg in k1_candidates(tokens, args.rank):
                     pair = _k1_pair(op, x, weight, scale, lora, batch, cfg, best2[1],
