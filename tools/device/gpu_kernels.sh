@@ -12,9 +12,10 @@
 #   use:NAME the later steps run epilora-kernels as built from git ref NAME (a wheel that
 #           `VARIANTS="NAME ..." tools/device/prepare.sh` put in .device/variants/) and write
 #           into $OUT/NAME/ (slashes as dashes), e.g. `use:main layer use:next/x layer` times
-#           two branches in one call with the working tree's benchmark scripts
+#           two branches in one call; the benchmark scripts and tests stay the working tree's
 # A call brings back at most 8 files of $OUT (tests and layer write 2 each, tune 3): plan the
-# steps within that. Run from the repository root with `.device` carried (tools/device/prepare.sh first), e.g.
+# steps within that. Run from the repository root with `.device` carried
+# (tools/device/prepare.sh first), e.g.
 #   EPILORA_GIT_SHA=$(git rev-parse HEAD) bash tools/device/gpu_kernels.sh tests tune
 set -uo pipefail
 source tools/device/setup.sh

@@ -6,7 +6,8 @@
 # ref into .device/variants/<ref, slashes as dashes>/ for gpu_kernels.sh's `use:ref` step.
 set -euo pipefail
 [ -s .device/vllm-bundle.tar.xz ] || ../shared/device/make-vllm-bundle
-rm -rf .device/wheels && mkdir -p .device/wheels  # afresh: a newer release beside an older wheel breaks the install
+# Afresh: a newer release downloaded beside an older wheel makes the install there fail.
+rm -rf .device/wheels && mkdir -p .device/wheels
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform any -d .device/wheels \
   nox==2026.10.20 argcomplete colorlog dependency-groups humanize python-discovery \
