@@ -1,0 +1,72 @@
+"""Side-by-side table of benchmark result files: the same rows (layer.py's or
+decode_timeline.py's) from several runs, e.g. the branches one device call timed with
+`gpu_kernels.sh use:REF`, each as LABEL=PATH, the first the baseline. Prints markdown: per
+(adapters, rank, tokens, system) each run's value and its difference from the baseline, in the
+unit of the rows (us); `--systems` keeps only those systems (a timeline's variants are its systems).
+
+    python tools/compare_results.py main=benchmarks/results/h200/layer_branches_32x64_main.json \
+        all=benchmarks/results/h200/layer_branches_32x64_next-all.json --systems epilora-fused
+
+Why it exists: the docs say which branch made what faster; this makes that claim a committed
+script's output over committed files, not arithmetic done by hand.
+"""
+
+import argparse
+import json
+
+
+def _rows(path: str, systems: set[str] | None) -> dict[tuple, float]:
+    """(adapters, rank, tokens, system) -> the layer's time, from one result file."""
+    out = {}
+    for row in json.loads(open(path).read())["rows"]:
+        if row.get("metric") != "layer_us" or row.get("value") is None:
+            continue
+        if systems and row["system"] not in systems:
+            continue
+        out[(row["adapters"], row["rank"], row["tokens"], row["system"])] = float(row["value"])
+    return out
+
+
+def compare(runs: list[tuple[str, str]], systems: set[str] | None = None) -> str:
+    tables = [(label, _rows(path, systems)) for label, path in runs]
+    base_label, base = tables[0]
+    keys = sorted(set().union(*(t.keys() for _, t in tables)),
+                  key=lambda k: (k[0], k[1], k[3], k[2]))
+    head = ["adapters", "rank", "tokens", "system", base_label] + [
+        f"{label} (diff)" for label, _ in tables[1:]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key in keys:
+        cells = [str(key[0]), str(key[1]), str(key[2]), key[3],
+                 f"{base[key]:.1f}" if key in base else "-"]
+        for _, table in tables[1:]:
+            if key not in table:
+                cells.append("-")
+            elif key in base:
+                cells.append(f"{table[key]:.1f} ({table[key] - base[key]:+.1f})")
+            else:
+                cells.append(f"{table[key]:.1f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", metavar="LABEL=PATH")
+    parser.add_argument("--systems", nargs="*", default=None)
+    parser.add_argument("--out", default=None, help="write the table here too")
+    args = parser.parse_args()
+    runs = []
+    for item in args.runs:
+        label, sep, path = item.partition("=")
+        if not sep or not label or not path:
+            parser.error(f"expected LABEL=PATH, got {item!r}")
+        runs.append((label, path))
+    table = compare(runs, set(args.systems) if args.systems else None)
+    print(table, end="")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table)
+
+
+if __name__ == "__main__":
+    main()
