@@ -1,5 +1,5 @@
 """Write the sm_90 instruction stream of K2 as each fused launcher compiles it (one slot and
-four slots), and of K1 and K2 as the decode path launches them on the model's shapes (no GPU
+four slots; and in 64-row tiles at rank 128, the rank-step epilogues), and of K1 and K2 as the decode path launches them on the model's shapes (no GPU
 needed, TRITON_INTERPRET unset), normalized so that two checkouts compare equal when they emit
 the same instructions: debug lines, register declarations and numbers, labels and DWARF data
 are dropped.
@@ -54,6 +54,16 @@ def main(out_path: str) -> None:
                 ("w8a16", fused.fused_lora_w8a16_linear)):
             calls = record_launches(functools.partial(launch, x, weight, w_scale, lora, batch))
             out[f"{name}-{label}"] = normalize(compile_launch(*calls[-1]))
+    # K2's prefill epilogues at rank 128 in 64-row tiles, where B does not fit in registers:
+    # rank steps with one slot and with several (fused._epilogue_rank_chunk).
+    prefill = fused.LaunchConfig(block_m=64, block_n=64, block_k=64, block_r=128)
+    for name, slots, mapping in (("one-slot", 1, "one_adapter"),
+                                 ("four-slots", 4, "mixed_with_base")):
+        x, weight, w_scale, lora, batch = make_problem(0, 70, 256, (128, 128), 128, slots,
+                                                       mapping)
+        calls = record_launches(functools.partial(
+            fused.fused_lora_fp8_linear, x, weight, w_scale, lora, batch, k2_config=prefill))
+        out[f"{name}-prefill-r128-steps"] = normalize(compile_launch(*calls[-1]))
     # Both kernels of the decode path on the model's shapes with one adapter, as the decode
     # benchmark launches them (the shipped table's settings do not depend on the machine here:
     # the launchers pick the heuristic without a GPU, so these are the heuristic's launches).

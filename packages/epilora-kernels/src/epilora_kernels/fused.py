@@ -274,7 +274,8 @@ def _epilogue_rank_chunk(cfg: LaunchConfig) -> int:
     # (results/h200/layer.json against layer_run4_b_first_l2_1x128.json). Stepping every tile
     # of 64 rows or more (results/h200/layer_run5_rank_steps_everywhere.json) was slower where
     # B fits (rank 64 in 64-wide tiles) and with several slots, where that loop reloaded h for
-    # every segment and step; several slots now load each step of h once (unmeasured).
+    # every segment and step; several slots now load each step of h once (32 adapters at 128
+    # tokens faster: results/h200/compare_branches_32x64.md).
     # 0: the whole rank.
     return 32 if cfg.block_m >= 64 and not _b_fits_registers(cfg) else 0
 
