@@ -1,8 +1,8 @@
-"""Write the sm_90 instruction stream of K2 as each fused launcher compiles it (one slot and
-four slots; and in 64-row tiles at rank 128, the rank-step epilogues), and of K1 and K2 as the decode path launches them on the model's shapes (no GPU
-needed, TRITON_INTERPRET unset), normalized so that two checkouts compare equal when they emit
-the same instructions: debug lines, register declarations and numbers, labels and DWARF data
-are dropped.
+"""Write the sm_90 instruction stream of K2 as each fused launcher compiles it (one slot and four
+slots; and in 64-row tiles at rank 128, the rank-step epilogues), and of K1 and K2 as the decode
+path launches them on the model's shapes (no GPU needed, TRITON_INTERPRET unset), normalized so
+that two checkouts compare equal when they emit the same instructions: debug lines, register
+declarations and numbers, labels and DWARF data are dropped.
 
     python tools/k2_instructions.py OUT.json
     git worktree add /tmp/old REV && PYTHONPATH=/tmp/old/packages/epilora-kernels/src \
