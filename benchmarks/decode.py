@@ -23,10 +23,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from layer import PROJECTIONS, make_layer, run_layer, time_graph, write_results
+from layer import PROJECTIONS, adapter_inputs, make_layer, run_layer, time_graph, write_results
 
 from epilora_kernels import fused
-from epilora_kernels.batch import AdapterBatch
 
 TOKENS = (1, 4, 8, 16, 32)
 RANKS = (16, 64, 128)
@@ -91,15 +90,10 @@ def run_dual_stream(xs, layer, batch, meta, bufs, outs, aux: torch.cuda.Stream) 
 
 
 def adapter_case(tokens: int, rank: int, layer: dict, gen: torch.Generator, adapters: int = 1):
-    """The tokens spread round robin over `adapters` slots (here: all on slot 0): the batch, the
-    activations per projection, their h (our shrink) and zeroed buffers for vLLM's shrink."""
-    mapping = torch.arange(tokens, dtype=torch.int32, device="cuda") % adapters
-    batch = AdapterBatch.from_token_mapping(mapping, adapters)
-    xs = {name: torch.randn(tokens, k, generator=gen, device="cuda").to(torch.bfloat16)
-          for name, (k, _) in PROJECTIONS.items()}
+    """`layer.adapter_inputs` (here: all tokens on slot 0) and the activations' h (our shrink):
+    the batch, activations, h and zeroed buffers for vLLM's shrink."""
+    batch, xs, bufs = adapter_inputs(tokens, rank, adapters, gen)
     hs = {name: fused.lora_shrink(xs[name], lora, batch) for name, (_, _, lora) in layer.items()}
-    bufs = {name: torch.zeros(len(s), tokens, rank, device="cuda")
-            for name, (_, s) in PROJECTIONS.items()}
     return batch, xs, hs, bufs
 
 

@@ -58,6 +58,18 @@ def make_layer(num_adapters: int, rank: int, gen: torch.Generator):
     return layer
 
 
+def adapter_inputs(tokens: int, rank: int, adapters: int, gen: torch.Generator):
+    """The tokens round robin over `adapters` slots: the batch, the activations per projection
+    and zeroed buffers for vLLM's shrink."""
+    mapping = torch.arange(tokens, device="cuda", dtype=torch.int32) % adapters
+    batch = AdapterBatch.from_token_mapping(mapping, adapters)
+    xs = {name: torch.randn(tokens, k, generator=gen, device="cuda").to(torch.bfloat16)
+          for name, (k, _) in PROJECTIONS.items()}
+    bufs = {name: torch.zeros(len(s), tokens, rank, device="cuda")
+            for name, (_, s) in PROJECTIONS.items()}
+    return batch, xs, bufs
+
+
 def run_layer(system: str, xs: dict, layer: dict, batch: AdapterBatch, meta: tuple, bufs: dict):
     from vllm import _custom_ops as ops
     from vllm.lora.ops.triton_ops import lora_expand, lora_shrink
@@ -125,13 +137,8 @@ def main() -> None:
     for num_adapters, rank in setups:
         layer = make_layer(num_adapters, rank, gen)
         for tokens in tokens_list:
-            mapping = torch.arange(tokens, device="cuda", dtype=torch.int32) % num_adapters
-            batch = AdapterBatch.from_token_mapping(mapping, num_adapters)
+            batch, xs, bufs = adapter_inputs(tokens, rank, num_adapters, gen)
             meta = batch.vllm_meta_args()
-            xs = {name: torch.randn(tokens, k, generator=gen, device="cuda").to(torch.bfloat16)
-                  for name, (k, _) in PROJECTIONS.items()}
-            bufs = {name: torch.zeros(len(s), tokens, rank, device="cuda")
-                    for name, (_, s) in PROJECTIONS.items()}
             for system in systems:
                 if system in ("cutlass", "epilora-gemm") and (num_adapters, rank) != setups[0]:
                     continue  # the no-adapter GEMMs do not depend on the adapters

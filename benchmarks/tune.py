@@ -208,7 +208,8 @@ def main() -> None:
             best2 = (float("inf"), None)  # (None: the installed table's or heuristic's K2)
             if args.ops == "k2-lora":  # against torch's fused path (fp32 matmuls)
                 want = reference.fused_lora_fp8_linear(x, weight, scale, lora, batch)
-            for cfg in k2_candidates(tokens, slices, args.rank) if args.ops != "k1" else ():
+            tuned = TUNED_OPS[args.ops]
+            for cfg in k2_candidates(tokens, slices, args.rank) if "lora_gemm" in tuned else ():
                 run = (functools.partial(fused.fused_lora_fp8_linear, x, weight, scale, lora,
                                          batch, k2_config=cfg) if args.ops == "k2-lora" else
                        functools.partial(fused.fp8_gemm, codes, scales, weight, scale,
@@ -227,8 +228,9 @@ def main() -> None:
             want_codes, _ = fused.quantize(x)
             want_h = reference.lora_shrink(x, lora, batch)  # fp32 matmuls (no TF32)
             best1 = {}
-            k1_ops = K1_OPS if args.ops != "k2-lora" else ()
-            for op in k1_ops if tokens <= 32 else k1_ops[:2]:  # the decode path ends at 32
+            # (decode_shrink, the decode path's, only up to 32 tokens)
+            for op in (op for op in K1_OPS if op in tuned
+                       and (tokens <= 32 or op != "decode_shrink")):
                 best1[op] = (float("inf"), None)
                 for cfg in k1_candidates(tokens, args.rank):
                     pair = _k1_pair(op, x, weight, scale, lora, batch, cfg, best2[1],

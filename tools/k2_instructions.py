@@ -70,7 +70,7 @@ def main(out_path: str) -> None:
     for proj in ("qkv", "gate_up", "down"):
         k, slices = PROJECTIONS[proj]
         for tokens in (1, 16):
-            for rank in (16, 64):
+            for rank in (16, 64, 128):
                 x, weight, w_scale, lora, batch = make_problem(0, tokens, k, slices, rank, 1,
                                                                "one_adapter")
                 calls = record_launches(functools.partial(

@@ -122,6 +122,22 @@ def _stamp(trace_ptr, event: tl.constexpr, TRACE: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    # Pull the 128-byte lines at `ptrs` into L2, no registers written.
+    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _b_step(b_base, slot, b_stride, n, n_mask, slice_begin, slice_end, R, rr):
+    # One slot's slice of B for the tile's columns n at rank columns rr (zeros for slot -1).
+    return tl.load(b_base + slot.to(tl.int64) * b_stride + (n - slice_begin)[:, None] * R
+                   + rr[None, :],
+                   mask=(n < slice_end)[:, None] & n_mask[:, None] & (rr[None, :] < R)
+                   & (slot >= 0), other=0.0)
+
+
+@triton.jit
 def _h_bf16(h_ptr, tok, rows, s, T, R, r, NUM_SLICES: tl.constexpr, H_PLANES: tl.constexpr):
     # bf16(h) of slice s for the tile's tokens (`rows` masks them) at rank columns r, its
     # planes summed in a fixed order (deterministic; plane 0 first, so one plane is exact).
@@ -140,19 +156,6 @@ def _dot_acc(acc, hz, bt, INTERPRETER: tl.constexpr):
     if INTERPRETER:
         return tl.dot(hz.to(tl.float32), tl.trans(bt.to(tl.float32)), acc)
     return tl.dot(hz, tl.trans(bt), acc)
-
-
-@triton.jit
-def _add_segment(acc, hb, bt, pos, seg_begin, seg_end, INTERPRETER: tl.constexpr):
-    # acc += h B^T over the tile's rows in [seg_begin, seg_end) (one adapter's segment).
-    in_seg = (pos >= seg_begin) & (pos < seg_end)
-    if INTERPRETER:
-        hz = tl.where(in_seg[:, None], hb.to(tl.float32), 0.0)
-        acc += tl.dot(hz, tl.trans(bt.to(tl.float32)))
-    else:
-        hz = tl.where(in_seg[:, None], hb, tl.zeros_like(hb))
-        acc += tl.dot(hz, tl.trans(bt))
-    return acc
 
 
 @triton.jit
@@ -331,8 +334,7 @@ def _lora_gemm_kernel(
                 warm_b = first_b + (n - slice_begin)[:, None] * R + lines[None, :]
                 warm_b = tl.where((n < slice_end)[:, None] & n_mask[:, None]
                                   & (lines[None, :] < R) & (first_slot >= 0), warm_b, b_base)
-                tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l",
-                                          [warm_b], dtype=tl.int32, is_pure=False, pack=1)
+                _prefetch_l2(warm_b)
 
     if SPLIT_K == 1:
         k_begin = 0
@@ -348,8 +350,7 @@ def _lora_gemm_kernel(
         k_warm = k_begin + tl.arange(0, WARM_L2 // 128) * 128
         warm = (w_ptr + n[:, None].to(tl.int64) * K + k_warm[None, :])
         warm = tl.where(n_mask[:, None] & (k_warm[None, :] < k_end), warm, w_ptr)
-        tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [warm],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+        _prefetch_l2(warm)
 
     if WAIT_CODES:
         # The decode path: launched while K1 runs, wait until its quantizing programs have
@@ -423,10 +424,8 @@ def _lora_gemm_kernel(
                     slot = tl.load(lora_ids_ptr + z)
                     in_seg = ((pos >= tl.load(start_ptr + z))
                               & (pos < tl.load(start_ptr + z + 1)))
-                    bt = tl.load(b_base + slot.to(tl.int64) * b_stride
-                                 + (n - slice_begin)[:, None] * R + rr[None, :],
-                                 mask=(n < slice_end)[:, None] & n_mask[:, None]
-                                 & (rr[None, :] < R) & (slot >= 0), other=0.0)
+                    bt = _b_step(b_base, slot, b_stride, n, n_mask, slice_begin, slice_end, R,
+                                 rr)
                     acc = _dot_acc(acc, tl.where(in_seg[:, None], hs, tl.zeros_like(hs)), bt,
                                    INTERPRETER)
         elif R_CHUNK > 0 and R_CHUNK < BLOCK_R:
@@ -441,10 +440,7 @@ def _lora_gemm_kernel(
                 rr = (i % steps) * R_CHUNK + tl.arange(0, R_CHUNK)
                 slot = tl.load(lora_ids_ptr + z)
                 in_seg = (pos >= tl.load(start_ptr + z)) & (pos < tl.load(start_ptr + z + 1))
-                bt = tl.load(b_base + slot.to(tl.int64) * b_stride
-                             + (n - slice_begin)[:, None] * R + rr[None, :],
-                             mask=(n < slice_end)[:, None] & n_mask[:, None]
-                             & (rr[None, :] < R) & (slot >= 0), other=0.0)
+                bt = _b_step(b_base, slot, b_stride, n, n_mask, slice_begin, slice_end, R, rr)
                 hz = _h_bf16(h_ptr, tok, pos_mask & in_seg, s, T, R, rr, NUM_SLICES, H_PLANES)
                 acc = _dot_acc(acc, hz, bt, INTERPRETER)
         elif ENTRIES_BLOCK > 2:
@@ -474,6 +470,8 @@ def _lora_gemm_kernel(
                     else:
                         bt = tl.load(b_base + slot.to(tl.int64) * b_stride + b_offs,
                                      mask=b_mask, other=0.0)
-                    acc = _add_segment(acc, hb, bt, pos, seg_begin, seg_end, INTERPRETER)
+                    in_seg = (pos >= seg_begin) & (pos < seg_end)
+                    acc = _dot_acc(acc, tl.where(in_seg[:, None], hb, tl.zeros_like(hb)), bt,
+                                   INTERPRETER)
     tl.store(y_tile, acc.to(tl.bfloat16), mask=out_mask)
     _stamp(trace_ptr, 4, TRACE)

@@ -22,7 +22,6 @@ Weights are `[N, K]` float8_e4m3fn (row-major, K contiguous; vLLM keeps their tr
 with a one-element fp32 scale; activations `[T, K]` bf16.
 """
 
-
 import torch
 import triton
 
