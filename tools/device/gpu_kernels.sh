@@ -13,8 +13,10 @@
 #           `VARIANTS="NAME ..." tools/device/prepare.sh` put in .device/variants/) and write
 #           into $OUT/NAME/ (slashes as dashes), e.g. `use:main layer use:next/x layer` times
 #           two branches in one call; the benchmark scripts and tests stay the working tree's
-# A call brings back at most 8 files of $OUT (tests and layer write 2 each, tune 3): plan the
-# steps within that. Run from the repository root with `.device` carried
+#   env:NAME=VALUE  sets NAME for the later steps (no spaces: `env:LAYER_ARGS=--setups=32x64`)
+# A call brings back at most 8 files of $OUT, so each finished step's files are appended to
+# $OUT/results.tar (unpack it here with tools/device/unpack.sh); a step cut off by the call's
+# limit leaves its files loose beside it. Run from the repository root with `.device` carried
 # (tools/device/prepare.sh first), e.g.
 #   EPILORA_GIT_SHA=$(git rev-parse HEAD) bash tools/device/gpu_kernels.sh tests tune
 set -uo pipefail
@@ -43,10 +45,13 @@ for step in "$@"; do
     timeline) timeout "${TIMELINE_TIMEOUT:-240}" python3 benchmarks/decode_timeline.py \
                 --out "$OUT/decode_timeline.json" --git-sha "$sha" ${TIMELINE_ARGS:-} 2>&1 \
                 | tee "$OUT/decode_timeline.log" ;;
+    env:*) export "${step#env:}"; echo "$step"; continue ;;
     *) echo "unknown step: $step"; exit 2 ;;
   esac
   rc=${PIPESTATUS[0]}
   echo "step $step exit $rc"
+  (cd "$BASE_OUT" && find . -type f ! -name results.tar -print0 \
+     | xargs -0 -r tar rf results.tar --remove-files)
   status=$(( status || rc ))
 done
 exit $status

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Unpack a gpu_kernels.sh call's results.tar (and copy its loose files) into a folder here:
+#   tools/device/unpack.sh /work/.device/<n> DEST
+set -euo pipefail
+src="$1" dest="$2"
+mkdir -p "$dest"
+[ -f "$src/results.tar" ] && tar xf "$src/results.tar" -C "$dest"
+(cd "$src" && find . -type f ! -name results.tar -exec cp --parents {} "$OLDPWD/$dest" \;)
+chmod -R u+w "$dest"
+find "$dest" -type f | sort
