@@ -13,7 +13,8 @@
 #           `VARIANTS="NAME ..." tools/device/prepare.sh` put in .device/variants/) and write
 #           into $OUT/NAME/ (slashes as dashes), e.g. `use:main layer use:next/x layer` times
 #           two branches in one call; the benchmark scripts and tests stay the working tree's
-#   env:NAME=VALUE  sets NAME for the later steps (no spaces: `env:LAYER_ARGS=--setups=32x64`)
+#   env:NAME=VALUE  sets NAME for the later steps (quote it when VALUE has spaces); setting OUT
+#           (e.g. "env:OUT=$OUT/main-1x128") keeps a second run of a step from replacing the first
 # A call brings back at most 8 files of $OUT, so each finished step's files are appended to
 # $OUT/results.tar (unpack it here with tools/device/unpack.sh); a step cut off by the call's
 # limit leaves its files loose beside it. Run from the repository root with `.device` carried
@@ -45,7 +46,7 @@ for step in "$@"; do
     timeline) timeout "${TIMELINE_TIMEOUT:-240}" python3 benchmarks/decode_timeline.py \
                 --out "$OUT/decode_timeline.json" --git-sha "$sha" ${TIMELINE_ARGS:-} 2>&1 \
                 | tee "$OUT/decode_timeline.log" ;;
-    env:*) export "${step#env:}"; echo "$step"; continue ;;
+    env:*) export "${step#env:}"; mkdir -p "$OUT"; echo "$step"; continue ;;
     *) echo "unknown step: $step"; exit 2 ;;
   esac
   rc=${PIPESTATUS[0]}
