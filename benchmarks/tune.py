@@ -11,7 +11,8 @@ path (op `shrink`); at rank 64 (`--rank`: another rank, its entries written unde
 over `--adapters` adapters (4), on
 CUDA-graph replays with the L2 flushed (median of `--reps`). It checks each candidate's result
 (K2 against CUTLASS, K1's codes bitwise against our quantizer, h against torch's fp32) and
-keeps the fastest; `--ops k1` tunes K1 only, with the installed K2 settings; `--ops k2-lora`
+keeps the fastest; `--ops k1` tunes K1 only, with the installed K2 settings (`--ops decode`:
+the decode path's K1 alone); `--ops k2-lora`
 tunes K2 only, each candidate timed in the fused path with its epilogue (K1 with the installed
 settings; checked against torch's fused path), for ranks whose epilogue changes which tiles win
 (write them under rank keys: `--rank`). In the same run,
@@ -24,6 +25,7 @@ for token counts not tuned here are kept) and every timing.
     python3 benchmarks/tune.py --ops k1 --adapters 1 --tokens 64 128 256 --out-table ... --out ...
     python3 benchmarks/tune.py --ops k1 --adapters 1 --rank 128 --tokens 64 128 256 ...
     python3 benchmarks/tune.py --ops k2-lora --adapters 1 --rank 128 --tokens 256 ...
+    python3 benchmarks/tune.py --ops decode --adapters 1 --rank 128 --tokens 1 4 8 16 ...
 
 The whole sweep takes longer than one device call's 10 minutes: split it by `--tokens`, and
 copy each call's table into `epilora_kernels/configs/` before the next (entries for counts not
@@ -104,7 +106,8 @@ def k1_candidates(tokens: int, rank: int = RANK):
 # CUTLASS): K1's split count trades its own speed against its reduction, which K2 overlaps
 # (the decode path) or waits for.
 K1_OPS = ("quantize_shrink", "shrink", "decode_shrink")
-TUNED_OPS = {"all": ("lora_gemm", *K1_OPS), "k1": K1_OPS, "k2-lora": ("lora_gemm",)}
+TUNED_OPS = {"all": ("lora_gemm", *K1_OPS), "k1": K1_OPS, "decode": ("decode_shrink",),
+             "k2-lora": ("lora_gemm",)}
 
 
 def _k1_pair(op, x, weight, scale, lora, batch, k1_cfg, k2_cfg, base_out):
@@ -154,8 +157,9 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
-    parser.add_argument("--ops", choices=("all", "k1", "k2-lora"), default="all",
+    parser.add_argument("--ops", choices=tuple(TUNED_OPS), default="all",
                         help="k1: tune K1's ops only, each with the installed K2 settings; "
+                             "decode: the decode path's K1 only (1-32 tokens); "
                              "k2-lora: K2 only, timed with its epilogue (the fused path with "
                              "the installed K1 settings) instead of without adapters")
     parser.add_argument("--adapters", type=int, default=4,
