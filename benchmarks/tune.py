@@ -81,13 +81,16 @@ def k1_candidates(tokens: int, rank: int = RANK):
     # up to 16384 features once (fused._quant_block): untried on a GPU. Beyond 32 tokens rank
     # tiles wider than 32 are offered too (untried: at rank 128 a 32-wide tile makes four
     # programs re-read each x tile, decode_timeline_prefill_r128.json).
+    # At rank 128 the decode path's K1 also gets 64-wide rank tiles and two-way splits (fewer
+    # programs beside K2; untried before tune_decode_r128_wide.json).
     whole = rank_block(rank)
     if tokens <= 32:
         block_m = 16 if tokens <= 16 else 32
         return [LaunchConfig(block_m=block_m, block_k=block_k, block_r=block_r,
                              split_k=split_k, num_stages=2, num_warps=4)
-                for split_k in (4, 8, 16) for block_k in (128, 256)
-                for block_r in sorted({32, whole})] + [
+                for split_k in ((2, 4, 8, 16) if whole >= 128 else (4, 8, 16))
+                for block_k in (128, 256)
+                for block_r in sorted({32, min(64, whole), whole})] + [
             LaunchConfig(block_m=block_m, block_k=256, block_r=whole, split_k=split_k,
                          num_stages=2, num_warps=8) for split_k in (8, 16)]
     return [LaunchConfig(block_m=16, block_k=block_k, block_r=32, split_k=split_k,
