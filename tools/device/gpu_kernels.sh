@@ -25,12 +25,16 @@ source tools/device/setup.sh
 BASE_OUT="$OUT"
 sha="${EPILORA_GIT_SHA:-}"
 status=0
+declare -A used
 for step in "$@"; do
   case "$step" in
     use:*) name="${step#use:}"; dir=".device/variants/${name//\//-}"
            python3 -m pip install -q --upgrade --force-reinstall --no-index --no-deps \
              --no-compile --target "$EPILORA_SITE" "$dir"/epilora_kernels-*.whl || exit 1
-           sha="$(cat "$dir/sha")"; OUT="$BASE_OUT/${name//\//-}"; mkdir -p "$OUT"
+           # A ref used again in the call writes beside its first run (NAME-2, ...), not over it.
+           used[$name]=$(( ${used[$name]:-0} + 1 )); again=""
+           (( used[$name] > 1 )) && again="-${used[$name]}"
+           sha="$(cat "$dir/sha")"; OUT="$BASE_OUT/${name//\//-}$again"; mkdir -p "$OUT"
            echo "epilora-kernels from $name at $sha" ;;
     tests) timeout "${TESTS_TIMEOUT:-240}" python3 -m nox -s gpu-sm90 -- \
              -k "fused_gpu or decode_gpu" --junitxml="$OUT/gpu-sm90-kernels-junit.xml" \
