@@ -42,7 +42,13 @@ from layer import PROJECTIONS, make_layer, time_graph, write_results
 
 from epilora_kernels import fused, reference
 from epilora_kernels.batch import AdapterBatch
-from epilora_kernels.launch import LaunchConfig, rank_block, shape_key, validate_table
+from epilora_kernels.launch import (
+    DECODE_SHRINK_MAX_TOKENS,
+    LaunchConfig,
+    rank_block,
+    shape_key,
+    validate_table,
+)
 
 TOKENS = (1, 4, 8, 16, 32, 64, 128, 256)
 RANK = 64  # the table's plain entries; --rank tunes others under rank keys
@@ -235,9 +241,9 @@ def main() -> None:
             want_codes, _ = fused.quantize(x)
             want_h = reference.lora_shrink(x, lora, batch)  # fp32 matmuls (no TF32)
             best1 = {}
-            # (decode_shrink, the decode path's, only up to 32 tokens)
+            # (decode_shrink, the decode path's, only up to DECODE_SHRINK_MAX_TOKENS)
             for op in (op for op in K1_OPS if op in tuned
-                       and (tokens <= 32 or op != "decode_shrink")):
+                       and (tokens <= DECODE_SHRINK_MAX_TOKENS or op != "decode_shrink")):
                 best1[op] = (float("inf"), None)
                 for cfg in k1_candidates(tokens, args.rank):
                     pair = _k1_pair(op, x, weight, scale, lora, batch, cfg, best2[1],

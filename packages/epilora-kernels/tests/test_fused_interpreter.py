@@ -154,6 +154,22 @@ def test_decode_path_equals_fused_path_bitwise(mapping, pdl):
     assert relative_error(decode, want) < BF16_TOL
 
 
+@pytest.mark.parametrize("t", [fused.DECODE_SHRINK_MAX_TOKENS, fused.DECODE_SHRINK_MAX_TOKENS + 1])
+def test_decode_path_beyond_decode_shrink_tuning_takes_the_fused_k1_settings(t, monkeypatch):
+    # decode_shrink is tuned up to DECODE_SHRINK_MAX_TOKENS; beyond, its largest bucket would
+    # stretch 32-token settings, so the decode path's K1 asks for the fused path's.
+    x, weight, w_scale, lora, batch = make_problem(9, t, 64, (32,), 8, 2, "mixed_with_base")
+    asked = []
+    config = fused._config
+    monkeypatch.setattr(fused, "_config", lambda op, *a: asked.append(op) or config(op, *a))
+    y = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch)
+    want_op = "decode_shrink" if t <= fused.DECODE_SHRINK_MAX_TOKENS else "quantize_shrink"
+    assert asked[0] == want_op
+    want = reference.decode_lora_fp8_linear(x, weight, w_scale, lora, batch,
+                                            arithmetic=Fp8Arithmetic.TORCH_CPU)
+    assert relative_error(y, want) < BF16_TOL
+
+
 @pytest.mark.parametrize("t", [1, 17])
 def test_gemm_without_adapters_matches_reference(t):
     x, weight, w_scale, lora, batch = make_problem(8, t, 64, (32, 32), 8, 2, "no_adapter")

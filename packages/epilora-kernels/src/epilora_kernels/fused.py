@@ -28,7 +28,7 @@ import triton
 from epilora_kernels import _env, _workspace
 from epilora_kernels._fused_kernels import _lora_gemm_kernel, _quantize_shrink_kernel
 from epilora_kernels.batch import AdapterBatch, LoraWeights
-from epilora_kernels.launch import LaunchConfig, select_config
+from epilora_kernels.launch import DECODE_SHRINK_MAX_TOKENS, LaunchConfig, select_config
 
 
 def _config(op: str, tokens: int, lora: LoraWeights, given: LaunchConfig | None):
@@ -450,7 +450,8 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
     # dependent, waiting for K1's count of quantized rows before its K loop.
     _check_inputs(x, lora, batch)
     _check_weight(weight, weight_scale, lora.in_features, lora.out_features)
-    op1 = "decode_shrink" if decode else ("quantize_shrink" if mode == 0 else "shrink")
+    op1 = ("decode_shrink" if decode and x.shape[0] <= DECODE_SHRINK_MAX_TOKENS else
+           "quantize_shrink" if mode == 0 else "shrink")
     cfg1 = _config(op1, x.shape[0], lora, k1_config)
     cfg2 = _gemm_config(batch, lora, k2_config)
     y = torch.empty(x.shape[0], lora.out_features, dtype=torch.bfloat16, device=x.device)

@@ -18,6 +18,10 @@ from importlib import resources
 # K1 quantizing (the fused path), K1's shrink alone for the hybrid path and for the decode path
 # (tuned apart: K2 overlaps the decode path's shrink, not the others), and K2.
 OPS = ("quantize_shrink", "shrink", "decode_shrink", "lora_gemm")
+# `decode_shrink` is tuned up to this many tokens (benchmarks/tune.py); beyond, the decode path's
+# K1 takes `quantize_shrink`'s settings, the fused path's, tuned where the decode path's would
+# be the 32-token ones stretched.
+DECODE_SHRINK_MAX_TOKENS = 32
 
 
 @dataclass(frozen=True)
