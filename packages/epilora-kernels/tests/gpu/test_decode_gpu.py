@@ -18,6 +18,7 @@ CASES = [  # (tokens, K, slices, rank, max_loras)
     (4, 4096, (4096,), 16, 4),
     (16, 4096, (2048, 2048), 128, 4),
     (32, 2048, (1024,), 64, 32),
+    (64, 2048, (1024, 1024), 128, 4),  # beyond DECODE_SHRINK_MAX_TOKENS: the fused K1 settings
 ]
 
 
