@@ -17,6 +17,9 @@ medians over replays:
   k2_end        the last K2 program done
   k2_wait_max   the longest gdc_wait of any K2 program
   k2_late       K2 programs that started after K1's end (no room for them beside K1)
+  layer_start   this projection's origin, from the layer's first traced program
+  gap_before    from the previous projection's last K2 program to this one's origin (launch
+                latency, and for `h-given` our untraced quantizer)
 
 Variants: `decode` (the decode path as shipped), `decode-warm<B>` (K2 prefetches the first B
 bytes of each of its weight rows into L2 before its spin; 0: none), `decode-k1r32` (K1 in
@@ -84,7 +87,7 @@ def _stats(k1: torch.Tensor | None, k2: torch.Tensor, tokens: int) -> dict:
     k2 = k2[k2[:, 0] != 0]
     t0 = int(k1[k1[:, 0] != 0][:, 0].min()) if k1 is not None else int(k2[:, 0].min())
     us = lambda t: (int(t) - t0) / 1000.0  # noqa: E731
-    out = {"k2_start": us(k2[:, 0].min()), "k2_loop_end": us(k2[:, 2].max()),
+    out = {"t0_ns": t0, "k2_start": us(k2[:, 0].min()), "k2_loop_end": us(k2[:, 2].max()),
            "k2_end": us(k2[:, 4].max()), "k2_programs": int(k2.shape[0])}
     if k1 is not None:
         k1 = k1[k1[:, 0] != 0]
@@ -98,6 +101,20 @@ def _stats(k1: torch.Tensor | None, k2: torch.Tensor, tokens: int) -> dict:
         out["k2_wait_end"] = us(k2[:, 3].max())
         out["k2_wait_max"] = float((k2[:, 3] - k2[:, 2]).max()) / 1000.0
     return out
+
+
+def _place_in_layer(rep: dict) -> dict:
+    """Each projection's `layer_start` (us from the layer's first traced program) and
+    `gap_before` (from the previous projection's last K2 program), from one replay's `_stats`
+    in launch order; their clocks' origin `t0_ns` dropped."""
+    first, prev_end = min(r["t0_ns"] for r in rep.values()), None
+    for r in rep.values():
+        start = (r.pop("t0_ns") - first) / 1000.0
+        r["layer_start"] = start
+        if prev_end is not None:
+            r["gap_before"] = start - prev_end
+        prev_end = start + r["k2_end"]
+    return rep
 
 
 def _trace_rows(tokens: int, adapters: int, rank: int) -> int:
@@ -131,7 +148,7 @@ def timeline(variant, xs, layer, batch, hs, reps, flush) -> dict:
         rep = {}
         for name, (k1, k2) in traces.items():
             rep[name] = _stats(None if variant == "h-given" else k1.cpu(), k2.cpu(), tokens)
-        per_rep.append(rep)
+        per_rep.append(_place_in_layer(rep))
     return {name: {key: statistics.median(r[name][key] for r in per_rep)
                    for key in per_rep[0][name]} for name in layer}
 

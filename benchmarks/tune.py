@@ -131,7 +131,7 @@ def _k1_pair(op, x, weight, scale, lora, batch, k1_cfg, k2_cfg, base_out):
                              k2_config=k2_cfg)
 
 
-def _installed_table() -> dict:
+def installed_table() -> dict:
     """The launch table the package ships for this GPU (empty if none), to update."""
     from importlib import resources
 
@@ -146,7 +146,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
 
 
-def _time(run, reps, flush, check=lambda: True) -> tuple[bool, float]:
+def timed(run, reps, flush, check=lambda: True) -> tuple[bool, float]:
     """(check passed, median us); a candidate that fails to launch (e.g. out of shared
     memory for its tiles) or to check is not one here: (False, inf)."""
     try:
@@ -181,7 +181,7 @@ def main() -> None:
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
     layer = make_layer(max(4, args.adapters), args.rank, gen)
     key_rank = None if args.rank == RANK else args.rank
-    table = _installed_table()
+    table = installed_table()
     # Where each entry came from: the table's earlier provenance (`sources`) and the runs since,
     # in order, a later run's ops and finished token counts replacing an earlier one's (a run
     # cut short lists only what it finished).
@@ -211,10 +211,10 @@ def main() -> None:
             n = sum(slices)
             x = torch.randn(tokens, k, generator=gen, device="cuda").to(torch.bfloat16)
             codes, scales = ops.scaled_fp8_quant(x, None, use_per_token_if_dynamic=True)
-            cutlass = _time(functools.partial(ops.cutlass_scaled_mm, codes, weight.t(), scales,
+            cutlass = timed(functools.partial(ops.cutlass_scaled_mm, codes, weight.t(), scales,
                                               scale, torch.bfloat16), args.reps, flush)[1]
             row("cutlass-mm", name, tokens, cutlass)
-            quant = _time(functools.partial(ops.scaled_fp8_quant, x, None,
+            quant = timed(functools.partial(ops.scaled_fp8_quant, x, None,
                                             use_per_token_if_dynamic=True), args.reps, flush)[1]
             row("vllm-quant", name, tokens, quant)
             want = ops.cutlass_scaled_mm(codes, weight.t(), scales, scale, torch.bfloat16)
@@ -227,12 +227,12 @@ def main() -> None:
                                          batch, k2_config=cfg) if args.ops == "k2-lora" else
                        functools.partial(fused.fp8_gemm, codes, scales, weight, scale,
                                          config=cfg))
-                ok, us = _time(run, args.reps, flush,
+                ok, us = timed(run, args.reps, flush,
                                lambda run=run, want=want: rel(run(), want) < 1e-2)
                 row("lora_gemm", name, tokens, us, cfg, ok=ok,
                     **({"timed": "with K1 and the epilogue"} if args.ops == "k2-lora" else {}))
                 best2 = min(best2, (us, cfg), key=lambda b: b[0])
-            our_quant = _time(functools.partial(fused.quantize, x), args.reps, flush)[1]
+            our_quant = timed(functools.partial(fused.quantize, x), args.reps, flush)[1]
             row("epilora-quant", name, tokens, our_quant)
             # K1's checks: codes bit for bit our quantizer's (tested against vLLM's), h against
             # torch's fp32 within accumulation error over K (the first sweeps compared
@@ -258,7 +258,7 @@ def main() -> None:
                                                 want_codes.view(torch.uint8))) and \
                             rel(h, want_h) < H_TOLERANCE
 
-                    ok, us = _time(pair, args.reps, flush, same)
+                    ok, us = timed(pair, args.reps, flush, same)
                     row(op, name, tokens, us, cfg, ok=ok, timed="with K2")
                     best1[op] = min(best1[op], (us, cfg), key=lambda b: b[0])
             print(f"{name:8s} T={tokens:3d} cutlass-mm {cutlass:7.1f}  ours {best2[0]:7.1f} "

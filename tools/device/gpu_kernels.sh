@@ -5,6 +5,8 @@
 #   tune    benchmarks/tune.py $TUNE_ARGS -> $OUT/NVIDIA_H200.json, which the later steps of the
 #           call then use (installed into the package); copy it to epilora_kernels/configs/ to
 #           keep it                                                                 TUNE_TIMEOUT
+#   tune-layer benchmarks/tune_layer.py $TUNE_LAYER_ARGS (the decode path's K1 by the decode
+#           layer's time) -> $OUT/NVIDIA_H200.json, used by the later steps as tune's  TUNE_TIMEOUT
 #   layer   benchmarks/layer.py $LAYER_ARGS -> $OUT/layer.json                     LAYER_TIMEOUT
 #   decode  benchmarks/decode.py -> $OUT/decode.json                               DECODE_TIMEOUT
 #   timeline benchmarks/decode_timeline.py $TIMELINE_ARGS -> $OUT/decode_timeline.json
@@ -26,6 +28,9 @@ BASE_OUT="$OUT"
 sha="${EPILORA_GIT_SHA:-}"
 status=0
 declare -A used
+# The table a tune step wrote serves the later steps (a run cut short wrote what it finished).
+install_table() { [ -f "$OUT/NVIDIA_H200.json" ] \
+  && cp "$OUT/NVIDIA_H200.json" "$EPILORA_SITE/epilora_kernels/configs/"; }
 for step in "$@"; do
   case "$step" in
     use:*) name="${step#use:}"; dir=".device/variants/${name//\//-}"
@@ -42,7 +47,11 @@ for step in "$@"; do
     tune) timeout "${TUNE_TIMEOUT:-420}" python3 benchmarks/tune.py \
             --out-table "$OUT/NVIDIA_H200.json" --out "$OUT/tune.json" --git-sha "$sha" \
             ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log"
-          cp "$OUT/NVIDIA_H200.json" "$EPILORA_SITE/epilora_kernels/configs/" ;;
+          rc=${PIPESTATUS[0]}; install_table; (exit $rc) ;;
+    tune-layer) timeout "${TUNE_TIMEOUT:-420}" python3 benchmarks/tune_layer.py \
+                  --out-table "$OUT/NVIDIA_H200.json" --out "$OUT/tune_layer.json" \
+                  --git-sha "$sha" ${TUNE_LAYER_ARGS:-} 2>&1 | tee "$OUT/tune_layer.log"
+                rc=${PIPESTATUS[0]}; install_table; (exit $rc) ;;
     layer) timeout "${LAYER_TIMEOUT:-300}" python3 benchmarks/layer.py --out "$OUT/layer.json" \
              --git-sha "$sha" ${LAYER_ARGS:-} 2>&1 | tee "$OUT/layer.log" ;;
     decode) timeout "${DECODE_TIMEOUT:-240}" python3 benchmarks/decode.py \

@@ -1,0 +1,138 @@
+"""Tune the decode path's K1 by the whole decode layer's time, one projection at a time.
+
+`tune.py --ops decode` times each projection's K1 with that projection's K2 alone; its winners
+differ by about the decode layer's run-to-run spread, and a setting that makes one projection
+faster can make the layer slower (docs/kernels.md, items 21-23). Here every candidate is timed
+in the layer it serves: one Qwen3-8B layer's decode path (4 projections, tokens round robin over
+`--adapters` adapters of rank `--rank`) in a CUDA graph, the L2 flushed before each replay,
+median of `--reps`. One projection's K1 setting changes at a time, the others keep their
+current ones (the installed table's to begin with): coordinate descent, `--passes` rounds over
+the projections. Before each projection's candidates the current settings are timed again (the
+run's drift), and a candidate replaces the current setting only when it is faster than that
+by more than `--margin` us. Each candidate's output for its projection is checked against the
+installed settings' (relative 1e-2: split orders differ in the last bits). At the end the
+installed and the tuned settings are timed in turns (`--reps` each, `--confirm` times), and the
+tuned ones are written only if their median beats the installed ones' by `--margin`.
+
+Writes `decode_shrink` entries for the settings that changed (rank keys beside rank 64, as
+tune.py does; the installed table's other entries kept) and every timing:
+
+    python3 benchmarks/tune_layer.py --rank 128 --tokens 4 8 --out-table $OUT/NVIDIA_H200.json \
+        --out $OUT/tune_layer.json
+"""
+
+import argparse
+import functools
+import json
+import statistics
+
+import torch
+from layer import PROJECTIONS, adapter_inputs, make_layer, write_results
+from tune import RANK, installed_table, k1_candidates, rel, timed
+
+from epilora_kernels import fused
+from epilora_kernels.launch import LaunchConfig, shape_key, validate_table
+
+CHECK_TOLERANCE = 1e-2  # relative, against the installed settings' output
+
+
+def decode_layer(xs: dict, layer: dict, batch, k1_configs: dict) -> dict:
+    """The decode path over the layer's projections, K1 with `k1_configs[name]` where given
+    (else the installed table's); the outputs by projection."""
+    return {name: fused.decode_lora_fp8_linear(xs[name], weight, scale, lora, batch,
+                                               k1_config=k1_configs.get(name))
+            for name, (weight, scale, lora) in layer.items()}
+
+
+def tune_tokens(tokens, layer, args, gen, flush, row) -> dict[str, LaunchConfig]:
+    """The settings that beat the installed ones in the layer at `tokens`, by projection."""
+    batch, xs, _ = adapter_inputs(tokens, args.rank, args.adapters, gen)
+    want = decode_layer(xs, layer, batch, {})
+    chosen: dict[str, LaunchConfig] = {}
+    for round_ in range(args.passes):
+        for name in layer:
+            current = timed(functools.partial(decode_layer, xs, layer, batch, chosen),
+                            args.reps, flush)[1]
+            row("current", name, tokens, current, chosen.get(name), round=round_)
+            best = (float("inf"), None)
+            for cfg in k1_candidates(tokens, args.rank):
+                trial = {**chosen, name: cfg}
+                run = functools.partial(decode_layer, xs, layer, batch, trial)
+                ok, us = timed(run, args.reps, flush,
+                               lambda run=run, name=name:
+                               rel(run()[name], want[name]) < CHECK_TOLERANCE)
+                row("candidate", name, tokens, us, cfg, ok=ok, round=round_)
+                best = min(best, (us, cfg), key=lambda b: b[0])
+            taken = best[0] < current - args.margin
+            if taken:
+                chosen[name] = best[1]
+            print(f"T={tokens:3d} round {round_} {name:8s} current {current:7.1f} us  "
+                  f"best {best[0]:7.1f} us {'taken' if taken else 'not taken'}: {best[1]}",
+                  flush=True)
+    # The installed and the tuned settings in turns, so that drift hits both alike.
+    turns = {"installed": [], "tuned": []}
+    for _ in range(args.confirm):
+        for label, cfgs in (("installed", {}), ("tuned", chosen)):
+            turns[label].append(timed(functools.partial(decode_layer, xs, layer, batch, cfgs),
+                                      args.reps, flush)[1])
+    for label, times in turns.items():
+        row(f"layer-{label}", None, tokens, statistics.median(times), times=times)
+    installed, tuned = (statistics.median(turns[label]) for label in ("installed", "tuned"))
+    kept = tuned < installed - args.margin
+    print(f"T={tokens:3d} layer: installed {installed:7.1f} us  tuned {tuned:7.1f} us: "
+          f"{'written' if kept else 'installed settings kept'}", flush=True)
+    return chosen if kept else {}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-table", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tokens", type=int, nargs="+", required=True,
+                        help="token counts (the decode path's, up to 32)")
+    parser.add_argument("--rank", type=int, default=RANK,
+                        help=f"the adapters' rank; other than {RANK}, entries go under rank keys")
+    parser.add_argument("--adapters", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--passes", type=int, default=1)
+    parser.add_argument("--margin", type=float, default=0.3,
+                        help="us a candidate must gain over the current settings")
+    parser.add_argument("--confirm", type=int, default=5)
+    parser.add_argument("--git-sha", default=None)
+    args = parser.parse_args()
+    if max(args.tokens) > fused.DECODE_SHRINK_MAX_TOKENS:
+        parser.error(f"--tokens: the decode path's K1 is tuned up to "
+                     f"{fused.DECODE_SHRINK_MAX_TOKENS} tokens")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+    layer = make_layer(max(4, args.adapters), args.rank, gen)
+    key_rank = None if args.rank == RANK else args.rank
+    table = installed_table()
+    table.setdefault("decode_shrink", {})
+    meta = table.setdefault("_meta", {})
+    run = {"git_sha": args.git_sha, "mode": "decode-layer", "tool": "benchmarks/tune_layer.py",
+           "ops": ["decode_shrink"], "adapters": args.adapters, "rank": args.rank,
+           "tokens": []}
+    meta["runs"] = [*meta.get("runs", []), run]
+    rows = []
+
+    def row(kind, name, tokens, us, cfg=None, **extra):
+        rows.append({"bench": "tune-layer", "kind": kind, "projection": name, "tokens": tokens,
+                     "config": cfg.__dict__ if cfg else None, "metric": "layer_us",
+                     "value": None if us == float("inf") else round(us, 2), "n": args.reps,
+                     **extra})
+
+    for tokens in args.tokens:
+        for name, cfg in tune_tokens(tokens, layer, args, gen, flush, row).items():
+            k, slices = PROJECTIONS[name]
+            table["decode_shrink"].setdefault(shape_key(sum(slices), k, key_rank), {})[
+                str(tokens)] = cfg.__dict__
+        run["tokens"].append(tokens)
+        validate_table(table)
+        with open(args.out_table, "w") as f:
+            json.dump(table, f, indent=1)
+        write_results(args, rows)  # after every count: a run cut short keeps what it measured
+
+
+if __name__ == "__main__":
+    main()
