@@ -10,6 +10,10 @@ limit per SM (65536 registers allocated per warp in units of 256, 228 KB of shar
 
     python tools/sm90_occupancy.py --out benchmarks/results/cpu/sm90_occupancy.json
 
+`--k2-candidates` compiles instead every K2 candidate `benchmarks/tune.py` offers (the fused
+path's K2, with its epilogue at the rank), to see before a GPU sweep which tiles fit how many
+blocks per SM, e.g. `--k2-candidates --tokens 256 --ranks 128 --projections gate_up`.
+
 Why it exists: the decode timeline showed gate_up's K2 main loop slower at rank 128 than at
 rank 64 with h given (decode_timeline.json); here K2 there holds more registers at rank 128
 (the first segment's slice of B is loaded before the K loop), fewer blocks fit an SM and its
@@ -55,10 +59,14 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128, 256])
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64, 128])
+    parser.add_argument("--projections", nargs="+", help="these only (default: all four)")
+    parser.add_argument("--k2-candidates", action="store_true",
+                        help="every K2 candidate of benchmarks/tune.py in the fused path")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "packages/epilora-kernels/tests"))
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from layer import PROJECTIONS  # the benchmarks' Qwen3-8B shapes
+    from tune import k2_candidates
 
     from epilora_kernels import fused
     from epilora_kernels.batch import AdapterBatch, LoraWeights
@@ -70,6 +78,8 @@ def main() -> None:
 
     rows = []
     for name, (k, slices) in PROJECTIONS.items():
+        if args.projections and name not in args.projections:
+            continue
         n = sum(slices)
         weight = torch.empty(n, k, dtype=torch.float8_e4m3fn)
         for rank in args.ranks:
@@ -80,18 +90,27 @@ def main() -> None:
             for tokens in args.tokens:
                 x = torch.empty(tokens, k, dtype=torch.bfloat16)
                 batch = AdapterBatch.from_token_mapping(torch.zeros(tokens, dtype=torch.int32), 1)
-                k2 = config("lora_gemm", tokens, n, k, rank, slices)
-                paths = {"fused": (fused.fused_lora_fp8_linear,
-                                   config("quantize_shrink", tokens, n, k, rank, slices))}
+                k1 = config("quantize_shrink", tokens, n, k, rank, slices)
+                # (path, K1, K2, the kernels reported): the launchers' choices, or K2's candidates
+                launches = [("fused", k1, config("lora_gemm", tokens, n, k, rank, slices),
+                             ("K1", "K2"))]
                 if tokens <= 32:
-                    paths["decode"] = (fused.decode_lora_fp8_linear,
-                                       config("decode_shrink", tokens, n, k, rank, slices))
-                for path, (linear, k1) in paths.items():
+                    launches.append(("decode",
+                                     config("decode_shrink", tokens, n, k, rank, slices),
+                                     launches[0][2], ("K1", "K2")))
+                if args.k2_candidates:
+                    launches = [("fused", k1, cfg, ("K2",))
+                                for cfg in k2_candidates(tokens, slices, rank)]
+                for path, k1_cfg, k2_cfg, reported in launches:
+                    linear = (fused.decode_lora_fp8_linear if path == "decode" else
+                              fused.fused_lora_fp8_linear)
                     grids = []
                     calls = record_launches(functools.partial(
-                        linear, x, weight, torch.ones(1), lora, batch, k1_config=k1,
-                        k2_config=k2), grids)
+                        linear, x, weight, torch.ones(1), lora, batch, k1_config=k1_cfg,
+                        k2_config=k2_cfg), grids)
                     for kernel_name, call, grid in zip(("K1", "K2"), calls, grids, strict=True):
+                        if kernel_name not in reported:
+                            continue
                         compiled = compile_launch_full(*call)
                         regs, spills = ptxas_usage(compiled.asm["ptx"])
                         warps = call[2]["num_warps"]
@@ -103,6 +122,8 @@ def main() -> None:
                                "shared_bytes": compiled.metadata.shared, "warps": warps,
                                "blocks_per_sm": per_sm, "programs": programs,
                                "waves": round(programs / (per_sm * SMS), 2)}
+                        if args.k2_candidates:
+                            row["config"] = k2_cfg.__dict__
                         rows.append(row)
                         print(" ".join(f"{key}={value}" for key, value in row.items()),
                               flush=True)
