@@ -29,16 +29,11 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+from qwen3_8b import PROJECTIONS
 
 from epilora_kernels import fused
 from epilora_kernels.batch import AdapterBatch, LoraWeights
 
-PROJECTIONS = {  # name: (K, output slices)
-    "qkv": (4096, (4096, 1024, 1024)),
-    "o": (4096, (4096,)),
-    "gate_up": (4096, (12288, 12288)),
-    "down": (12288, (4096,)),
-}
 TOKENS = (1, 4, 8, 16, 32, 64, 128, 256)
 SETUPS = ((1, 16), (1, 64), (1, 128), (32, 64))  # (adapters, rank)
 
