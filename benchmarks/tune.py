@@ -146,6 +146,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
 
 
+def timing_row(case: dict, metric: str, us: float, cfg, reps: int, extra: dict) -> dict:
+    """One timing as the result files hold it (`us` inf: the candidate did not run)."""
+    return {**case, "config": cfg.__dict__ if cfg else None, "metric": metric,
+            "value": None if us == float("inf") else round(us, 2), "n": reps, **extra}
+
+
 def timed(run, reps, flush, check=lambda: True) -> tuple[bool, float]:
     """(check passed, median us); a candidate that fails to launch (e.g. out of shared
     memory for its tiles) or to check is not one here: (False, inf)."""
@@ -198,10 +204,8 @@ def main() -> None:
     rows = []
 
     def row(op, name, tokens, us, cfg=None, **extra):
-        rows.append({"bench": "tune", "op": op, "projection": name, "tokens": tokens,
-                     "config": cfg.__dict__ if cfg else None, "metric": "kernel_us",
-                     "value": None if us == float("inf") else round(us, 2), "n": args.reps,
-                     **extra})
+        rows.append(timing_row({"bench": "tune", "op": op, "projection": name,
+                                "tokens": tokens}, "kernel_us", us, cfg, args.reps, extra))
 
     for tokens in args.tokens:
         mapping = torch.arange(tokens, device="cuda", dtype=torch.int32) % args.adapters

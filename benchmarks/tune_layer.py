@@ -28,7 +28,7 @@ import statistics
 
 import torch
 from layer import PROJECTIONS, adapter_inputs, make_layer, write_results
-from tune import RANK, installed_table, k1_candidates, rel, timed
+from tune import RANK, installed_table, k1_candidates, rel, timed, timing_row
 
 from epilora_kernels import fused
 from epilora_kernels.launch import LaunchConfig, shape_key, validate_table
@@ -117,10 +117,8 @@ def main() -> None:
     rows = []
 
     def row(kind, name, tokens, us, cfg=None, **extra):
-        rows.append({"bench": "tune-layer", "kind": kind, "projection": name, "tokens": tokens,
-                     "config": cfg.__dict__ if cfg else None, "metric": "layer_us",
-                     "value": None if us == float("inf") else round(us, 2), "n": args.reps,
-                     **extra})
+        rows.append(timing_row({"bench": "tune-layer", "kind": kind, "projection": name,
+                                "tokens": tokens}, "layer_us", us, cfg, args.reps, extra))
 
     for tokens in args.tokens:
         for name, cfg in tune_tokens(tokens, layer, args, gen, flush, row).items():
