@@ -283,6 +283,22 @@ def test_counters_are_zero_at_rest_after_every_path(path):
     assert int(_workspace.counters(x.device, 0).count_nonzero()) == 0
 
 
+def test_counter_buffer_grows_before_k1_not_between_the_launches(monkeypatch):
+    # Grown between K1 and K2, the buffer would put a fill kernel between K1 and its PDL
+    # dependent and free K1's counters while K1 runs: the first request covers both kernels'.
+    x, weight, w_scale, lora, batch = make_problem(17, 40, 64, (96,), 8, 1, "one_adapter")
+    k1 = fused.LaunchConfig(block_m=16, block_k=32, block_r=16, split_k=2)
+    k2 = fused.LaunchConfig(block_m=16, block_n=16, block_k=32, block_r=16, split_k=2)
+    asked = []
+    counters = _workspace.counters
+    monkeypatch.setattr(_workspace, "counters",
+                        lambda device, tiles: asked.append(tiles) or counters(device, tiles))
+    fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, k1_config=k1, k2_config=k2)
+    k1_tiles = 2 * 3 * 1 * 1  # (entries, row tiles, rank tiles, slices)
+    k2_tiles = 3 * 6  # (row tiles, column tiles)
+    assert asked[0] == max(k1_tiles, k2_tiles) and max(asked) == asked[0], asked
+
+
 @pytest.mark.parametrize("path", ["fused", "decode"])
 def test_k1_rank_in_several_tiles_with_split_k(path):
     # K1 may cover the rank in several tiles (block_r < rank) while K2 holds it whole; with

@@ -107,6 +107,14 @@ def _shrink_programs(t: int, lora: LoraWeights, batch: AdapterBatch, cfg: Launch
             * cfg.split_k)
 
 
+def _k1_tiles(t: int, lora: LoraWeights, batch: AdapterBatch, cfg: LaunchConfig) -> int:
+    # K1's split-K tile counters, indexed by (entry, slice, row tile, rank tile): room for all.
+    if cfg.split_k == 1:
+        return 0
+    return ((batch.max_loras + 1) * triton.cdiv(t, cfg.block_m)
+            * triton.cdiv(lora.max_rank, cfg.block_r) * len(lora.output_slices))
+
+
 def _launch_k1(x, lora, batch, cfg: LaunchConfig, quantize: bool, pdl: bool = False,
                signal_codes: bool = False, trace: torch.Tensor | None = None):
     t, k = x.shape
@@ -120,10 +128,7 @@ def _launch_k1(x, lora, batch, cfg: LaunchConfig, quantize: bool, pdl: bool = Fa
         codes, scales = h, h  # unused
     a, _, _, _ = _slice_args(lora)
     entries = batch.max_loras + 1
-    # Split-K counters are indexed by (entry, slice, row tile, rank tile): room for all.
-    counters = _workspace.counters(x.device, entries * triton.cdiv(t, cfg.block_m)
-                                   * triton.cdiv(rank, cfg.block_r) * s_count
-                                   if cfg.split_k > 1 else 0)
+    counters = _workspace.counters(x.device, _k1_tiles(t, lora, batch, cfg))
     grid = ((t if quantize else 0) + _shrink_programs(t, lora, batch, cfg),)
     _quantize_shrink_kernel[grid](
         x, codes, scales, h, a[0], a[1], a[2],
@@ -206,13 +211,19 @@ def _gemm_grid(mode: int, t: int, n: int, cfg: LaunchConfig) -> tuple[int, int, 
     return (triton.cdiv(t, cfg.block_m), triton.cdiv(n, cfg.block_n), _split_k(mode, cfg))
 
 
+def _k2_tiles(mode: int, t: int, n: int, cfg: LaunchConfig) -> int:
+    # K2's split-K tile counters, one per output tile.
+    grid = _gemm_grid(mode, t, n, cfg)
+    return 0 if grid[2] == 1 else grid[0] * grid[1]
+
+
 def _gemm_workspace(mode, t, n, cfg: LaunchConfig, device):
     """The grid, the split-K partials (None without split-K) and the counter buffer."""
     grid = _gemm_grid(mode, t, n, cfg)
     if grid[2] == 1:
         return grid, None, _workspace.counters(device, 0)
     partial = torch.empty(grid[2], grid[0] * cfg.block_m, n, dtype=torch.float32, device=device)
-    return grid, partial, _workspace.counters(device, grid[0] * grid[1])
+    return grid, partial, _workspace.counters(device, _k2_tiles(mode, t, n, cfg))
 
 
 def _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg: LaunchConfig,
@@ -455,6 +466,10 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
     cfg1 = _config(op1, x.shape[0], lora, k1_config)
     cfg2 = _gemm_config(batch, lora, k2_config)
     y = torch.empty(x.shape[0], lora.out_features, dtype=torch.bfloat16, device=x.device)
+    # The counter buffer, grown (if at all) before K1: grown between the launches, it would put
+    # a fill kernel between K1 and its dependent K2 and free K1's counters while K1 runs.
+    _workspace.counters(x.device, max(_k1_tiles(x.shape[0], lora, batch, cfg1),
+                                      _k2_tiles(mode, x.shape[0], lora.out_features, cfg2)))
     # Only a quantizing K1 counts rows: a K2 waiting for a count nobody makes would spin forever.
     counted = pdl and mode == 0
     codes, scales, h = _launch_k1(x, lora, batch, cfg1, quantize=mode == 0, pdl=pdl,
