@@ -108,7 +108,16 @@ def k1_candidates(tokens: int, rank: int = RANK):
                      num_warps=8)] + [
         LaunchConfig(block_m=block_m, block_k=128, block_r=block_r, split_k=8, num_stages=2,
                      num_warps=4)
-        for block_m in (16, 32) for block_r in (64, 128) if block_r <= whole]
+        for block_m in (16, 32) for block_r in (64, 128) if block_r <= whole] + [
+        # 64-row tiles over 64 or 128 rank columns: each row tile re-reads all of A, each rank
+        # tile all of x, so 16-row, 32-wide tiles at 256 tokens and rank 128 read A 16 times
+        # and x 4 times (from L2). Untried on a GPU; 64 x 128 tiles 128 deep spill with 4 warps
+        # (benchmarks/results/cpu/sm90_occupancy_k1_candidates_r128.json).
+        LaunchConfig(block_m=64, block_k=block_k, block_r=block_r, split_k=split_k,
+                     num_stages=stages, num_warps=warps)
+        for block_r in (64, 128) if block_r <= whole for split_k in (2, 4, 8)
+        for block_k, stages, warps in ((64, 3, 4), (128, 2, 4), (128, 2, 8))
+        if (block_r, block_k, warps) != (128, 128, 4)]
 
 
 # K1's ops, each timed with the kernel it feeds (K2, or the hybrid path's expand after vLLM's

@@ -10,9 +10,10 @@ limit per SM (65536 registers allocated per warp in units of 256, 228 KB of shar
 
     python tools/sm90_occupancy.py --out benchmarks/results/cpu/sm90_occupancy.json
 
-`--k2-candidates` compiles instead every K2 candidate `benchmarks/tune.py` offers (the fused
-path's K2, with its epilogue at the rank), to see before a GPU sweep which tiles fit how many
-blocks per SM, e.g. `--k2-candidates --tokens 256 --ranks 128 --projections gate_up`.
+`--candidates k2` compiles instead every K2 candidate `benchmarks/tune.py` offers (the fused
+path's K2, with its epilogue at the rank), `--candidates k1` every K1 candidate (the fused
+path's K1), to see before a GPU sweep which tiles fit how many blocks per SM and which spill,
+e.g. `--candidates k2 --tokens 256 --ranks 128 --projections gate_up`.
 
 Why it exists: the decode timeline showed gate_up's K2 main loop slower at rank 128 than at
 rank 64 with h given (decode_timeline.json); here K2 there holds more registers at rank 128
@@ -60,13 +61,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128, 256])
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64, 128])
     parser.add_argument("--projections", nargs="+", help="these only (default: all four)")
-    parser.add_argument("--k2-candidates", action="store_true",
-                        help="every K2 candidate of benchmarks/tune.py in the fused path")
+    parser.add_argument("--candidates", choices=("k1", "k2"),
+                        help="every K1 or K2 candidate of benchmarks/tune.py, in the fused path")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "packages/epilora-kernels/tests"))
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from layer import PROJECTIONS  # the benchmarks' Qwen3-8B shapes
-    from tune import k2_candidates
+    from tune import k1_candidates, k2_candidates
 
     from epilora_kernels import fused
     from epilora_kernels.batch import AdapterBatch, LoraWeights
@@ -98,9 +99,12 @@ def main() -> None:
                     launches.append(("decode",
                                      config("decode_shrink", tokens, n, k, rank, slices),
                                      launches[0][2], ("K1", "K2")))
-                if args.k2_candidates:
+                k2 = launches[0][2]
+                if args.candidates == "k2":
                     launches = [("fused", k1, cfg, ("K2",))
                                 for cfg in k2_candidates(tokens, slices, rank)]
+                elif args.candidates == "k1":
+                    launches = [("fused", cfg, k2, ("K1",)) for cfg in k1_candidates(tokens, rank)]
                 for path, k1_cfg, k2_cfg, reported in launches:
                     linear = (fused.decode_lora_fp8_linear if path == "decode" else
                               fused.fused_lora_fp8_linear)
@@ -122,8 +126,8 @@ def main() -> None:
                                "shared_bytes": compiled.metadata.shared, "warps": warps,
                                "blocks_per_sm": per_sm, "programs": programs,
                                "waves": round(programs / (per_sm * SMS), 2)}
-                        if args.k2_candidates:
-                            row["config"] = k2_cfg.__dict__
+                        if args.candidates:
+                            row["config"] = (k1_cfg if kernel_name == "K1" else k2_cfg).__dict__
                         rows.append(row)
                         print(" ".join(f"{key}={value}" for key, value in row.items()),
                               flush=True)
