@@ -88,7 +88,7 @@ def k1_candidates(tokens: int, rank: int = RANK):
     # tiles wider than 32 are offered too (untried: at rank 128 a 32-wide tile makes four
     # programs re-read each x tile, decode_timeline_prefill_r128.json).
     # At rank 128 the decode path's K1 also gets 64-wide rank tiles and two-way splits (fewer
-    # programs beside K2; untried before tune_decode_r128_wide.json).
+    # programs beside K2; in tune_decode_r128_wide.json 64-wide tiles won on qkv and o at 16).
     whole = rank_block(rank)
     if tokens <= 32:
         block_m = 16 if tokens <= 16 else 32
