@@ -80,7 +80,7 @@ def k2_candidates(tokens: int, slices: tuple[int, ...], rank: int = RANK):
     return [c for c in grid if not any(width % c.block_n for width in slices[:-1])]
 
 
-def k1_candidates(tokens: int, rank: int = RANK):
+def k1_candidates(tokens: int, rank: int = RANK, k: int = 4096):
     # K1's K loop is latency-bound: the sweeps so far (tune.json at 1-32 tokens,
     # tune_k1_64_256.json beyond) favoured the most splits offered everywhere, so deeper splits,
     # deeper K steps and more stages are in. With 8 warps K1's quantizing programs read a row of
@@ -89,6 +89,8 @@ def k1_candidates(tokens: int, rank: int = RANK):
     # programs re-read each x tile, decode_timeline_prefill_r128.json).
     # At rank 128 the decode path's K1 also gets 64-wide rank tiles and two-way splits (fewer
     # programs beside K2; in tune_decode_r128_wide.json 64-wide tiles won on qkv and o at 16).
+    # Up to 32 tokens a long K (down's 12288) also gets 32 splits: there K1's 16-32 programs
+    # ran for most of K2's loop beside it (decode_timeline_16c8e9b.json); untried on a GPU.
     whole = rank_block(rank)
     if tokens <= 32:
         block_m = 16 if tokens <= 16 else 32
@@ -98,7 +100,10 @@ def k1_candidates(tokens: int, rank: int = RANK):
                 for block_k in (128, 256)
                 for block_r in sorted({32, min(64, whole), whole})] + [
             LaunchConfig(block_m=block_m, block_k=256, block_r=whole, split_k=split_k,
-                         num_stages=2, num_warps=8) for split_k in (8, 16)]
+                         num_stages=2, num_warps=8) for split_k in (8, 16)] + [
+            LaunchConfig(block_m=block_m, block_k=256, block_r=block_r, split_k=32,
+                         num_stages=2, num_warps=4)
+            for block_r in sorted({32, whole}) if k >= 8192]
     return [LaunchConfig(block_m=16, block_k=block_k, block_r=32, split_k=split_k,
                          num_stages=stages, num_warps=4)
             for split_k in (8, 16) for block_k in (128, 256) for stages in (2, 3, 4)] + [
@@ -258,7 +263,7 @@ def main() -> None:
             for op in (op for op in K1_OPS if op in tuned
                        and (tokens <= DECODE_SHRINK_MAX_TOKENS or op != "decode_shrink")):
                 best1[op] = (float("inf"), None)
-                for cfg in k1_candidates(tokens, args.rank):
+                for cfg in k1_candidates(tokens, args.rank, k):
                     pair = _k1_pair(op, x, weight, scale, lora, batch, cfg, best2[1],
                                     want.clone())
 

@@ -55,7 +55,7 @@ def tune_tokens(tokens, layer, args, gen, flush, row) -> dict[str, LaunchConfig]
                             args.reps, flush)[1]
             row("current", name, tokens, current, chosen.get(name), round=round_)
             best = (float("inf"), None)
-            for cfg in k1_candidates(tokens, args.rank):
+            for cfg in k1_candidates(tokens, args.rank, PROJECTIONS[name][0]):
                 trial = {**chosen, name: cfg}
                 run = functools.partial(decode_layer, xs, layer, batch, trial)
                 ok, us = timed(run, args.reps, flush,

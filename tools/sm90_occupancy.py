@@ -104,7 +104,8 @@ def main() -> None:
                     launches = [("fused", k1, cfg, ("K2",))
                                 for cfg in k2_candidates(tokens, slices, rank)]
                 elif args.candidates == "k1":
-                    launches = [("fused", cfg, k2, ("K1",)) for cfg in k1_candidates(tokens, rank)]
+                    launches = [("fused", cfg, k2, ("K1",))
+                                for cfg in k1_candidates(tokens, rank, k)]
                 for path, k1_cfg, k2_cfg, reported in launches:
                     linear = (fused.decode_lora_fp8_linear if path == "decode" else
                               fused.fused_lora_fp8_linear)
