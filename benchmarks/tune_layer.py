@@ -105,7 +105,7 @@ def main() -> None:
                      f"{fused.DECODE_SHRINK_MAX_TOKENS} tokens")
     gen = torch.Generator(device="cuda").manual_seed(0)
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
-    layer = make_layer(max(4, args.adapters), args.rank, gen)
+    layer = make_layer(args.adapters, args.rank, gen)  # as decode.py and decode_timeline.py
     key_rank = None if args.rank == RANK else args.rank
     table = installed_table()
     table.setdefault("decode_shrink", {})
