@@ -193,13 +193,18 @@ def main() -> None:
                              "the installed K1 settings) instead of without adapters")
     parser.add_argument("--adapters", type=int, default=4,
                         help="adapters the tokens are spread over (round robin)")
+    parser.add_argument("--slots", type=int, default=None,
+                        help="adapter slots (max_loras; default: the adapters, at least 4). "
+                             "K2's epilogue and K1's programs depend on it: decode.py runs 1 "
+                             "(the sweeps until 16c8e9b ran 4)")
     parser.add_argument("--rank", type=int, default=RANK,
                         help=f"the adapters' rank; other than {RANK}, entries go under rank keys")
     parser.add_argument("--git-sha", default=None)
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
-    layer = make_layer(max(4, args.adapters), args.rank, gen)
+    slots = args.slots or max(4, args.adapters)
+    layer = make_layer(slots, args.rank, gen)
     key_rank = None if args.rank == RANK else args.rank
     table = installed_table()
     # Where each entry came from: the table's earlier provenance (`sources`) and the runs since,
@@ -207,8 +212,7 @@ def main() -> None:
     # cut short lists only what it finished).
     old = table.get("_meta", {})
     run = {"git_sha": args.git_sha, "mode": args.ops, "ops": list(TUNED_OPS[args.ops]),
-           "adapters": args.adapters,
-           "rank": args.rank, "tokens": []}
+           "adapters": args.adapters, "slots": slots, "rank": args.rank, "tokens": []}
     table["_meta"] = {"device": torch.cuda.get_device_name(), "rank": RANK,
                       "tool": "benchmarks/tune.py",
                       **({"sources": old["sources"]} if "sources" in old else {}),
@@ -223,7 +227,7 @@ def main() -> None:
 
     for tokens in args.tokens:
         mapping = torch.arange(tokens, device="cuda", dtype=torch.int32) % args.adapters
-        batch = AdapterBatch.from_token_mapping(mapping, max(4, args.adapters))
+        batch = AdapterBatch.from_token_mapping(mapping, slots)
         for name, (weight, scale, lora) in layer.items():
             k, slices = PROJECTIONS[name]
             n = sum(slices)

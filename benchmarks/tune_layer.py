@@ -111,8 +111,8 @@ def main() -> None:
     table.setdefault("decode_shrink", {})
     meta = table.setdefault("_meta", {})
     run = {"git_sha": args.git_sha, "mode": "decode-layer", "tool": "benchmarks/tune_layer.py",
-           "ops": ["decode_shrink"], "adapters": args.adapters, "rank": args.rank,
-           "tokens": []}
+           "ops": ["decode_shrink"], "adapters": args.adapters, "slots": args.adapters,
+           "rank": args.rank, "tokens": []}
     meta["runs"] = [*meta.get("runs", []), run]
     rows = []
 
