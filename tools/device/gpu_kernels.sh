@@ -28,9 +28,18 @@ BASE_OUT="$OUT"
 sha="${EPILORA_GIT_SHA:-}"
 status=0
 declare -A used
-# The table a tune step wrote serves the later steps (a run cut short wrote what it finished).
-install_table() { [ -f "$OUT/NVIDIA_H200.json" ] \
-  && cp "$OUT/NVIDIA_H200.json" "$EPILORA_SITE/epilora_kernels/configs/"; }
+# benchmarks/NAME.py ARGS -> $OUT/NAME.json, .log and the table NVIDIA_H200.json, which then
+# serves the later steps (a run cut short wrote what it finished); the tuner's exit status.
+tune() {
+  local name="$1"; shift
+  timeout "${TUNE_TIMEOUT:-420}" python3 "benchmarks/$name.py" \
+    --out-table "$OUT/NVIDIA_H200.json" --out "$OUT/$name.json" --git-sha "$sha" "$@" 2>&1 \
+    | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  [ -f "$OUT/NVIDIA_H200.json" ] \
+    && cp "$OUT/NVIDIA_H200.json" "$EPILORA_SITE/epilora_kernels/configs/"
+  return "$rc"
+}
 for step in "$@"; do
   case "$step" in
     use:*) name="${step#use:}"; dir=".device/variants/${name//\//-}"
@@ -44,14 +53,8 @@ for step in "$@"; do
     tests) timeout "${TESTS_TIMEOUT:-240}" python3 -m nox -s gpu-sm90 -- \
              -k "fused_gpu or decode_gpu" --junitxml="$OUT/gpu-sm90-kernels-junit.xml" \
              2>&1 | tee "$OUT/gpu-sm90-kernels.log" ;;
-    tune) timeout "${TUNE_TIMEOUT:-420}" python3 benchmarks/tune.py \
-            --out-table "$OUT/NVIDIA_H200.json" --out "$OUT/tune.json" --git-sha "$sha" \
-            ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log"
-          rc=${PIPESTATUS[0]}; install_table; (exit $rc) ;;
-    tune-layer) timeout "${TUNE_TIMEOUT:-420}" python3 benchmarks/tune_layer.py \
-                  --out-table "$OUT/NVIDIA_H200.json" --out "$OUT/tune_layer.json" \
-                  --git-sha "$sha" ${TUNE_LAYER_ARGS:-} 2>&1 | tee "$OUT/tune_layer.log"
-                rc=${PIPESTATUS[0]}; install_table; (exit $rc) ;;
+    tune) tune tune ${TUNE_ARGS:-} ;;
+    tune-layer) tune tune_layer ${TUNE_LAYER_ARGS:-} ;;
     layer) timeout "${LAYER_TIMEOUT:-300}" python3 benchmarks/layer.py --out "$OUT/layer.json" \
              --git-sha "$sha" ${LAYER_ARGS:-} 2>&1 | tee "$OUT/layer.log" ;;
     decode) timeout "${DECODE_TIMEOUT:-240}" python3 benchmarks/decode.py \

@@ -151,6 +151,12 @@ def _h_bf16(h_ptr, tok, rows, s, T, R, r, NUM_SLICES: tl.constexpr, H_PLANES: tl
 
 
 @triton.jit
+def _add_rows(acc, hb, rows, bt, INTERPRETER: tl.constexpr):
+    # acc += h B^T over the tile's `rows` (one adapter's segment), h zero elsewhere.
+    return _dot_acc(acc, tl.where(rows[:, None], hb, tl.zeros_like(hb)), bt, INTERPRETER)
+
+
+@triton.jit
 def _dot_acc(acc, hz, bt, INTERPRETER: tl.constexpr):
     # acc += hz bt^T in the MMA (the interpreter's bf16 dot is an fp32 one).
     if INTERPRETER:
@@ -426,8 +432,7 @@ def _lora_gemm_kernel(
                               & (pos < tl.load(start_ptr + z + 1)))
                     bt = _b_step(b_base, slot, b_stride, n, n_mask, slice_begin, slice_end, R,
                                  rr)
-                    acc = _dot_acc(acc, tl.where(in_seg[:, None], hs, tl.zeros_like(hs)), bt,
-                                   INTERPRETER)
+                    acc = _add_rows(acc, hs, in_seg, bt, INTERPRETER)
         elif R_CHUNK > 0 and R_CHUNK < BLOCK_R:
             # The rank in R_CHUNK-wide steps, over every (segment, step) that meets the tile:
             # one branch-free loop that Triton pipelines like a K loop. Holding h and B whole
@@ -455,8 +460,7 @@ def _lora_gemm_kernel(
                 in_seg = (pos >= tl.load(start_ptr + z)) & (pos < tl.load(start_ptr + z + 1))
                 bt = tl.load(b_base + slot.to(tl.int64) * b_stride + b_offs,
                              mask=b_mask & (slot >= 0), other=0.0)
-                acc = _dot_acc(acc, tl.where(in_seg[:, None], hb, tl.zeros_like(hb)), bt,
-                               INTERPRETER)
+                acc = _add_rows(acc, hb, in_seg, bt, INTERPRETER)
         else:  # one slot: at most one segment with an adapter
             hb = _h_bf16(h_ptr, tok, pos_mask, s, T, R, tl.arange(0, BLOCK_R), NUM_SLICES,
                          H_PLANES)
@@ -470,8 +474,7 @@ def _lora_gemm_kernel(
                     else:
                         bt = tl.load(b_base + slot.to(tl.int64) * b_stride + b_offs,
                                      mask=b_mask, other=0.0)
-                    in_seg = (pos >= seg_begin) & (pos < seg_end)
-                    acc = _dot_acc(acc, tl.where(in_seg[:, None], hb, tl.zeros_like(hb)), bt,
-                                   INTERPRETER)
+                    acc = _add_rows(acc, hb, (pos >= seg_begin) & (pos < seg_end), bt,
+                                    INTERPRETER)
     tl.store(y_tile, acc.to(tl.bfloat16), mask=out_mask)
     _stamp(trace_ptr, 4, TRACE)

@@ -41,6 +41,11 @@ class AdapterBatch:
     def max_loras(self) -> int:
         return self.lora_ids.shape[0] - 1
 
+    @property
+    def num_entries(self) -> int:
+        """Entries of `lora_ids` (max_loras + 1: the slots and tokens without an adapter)."""
+        return self.lora_ids.shape[0]
+
     @classmethod
     def from_token_mapping(cls, token_lora_mapping: torch.Tensor, max_loras: int) -> "AdapterBatch":
         """Build the metadata as vLLM's `LoRAKernelMeta.prepare_tensors` does (host sync)."""

@@ -102,7 +102,7 @@ def _shrink_programs(t: int, lora: LoraWeights, batch: AdapterBatch, cfg: Launch
     # K1's shrink programs: one per (row tile of the entries' list, slice, rank tile, split).
     # The entries' row tiles number at most cdiv(T, block_m) + (entries with tokens) - 1, and
     # at most min(entries, T) entries have tokens.
-    row_tiles = max(0, triton.cdiv(t, cfg.block_m) + min(batch.max_loras + 1, t) - 1)
+    row_tiles = max(0, triton.cdiv(t, cfg.block_m) + min(batch.num_entries, t) - 1)
     return (row_tiles * triton.cdiv(lora.max_rank, cfg.block_r) * len(lora.output_slices)
             * cfg.split_k)
 
@@ -111,7 +111,7 @@ def _k1_tiles(t: int, lora: LoraWeights, batch: AdapterBatch, cfg: LaunchConfig)
     # K1's split-K tile counters, indexed by (entry, slice, row tile, rank tile): room for all.
     if cfg.split_k == 1:
         return 0
-    return ((batch.max_loras + 1) * triton.cdiv(t, cfg.block_m)
+    return (batch.num_entries * triton.cdiv(t, cfg.block_m)
             * triton.cdiv(lora.max_rank, cfg.block_r) * len(lora.output_slices))
 
 
@@ -127,7 +127,7 @@ def _launch_k1(x, lora, batch, cfg: LaunchConfig, quantize: bool, pdl: bool = Fa
     else:
         codes, scales = h, h  # unused
     a, _, _, _ = _slice_args(lora)
-    entries = batch.max_loras + 1
+    entries = batch.num_entries
     counters = _workspace.counters(x.device, _k1_tiles(t, lora, batch, cfg))
     grid = ((t if quantize else 0) + _shrink_programs(t, lora, batch, cfg),)
     _quantize_shrink_kernel[grid](
@@ -239,7 +239,7 @@ def _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg: L
         raise ValueError(f"block_r={cfg.block_r} must cover the adapters' max rank "
                          f"{lora.max_rank}: K2's epilogue reads all of h in one tile")
     grid, partial, counters = _gemm_workspace(mode, t, n, cfg, y.device)
-    entries = batch.max_loras + 1
+    entries = batch.num_entries
     _lora_gemm_kernel[grid](
         a, a_scale, weight, weight_scale, y, h, b[0], b[1], b[2],
         batch.sorted_token_indices, batch.lora_ids, batch.lora_token_start,
