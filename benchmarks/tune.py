@@ -245,12 +245,12 @@ def main() -> None:
                 want = reference.fused_lora_fp8_linear(x, weight, scale, lora, batch)
             tuned = TUNED_OPS[args.ops]
             for cfg in k2_candidates(tokens, slices, args.rank) if "lora_gemm" in tuned else ():
-                run = (functools.partial(fused.fused_lora_fp8_linear, x, weight, scale, lora,
-                                         batch, k2_config=cfg) if args.ops == "k2-lora" else
-                       functools.partial(fused.fp8_gemm, codes, scales, weight, scale,
-                                         config=cfg))
-                ok, us = timed(run, args.reps, flush,
-                               lambda run=run, want=want: rel(run(), want) < 1e-2)
+                gemm = (functools.partial(fused.fused_lora_fp8_linear, x, weight, scale, lora,
+                                          batch, k2_config=cfg) if args.ops == "k2-lora" else
+                        functools.partial(fused.fp8_gemm, codes, scales, weight, scale,
+                                          config=cfg))
+                ok, us = timed(gemm, args.reps, flush,
+                               lambda gemm=gemm, want=want: rel(gemm(), want) < 1e-2)
                 row("lora_gemm", name, tokens, us, cfg, ok=ok,
                     **({"timed": "with K1 and the epilogue"} if args.ops == "k2-lora" else {}))
                 best2 = min(best2, (us, cfg), key=lambda b: b[0])
