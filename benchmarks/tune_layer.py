@@ -1,4 +1,4 @@
-"""Tune the decode path's K1 by the whole decode layer's time, one projection at a time.
+"""Tune the decode path's K1 or K2 by the whole decode layer's time, one projection at a time.
 
 `tune.py --ops decode` times each projection's K1 with that projection's K2 alone; its winners
 differ by about the decode layer's run-to-run spread, and a setting that makes one projection
@@ -14,8 +14,14 @@ installed settings' (relative 1e-2: split orders differ in the last bits). At th
 installed and the tuned settings are timed in turns (`--reps` each, `--confirm` times), and the
 tuned ones are written only if their median beats the installed ones' by `--margin`.
 
-Writes `decode_shrink` entries for the settings that changed (rank keys beside rank 64, as
-tune.py does; the installed table's other entries kept) and every timing:
+`--kernel k2` tunes the decode path's K2 instead (tune.py's decode K2 candidates): its table
+entries were chosen without adapters (tune.py's default) or in the fused path (`--ops k2-lora`),
+never beside K1 with the wait and epilogue of the decode path.
+
+Writes the settings that changed, the installed table's other entries kept, and every timing:
+K1's as `decode_shrink` entries (rank keys beside rank 64, as tune.py does), K2's as `lora_gemm`
+entries always under the rank's key (plain `lora_gemm` keys also serve the GEMM without
+adapters, which looks them up at rank 16):
 
     python3 benchmarks/tune_layer.py --rank 128 --tokens 4 8 --out-table $OUT/NVIDIA_H200.json \
         --out $OUT/tune_layer.json
@@ -28,7 +34,7 @@ import statistics
 
 import torch
 from layer import PROJECTIONS, adapter_inputs, make_layer, write_results
-from tune import RANK, installed_table, k1_candidates, rel, timed, timing_row
+from tune import RANK, installed_table, k1_candidates, k2_candidates, rel, timed, timing_row
 
 from epilora_kernels import fused
 from epilora_kernels.launch import LaunchConfig, shape_key, validate_table
@@ -36,28 +42,38 @@ from epilora_kernels.launch import LaunchConfig, shape_key, validate_table
 CHECK_TOLERANCE = 1e-2  # relative, against the installed settings' output
 
 
-def decode_layer(xs: dict, layer: dict, batch, k1_configs: dict) -> dict:
-    """The decode path over the layer's projections, K1 with `k1_configs[name]` where given
-    (else the installed table's); the outputs by projection."""
+# What --kernel tunes: the decode path's keyword for its settings and the table's op.
+KERNELS = {"k1": ("k1_config", "decode_shrink"), "k2": ("k2_config", "lora_gemm")}
+
+
+def decode_layer(xs: dict, layer: dict, batch, kernel: str, configs: dict) -> dict:
+    """The decode path over the layer's projections, `kernel` (k1 or k2) with `configs[name]`
+    where given (else the installed table's); the outputs by projection."""
+    keyword = KERNELS[kernel][0]
     return {name: fused.decode_lora_fp8_linear(xs[name], weight, scale, lora, batch,
-                                               k1_config=k1_configs.get(name))
+                                               **{keyword: configs.get(name)})
             for name, (weight, scale, lora) in layer.items()}
+
+
+def candidates(kernel: str, tokens: int, rank: int, name: str) -> list[LaunchConfig]:
+    k, slices = PROJECTIONS[name]
+    return (k1_candidates(tokens, rank, k) if kernel == "k1"
+            else k2_candidates(tokens, tuple(slices), rank))
 
 
 def tune_tokens(tokens, layer, args, gen, flush, row) -> dict[str, LaunchConfig]:
     """The settings that beat the installed ones in the layer at `tokens`, by projection."""
     batch, xs, _ = adapter_inputs(tokens, args.rank, args.adapters, gen)
-    want = decode_layer(xs, layer, batch, {})
+    layer_with = functools.partial(decode_layer, xs, layer, batch, args.kernel)
+    want = layer_with({})
     chosen: dict[str, LaunchConfig] = {}
     for round_ in range(args.passes):
-        for name in layer:
-            current = timed(functools.partial(decode_layer, xs, layer, batch, chosen),
-                            args.reps, flush)[1]
+        for name in args.projections:
+            current = timed(functools.partial(layer_with, chosen), args.reps, flush)[1]
             row("current", name, tokens, current, chosen.get(name), round=round_)
             best = (float("inf"), None)
-            for cfg in k1_candidates(tokens, args.rank, PROJECTIONS[name][0]):
-                trial = {**chosen, name: cfg}
-                run = functools.partial(decode_layer, xs, layer, batch, trial)
+            for cfg in candidates(args.kernel, tokens, args.rank, name):
+                run = functools.partial(layer_with, {**chosen, name: cfg})
                 ok, us = timed(run, args.reps, flush,
                                lambda run=run, name=name:
                                rel(run()[name], want[name]) < CHECK_TOLERANCE)
@@ -73,8 +89,7 @@ def tune_tokens(tokens, layer, args, gen, flush, row) -> dict[str, LaunchConfig]
     turns = {"installed": [], "tuned": []}
     for _ in range(args.confirm):
         for label, cfgs in (("installed", {}), ("tuned", chosen)):
-            turns[label].append(timed(functools.partial(decode_layer, xs, layer, batch, cfgs),
-                                      args.reps, flush)[1])
+            turns[label].append(timed(functools.partial(layer_with, cfgs), args.reps, flush)[1])
     for label, times in turns.items():
         row(f"layer-{label}", None, tokens, statistics.median(times), times=times)
     installed, tuned = (statistics.median(turns[label]) for label in ("installed", "tuned"))
@@ -90,8 +105,16 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--tokens", type=int, nargs="+", required=True,
                         help="token counts (the decode path's, up to 32)")
+    parser.add_argument("--kernel", choices=tuple(KERNELS), default="k1",
+                        help="k1: the decode path's shrink (decode_shrink); k2: its GEMM "
+                             "(lora_gemm, under the rank's key)")
     parser.add_argument("--rank", type=int, default=RANK,
-                        help=f"the adapters' rank; other than {RANK}, entries go under rank keys")
+                        help=f"the adapters' rank; K1's entries other than {RANK}'s go under "
+                             "rank keys")
+    parser.add_argument("--projections", nargs="+", choices=tuple(PROJECTIONS),
+                        default=list(PROJECTIONS),
+                        help="tune these (the others keep the installed settings); each K2 "
+                             "candidate compiles per slice count, a few seconds each")
     parser.add_argument("--adapters", type=int, default=1)
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--passes", type=int, default=1)
@@ -106,24 +129,26 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
     layer = make_layer(args.adapters, args.rank, gen)  # as decode.py and decode_timeline.py
-    key_rank = None if args.rank == RANK else args.rank
+    op = KERNELS[args.kernel][1]
+    key_rank = None if args.rank == RANK and args.kernel == "k1" else args.rank
     table = installed_table()
-    table.setdefault("decode_shrink", {})
+    table.setdefault(op, {})
     meta = table.setdefault("_meta", {})
     run = {"git_sha": args.git_sha, "mode": "decode-layer", "tool": "benchmarks/tune_layer.py",
-           "ops": ["decode_shrink"], "adapters": args.adapters, "slots": args.adapters,
+           "ops": [op], "adapters": args.adapters, "slots": args.adapters,
            "rank": args.rank, "tokens": []}
     meta["runs"] = [*meta.get("runs", []), run]
     rows = []
 
     def row(kind, name, tokens, us, cfg=None, **extra):
-        rows.append(timing_row({"bench": "tune-layer", "kind": kind, "projection": name,
-                                "tokens": tokens}, "layer_us", us, cfg, args.reps, extra))
+        rows.append(timing_row({"bench": "tune-layer", "kernel": args.kernel, "kind": kind,
+                                "projection": name, "tokens": tokens}, "layer_us", us, cfg,
+                               args.reps, extra))
 
     for tokens in args.tokens:
         for name, cfg in tune_tokens(tokens, layer, args, gen, flush, row).items():
             k, slices = PROJECTIONS[name]
-            table["decode_shrink"].setdefault(shape_key(sum(slices), k, key_rank), {})[
+            table[op].setdefault(shape_key(sum(slices), k, key_rank), {})[
                 str(tokens)] = cfg.__dict__
         run["tokens"].append(tokens)
         validate_table(table)
