@@ -15,7 +15,7 @@ keeps the fastest; `--ops k1` tunes K1 only, with the installed K2 settings (`--
 the decode path's K1 alone); `--ops k2-lora`
 tunes K2 only, each candidate timed in the fused path with its epilogue (K1 with the installed
 settings; checked against torch's fused path), for ranks whose epilogue changes which tiles win
-(write them under rank keys: `--rank`). In the same run,
+(written under the rank's key, rank 64 included). In the same run,
 per projection: `cutlass-mm` (vLLM's `cutlass_scaled_mm` on the same codes), `vllm-quant`
 (vLLM's per-token quantizer) and `epilora-quant` (our quantizer alone). Writes the table
 (`epilora_kernels/configs/<device>.json` format, schema-checked; entries of the installed table
@@ -289,7 +289,10 @@ def main() -> None:
                   + f"  K2 {best2[1]}", flush=True)
             for op, (_, cfg) in (("lora_gemm", best2), *best1.items()):
                 if cfg is not None:  # not tuned (--ops k1) or no candidate passed its check
-                    table[op].setdefault(shape_key(n, k, key_rank), {})[str(tokens)] = \
+                    # K2 timed with its epilogue goes under the rank's key even at rank 64:
+                    # the plain keys also serve the GEMM without adapters.
+                    rank_of_key = args.rank if args.ops == "k2-lora" else key_rank
+                    table[op].setdefault(shape_key(n, k, rank_of_key), {})[str(tokens)] = \
                         cfg.__dict__
         run["tokens"].append(tokens)
         validate_table(table)
