@@ -62,6 +62,12 @@ PREFILL_TILES = ((64, 32, 256, 4), (64, 64, 128, 4), (64, 64, 256, 4), (64, 128,
                  (128, 128, 64, 8), (128, 128, 128, 8), (128, 256, 64, 8))  # (BM, BN, BK, warps)
 
 
+def entry_rank(rank: int, k2_with_epilogue: bool = False) -> int | None:
+    """The rank under whose key a tuned entry goes: none (the plain key) at RANK, except for K2
+    timed with its epilogue, whose plain keys would also serve the GEMM without adapters."""
+    return rank if k2_with_epilogue or rank != RANK else None
+
+
 def _block_m(tokens: int) -> int:
     return 16 if tokens <= 16 else 32
 
@@ -205,7 +211,6 @@ def main() -> None:
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
     slots = args.slots or max(4, args.adapters)
     layer = make_layer(slots, args.rank, gen)
-    key_rank = None if args.rank == RANK else args.rank
     table = installed_table()
     # Where each entry came from: the table's earlier provenance (`sources`) and the runs since,
     # in order, a later run's ops and finished token counts replacing an earlier one's (a run
@@ -289,11 +294,9 @@ def main() -> None:
                   + f"  K2 {best2[1]}", flush=True)
             for op, (_, cfg) in (("lora_gemm", best2), *best1.items()):
                 if cfg is not None:  # not tuned (--ops k1) or no candidate passed its check
-                    # K2 timed with its epilogue goes under the rank's key even at rank 64:
-                    # the plain keys also serve the GEMM without adapters.
-                    rank_of_key = args.rank if args.ops == "k2-lora" else key_rank
-                    table[op].setdefault(shape_key(n, k, rank_of_key), {})[str(tokens)] = \
-                        cfg.__dict__
+                    key = shape_key(n, k, entry_rank(args.rank, op == "lora_gemm"
+                                                     and args.ops == "k2-lora"))
+                    table[op].setdefault(key, {})[str(tokens)] = cfg.__dict__
         run["tokens"].append(tokens)
         validate_table(table)
         with open(args.out_table, "w") as f:

@@ -34,7 +34,16 @@ import statistics
 
 import torch
 from layer import PROJECTIONS, adapter_inputs, make_layer, write_results
-from tune import RANK, installed_table, k1_candidates, k2_candidates, rel, timed, timing_row
+from tune import (
+    RANK,
+    entry_rank,
+    installed_table,
+    k1_candidates,
+    k2_candidates,
+    rel,
+    timed,
+    timing_row,
+)
 
 from epilora_kernels import fused
 from epilora_kernels.launch import LaunchConfig, shape_key, validate_table
@@ -58,7 +67,7 @@ def decode_layer(xs: dict, layer: dict, batch, kernel: str, configs: dict) -> di
 def candidates(kernel: str, tokens: int, rank: int, name: str) -> list[LaunchConfig]:
     k, slices = PROJECTIONS[name]
     return (k1_candidates(tokens, rank, k) if kernel == "k1"
-            else k2_candidates(tokens, tuple(slices), rank))
+            else k2_candidates(tokens, slices, rank))
 
 
 def tune_tokens(tokens, layer, args, gen, flush, row) -> dict[str, LaunchConfig]:
@@ -130,7 +139,7 @@ def main() -> None:
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
     layer = make_layer(args.adapters, args.rank, gen)  # as decode.py and decode_timeline.py
     op = KERNELS[args.kernel][1]
-    key_rank = None if args.rank == RANK and args.kernel == "k1" else args.rank
+    key_rank = entry_rank(args.rank, args.kernel == "k2")
     table = installed_table()
     table.setdefault(op, {})
     meta = table.setdefault("_meta", {})
