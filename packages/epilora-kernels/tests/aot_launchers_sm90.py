@@ -10,6 +10,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from epilora_kernels import _fused_kernels, fused
 from epilora_kernels.launch import LaunchConfig
@@ -58,6 +59,10 @@ def compile_launch_full(kernel, args, kwargs):
     options = {k: v for k, v in kwargs.items() if k in OPTIONS and k != "launch_pdl"}
     signature, attrs = {}, {}
     for index, (name, value) in enumerate(zip(kernel.arg_names, args, strict=False)):
+        if isinstance(value, TensorDescriptor):  # a host TMA descriptor: no alignment mark
+            block = ",".join(str(size) for size in value.block_shape)
+            signature[name] = f"tensordesc<{DTYPES[value.base.dtype]}[{block}]>"
+            continue
         if isinstance(value, torch.Tensor):
             signature[name] = "*" + DTYPES[value.dtype]
             aligned = value.data_ptr() % 16 == 0

@@ -280,7 +280,7 @@ def _quantize_shrink_kernel(
 
 @triton.jit
 def _lora_gemm_kernel(
-    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, y_ptr, h_ptr,
+    a_ptr, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, y_ptr, h_ptr,
     b0_ptr, b1_ptr, b2_ptr,
     sorted_ptr, lora_ids_ptr, start_ptr, partial_ptr, counter_ptr, ready_ptr, trace_ptr,
     T, N, K, R, NUM_ENTRIES,
@@ -291,6 +291,7 @@ def _lora_gemm_kernel(
     BLOCK_R: tl.constexpr, INTERPRETER: tl.constexpr, USE_PDL: tl.constexpr = False,
     WAIT_CODES: tl.constexpr = False, WARM_L2: tl.constexpr = 0, TRACE: tl.constexpr = False,
     B_IN_REGS: tl.constexpr = True, R_CHUNK: tl.constexpr = 0,  # 0: the whole rank at once
+    W_TMA: tl.constexpr = False,
 ):
     _stamp(trace_ptr, 0, TRACE)
     pid_m = tl.program_id(0)
@@ -374,8 +375,11 @@ def _lora_gemm_kernel(
             k = k0 + tl.arange(0, BLOCK_K)
             at = tl.load(a_ptr + tok[:, None].to(tl.int64) * stride_a + k[None, :],
                          mask=pos_mask[:, None] & (k[None, :] < K), other=0.0)
-            wt = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :],
-                         mask=n_mask[:, None] & (k[None, :] < K), other=0.0)
+            if W_TMA:  # the weight tile by TMA (zero-padded past N and K)
+                wt = w_desc.load([pid_n * BLOCK_N, k0])
+            else:
+                wt = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :],
+                             mask=n_mask[:, None] & (k[None, :] < K), other=0.0)
             if MODE == 0:
                 acc = tl.dot(at, tl.trans(wt), acc)
             elif INTERPRETER:
