@@ -11,9 +11,12 @@ they finished, for the K2 that runs beside them.
 
 `_lora_gemm_kernel` (K2) walks the tokens in adapter order. MODE 0: FP8 x FP8 GEMM scaled as
 vLLM's CUTLASS epilogue; MODE 1: W8A16 (FP8 weight widened to bf16 in registers); MODE 2: no
-GEMM, the tile starts from an existing output (the hybrid path's expand). Its epilogue adds
+GEMM, the tile starts from an existing output (the hybrid path's expand). Tiles of 64 rows or
+more (`W_TMA`) read the weight tile through a TMA descriptor (`w_desc`). Its epilogue adds
 `bf16(h) B_slot^T` for each adapter segment that meets the tile, reading only the tile's columns
-of B, and writes the bf16 tile once. In the decode path (`USE_PDL`, `WAIT_CODES`) it is K1's
+of B, and writes the bf16 tile once. In the fused path with PDL (`WAIT_K1_FIRST`) it is launched as K1's programmatic dependent
+only to hide its launch, and waits for all of K1 before its K loop. In the decode path
+(`USE_PDL`, `WAIT_CODES`) it is K1's
 programmatic dependent: it waits for K1's count of quantized rows before its K loop (prefetching
 the first `WARM_L2` bytes of its weight rows into L2 meanwhile), streams its weights while K1's
 shrink runs, and waits for all of K1 (`gdc_wait`) only before its epilogue.
@@ -291,7 +294,7 @@ def _lora_gemm_kernel(
     BLOCK_R: tl.constexpr, INTERPRETER: tl.constexpr, USE_PDL: tl.constexpr = False,
     WAIT_CODES: tl.constexpr = False, WARM_L2: tl.constexpr = 0, TRACE: tl.constexpr = False,
     B_IN_REGS: tl.constexpr = True, R_CHUNK: tl.constexpr = 0,  # 0: the whole rank at once
-    W_TMA: tl.constexpr = False,
+    W_TMA: tl.constexpr = False, WAIT_K1_FIRST: tl.constexpr = False,
 ):
     _stamp(trace_ptr, 0, TRACE)
     pid_m = tl.program_id(0)
@@ -365,6 +368,12 @@ def _lora_gemm_kernel(
         # for us: PDL launched us only once every K1 program had started).
         while tl.atomic_add(ready_ptr, 0, sem="acquire", scope="gpu") < T:
             pass
+        _stamp(trace_ptr, 1, TRACE)
+
+    if WAIT_K1_FIRST:
+        # The fused path with PDL: launched early only to hide the launch and the prologue
+        # above, it waits for all of K1 before reading K1's codes.
+        tl.extra.cuda.gdc_wait()
         _stamp(trace_ptr, 1, TRACE)
 
     if MODE == 2:

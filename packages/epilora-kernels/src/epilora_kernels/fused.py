@@ -229,7 +229,7 @@ def _gemm_workspace(mode, t, n, cfg: LaunchConfig, device):
 
 def _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg: LaunchConfig,
                pdl: bool = False, wait_codes: bool = False, warm_l2: int = 0,
-               trace: torch.Tensor | None = None):
+               trace: torch.Tensor | None = None, wait_k1_first: bool = False):
     t, n = y.shape
     k = lora.in_features
     _, b, off1, off2 = _slice_args(lora)
@@ -254,7 +254,7 @@ def _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg: L
         INTERPRETER=_env.triton_interpreter(), USE_PDL=_use_pdl(pdl),
         WAIT_CODES=wait_codes, WARM_L2=warm_l2 if wait_codes else 0, TRACE=trace is not None,
         B_IN_REGS=_b_in_registers(cfg), R_CHUNK=_epilogue_rank_chunk(cfg),
-        W_TMA=_w_tma(weight, cfg), num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=_use_pdl(pdl),
+        W_TMA=_w_tma(weight, cfg), WAIT_K1_FIRST=wait_k1_first and _use_pdl(pdl), num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=_use_pdl(pdl),
     )
     return y
 
@@ -441,9 +441,13 @@ def fused_lora_fp8_linear(
     *,
     k1_config: LaunchConfig | None = None,
     k2_config: LaunchConfig | None = None,
+    pdl: bool = True,
 ) -> torch.Tensor:
-    """The fused path: K1 then K2."""
-    return _linear(0, x, weight, weight_scale, lora, batch, k1_config, k2_config)
+    """The fused path: K1 then K2. With `pdl` K2 is launched as K1's programmatic dependent,
+    which hides its launch and its prologue; it waits for all of K1 before its K loop (the same
+    bits as `pdl=False`)."""
+    return _linear(0, x, weight, weight_scale, lora, batch, k1_config, k2_config, pdl=pdl,
+                   wait_k1_first=True)
 
 
 def fused_lora_w8a16_linear(
@@ -468,10 +472,12 @@ DECODE_WARM_L2 = 512
 
 
 def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
-            decode=False, pdl=False, warm_l2=DECODE_WARM_L2, traces=(None, None)):
+            decode=False, pdl=False, warm_l2=DECODE_WARM_L2, traces=(None, None),
+            wait_k1_first=False):
     # MODE 0: K1 (quantize + shrink) then K2; MODE 1: the shrink then the W8A16 K2. `decode`:
-    # the decode path's launch settings, and with `pdl` K2 launched as K1's programmatic
-    # dependent, waiting for K1's count of quantized rows before its K loop.
+    # the decode path's launch settings. With `pdl` K2 is launched as K1's programmatic
+    # dependent, waiting for K1's count of quantized rows before its K loop, or with
+    # `wait_k1_first` (the fused path) for all of K1.
     _check_inputs(x, lora, batch)
     _check_weight(weight, weight_scale, lora.in_features, lora.out_features)
     op1 = ("decode_shrink" if decode and x.shape[0] <= DECODE_SHRINK_MAX_TOKENS else
@@ -484,9 +490,10 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
     _workspace.counters(x.device, max(_k1_tiles(x.shape[0], lora, batch, cfg1),
                                       _k2_tiles(mode, x.shape[0], lora.out_features, cfg2)))
     # Only a quantizing K1 counts rows: a K2 waiting for a count nobody makes would spin forever.
-    counted = pdl and mode == 0
+    counted = pdl and mode == 0 and not wait_k1_first
     codes, scales, h = _launch_k1(x, lora, batch, cfg1, quantize=mode == 0, pdl=pdl,
                                   signal_codes=counted, trace=traces[0])
     a, a_scale = (codes, scales) if mode == 0 else (x, weight_scale)
     return _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg2, pdl=pdl,
-                      wait_codes=counted, warm_l2=warm_l2, trace=traces[1])
+                      wait_codes=counted, warm_l2=warm_l2, trace=traces[1],
+                      wait_k1_first=wait_k1_first)

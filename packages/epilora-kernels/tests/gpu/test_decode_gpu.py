@@ -1,7 +1,8 @@
 """The decode path on the H200: K1, then K2 as its programmatic dependent (PDL), waiting for K1's
 count of quantized rows before its K loop and for K1 before its epilogue. Its output must equal
 the same kernels serialized and the fused path bit for bit, run to run, and inside a CUDA graph
-(where the launch becomes a programmatic edge), and leave the shared counters at zero."""
+(where the launch becomes a programmatic edge), and leave the shared counters at zero. The fused
+path launched with PDL (K2 waiting for all of K1 first) must equal its serialized launch."""
 
 import pytest
 import torch
@@ -79,3 +80,23 @@ def test_decode_in_a_cuda_graph_equals_eager(split_k):
         torch.cuda.synchronize()
         assert_bitwise_equal(out, eager, name="graph replay")
         _assert_counters_at_rest()
+
+
+@pytest.mark.parametrize("shape", [*CASES, (256, 4096, (4096, 1024, 1024), 128, 1)],
+                         ids=lambda s: f"T{s[0]}-N{sum(s[2])}-r{s[3]}")
+def test_fused_path_with_pdl_equals_serialized_bitwise(shape):
+    # The fused path launches K2 as K1's programmatic dependent, waiting for all of K1 before
+    # its K loop: the bits of the serialized launch, eager and replayed in a CUDA graph.
+    t, k, slices, rank, max_loras = shape
+    x, weight, w_scale, lora, batch = make_problem(2, t, k, slices, rank, max_loras,
+                                                   "mixed_with_base", device="cuda")
+    serialized = fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch, pdl=False)
+    for _ in range(5):
+        eager = fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch, pdl=True)
+        assert_bitwise_equal(eager, serialized, name="fused with PDL vs serialized")
+    graph, out = capture(lambda: fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch))
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitwise_equal(out, serialized, name="graph replay")
+    _assert_counters_at_rest()
