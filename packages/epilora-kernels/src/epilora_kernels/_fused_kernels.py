@@ -14,9 +14,9 @@ vLLM's CUTLASS epilogue; MODE 1: W8A16 (FP8 weight widened to bf16 in registers)
 GEMM, the tile starts from an existing output (the hybrid path's expand). Tiles of 64 rows or
 more (`W_TMA`) read the weight tile through a TMA descriptor (`w_desc`). Its epilogue adds
 `bf16(h) B_slot^T` for each adapter segment that meets the tile, reading only the tile's columns
-of B, and writes the bf16 tile once. In the fused path with PDL (`WAIT_K1_FIRST`) it is launched as K1's programmatic dependent
-only to hide its launch, and waits for all of K1 before its K loop. In the decode path
-(`USE_PDL`, `WAIT_CODES`) it is K1's
+of B, and writes the bf16 tile once. In the fused path with PDL (`WAIT_K1_FIRST`) it is
+launched as K1's programmatic dependent only to hide its launch, and waits for all of K1
+before its K loop. In the decode path (`USE_PDL`, `WAIT_CODES`) it is K1's
 programmatic dependent: it waits for K1's count of quantized rows before its K loop (prefetching
 the first `WARM_L2` bytes of its weight rows into L2 meanwhile), streams its weights while K1's
 shrink runs, and waits for all of K1 (`gdc_wait`) only before its epilogue.

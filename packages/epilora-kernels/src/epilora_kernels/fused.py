@@ -254,7 +254,8 @@ def _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg: L
         INTERPRETER=_env.triton_interpreter(), USE_PDL=_use_pdl(pdl),
         WAIT_CODES=wait_codes, WARM_L2=warm_l2 if wait_codes else 0, TRACE=trace is not None,
         B_IN_REGS=_b_in_registers(cfg), R_CHUNK=_epilogue_rank_chunk(cfg),
-        W_TMA=_w_tma(weight, cfg), WAIT_K1_FIRST=wait_k1_first and _use_pdl(pdl), num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=_use_pdl(pdl),
+        W_TMA=_w_tma(weight, cfg), WAIT_K1_FIRST=wait_k1_first and _use_pdl(pdl),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=_use_pdl(pdl),
     )
     return y
 
@@ -267,8 +268,9 @@ def _w_tma(weight: torch.Tensor, cfg: LaunchConfig) -> bool:
 
 def _w_desc(weight: torch.Tensor, cfg: LaunchConfig):
     # K2's weight operand: a TMA descriptor of its [block_n, block_k] tiles, or the pointer.
-    return TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]) if _w_tma(weight, cfg) \
-        else weight
+    if _w_tma(weight, cfg):
+        return TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
+    return weight
 
 
 def _b_fits_registers(cfg: LaunchConfig) -> bool:
@@ -315,7 +317,8 @@ def _launch_gemm_only(mode, a, a_scale, weight, weight_scale, cfg: LaunchConfig 
     unused = torch.empty(1, dtype=torch.int32, device=a.device)  # the epilogue's, never read
     grid, partial, counters = _gemm_workspace(mode, t, n, cfg, a.device)
     _lora_gemm_kernel[grid](
-        a, a_scale, weight, _w_desc(weight, cfg), weight_scale, y, weight_scale, weight, weight, weight,
+        a, a_scale, weight, _w_desc(weight, cfg), weight_scale, y, weight_scale,
+        weight, weight, weight,
         unused, unused, unused, y if partial is None else partial,
         counters[_workspace.TILES:], counters, unused,
         t, n, k, 1, 0, a.stride(0), y.stride(0), n, n,
