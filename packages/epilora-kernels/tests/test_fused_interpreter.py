@@ -314,3 +314,31 @@ def test_k1_rank_in_several_tiles_with_split_k(path):
     want = reference.fused_lora_fp8_linear(x, weight, w_scale, lora, batch,
                                            arithmetic=Fp8Arithmetic.TORCH_CPU)
     assert relative_error(y, want) < BF16_TOL
+
+
+@pytest.mark.parametrize("mode", ["fused", "w8a16", "gemm"])
+def test_weight_by_tma_equals_pointer_loads_bitwise(mode, monkeypatch):
+    # 64-row tiles read the weight through a TMA descriptor, zero-padded past N and K: here N
+    # (96 + 40) and K (208) end inside a tile, and the bits must be those of the masked pointer
+    # loads (the same kernel with the descriptor switched off).
+    x, weight, w_scale, lora, batch = make_problem(7, 70, 208, (96, 40), 16, 2, "mixed_with_base")
+    k2 = fused.LaunchConfig(block_m=64, block_n=32, block_k=64, block_r=16, num_stages=2)
+    assert fused._w_tma(weight, k2)
+    k1 = fused.LaunchConfig(block_m=16, block_k=64, block_r=16, split_k=2, num_stages=2)
+    run = {"fused": lambda: fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch,
+                                                        k1_config=k1, k2_config=k2),
+           "w8a16": lambda: fused.fused_lora_w8a16_linear(x, weight, w_scale, lora, batch,
+                                                          k1_config=k1, k2_config=k2),
+           "gemm": lambda: fused.fp8_gemm_from_bf16(x, weight, w_scale, config=k2)}[mode]
+    by_tma = run()
+    monkeypatch.setattr(fused, "_w_tma", lambda weight, cfg: False)
+    assert_bitwise_equal(by_tma, run(), name="TMA vs pointer loads")
+
+
+def test_weight_rows_not_16_byte_aligned_take_pointer_loads():
+    weight = torch.zeros(8, 40, dtype=torch.float8_e4m3fn)[:, :36]  # rows 40 bytes apart
+    k2 = fused.LaunchConfig(block_m=64, block_n=16, block_k=32, block_r=16)
+    assert not fused._w_tma(weight, k2)
+    assert fused._w_tma(torch.zeros(8, 48, dtype=torch.float8_e4m3fn), k2)
+    assert not fused._w_tma(torch.zeros(8, 48, dtype=torch.float8_e4m3fn),
+                            fused.LaunchConfig(block_m=32, block_n=16, block_k=32, block_r=16))

@@ -132,3 +132,23 @@ def test_quantize_equals_vllm_compiled_arithmetic_on_model_widths(k):
         x, *_problem((x.shape[0], k, (256,), 16, 2), "mixed_with_base")[3:])
     assert_bitwise_equal(k1_codes, codes, name="K1 codes vs quantize")
     assert_bitwise_equal(k1_scales, scales, name="K1 scales vs quantize")
+
+
+@pytest.mark.parametrize("block", [(64, 64, 128, 4), (128, 128, 128, 8), (64, 128, 256, 4)],
+                         ids=lambda b: "x".join(map(str, b[:3])))
+def test_weight_by_tma_equals_pointer_loads_bitwise(block, monkeypatch):
+    # Prefill tiles read the weight by TMA (zero-padded past N and K): the same bits as the
+    # masked pointer loads, with tails in N (6144 + 40) and K (4096 + 48).
+    block_m, block_n, block_k, warps = block
+    x, weight, w_scale, lora, batch = _problem((200, 4144, (6144, 40), 128, 2),
+                                               "mixed_with_base", seed=3)
+    k2 = fused.LaunchConfig(block_m=block_m, block_n=block_n, block_k=block_k, block_r=128,
+                            num_warps=warps, num_stages=3)
+    assert fused._w_tma(weight, k2)
+    by_tma = fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch, k2_config=k2)
+    gemm_by_tma = fused.fp8_gemm_from_bf16(x, weight, w_scale, config=k2)
+    monkeypatch.setattr(fused, "_w_tma", lambda weight, cfg: False)
+    assert_bitwise_equal(by_tma, fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch,
+                                                             k2_config=k2), name="fused")
+    assert_bitwise_equal(gemm_by_tma, fused.fp8_gemm_from_bf16(x, weight, w_scale, config=k2),
+                         name="gemm")
