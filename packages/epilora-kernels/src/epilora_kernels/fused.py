@@ -11,7 +11,8 @@ Every function here has a torch twin of the same name and positional signature i
   `bf16(h) B^T` for each adapter in the tile; multi-slice outputs (qkv, gate_up) in one launch.
 * `lora_w8a16_gemm`: the same with bf16 activations and the FP8 weight widened in registers.
 * `lora_shrink`, `lora_expand`: the hybrid path's kernels, after a vendor GEMM.
-* `fused_lora_fp8_linear`, `fused_lora_w8a16_linear`: K1 then K2.
+* `fused_lora_fp8_linear`, `fused_lora_w8a16_linear`: K1 then K2 (the FP8 one launches K2 as
+  K1's programmatic dependent, waiting for all of K1 before its K loop).
 * `decode_lora_fp8_linear`: the decode path: K1, then K2 as K1's programmatic dependent (PDL):
   it waits for K1's quantized rows (a counter) before its K loop and for h only before its
   epilogue, so its weight stream overlaps the shrink.
