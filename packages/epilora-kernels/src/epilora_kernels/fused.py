@@ -263,7 +263,9 @@ def _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg: L
 
 def _w_tma(weight: torch.Tensor, cfg: LaunchConfig) -> bool:
     # Prefill tiles (64 rows or more, wgmma) read the weight tile by TMA, which needs 16-byte
-    # aligned rows.
+    # aligned rows: 1x128 at 256 tokens 187.4 -> 183.6 us. The 16- and 32-row decode tiles
+    # (MMAv2) were slower with it (results/h200/layer_1x128_tma_hbf16_ab_*.json and
+    # layer_decode_tma_ab_*.json).
     return cfg.block_m >= 64 and weight.stride(0) % 16 == 0 and weight.data_ptr() % 16 == 0
 
 
