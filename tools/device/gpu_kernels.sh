@@ -14,8 +14,9 @@
 #                                                                            TIMELINE_TIMEOUT
 #   use:NAME the later steps run epilora-kernels as built from git ref NAME (a wheel that
 #           `VARIANTS="NAME ..." tools/device/prepare.sh` put in .device/variants/) and write
-#           into $OUT/NAME/ (slashes as dashes), e.g. `use:main layer use:next/x layer` times
-#           two branches in one call; the benchmark scripts and tests stay the working tree's
+#           into $OUT/NAME/ (/, ~ and ^ as dashes: the call brings back no name with ~), e.g.
+#           `use:main layer use:next/x layer` times two branches in one call; the benchmark
+#           scripts and tests stay the working tree's
 #   env:NAME=VALUE  sets NAME for the later steps (quote it when VALUE has spaces); setting OUT
 #           (e.g. "env:OUT=$OUT/main-1x128") keeps a second run of a step from replacing the first
 # A call brings back at most 8 files of $OUT, so each finished step's files are appended to
@@ -43,13 +44,13 @@ tune() {
 }
 for step in "$@"; do
   case "$step" in
-    use:*) name="${step#use:}"; dir=".device/variants/${name//\//-}"
+    use:*) name="${step#use:}"; dir=".device/variants/${name//[\/~^]/-}"
            python3 -m pip install -q --upgrade --force-reinstall --no-index --no-deps \
              --no-compile --target "$EPILORA_SITE" "$dir"/epilora_kernels-*.whl || exit 1
            # A ref used again in the call writes beside its first run (NAME-2, ...), not over it.
            used[$name]=$(( ${used[$name]:-0} + 1 )); again=""
            (( used[$name] > 1 )) && again="-${used[$name]}"
-           sha="$(cat "$dir/sha")"; OUT="$BASE_OUT/${name//\//-}$again"; mkdir -p "$OUT"
+           sha="$(cat "$dir/sha")"; OUT="$BASE_OUT/${name//[\/~^]/-}$again"; mkdir -p "$OUT"
            echo "epilora-kernels from $name at $sha" ;;
     tests) timeout "${TESTS_TIMEOUT:-240}" python3 -m nox -s gpu-sm90 -- \
              -k "fused_gpu or decode_gpu" --junitxml="$OUT/gpu-sm90-kernels-junit.xml" \

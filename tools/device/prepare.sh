@@ -3,7 +3,7 @@
 # the vLLM bundle (once), nox and its pure-Python dependencies as wheels (the GPU machine has no
 # network and no nox), and wheels of our packages (vLLM finds plugins, pytest its plugin,
 # through installed entry points). VARIANTS="ref ..." also builds epilora-kernels from each git
-# ref into .device/variants/<ref, slashes as dashes>/ for gpu_kernels.sh's `use:ref` step.
+# ref into .device/variants/<ref, /, ~ and ^ as dashes>/ for gpu_kernels.sh's `use:ref` step.
 set -euo pipefail
 [ -s .device/vllm-bundle.tar.xz ] || ../shared/device/make-vllm-bundle
 # Afresh: a newer release downloaded beside an older wheel makes the install there fail.
@@ -15,7 +15,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 rm -rf .device/dist && uv build --all-packages -q -o .device/dist --wheel
 rm -rf .device/variants
 for ref in ${VARIANTS:-}; do
-  dir=".device/variants/${ref//\//-}" tree="$(mktemp -d)"
+  dir=".device/variants/${ref//[\/~^]/-}" tree="$(mktemp -d)"
   git worktree add -q --detach "$tree" "$ref"
   (cd "$tree" && uv build --package epilora-kernels -q -o "$OLDPWD/$dir" --wheel)
   git -C "$tree" rev-parse HEAD > "$dir/sha"
