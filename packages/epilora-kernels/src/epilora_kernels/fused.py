@@ -242,8 +242,9 @@ def _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg: L
                          f"{lora.max_rank}: K2's epilogue reads all of h in one tile")
     grid, partial, counters = _gemm_workspace(mode, t, n, cfg, y.device)
     entries = batch.num_entries
+    w_operand = _w_operand(weight, cfg)
     _lora_gemm_kernel[grid](
-        a, a_scale, weight, _w_desc(weight, cfg), weight_scale, y, h, b[0], b[1], b[2],
+        a, a_scale, weight, w_operand, weight_scale, y, h, b[0], b[1], b[2],
         batch.sorted_token_indices, batch.lora_ids, batch.lora_token_start,
         y if partial is None else partial, counters[_workspace.TILES:], counters,
         _trace_arg(trace, counters, grid[0] * grid[1] * grid[2]), t, n, k, lora.max_rank,
@@ -255,7 +256,7 @@ def _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg: L
         INTERPRETER=_env.triton_interpreter(), USE_PDL=_use_pdl(pdl),
         WAIT_CODES=wait_codes, WARM_L2=warm_l2 if wait_codes else 0, TRACE=trace is not None,
         B_IN_REGS=_b_in_registers(cfg), R_CHUNK=_epilogue_rank_chunk(cfg),
-        W_TMA=_w_tma(weight, cfg), WAIT_K1_FIRST=wait_k1_first and _use_pdl(pdl),
+        W_TMA=w_operand is not weight, WAIT_K1_FIRST=wait_k1_first and _use_pdl(pdl),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=_use_pdl(pdl),
     )
     return y
@@ -269,8 +270,9 @@ def _w_tma(weight: torch.Tensor, cfg: LaunchConfig) -> bool:
     return cfg.block_m >= 64 and weight.stride(0) % 16 == 0 and weight.data_ptr() % 16 == 0
 
 
-def _w_desc(weight: torch.Tensor, cfg: LaunchConfig):
-    # K2's weight operand: a TMA descriptor of its [block_n, block_k] tiles, or the pointer.
+def _w_operand(weight: torch.Tensor, cfg: LaunchConfig):
+    # K2's weight operand: a TMA descriptor of its [block_n, block_k] tiles (W_TMA), or the
+    # weight itself for pointer loads.
     if _w_tma(weight, cfg):
         return TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
     return weight
@@ -319,15 +321,16 @@ def _launch_gemm_only(mode, a, a_scale, weight, weight_scale, cfg: LaunchConfig 
     y = torch.empty(t, n, dtype=torch.bfloat16, device=a.device)
     unused = torch.empty(1, dtype=torch.int32, device=a.device)  # the epilogue's, never read
     grid, partial, counters = _gemm_workspace(mode, t, n, cfg, a.device)
+    w_operand = _w_operand(weight, cfg)
     _lora_gemm_kernel[grid](
-        a, a_scale, weight, _w_desc(weight, cfg), weight_scale, y, weight_scale,
+        a, a_scale, weight, w_operand, weight_scale, y, weight_scale,
         weight, weight, weight,
         unused, unused, unused, y if partial is None else partial,
         counters[_workspace.TILES:], counters, unused,
         t, n, k, 1, 0, a.stride(0), y.stride(0), n, n,
         MODE=mode, HAS_LORA=False, NUM_SLICES=1, H_PLANES=1, SPLIT_K=grid[2], ENTRIES_BLOCK=16,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=16,
-        INTERPRETER=_env.triton_interpreter(), W_TMA=_w_tma(weight, cfg),
+        INTERPRETER=_env.triton_interpreter(), W_TMA=w_operand is not weight,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
