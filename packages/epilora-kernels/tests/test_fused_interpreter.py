@@ -342,3 +342,27 @@ def test_weight_rows_not_16_byte_aligned_take_pointer_loads():
     assert fused._w_tma(torch.zeros(8, 48, dtype=torch.float8_e4m3fn), k2)
     assert not fused._w_tma(torch.zeros(8, 48, dtype=torch.float8_e4m3fn),
                             fused.LaunchConfig(block_m=32, block_n=16, block_k=32, block_r=16))
+
+
+@pytest.mark.parametrize("path", ["fused", "decode"])
+@pytest.mark.parametrize("mapping", ["mixed_with_base", "reversed_runs", "one_token_each"])
+def test_codes_in_adapter_order_by_tma_equal_token_order_bitwise(mapping, path, monkeypatch):
+    # With 64-row tiles K1 writes its codes in adapter order and K2 reads whole row tiles by
+    # TMA (the scale of the row, not of the token): the bits of token-order codes gathered by
+    # pointer loads. 70 tokens: the last row tile is partial.
+    x, weight, w_scale, lora, batch = make_problem(8, 70, 208, (96, 40), 16, 3, mapping)
+    k2 = fused.LaunchConfig(block_m=64, block_n=32, block_k=64, block_r=16, num_stages=2)
+    k1 = fused.LaunchConfig(block_m=16, block_k=64, block_r=16, split_k=2, num_stages=2)
+    linear = (fused.fused_lora_fp8_linear if path == "fused" else
+              fused.decode_lora_fp8_linear)
+    sorted_codes = []
+    launch_k1 = fused._launch_k1
+    monkeypatch.setattr(fused, "_launch_k1", lambda *a, **kw: sorted_codes.append(
+        kw["codes_sorted"]) or launch_k1(*a, **kw))
+    by_tma = linear(x, weight, w_scale, lora, batch, k1_config=k1, k2_config=k2)
+    monkeypatch.setattr(fused, "_w_tma", lambda weight, cfg: False)
+    gathered = linear(x, weight, w_scale, lora, batch, k1_config=k1, k2_config=k2)
+    assert sorted_codes == [True, False]
+    assert_bitwise_equal(by_tma, gathered, name="sorted codes by TMA vs token order")
+    want = reference.fused_lora_fp8_linear(x, weight, w_scale, lora, batch)
+    assert relative_error(by_tma, want) < BF16_TOL

@@ -76,12 +76,13 @@ def _to_e4m3(v, INTERPRETER: tl.constexpr):
 
 
 @triton.jit
-def _quantize_row(x_ptr, codes_ptr, scales_ptr, t, K, stride_x, QUANT_BLOCK: tl.constexpr,
-                  INTERPRETER: tl.constexpr):
-    # One token. A row of up to QUANT_BLOCK elements is loaded once and kept in registers (a
-    # chunked two-pass loop over a 12288-wide row is ~100 dependent loads: 35 us on the H200,
-    # benchmarks/results/h200/tune_v1.json); longer rows take chunks of QUANT_BLOCK.
-    row = x_ptr + t * stride_x
+def _quantize_row(x_ptr, codes_ptr, scales_ptr, src, t, K, stride_x,
+                  QUANT_BLOCK: tl.constexpr, INTERPRETER: tl.constexpr):
+    # One token: x's row `src` to the codes' and scales' row `t`. A row of up to QUANT_BLOCK
+    # elements is loaded once and kept in registers (a chunked two-pass loop over a 12288-wide
+    # row is ~100 dependent loads: 35 us on the H200, benchmarks/results/h200/tune_v1.json);
+    # longer rows take chunks of QUANT_BLOCK.
+    row = x_ptr + src * stride_x
     if K <= QUANT_BLOCK:
         offs = tl.arange(0, QUANT_BLOCK)
         v = tl.load(row + offs, mask=offs < K, other=0.0).to(tl.float32)
@@ -193,6 +194,7 @@ def _quantize_shrink_kernel(
     sorted_ptr, lora_ids_ptr, counts_ptr, start_ptr, counter_ptr, ready_ptr, trace_ptr,
     T, K, R, stride_x, NUM_ENTRIES,
     QUANTIZE: tl.constexpr, SIGNAL_CODES: tl.constexpr, NUM_SLICES: tl.constexpr,
+    CODES_SORTED: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     QUANT_BLOCK: tl.constexpr, INTERPRETER: tl.constexpr, ENTRIES_BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr = False, TRACE: tl.constexpr = False,
@@ -206,7 +208,10 @@ def _quantize_shrink_kernel(
     pid = tl.program_id(0)
     if QUANTIZE:
         if pid < T:
-            _quantize_row(x_ptr, codes_ptr, scales_ptr, pid, K, stride_x, QUANT_BLOCK,
+            # CODES_SORTED: row pid of the codes is the pid-th token in adapter order (what
+            # K2 reads by TMA, in whole row tiles), else token pid.
+            src = tl.load(sorted_ptr + pid) if CODES_SORTED else pid
+            _quantize_row(x_ptr, codes_ptr, scales_ptr, src, pid, K, stride_x, QUANT_BLOCK,
                           INTERPRETER)
             if SIGNAL_CODES:
                 # Count this row as done for the K2 already running, which spins on the count;
@@ -283,7 +288,7 @@ def _quantize_shrink_kernel(
 
 @triton.jit
 def _lora_gemm_kernel(
-    a_ptr, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, y_ptr, h_ptr,
+    a_ptr, a_desc, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, y_ptr, h_ptr,
     b0_ptr, b1_ptr, b2_ptr,
     sorted_ptr, lora_ids_ptr, start_ptr, partial_ptr, counter_ptr, ready_ptr, trace_ptr,
     T, N, K, R, NUM_ENTRIES,
@@ -295,6 +300,7 @@ def _lora_gemm_kernel(
     WAIT_CODES: tl.constexpr = False, WARM_L2: tl.constexpr = 0, TRACE: tl.constexpr = False,
     B_IN_REGS: tl.constexpr = True, R_CHUNK: tl.constexpr = 0,  # 0: the whole rank at once
     W_TMA: tl.constexpr = False, WAIT_K1_FIRST: tl.constexpr = False,
+    A_TMA: tl.constexpr = False,
 ):
     _stamp(trace_ptr, 0, TRACE)
     pid_m = tl.program_id(0)
@@ -382,8 +388,11 @@ def _lora_gemm_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_begin, k_end, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            at = tl.load(a_ptr + tok[:, None].to(tl.int64) * stride_a + k[None, :],
-                         mask=pos_mask[:, None] & (k[None, :] < K), other=0.0)
+            if A_TMA:  # codes in adapter order (K1's CODES_SORTED): the tile's rows by TMA
+                at = a_desc.load([pid_m * BLOCK_M, k0])
+            else:
+                at = tl.load(a_ptr + tok[:, None].to(tl.int64) * stride_a + k[None, :],
+                             mask=pos_mask[:, None] & (k[None, :] < K), other=0.0)
             if W_TMA:  # the weight tile by TMA (zero-padded past N and K)
                 wt = w_desc.load([pid_n * BLOCK_N, k0])
             else:
@@ -423,7 +432,7 @@ def _lora_gemm_kernel(
             _stamp(trace_ptr, 4, TRACE)
             return
     if MODE == 0:
-        x_scale = tl.load(a_scale_ptr + tok, mask=pos_mask, other=0.0)
+        x_scale = tl.load(a_scale_ptr + (pos if A_TMA else tok), mask=pos_mask, other=0.0)
         acc = x_scale[:, None] * (tl.load(w_scale_ptr) * acc)
     elif MODE == 1:
         acc = tl.load(w_scale_ptr) * acc

@@ -118,7 +118,8 @@ def _k1_tiles(t: int, lora: LoraWeights, batch: AdapterBatch, cfg: LaunchConfig)
 
 
 def _launch_k1(x, lora, batch, cfg: LaunchConfig, quantize: bool, pdl: bool = False,
-               signal_codes: bool = False, trace: torch.Tensor | None = None):
+               signal_codes: bool = False, trace: torch.Tensor | None = None,
+               codes_sorted: bool = False):
     t, k = x.shape
     s_count, rank = len(lora.output_slices), lora.max_rank
     # Split-K partials in planes; K1 sums them into plane 0, the h it returns.
@@ -138,7 +139,8 @@ def _launch_k1(x, lora, batch, cfg: LaunchConfig, quantize: bool, pdl: bool = Fa
         batch.lora_token_start, counters[_workspace.TILES:], counters,
         _trace_arg(trace, counters, grid[0]),
         t, k, rank, x.stride(0), entries,
-        QUANTIZE=quantize, SIGNAL_CODES=signal_codes, NUM_SLICES=s_count, SPLIT_K=cfg.split_k,
+        QUANTIZE=quantize, SIGNAL_CODES=signal_codes, CODES_SORTED=codes_sorted,
+        NUM_SLICES=s_count, SPLIT_K=cfg.split_k,
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
         QUANT_BLOCK=_quant_block(k, 16384 if cfg.num_warps >= 8 else 4096),
         INTERPRETER=_env.triton_interpreter(), ENTRIES_BLOCK=triton.next_power_of_2(entries),
@@ -167,7 +169,8 @@ def _launch_quantize(x: torch.Tensor):
     _quantize_shrink_kernel[(t,)](
         x, codes, scales, scales, x, x, x, unused, unused, unused, unused, unused, unused, unused,
         t, k, 1, x.stride(0), 1,
-        QUANTIZE=True, SIGNAL_CODES=False, NUM_SLICES=1, SPLIT_K=1, BLOCK_M=16, BLOCK_R=16,
+        QUANTIZE=True, SIGNAL_CODES=False, CODES_SORTED=False, NUM_SLICES=1, SPLIT_K=1,
+        BLOCK_M=16, BLOCK_R=16,
         BLOCK_K=16, QUANT_BLOCK=_quant_block(k, 16384), INTERPRETER=_env.triton_interpreter(),
         ENTRIES_BLOCK=1,
         num_warps=8, num_stages=1,
@@ -230,7 +233,8 @@ def _gemm_workspace(mode, t, n, cfg: LaunchConfig, device):
 
 def _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg: LaunchConfig,
                pdl: bool = False, wait_codes: bool = False, warm_l2: int = 0,
-               trace: torch.Tensor | None = None, wait_k1_first: bool = False):
+               trace: torch.Tensor | None = None, wait_k1_first: bool = False,
+               a_sorted: bool = False):
     t, n = y.shape
     k = lora.in_features
     _, b, off1, off2 = _slice_args(lora)
@@ -244,7 +248,8 @@ def _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg: L
     entries = batch.num_entries
     w_operand = _w_operand(weight, cfg)
     _lora_gemm_kernel[grid](
-        a, a_scale, weight, w_operand, weight_scale, y, h, b[0], b[1], b[2],
+        a, _a_desc(a, cfg) if a_sorted else a, a_scale, weight, w_operand, weight_scale, y, h,
+        b[0], b[1], b[2],
         batch.sorted_token_indices, batch.lora_ids, batch.lora_token_start,
         y if partial is None else partial, counters[_workspace.TILES:], counters,
         _trace_arg(trace, counters, grid[0] * grid[1] * grid[2]), t, n, k, lora.max_rank,
@@ -257,6 +262,7 @@ def _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg: L
         WAIT_CODES=wait_codes, WARM_L2=warm_l2 if wait_codes else 0, TRACE=trace is not None,
         B_IN_REGS=_b_in_registers(cfg), R_CHUNK=_epilogue_rank_chunk(cfg),
         W_TMA=w_operand is not weight, WAIT_K1_FIRST=wait_k1_first and _use_pdl(pdl),
+        A_TMA=a_sorted,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=_use_pdl(pdl),
     )
     return y
@@ -268,6 +274,18 @@ def _w_tma(weight: torch.Tensor, cfg: LaunchConfig) -> bool:
     # (MMAv2) were slower with it (results/h200/layer_1x128_tma_hbf16_ab_*.json and
     # layer_decode_tma_ab_*.json).
     return cfg.block_m >= 64 and weight.stride(0) % 16 == 0 and weight.data_ptr() % 16 == 0
+
+
+def _a_tma(a: torch.Tensor, weight: torch.Tensor, cfg: LaunchConfig) -> bool:
+    # FP8 codes read by TMA where the weight is (tiles of 64 rows or more), rows 16-byte
+    # aligned; K1 then writes them in adapter order (CODES_SORTED), so each row tile is a
+    # contiguous block of rows.
+    return (_w_tma(weight, cfg) and a.stride(1) == 1 and a.stride(0) % 16 == 0
+            and a.data_ptr() % 16 == 0)
+
+
+def _a_desc(a: torch.Tensor, cfg: LaunchConfig):
+    return TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
 
 
 def _w_operand(weight: torch.Tensor, cfg: LaunchConfig):
@@ -318,19 +336,20 @@ def _launch_gemm_only(mode, a, a_scale, weight, weight_scale, cfg: LaunchConfig 
     t, k = a.shape
     n = weight.shape[0]
     cfg = cfg or _shape_config("lora_gemm", t, n, k, 16, ())
+    a_tma = mode == 0 and _a_tma(a, weight, cfg)  # rows in their own order: no sorting needed
     y = torch.empty(t, n, dtype=torch.bfloat16, device=a.device)
     unused = torch.empty(1, dtype=torch.int32, device=a.device)  # the epilogue's, never read
     grid, partial, counters = _gemm_workspace(mode, t, n, cfg, a.device)
     w_operand = _w_operand(weight, cfg)
     _lora_gemm_kernel[grid](
-        a, a_scale, weight, w_operand, weight_scale, y, weight_scale,
-        weight, weight, weight,
+        a, _a_desc(a, cfg) if a_tma else a, a_scale, weight, w_operand, weight_scale, y,
+        weight_scale, weight, weight, weight,
         unused, unused, unused, y if partial is None else partial,
         counters[_workspace.TILES:], counters, unused,
         t, n, k, 1, 0, a.stride(0), y.stride(0), n, n,
         MODE=mode, HAS_LORA=False, NUM_SLICES=1, H_PLANES=1, SPLIT_K=grid[2], ENTRIES_BLOCK=16,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=16,
-        INTERPRETER=_env.triton_interpreter(), W_TMA=w_operand is not weight,
+        INTERPRETER=_env.triton_interpreter(), W_TMA=w_operand is not weight, A_TMA=a_tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
@@ -500,9 +519,12 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
                                       _k2_tiles(mode, x.shape[0], lora.out_features, cfg2)))
     # Only a quantizing K1 counts rows: a K2 waiting for a count nobody makes would spin forever.
     counted = pdl and mode == 0 and not wait_k1_first
+    # K1 writes its codes in adapter order where K2 reads them by TMA (K1 allocates them
+    # [T, K] contiguous: rows 16-byte aligned when K is a multiple of 16).
+    a_sorted = mode == 0 and _w_tma(weight, cfg2) and x.shape[1] % 16 == 0
     codes, scales, h = _launch_k1(x, lora, batch, cfg1, quantize=mode == 0, pdl=pdl,
-                                  signal_codes=counted, trace=traces[0])
+                                  signal_codes=counted, trace=traces[0], codes_sorted=a_sorted)
     a, a_scale = (codes, scales) if mode == 0 else (x, weight_scale)
     return _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg2, pdl=pdl,
                       wait_codes=counted, warm_l2=warm_l2, trace=traces[1],
-                      wait_k1_first=wait_k1_first)
+                      wait_k1_first=wait_k1_first, a_sorted=a_sorted)
