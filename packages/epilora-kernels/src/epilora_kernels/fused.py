@@ -474,8 +474,10 @@ def fused_lora_fp8_linear(
     """The fused path: K1 then K2. With `pdl` K2 is launched as K1's programmatic dependent,
     which hides its launch and its prologue; it waits for all of K1 before its K loop (the same
     bits as `pdl=False`)."""
-    return _linear(0, x, weight, weight_scale, lora, batch, k1_config, k2_config, pdl=pdl,
-                   wait_k1_first=True)
+    # Only beyond the decode path's token counts: at 16-32 tokens PDL made the fused layer
+    # slower (benchmarks/results/h200/layer.json of a1a405a against 80936cc's).
+    return _linear(0, x, weight, weight_scale, lora, batch, k1_config, k2_config,
+                   pdl=pdl and x.shape[0] > DECODE_SHRINK_MAX_TOKENS, wait_k1_first=True)
 
 
 def fused_lora_w8a16_linear(
