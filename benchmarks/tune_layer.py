@@ -14,6 +14,11 @@ installed settings' (relative 1e-2: split orders differ in the last bits). At th
 installed and the tuned settings are timed in turns (`--reps` each, `--confirm` times), and the
 tuned ones are written only if their median beats the installed ones' by `--margin`.
 
+Beyond 32 tokens (`--tokens 64 128 256`) K1's candidates are few programs over wide rank
+tiles (tune.py's `decode_prefill_k1_candidates`), the installed settings there the fused
+path's K1; the entries written cover the decode path's K1 up to their bucket
+(`launch.select_config`).
+
 `--kernel k2` tunes the decode path's K2 instead (tune.py's decode K2 candidates): its table
 entries were chosen without adapters (tune.py's default) or in the fused path (`--ops k2-lora`),
 never beside K1 with the wait and epilogue of the decode path.
@@ -36,6 +41,7 @@ import torch
 from layer import PROJECTIONS, adapter_inputs, make_layer, write_results
 from tune import (
     RANK,
+    decode_prefill_k1_candidates,
     entry_rank,
     installed_table,
     k1_candidates,
@@ -46,7 +52,7 @@ from tune import (
 )
 
 from epilora_kernels import fused
-from epilora_kernels.launch import LaunchConfig, shape_key, validate_table
+from epilora_kernels.launch import LaunchConfig, select_config, shape_key, validate_table
 
 CHECK_TOLERANCE = 1e-2  # relative, against the installed settings' output
 
@@ -66,8 +72,11 @@ def decode_layer(xs: dict, layer: dict, batch, kernel: str, configs: dict) -> di
 
 def candidates(kernel: str, tokens: int, rank: int, name: str) -> list[LaunchConfig]:
     k, slices = PROJECTIONS[name]
-    return (k1_candidates(tokens, rank, k) if kernel == "k1"
-            else k2_candidates(tokens, slices, rank))
+    if kernel == "k2":
+        return k2_candidates(tokens, slices, rank)
+    if tokens > fused.DECODE_SHRINK_MAX_TOKENS:
+        return decode_prefill_k1_candidates(rank)
+    return k1_candidates(tokens, rank, k)
 
 
 def tune_tokens(tokens, layer, args, gen, flush, row) -> dict[str, LaunchConfig]:
@@ -113,7 +122,8 @@ def main() -> None:
     parser.add_argument("--out-table", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--tokens", type=int, nargs="+", required=True,
-                        help="token counts (the decode path's, up to 32)")
+                        help="token counts (K2: up to 32, its entries serve the fused path "
+                             "beyond)")
     parser.add_argument("--kernel", choices=tuple(KERNELS), default="k1",
                         help="k1: the decode path's shrink (decode_shrink); k2: its GEMM "
                              "(lora_gemm, under the rank's key)")
@@ -132,9 +142,9 @@ def main() -> None:
     parser.add_argument("--confirm", type=int, default=5)
     parser.add_argument("--git-sha", default=None)
     args = parser.parse_args()
-    if max(args.tokens) > fused.DECODE_SHRINK_MAX_TOKENS:
-        parser.error(f"--tokens: the decode path's K1 is tuned up to "
-                     f"{fused.DECODE_SHRINK_MAX_TOKENS} tokens")
+    if args.kernel == "k2" and max(args.tokens) > fused.DECODE_SHRINK_MAX_TOKENS:
+        parser.error(f"--tokens: beyond {fused.DECODE_SHRINK_MAX_TOKENS} tokens K2's entries "
+                     "are the fused path's (tune.py --ops k2-lora)")
     gen = torch.Generator(device="cuda").manual_seed(0)
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
     layer = make_layer(args.adapters, args.rank, gen)  # as decode.py and decode_timeline.py
@@ -155,7 +165,15 @@ def main() -> None:
                                args.reps, extra))
 
     for tokens in args.tokens:
-        for name, cfg in tune_tokens(tokens, layer, args, gen, flush, row).items():
+        chosen = tune_tokens(tokens, layer, args, gen, flush, row)
+        if args.kernel == "k1" and tokens > fused.DECODE_SHRINK_MAX_TOKENS:
+            # A decode_shrink bucket beyond 32 tokens serves every batch down to the next
+            # bucket, so it holds every projection's settings: the installed ones (the fused
+            # path's) where nothing beat them.
+            chosen = {name: chosen.get(name) or select_config(
+                torch.cuda.get_device_name(), op, tokens, sum(slices), k, args.rank, slices)
+                for name, (k, slices) in PROJECTIONS.items()}
+        for name, cfg in chosen.items():
             k, slices = PROJECTIONS[name]
             table[op].setdefault(shape_key(sum(slices), k, key_rank), {})[
                 str(tokens)] = cfg.__dict__

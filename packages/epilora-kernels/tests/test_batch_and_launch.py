@@ -69,6 +69,31 @@ def test_table_lookup_picks_the_smallest_bucket_at_or_above(tmp_path, monkeypatc
     launch._load_table.cache_clear()
 
 
+def test_decode_k1_beyond_its_buckets_takes_the_fused_settings_unless_covered(tmp_path,
+                                                                                monkeypatch):
+    from epilora_kernels import launch
+
+    table = {"decode_shrink": {"64x32": {"16": {"split_k": 16}, "32": {"split_k": 8}},
+                               "64x32@r128": {"256": {"split_k": 2}}},
+             "quantize_shrink": {"64x32": {"256": {"split_k": 4}}}}
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "Test_GPU.json").write_text(json.dumps(table))
+    monkeypatch.setattr(launch.resources, "files", lambda _pkg: tmp_path)
+    launch._load_table.cache_clear()
+    max_t = launch.DECODE_SHRINK_MAX_TOKENS
+    assert launch.select_config("Test GPU", "decode_shrink", max_t, 64, 32, 64).split_k == 8
+    # rank 64: no decode bucket covers 33 tokens, so not the 32-token entry stretched
+    assert launch.select_config("Test GPU", "decode_shrink", max_t + 1, 64, 32, 64).split_k == 4
+    assert launch.table_config("Test GPU", "decode_shrink", 999, 64, 32, cover=True) is None
+    # rank 128: its 256-token bucket covers 33-256 tokens, and none covers more
+    assert launch.select_config("Test GPU", "decode_shrink", max_t + 1, 64, 32, 128).split_k == 2
+    assert launch.select_config("Test GPU", "decode_shrink", 257, 64, 32, 128).split_k == 4
+    # no table: the heuristic's fused settings
+    assert (launch.select_config(None, "decode_shrink", max_t + 1, 64, 32, 64)
+            == launch.heuristic_config("quantize_shrink", max_t + 1, 64, 32, 64))
+    launch._load_table.cache_clear()
+
+
 def test_entries_tuned_at_a_rank_are_preferred_for_that_rank_tile(tmp_path, monkeypatch):
     from epilora_kernels import launch
 

@@ -154,17 +154,21 @@ def test_decode_path_equals_fused_path_bitwise(mapping, pdl):
     assert relative_error(decode, want) < BF16_TOL
 
 
-@pytest.mark.parametrize("t", [fused.DECODE_SHRINK_MAX_TOKENS, fused.DECODE_SHRINK_MAX_TOKENS + 1])
-def test_decode_path_beyond_decode_shrink_tuning_takes_the_fused_k1_settings(t, monkeypatch):
-    # decode_shrink is tuned up to DECODE_SHRINK_MAX_TOKENS; beyond, its largest bucket would
-    # stretch 32-token settings, so the decode path's K1 asks for the fused path's.
-    x, weight, w_scale, lora, batch = make_problem(9, t, 64, (32,), 8, 2, "mixed_with_base")
-    asked = []
-    config = fused._config
-    monkeypatch.setattr(fused, "_config", lambda op, *a: asked.append(op) or config(op, *a))
-    y = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch)
-    want_op = "decode_shrink" if t <= fused.DECODE_SHRINK_MAX_TOKENS else "quantize_shrink"
-    assert asked[0] == want_op
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_decode_path_beyond_the_decode_buckets_with_few_wide_k1_programs(split_k):
+    # Beyond DECODE_SHRINK_MAX_TOKENS the decode path's K1 may have a decode_shrink entry of
+    # its own (tune_layer.py): few programs over 64 rows and the whole rank, so that K2 finds
+    # room beside them. Same bits as the fused path with the same settings.
+    t = fused.DECODE_SHRINK_MAX_TOKENS + 1
+    x, weight, w_scale, lora, batch = make_problem(9, t, 128, (32, 16), 8, 2, "mixed_with_base")
+    k1 = fused.LaunchConfig(block_m=64, block_k=32, block_r=16, split_k=split_k, num_warps=4,
+                            num_stages=2)
+    k2 = fused.LaunchConfig(block_m=64, block_n=16, block_k=32, block_r=16)
+    y = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, k1_config=k1,
+                                     k2_config=k2)
+    assert_bitwise_equal(y, fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch,
+                                                        k1_config=k1, k2_config=k2),
+                         name="decode vs fused")
     want = reference.decode_lora_fp8_linear(x, weight, w_scale, lora, batch,
                                             arithmetic=Fp8Arithmetic.TORCH_CPU)
     assert relative_error(y, want) < BF16_TOL

@@ -510,8 +510,7 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
     # `wait_k1_first` (the fused path) for all of K1.
     _check_inputs(x, lora, batch)
     _check_weight(weight, weight_scale, lora.in_features, lora.out_features)
-    op1 = ("decode_shrink" if decode and x.shape[0] <= DECODE_SHRINK_MAX_TOKENS else
-           "quantize_shrink" if mode == 0 else "shrink")
+    op1 = "decode_shrink" if decode else "quantize_shrink" if mode == 0 else "shrink"
     cfg1 = _config(op1, x.shape[0], lora, k1_config)
     cfg2 = _gemm_config(batch, lora, k2_config)
     y = torch.empty(x.shape[0], lora.out_features, dtype=torch.bfloat16, device=x.device)

@@ -18,9 +18,10 @@ from importlib import resources
 # K1 quantizing (the fused path), K1's shrink alone for the hybrid path and for the decode path
 # (tuned apart: K2 overlaps the decode path's shrink, not the others), and K2.
 OPS = ("quantize_shrink", "shrink", "decode_shrink", "lora_gemm")
-# `decode_shrink` is tuned up to this many tokens (benchmarks/tune.py); beyond, the decode path's
-# K1 takes `quantize_shrink`'s settings, the fused path's, tuned where the decode path's would
-# be the 32-token ones stretched.
+# `decode_shrink` buckets cover up to this many tokens (benchmarks/tune.py). Beyond, the decode
+# path's K1 takes a `decode_shrink` entry only from a bucket at or above the batch
+# (benchmarks/tune_layer.py writes them, few programs that leave room for K2 beside them), else
+# `quantize_shrink`'s, the fused path's: the 32-token ones stretched would launch too many.
 DECODE_SHRINK_MAX_TOKENS = 32
 
 
@@ -136,10 +137,11 @@ def _load_table(device_name: str) -> dict | None:
 
 
 def table_config(device_name: str, op: str, tokens: int, n: int, k: int,
-                 rank: int | None = None) -> LaunchConfig | None:
-    """The tuned entry for (op, N x K) at the smallest bucket >= tokens (else the largest);
-    given a rank, its rank tile's entries replace the others' at the buckets they tuned (a
-    rank tuned at 64-256 tokens leaves the decode buckets to the rank-64 entries)."""
+                 rank: int | None = None, cover: bool = False) -> LaunchConfig | None:
+    """The tuned entry for (op, N x K) at the smallest bucket >= tokens (else the largest, or
+    with `cover` none); given a rank, its rank tile's entries replace the others' at the
+    buckets they tuned (a rank tuned at 64-256 tokens leaves the decode buckets to the rank-64
+    entries)."""
     table = _load_table(device_name)
     if table is None:
         return None
@@ -149,15 +151,23 @@ def table_config(device_name: str, op: str, tokens: int, n: int, k: int,
     if not entries:
         return None
     buckets = sorted(int(b) for b in entries)
-    bucket = next((b for b in buckets if b >= tokens), buckets[-1])
-    return LaunchConfig(**entries[str(bucket)])
+    bucket = next((b for b in buckets if b >= tokens), None if cover else buckets[-1])
+    return None if bucket is None else LaunchConfig(**entries[str(bucket)])
 
 
 def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int, rank: int,
                   slices: tuple[int, ...] = ()) -> LaunchConfig:
     """The launchers' choice: the device's tuned entry, else the heuristic (`device_name`
     None: the heuristic). K2's table entries are tuned at one rank; its epilogue holds a whole
-    adapter's rank in one tile, so their `block_r` becomes the rank's."""
+    adapter's rank in one tile, so their `block_r` becomes the rank's. The decode path's K1
+    beyond the decode buckets (`decode_shrink`, more than DECODE_SHRINK_MAX_TOKENS tokens) takes
+    the fused path's settings unless a `decode_shrink` bucket covers the batch."""
+    if op == "decode_shrink" and tokens > DECODE_SHRINK_MAX_TOKENS:
+        tuned = None if device_name is None else table_config(device_name, op, tokens, n, k,
+                                                              rank, cover=True)
+        if tuned is not None:
+            return tuned
+        op = "quantize_shrink"
     tuned = None if device_name is None else table_config(device_name, op, tokens, n, k, rank)
     if tuned is None:
         return heuristic_config(op, tokens, n, k, rank, slices)

@@ -100,3 +100,34 @@ def test_fused_path_with_pdl_equals_serialized_bitwise(shape):
         torch.cuda.synchronize()
         assert_bitwise_equal(out, serialized, name="graph replay")
     _assert_counters_at_rest()
+
+
+# The decode path's K1 beyond 32 tokens from tune_layer.py's candidates: few programs over 32-64
+# rows and the whole rank (or 64 of it), K2 started beside them.
+PREFILL_K1 = [LaunchConfig(block_m=64, block_k=128, block_r=128, split_k=4, num_warps=8),
+              LaunchConfig(block_m=64, block_k=64, block_r=128, split_k=1, num_stages=3),
+              LaunchConfig(block_m=32, block_k=128, block_r=64, split_k=8)]
+
+
+@pytest.mark.parametrize("k1", PREFILL_K1, ids=lambda c: f"{c.block_m}x{c.block_r}s{c.split_k}")
+@pytest.mark.parametrize("t", [64, 256])
+def test_decode_path_beyond_32_tokens_with_few_k1_programs(t, k1):
+    x, weight, w_scale, lora, batch = make_problem(3, t, 4096, (4096, 1024, 1024), 128, 4,
+                                                   "mixed_with_base", device="cuda")
+    serialized = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, pdl=False,
+                                              k1_config=k1)
+    for _ in range(5):
+        eager = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, k1_config=k1)
+        assert_bitwise_equal(eager, serialized, name="decode vs serialized")
+    assert_bitwise_equal(fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch,
+                                                     k1_config=k1), serialized,
+                         name="decode vs fused")
+    graph, out = capture(lambda: fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch,
+                                                              k1_config=k1))
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitwise_equal(out, serialized, name="graph replay")
+    _assert_counters_at_rest()
+    want = reference.decode_lora_fp8_linear(x, weight, w_scale, lora, batch)
+    assert relative_error(serialized, want) < 1e-2
