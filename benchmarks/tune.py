@@ -132,19 +132,24 @@ def k1_candidates(tokens: int, rank: int = RANK, k: int = 4096):
 
 
 
-def decode_prefill_k1_candidates(rank: int = RANK):
+def decode_prefill_k1_candidates(rank: int = RANK, k: int = 4096):
     # The decode path's K1 beyond 32 tokens: K2 can start only once every K1 program has
-    # been launched (PDL), so K1's shrink gets few programs (32-64 rows, wide rank tiles, up to
-    # 8 splits) that leave the SMs to K2 after the quantizing ones, and runs beside K2's K
-    # loop instead of before it (the fused path's K1 at 256 tokens and rank 128: 1000-2300
-    # programs, 8 us a projection before K2, decode_timeline_prefill_r128.json). No 64 x 128
-    # tile 128 deep with 4 warps: it spills (sm90_occupancy_k1_candidates_r128.json).
+    # been launched (PDL), so K1's shrink gets few programs (32-64 rows, wide rank tiles) that
+    # leave the SMs to K2 after the quantizing ones, and runs beside K2's K loop instead of
+    # before it (the fused path's K1 at 256 tokens and rank 128: 1000-2300 programs, 8 us a
+    # projection before K2, decode_timeline_prefill_r128.json). K2's first wave waits for all
+    # of K1 before its epilogue, so K1 must end early: at 256 tokens and rank 128 every tile
+    # was fastest with the most splits offered, 8 (tune_layer_k1_r128_prefill.json), so up to
+    # 16, and 32 for a long K. No 64 x 128 tile 128 deep with 4 warps: it spills
+    # (sm90_occupancy_k1_candidates_r128.json).
     whole = rank_block(rank)
     tiles = {(64, whole, 64, 3, 4), (64, whole, 128, 2, 8), (64, min(64, whole), 128, 2, 4),
              (32, whole, 128, 2, 4)}
+    splits = (2, 4, 8, 16, 32) if k >= 8192 else (2, 4, 8, 16)
     return [LaunchConfig(block_m=bm, block_k=bk, block_r=br, split_k=split, num_stages=stages,
                          num_warps=warps)
-            for bm, br, bk, stages, warps in sorted(tiles) for split in (1, 2, 4, 8)]
+            for bm, br, bk, stages, warps in sorted(tiles) for split in splits]
+
 
 # K1's ops, each timed with the kernel it feeds (K2, or the hybrid path's expand after vLLM's
 # CUTLASS): K1's split count trades its own speed against its reduction, which K2 overlaps

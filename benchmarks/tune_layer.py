@@ -75,7 +75,7 @@ def candidates(kernel: str, tokens: int, rank: int, name: str) -> list[LaunchCon
     if kernel == "k2":
         return k2_candidates(tokens, slices, rank)
     if tokens > fused.DECODE_SHRINK_MAX_TOKENS:
-        return decode_prefill_k1_candidates(rank)
+        return decode_prefill_k1_candidates(rank, k)
     return k1_candidates(tokens, rank, k)
 
 
