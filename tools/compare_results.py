@@ -2,7 +2,8 @@
 decode_timeline.py's) from several runs, e.g. the branches one device call timed with
 `gpu_kernels.sh use:REF`, each as LABEL=PATH, the first the baseline. Prints markdown: per
 (adapters, rank, tokens, system) each run's value and its difference from the baseline, in the
-unit of the rows (us); `--systems` keeps only those systems (a timeline's variants are its systems).
+unit of the rows (us); `--systems` keeps only those systems (a timeline's variants are its systems),
+`--common` only the rows every run has (a run of a few setups against a whole page).
 
     python tools/compare_results.py main=benchmarks/results/h200/layer_branches_32x64_main.json \
         all=benchmarks/results/h200/layer_branches_32x64_next-all.json --systems epilora-fused
@@ -27,10 +28,11 @@ def _rows(path: str, systems: set[str] | None) -> dict[tuple, float]:
     return out
 
 
-def compare(runs: list[tuple[str, str]], systems: set[str] | None = None) -> str:
+def compare(runs: list[tuple[str, str]], systems: set[str] | None = None,
+            common: bool = False) -> str:
     tables = [(label, _rows(path, systems)) for label, path in runs]
     base_label, base = tables[0]
-    keys = sorted(set().union(*(t.keys() for _, t in tables)),
+    keys = sorted((set.intersection if common else set.union)(*(set(t) for _, t in tables)),
                   key=lambda k: (k[0], k[1], k[3], k[2]))
     head = ["adapters", "rank", "tokens", "system", base_label] + [
         f"{label} (diff)" for label, _ in tables[1:]]
@@ -53,6 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", metavar="LABEL=PATH")
     parser.add_argument("--systems", nargs="*", default=None)
+    parser.add_argument("--common", action="store_true", help="only rows in every run")
     parser.add_argument("--out", default=None, help="write the table here too")
     args = parser.parse_args()
     runs = []
@@ -61,7 +64,7 @@ def main() -> None:
         if not sep or not label or not path:
             parser.error(f"expected LABEL=PATH, got {item!r}")
         runs.append((label, path))
-    table = compare(runs, set(args.systems) if args.systems else None)
+    table = compare(runs, set(args.systems) if args.systems else None, args.common)
     print(table, end="")
     if args.out:
         with open(args.out, "w") as f:
