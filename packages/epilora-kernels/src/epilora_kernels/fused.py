@@ -471,9 +471,9 @@ def fused_lora_fp8_linear(
     k2_config: LaunchConfig | None = None,
     pdl: bool = True,
 ) -> torch.Tensor:
-    """The fused path: K1 then K2. With `pdl` K2 is launched as K1's programmatic dependent,
-    which hides its launch and its prologue; it waits for all of K1 before its K loop (the same
-    bits as `pdl=False`)."""
+    """The fused path: K1 then K2. With `pdl`, beyond 32 tokens (DECODE_SHRINK_MAX_TOKENS), K2
+    is launched as K1's programmatic dependent, which hides its launch and its prologue; it
+    waits for all of K1 before its K loop (the same bits as `pdl=False`)."""
     # Only beyond the decode path's token counts: at 16-32 tokens PDL made the fused layer
     # slower (benchmarks/results/h200/layer.json of a1a405a against 80936cc's).
     return _linear(0, x, weight, weight_scale, lora, batch, k1_config, k2_config,
