@@ -29,6 +29,16 @@ def _assert_counters_at_rest():
         assert int(buf.count_nonzero()) == 0, (key, buf.nonzero().flatten().tolist()[:8])
 
 
+def _assert_graph_replays_equal(fn, want, replays: int, name: str = "graph replay"):
+    # fn captured in a CUDA graph (PDL launches become programmatic edges), replayed.
+    graph, out = capture(fn)
+    for _ in range(replays):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitwise_equal(out, want, name=name)
+        _assert_counters_at_rest()
+
+
 def _k2_config(split_k: int | None, rank: int):
     # None: the launch table's (or the heuristic's) choice; else a decode tile with split-K.
     if split_k is None:
@@ -73,13 +83,9 @@ def test_decode_in_a_cuda_graph_equals_eager(split_k):
                                                    "mixed_with_base", device="cuda")
     k2 = _k2_config(split_k, 64)
     eager = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, k2_config=k2)
-    graph, out = capture(lambda: fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch,
-                                                              k2_config=k2))
-    for _ in range(5):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_bitwise_equal(out, eager, name="graph replay")
-        _assert_counters_at_rest()
+    _assert_graph_replays_equal(
+        lambda: fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, k2_config=k2),
+        eager, 5)
 
 
 @pytest.mark.parametrize("shape", [*CASES, (256, 4096, (4096, 1024, 1024), 128, 1)],
@@ -94,12 +100,8 @@ def test_fused_path_with_pdl_equals_serialized_bitwise(shape):
     for _ in range(5):
         eager = fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch, pdl=True)
         assert_bitwise_equal(eager, serialized, name="fused with PDL vs serialized")
-    graph, out = capture(lambda: fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch))
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_bitwise_equal(out, serialized, name="graph replay")
-    _assert_counters_at_rest()
+    _assert_graph_replays_equal(
+        lambda: fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch), serialized, 3)
 
 
 # The decode path's K1 beyond 32 tokens from tune_layer.py's candidates: few programs over 32-64
@@ -122,12 +124,8 @@ def test_decode_path_beyond_32_tokens_with_few_k1_programs(t, k1):
     assert_bitwise_equal(fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch,
                                                      k1_config=k1), serialized,
                          name="decode vs fused")
-    graph, out = capture(lambda: fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch,
-                                                              k1_config=k1))
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_bitwise_equal(out, serialized, name="graph replay")
-    _assert_counters_at_rest()
+    _assert_graph_replays_equal(
+        lambda: fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, k1_config=k1),
+        serialized, 3)
     want = reference.decode_lora_fp8_linear(x, weight, w_scale, lora, batch)
     assert relative_error(serialized, want) < 1e-2
