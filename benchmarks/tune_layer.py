@@ -1,4 +1,4 @@
-"""Tune the decode path's K1 or K2 by the whole decode layer's time, one projection at a time.
+"""Tune the decode (or fused) path's K1 or K2 by the whole layer's time, one projection at a time.
 
 `tune.py --ops decode` times each projection's K1 with that projection's K2 alone; its winners
 differ by about the decode layer's run-to-run spread, and a setting that makes one projection
@@ -18,6 +18,12 @@ Beyond 32 tokens (`--tokens 64 128 256`) K1's candidates are few programs over w
 tiles (tune.py's `decode_prefill_k1_candidates`), the installed settings there the fused
 path's K1; the entries written cover the decode path's K1 up to their bucket
 (`launch.select_config`).
+
+`--path fused` tunes the fused path's K1 (`quantize_shrink`) the same way, by the fused layer's
+time: beyond 32 tokens K2 is K1's programmatic dependent and can wait beside K1's last wave
+only when K1's programs leave room for it (the fused layer at 256 tokens, rank 128: every K2
+program started 1.3 us after K1's end, decode_timeline_prefill_r128_256.json), so its
+candidates there are tune.py's K1 candidates and the few-program ones.
 
 `--kernel k2` tunes the decode path's K2 instead (tune.py's decode K2 candidates): its table
 entries were chosen without adapters (tune.py's default) or in the fused path (`--ops k2-lora`),
@@ -57,32 +63,37 @@ from epilora_kernels.launch import LaunchConfig, select_config, shape_key, valid
 CHECK_TOLERANCE = 1e-2  # relative, against the installed settings' output
 
 
-# What --kernel tunes: the decode path's keyword for its settings and the table's op.
-KERNELS = {"k1": ("k1_config", "decode_shrink"), "k2": ("k2_config", "lora_gemm")}
+# What --kernel tunes: the launchers' keyword for its settings and, by --path, the table's op.
+KERNELS = {"k1": "k1_config", "k2": "k2_config"}
+OPS = {("decode", "k1"): "decode_shrink", ("decode", "k2"): "lora_gemm",
+       ("fused", "k1"): "quantize_shrink"}
+LINEAR = {"decode": fused.decode_lora_fp8_linear, "fused": fused.fused_lora_fp8_linear}
 
 
-def decode_layer(xs: dict, layer: dict, batch, kernel: str, configs: dict) -> dict:
-    """The decode path over the layer's projections, `kernel` (k1 or k2) with `configs[name]`
-    where given (else the installed table's); the outputs by projection."""
-    keyword = KERNELS[kernel][0]
-    return {name: fused.decode_lora_fp8_linear(xs[name], weight, scale, lora, batch,
-                                               **{keyword: configs.get(name)})
+def path_layer(xs: dict, layer: dict, batch, path: str, kernel: str, configs: dict) -> dict:
+    """The path over the layer's projections, `kernel` (k1 or k2) with `configs[name]` where
+    given (else the installed table's); the outputs by projection."""
+    linear, keyword = LINEAR[path], KERNELS[kernel]
+    return {name: linear(xs[name], weight, scale, lora, batch, **{keyword: configs.get(name)})
             for name, (weight, scale, lora) in layer.items()}
 
 
-def candidates(kernel: str, tokens: int, rank: int, name: str) -> list[LaunchConfig]:
+def candidates(path: str, kernel: str, tokens: int, rank: int, name: str) -> list[LaunchConfig]:
     k, slices = PROJECTIONS[name]
     if kernel == "k2":
         return k2_candidates(tokens, slices, rank)
-    if tokens > fused.DECODE_SHRINK_MAX_TOKENS:
-        return decode_prefill_k1_candidates(rank, k)
-    return k1_candidates(tokens, rank, k)
+    if tokens <= fused.DECODE_SHRINK_MAX_TOKENS:
+        return k1_candidates(tokens, rank, k)
+    few = decode_prefill_k1_candidates(rank, k)
+    if path == "decode":
+        return few
+    return list(dict.fromkeys(k1_candidates(tokens, rank, k) + few))  # in order, once each
 
 
 def tune_tokens(tokens, layer, args, gen, flush, row) -> dict[str, LaunchConfig]:
     """The settings that beat the installed ones in the layer at `tokens`, by projection."""
     batch, xs, _ = adapter_inputs(tokens, args.rank, args.adapters, gen)
-    layer_with = functools.partial(decode_layer, xs, layer, batch, args.kernel)
+    layer_with = functools.partial(path_layer, xs, layer, batch, args.path, args.kernel)
     want = layer_with({})
     chosen: dict[str, LaunchConfig] = {}
     for round_ in range(args.passes):
@@ -90,7 +101,7 @@ def tune_tokens(tokens, layer, args, gen, flush, row) -> dict[str, LaunchConfig]
             current = timed(functools.partial(layer_with, chosen), args.reps, flush)[1]
             row("current", name, tokens, current, chosen.get(name), round=round_)
             best = (float("inf"), None)
-            for cfg in candidates(args.kernel, tokens, args.rank, name):
+            for cfg in candidates(args.path, args.kernel, tokens, args.rank, name):
                 run = functools.partial(layer_with, {**chosen, name: cfg})
                 ok, us = timed(run, args.reps, flush,
                                lambda run=run, name=name:
@@ -127,6 +138,8 @@ def main() -> None:
     parser.add_argument("--kernel", choices=tuple(KERNELS), default="k1",
                         help="k1: the decode path's shrink (decode_shrink); k2: its GEMM "
                              "(lora_gemm, under the rank's key)")
+    parser.add_argument("--path", choices=("decode", "fused"), default="decode",
+                        help="the path whose layer times the candidates (fused: K1 only)")
     parser.add_argument("--rank", type=int, default=RANK,
                         help=f"the adapters' rank; K1's entries other than {RANK}'s go under "
                              "rank keys")
@@ -142,31 +155,35 @@ def main() -> None:
     parser.add_argument("--confirm", type=int, default=5)
     parser.add_argument("--git-sha", default=None)
     args = parser.parse_args()
+    if (args.path, args.kernel) not in OPS:
+        parser.error("--path fused tunes K1 only (its K2: tune.py --ops k2-lora)")
     if args.kernel == "k2" and max(args.tokens) > fused.DECODE_SHRINK_MAX_TOKENS:
         parser.error(f"--tokens: beyond {fused.DECODE_SHRINK_MAX_TOKENS} tokens K2's entries "
                      "are the fused path's (tune.py --ops k2-lora)")
     gen = torch.Generator(device="cuda").manual_seed(0)
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
     layer = make_layer(args.adapters, args.rank, gen)  # as decode.py and decode_timeline.py
-    op = KERNELS[args.kernel][1]
+    op = OPS[args.path, args.kernel]
     key_rank = entry_rank(args.rank, args.kernel == "k2")
     table = installed_table()
     table.setdefault(op, {})
     meta = table.setdefault("_meta", {})
-    run = {"git_sha": args.git_sha, "mode": "decode-layer", "tool": "benchmarks/tune_layer.py",
+    run = {"git_sha": args.git_sha, "mode": f"{args.path}-layer",
+           "tool": "benchmarks/tune_layer.py",
            "ops": [op], "adapters": args.adapters, "slots": args.adapters,
            "rank": args.rank, "tokens": []}
     meta["runs"] = [*meta.get("runs", []), run]
     rows = []
 
     def row(kind, name, tokens, us, cfg=None, **extra):
-        rows.append(timing_row({"bench": "tune-layer", "kernel": args.kernel, "kind": kind,
+        rows.append(timing_row({"bench": "tune-layer", "path": args.path,
+                                "kernel": args.kernel, "kind": kind,
                                 "projection": name, "tokens": tokens}, "layer_us", us, cfg,
                                args.reps, extra))
 
     for tokens in args.tokens:
         chosen = tune_tokens(tokens, layer, args, gen, flush, row)
-        if args.kernel == "k1" and tokens > fused.DECODE_SHRINK_MAX_TOKENS:
+        if op == "decode_shrink" and tokens > fused.DECODE_SHRINK_MAX_TOKENS:
             # A decode_shrink bucket beyond 32 tokens serves every batch down to the next
             # bucket, so it holds every projection's settings: the installed ones (the fused
             # path's) where nothing beat them.

@@ -5,9 +5,9 @@
 #   tune    benchmarks/tune.py $TUNE_ARGS -> $OUT/NVIDIA_H200.json, which the later steps of the
 #           call then use (installed into the package); copy it to epilora_kernels/configs/ to
 #           keep it                                                                 TUNE_TIMEOUT
-#   tune-layer benchmarks/tune_layer.py $TUNE_LAYER_ARGS (the decode path's K1, or its K2 with
-#           --kernel k2, by the decode layer's time) -> $OUT/NVIDIA_H200.json, used by the
-#           later steps as tune's                                                   TUNE_TIMEOUT
+#   tune-layer benchmarks/tune_layer.py $TUNE_LAYER_ARGS (the decode path's K1, its K2 with
+#           --kernel k2, or the fused path's K1 with --path fused, by the layer's time)
+#           -> $OUT/NVIDIA_H200.json, used by the later steps as tune's          TUNE_TIMEOUT
 #   layer   benchmarks/layer.py $LAYER_ARGS -> $OUT/layer.json                     LAYER_TIMEOUT
 #   decode  benchmarks/decode.py -> $OUT/decode.json                               DECODE_TIMEOUT
 #   timeline benchmarks/decode_timeline.py $TIMELINE_ARGS -> $OUT/decode_timeline.json
