@@ -1,6 +1,7 @@
 """Decode benchmark: one Qwen3-8B layer at 1-32 tokens, the decode path (PDL) against the rest.
 
-Systems (one CUDA graph per system and case, L2 flushed before each replay, median of replays):
+Systems (one CUDA graph per system and case, the case's graphs replayed in turns, L2 flushed
+before each replay, median of replays):
 `cutlass` (vLLM quant + CUTLASS, no adapter), `vllm-default` (+ Punica shrink/expand),
 `vllm-dual-stream` (vLLM's VLLM_LORA_ENABLE_DUAL_STREAM: the adapter on a second stream into a
 zeroed buffer, joined and added), `epilora-serialized` (our K1, quantize + shrink, then K2, no
@@ -23,7 +24,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from layer import PROJECTIONS, adapter_inputs, make_layer, run_layer, time_graph, write_results
+from layer import PROJECTIONS, adapter_inputs, make_layer, run_layer, time_graphs, write_results
 
 from epilora_kernels import fused
 
@@ -114,22 +115,24 @@ def main() -> None:
             outs = {name: torch.zeros(tokens, sum(sl), dtype=torch.bfloat16, device="cuda")
                     for name, (_, sl) in PROJECTIONS.items()}
             aux = torch.cuda.Stream()
-            measured = {}
+            runs = {}
             for system in SYSTEMS:
                 if system in ("cutlass", "vllm-default"):
-                    run = functools.partial(run_layer, system, xs, layer, batch, meta, bufs)
+                    runs[system] = functools.partial(run_layer, system, xs, layer, batch, meta,
+                                                     bufs)
                 elif system == "vllm-dual-stream":
-                    run = functools.partial(run_dual_stream, xs, layer, batch, meta, bufs, outs,
-                                            aux)
+                    runs[system] = functools.partial(run_dual_stream, xs, layer, batch, meta,
+                                                     bufs, outs, aux)
                 else:
-                    run = functools.partial(run_decode, system, xs, layer, batch, hs)
-                measured[system] = us = time_graph(run, args.reps, flush)
+                    runs[system] = functools.partial(run_decode, system, xs, layer, batch, hs)
+            measured = time_graphs(runs, args.reps, flush)  # in turns: drift hits all alike
+            for system, us in measured.items():
                 rows.append(_row(system, tokens, rank, us, args.reps))
                 print(f"{system:22s} rank={rank:3d} tokens={tokens:3d} {us:8.1f} us", flush=True)
             model = measured["epilora-h-given"] + max(
                 0.0, measured["component-shrink"] - measured["component-gemm"])
             rows.append(_row("model-decode", tokens, rank, model, args.reps, derived=True))
-        write_results(args, rows)
+            write_results(args, rows)  # after every case: a run cut short keeps what it measured
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ Systems, side by side in one run on one GPU (names as in DESIGN.md section 6):
 * `epilora-hybrid`: vLLM's quant + CUTLASS, then our shrink and expand.
 
 Each system's whole layer (qkv 4096->6144, o 4096->4096, gate_up 4096->24576, down 12288->4096)
-is captured in one CUDA graph; before every replay a 512 MiB buffer is written to flush the L2;
-the replay is timed with CUDA events; the median of `--reps` replays is reported (`layer_us`).
+is captured in one CUDA graph; the graphs of a case (token count and setup) are replayed in
+turns, `--reps` rounds, so that drift reaches every system alike; before every replay a 512 MiB
+buffer is written to flush the L2; the replay is timed with CUDA events; each system's median
+is reported (`layer_us`).
 Weights are random FP8 with per-tensor scales; adapters random bf16.
 
     python3 benchmarks/layer.py --out benchmarks/results/h200/layer.json [--quick]
@@ -89,26 +91,38 @@ def run_layer(system: str, xs: dict, layer: dict, batch: AdapterBatch, meta: tup
             fused.lora_expand(y, fused.lora_shrink(x, lora, batch), lora, batch)
 
 
-def time_graph(fn, reps: int, flush: torch.Tensor) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
+def time_graphs(fns: dict, reps: int, flush: torch.Tensor) -> dict:
+    """Median us of each of `fns` (name -> callable), each captured in a CUDA graph and the
+    graphs replayed in turns, the L2 flushed before every replay: drift over the run (clocks,
+    temperature) reaches every system alike instead of whichever ran last, so their ratios
+    (e.g. the decode page's +5% target against CUTLASS) do not move with it."""
+    graphs = {}
+    for name, fn in fns.items():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graphs[name] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[name]):
             fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
+    times = {name: [] for name in fns}
     for _ in range(reps):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0)
-    return statistics.median(times)
+        for name, graph in graphs.items():
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) * 1000.0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def time_graph(fn, reps: int, flush: torch.Tensor) -> float:
+    """Median us of `fn` in a CUDA graph, the L2 flushed before each replay."""
+    return time_graphs({"": fn}, reps, flush)[""]
 
 
 def main() -> None:
@@ -134,11 +148,12 @@ def main() -> None:
         for tokens in tokens_list:
             batch, xs, bufs = adapter_inputs(tokens, rank, num_adapters, gen)
             meta = batch.vllm_meta_args()
-            for system in systems:
-                if system in ("cutlass", "epilora-gemm") and (num_adapters, rank) != setups[0]:
-                    continue  # the no-adapter GEMMs do not depend on the adapters
-                run = functools.partial(run_layer, system, xs, layer, batch, meta, bufs)
-                us = time_graph(run, args.reps, flush)
+            # The no-adapter GEMMs do not depend on the adapters: with the first setup only.
+            runs = {system: functools.partial(run_layer, system, xs, layer, batch, meta, bufs)
+                    for system in systems
+                    if system not in ("cutlass", "epilora-gemm")
+                    or (num_adapters, rank) == setups[0]}
+            for system, us in time_graphs(runs, args.reps, flush).items():
                 rows.append({"bench": "layer", "model": "qwen3-8b", "base": "fp8",
                              "system": system, "tokens": tokens, "rank": rank,
                              "adapters": 0 if system in ("cutlass", "epilora-gemm")
