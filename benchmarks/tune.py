@@ -131,7 +131,6 @@ def k1_candidates(tokens: int, rank: int = RANK, k: int = 4096):
         if (block_r, block_k, warps) != (128, 128, 4)]
 
 
-
 def decode_prefill_k1_candidates(rank: int = RANK, k: int = 4096):
     # The decode path's K1 beyond 32 tokens: K2 can start only once every K1 program has
     # been launched (PDL), so K1's shrink gets few programs (32-64 rows, wide rank tiles) that
