@@ -1,7 +1,7 @@
 """Registers, shared memory, spills and occupancy of K1 and K2 as the launchers run them on one
 Qwen3-8B layer, compiled for sm_90 on a CPU (no GPU needed; TRITON_INTERPRET unset).
 
-For each projection, token count and adapter rank, the decode path (1-32 tokens) and the fused
+For each projection, token count and adapter rank, the decode path and the fused
 path record their launches with the shipped launch table (`epilora_kernels/configs/
 NVIDIA_H200.json`; one adapter), compile them as Triton's launcher would (16-aligned arguments
 marked), and ask Triton's bundled ptxas for registers and spill stores. Occupancy is the H200's
@@ -95,10 +95,10 @@ def main() -> None:
                 # (path, K1, K2, the kernels reported): the launchers' choices, or K2's candidates
                 launches = [("fused", k1, config("lora_gemm", tokens, n, k, rank, slices),
                              ("K1", "K2"))]
-                if tokens <= 32:
-                    launches.append(("decode",
-                                     config("decode_shrink", tokens, n, k, rank, slices),
-                                     launches[0][2], ("K1", "K2")))
+                # The decode path at every count: beyond 32 tokens its K1 has settings of its
+                # own where a decode_shrink bucket covers the batch (launch.select_config).
+                launches.append(("decode", config("decode_shrink", tokens, n, k, rank, slices),
+                                 launches[0][2], ("K1", "K2")))
                 k2 = launches[0][2]
                 if args.candidates == "k2":
                     launches = [("fused", k1, cfg, ("K2",))
