@@ -11,7 +11,7 @@ medians over replays:
   k1_quant_end  the last quantizing program of K1 done (the codes K2 waits for)
   k1_end        the last K1 program done (h complete)
   k2_start      the first K2 program started
-  k2_spin       the median program's wait for the codes
+  k2_spin       the median program's wait for the codes (`fused-pdl`: for all of K1)
   k2_loop_end   the last K2 program past its K loop
   k2_wait_end   the last K2 program past gdc_wait
   k2_end        the last K2 program done
@@ -24,10 +24,12 @@ medians over replays:
 Variants: `decode` (the decode path as shipped), `decode-warm<B>` (K2 prefetches the first B
 bytes of each of its weight rows into L2 before its spin; 0: none), `decode-k1r32` (K1 in
 32-wide rank tiles), `serialized` (no PDL), `fused` (the fused path: K1 then K2 with their own
-settings), `h-given` (our quantizer, then K2 with h given); `--variants` picks them, `--traced`
-those also traced; `--ranks`, `--tokens`, `--adapters` (tokens round robin over them) pick the
-cases, e.g. the layer page's misses: `--adapters 32 --ranks 64 --tokens 128 256 --variants
-fused h-given --traced fused h-given`. The layer timings (untraced, median of `--reps`) add
+settings, serialized), `fused-pdl` (the same with K2 as K1's programmatic dependent, waiting for
+all of K1 before its K loop: the fused path as shipped beyond 32 tokens), `h-given` (our
+quantizer, then K2 with h given); `--variants` picks them, `--traced` those also traced;
+`--ranks`, `--tokens`, `--adapters` (tokens round robin over them) pick the cases, e.g. the
+layer page's misses: `--adapters 32 --ranks 64 --tokens 128 256 --variants fused h-given
+--traced fused h-given`. The layer timings (untraced, median of `--reps`) add
 `cutlass` (vLLM quant + CUTLASS) for the ratio.
 
     python3 benchmarks/decode_timeline.py --out benchmarks/results/h200/decode_timeline.json
@@ -67,8 +69,9 @@ def run_variant(variant, xs, layer, batch, hs, traces=None):
     for name, (weight, scale, lora) in layer.items():
         pair = traces[name] if traces else (None, None)
         x = xs[name]
-        if variant == "fused":  # K1 then K2, the fused path's settings, no PDL
-            fused._linear(0, x, weight, scale, lora, batch, None, None, traces=pair)
+        if variant in ("fused", "fused-pdl"):  # K1 then K2, the fused path's settings
+            fused._linear(0, x, weight, scale, lora, batch, None, None, traces=pair,
+                          pdl=variant == "fused-pdl", wait_k1_first=True)
         elif variant == "h-given":
             codes, scales = fused.quantize(x)
             fused._launch_k2(0, codes, scales, weight, scale,

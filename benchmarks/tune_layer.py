@@ -20,10 +20,11 @@ path's K1; the entries written cover the decode path's K1 up to their bucket
 (`launch.select_config`).
 
 `--path fused` tunes the fused path's K1 (`quantize_shrink`) the same way, by the fused layer's
-time: beyond 32 tokens K2 is K1's programmatic dependent and can wait beside K1's last wave
-only when K1's programs leave room for it (the fused layer at 256 tokens, rank 128: every K2
-program started 1.3 us after K1's end, decode_timeline_prefill_r128_256.json), so its
-candidates there are tune.py's K1 candidates and the few-program ones.
+time: beyond 32 tokens K2 is K1's programmatic dependent and can wait beside K1 only when K1's
+programs leave room for it (at 256 tokens and rank 128 the shipped K1 fills every SM's shared
+memory until it ends: sm90_occupancy.json; serialized, every K2 program started 1.3 us after
+K1's end, decode_timeline_prefill_r128_256.json), so its candidates there are tune.py's K1
+candidates and the few-program ones.
 
 `--kernel k2` tunes the decode path's K2 instead (tune.py's decode K2 candidates): its table
 entries were chosen without adapters (tune.py's default) or in the fused path (`--ops k2-lora`),
