@@ -23,8 +23,8 @@ path's K1; the entries written cover the decode path's K1 up to their bucket
 time: beyond 32 tokens K2 is K1's programmatic dependent and can wait beside K1 only when K1's
 programs leave room for it (at 256 tokens and rank 128 the shipped K1 leaves 28-75 KB of an
 SM's shared memory free, K2 needs 65-98 KB: sm90_occupancy.json; serialized, every K2 program
-started 1.3 us after K1's end, decode_timeline_prefill_r128_256.json), so its candidates there are tune.py's K1
-candidates and the few-program ones.
+started 1.3 us after K1's end, decode_timeline_prefill_r128_256.json), so its candidates there
+are tune.py's K1 candidates and the few-program ones.
 
 `--kernel k2` tunes the decode path's K2 instead (tune.py's decode K2 candidates): its table
 entries were chosen without adapters (tune.py's default) or in the fused path (`--ops k2-lora`),
