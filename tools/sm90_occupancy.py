@@ -92,14 +92,13 @@ def main() -> None:
                 x = torch.empty(tokens, k, dtype=torch.bfloat16)
                 batch = AdapterBatch.from_token_mapping(torch.zeros(tokens, dtype=torch.int32), 1)
                 k1 = config("quantize_shrink", tokens, n, k, rank, slices)
-                # (path, K1, K2, the kernels reported): the launchers' choices, or K2's candidates
-                launches = [("fused", k1, config("lora_gemm", tokens, n, k, rank, slices),
+                k2 = config("lora_gemm", tokens, n, k, rank, slices)
+                # (path, K1, K2, the kernels reported): the launchers' choices, the decode
+                # path's at every count (beyond 32 tokens its K1 has settings of its own where a
+                # decode_shrink bucket covers the batch: launch.select_config), or candidates.
+                launches = [("fused", k1, k2, ("K1", "K2")),
+                            ("decode", config("decode_shrink", tokens, n, k, rank, slices), k2,
                              ("K1", "K2"))]
-                # The decode path at every count: beyond 32 tokens its K1 has settings of its
-                # own where a decode_shrink bucket covers the batch (launch.select_config).
-                launches.append(("decode", config("decode_shrink", tokens, n, k, rank, slices),
-                                 launches[0][2], ("K1", "K2")))
-                k2 = launches[0][2]
                 if args.candidates == "k2":
                     launches = [("fused", k1, cfg, ("K2",))
                                 for cfg in k2_candidates(tokens, slices, rank)]
