@@ -26,9 +26,11 @@ SM's shared memory free, K2 needs 65-98 KB: sm90_occupancy.json; serialized, eve
 started 1.3 us after K1's end, decode_timeline_prefill_r128_256.json), so its candidates there
 are tune.py's K1 candidates and the few-program ones.
 
-`--kernel k2` tunes the decode path's K2 instead (tune.py's decode K2 candidates): its table
-entries were chosen without adapters (tune.py's default) or in the fused path (`--ops k2-lora`),
-never beside K1 with the wait and epilogue of the decode path.
+`--kernel k2` tunes the path's K2 instead (tune.py's K2 candidates): its table entries were
+chosen without adapters (tune.py's default) or one projection at a time (`--ops k2-lora`),
+never in the layer beside K1, with the decode path's wait and epilogue. One `lora_gemm` entry
+serves both paths' K2 (beyond 32 tokens, `--path` picks the layer that judges it; the layer
+page measures both).
 
 Writes the settings that changed, the installed table's other entries kept, and every timing:
 K1's as `decode_shrink` entries (rank keys beside rank 64, as tune.py does), K2's as `lora_gemm`
@@ -67,7 +69,7 @@ CHECK_TOLERANCE = 1e-2  # relative, against the installed settings' output
 # What --kernel tunes: the launchers' keyword for its settings and, by --path, the table's op.
 KERNELS = {"k1": "k1_config", "k2": "k2_config"}
 OPS = {("decode", "k1"): "decode_shrink", ("decode", "k2"): "lora_gemm",
-       ("fused", "k1"): "quantize_shrink"}
+       ("fused", "k1"): "quantize_shrink", ("fused", "k2"): "lora_gemm"}
 LINEAR = {"decode": fused.decode_lora_fp8_linear, "fused": fused.fused_lora_fp8_linear}
 
 
@@ -134,13 +136,12 @@ def main() -> None:
     parser.add_argument("--out-table", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--tokens", type=int, nargs="+", required=True,
-                        help="token counts (K2: up to 32, its entries serve the fused path "
-                             "beyond)")
+                        help="token counts (K2's entries serve both paths)")
     parser.add_argument("--kernel", choices=tuple(KERNELS), default="k1",
-                        help="k1: the decode path's shrink (decode_shrink); k2: its GEMM "
-                             "(lora_gemm, under the rank's key)")
+                        help="k1: the path's shrink (decode_shrink, or quantize_shrink with "
+                             "--path fused); k2: its GEMM (lora_gemm, under the rank's key)")
     parser.add_argument("--path", choices=("decode", "fused"), default="decode",
-                        help="the path whose layer times the candidates (fused: K1 only)")
+                        help="the path whose layer times the candidates")
     parser.add_argument("--rank", type=int, default=RANK,
                         help=f"the adapters' rank; K1's entries other than {RANK}'s go under "
                              "rank keys")
@@ -156,11 +157,6 @@ def main() -> None:
     parser.add_argument("--confirm", type=int, default=5)
     parser.add_argument("--git-sha", default=None)
     args = parser.parse_args()
-    if (args.path, args.kernel) not in OPS:
-        parser.error("--path fused tunes K1 only (its K2: tune.py --ops k2-lora)")
-    if args.kernel == "k2" and max(args.tokens) > fused.DECODE_SHRINK_MAX_TOKENS:
-        parser.error(f"--tokens: beyond {fused.DECODE_SHRINK_MAX_TOKENS} tokens K2's entries "
-                     "are the fused path's (tune.py --ops k2-lora)")
     gen = torch.Generator(device="cuda").manual_seed(0)
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
     layer = make_layer(args.adapters, args.rank, gen)  # as decode.py and decode_timeline.py
