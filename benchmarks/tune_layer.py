@@ -35,7 +35,8 @@ page measures both).
 Writes the settings that changed, the installed table's other entries kept, and every timing:
 K1's as `decode_shrink` entries (rank keys beside rank 64, as tune.py does), K2's as `lora_gemm`
 entries always under the rank's key (plain `lora_gemm` keys also serve the GEMM without
-adapters, which looks them up at rank 16):
+adapters, which looks them up at rank 16), with one adapter under its one-slot key
+(`launch.ONE_SLOT`: K2's one-slot epilogue is another kernel than the several-slot one):
 
     python3 benchmarks/tune_layer.py --rank 128 --tokens 4 8 --out-table $OUT/NVIDIA_H200.json \
         --out $OUT/tune_layer.json
@@ -162,6 +163,8 @@ def main() -> None:
     layer = make_layer(args.adapters, args.rank, gen)  # as decode.py and decode_timeline.py
     op = OPS[args.path, args.kernel]
     key_rank = entry_rank(args.rank, args.kernel == "k2")
+    # K2 timed with one slot ran its one-slot epilogue: its entries serve such batches only.
+    one_slot = args.kernel == "k2" and args.adapters == 1
     table = installed_table()
     table.setdefault(op, {})
     meta = table.setdefault("_meta", {})
@@ -189,7 +192,7 @@ def main() -> None:
                 for name, (k, slices) in PROJECTIONS.items()}
         for name, cfg in chosen.items():
             k, slices = PROJECTIONS[name]
-            table[op].setdefault(shape_key(sum(slices), k, key_rank), {})[
+            table[op].setdefault(shape_key(sum(slices), k, key_rank, one_slot), {})[
                 str(tokens)] = cfg.__dict__
         run["tokens"].append(tokens)
         validate_table(table)

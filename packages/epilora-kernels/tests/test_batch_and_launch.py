@@ -121,6 +121,43 @@ def test_entries_tuned_at_a_rank_are_preferred_for_that_rank_tile(tmp_path, monk
         validate_table({"shrink": {"64x32@rx": {}}})
 
 
+def test_one_slot_entries_serve_only_batches_of_one_slot(tmp_path, monkeypatch):
+    from epilora_kernels import fused, launch
+
+    table = {"lora_gemm": {"64x32": {"16": {"block_n": 16}, "32": {"block_n": 16}},
+                           "64x32@r64": {"32": {"block_n": 32}},
+                           f"64x32@r64{launch.ONE_SLOT}": {"16": {"block_n": 64},
+                                                            "32": {"block_n": 128}}}}
+    validate_table(table)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "Test_GPU.json").write_text(json.dumps(table))
+    monkeypatch.setattr(launch.resources, "files", lambda _pkg: tmp_path)
+    launch._load_table.cache_clear()
+    block_n = {(tokens, one_slot): launch.select_config("Test GPU", "lora_gemm", tokens, 64, 32,
+                                                       64, one_slot=one_slot).block_n
+               for tokens in (16, 32) for one_slot in (False, True)}
+    assert block_n == {(16, False): 16, (16, True): 64, (32, False): 32, (32, True): 128}
+    # another rank tile's batches never see them
+    assert launch.select_config("Test GPU", "lora_gemm", 16, 64, 32, 16, one_slot=True).block_n \
+        == 16
+    # K2's launchers ask for them by the batch's entries (its slots and the no-adapter entry)
+    monkeypatch.setattr(fused.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(fused.torch.cuda, "get_device_name", lambda: "Test GPU")
+    monkeypatch.setattr(fused._env, "triton_interpreter", lambda: False)
+    lora = LoraWeights((torch.zeros(4, 1, 64, 32, dtype=torch.bfloat16),),
+                       (torch.zeros(4, 1, 64, 64, dtype=torch.bfloat16),), (64,))
+    mapping = torch.zeros(16, dtype=torch.int32)
+    assert fused._gemm_config(AdapterBatch.from_token_mapping(mapping, 1), lora, None).block_n \
+        == 64
+    assert fused._gemm_config(AdapterBatch.from_token_mapping(mapping, 4), lora, None).block_n \
+        == 16
+    launch._load_table.cache_clear()
+    with pytest.raises(ValueError, match="under a rank key"):
+        launch.shape_key(64, 32, one_slot=True)
+    with pytest.raises(ValueError, match="one-slot"):
+        validate_table({"lora_gemm": {"64x32@r64/two-slots": {}}})
+
+
 def test_vllm_meta_args_round_trip():
     batch = AdapterBatch.from_token_mapping(torch.tensor([1, -1, 1], dtype=torch.int32), 2)
     args = batch.vllm_meta_args()

@@ -33,17 +33,19 @@ from epilora_kernels.batch import AdapterBatch, LoraWeights
 from epilora_kernels.launch import DECODE_SHRINK_MAX_TOKENS, LaunchConfig, select_config
 
 
-def _config(op: str, tokens: int, lora: LoraWeights, given: LaunchConfig | None):
+def _config(op: str, tokens: int, lora: LoraWeights, given: LaunchConfig | None,
+            one_slot: bool = False):
     if given is not None:
         return given
     return _shape_config(op, tokens, lora.out_features, lora.in_features, lora.max_rank,
-                         lora.output_slices)
+                         lora.output_slices, one_slot)
 
 
-def _shape_config(op: str, tokens: int, n: int, k: int, rank: int, slices: tuple[int, ...]):
+def _shape_config(op: str, tokens: int, n: int, k: int, rank: int, slices: tuple[int, ...],
+                  one_slot: bool = False):
     on_gpu = torch.cuda.is_available() and not _env.triton_interpreter()
     return select_config(torch.cuda.get_device_name() if on_gpu else None, op, tokens, n, k,
-                         rank, slices)
+                         rank, slices, one_slot)
 
 
 def _check_activations(x: torch.Tensor) -> None:
@@ -329,7 +331,8 @@ def _epilogue_rank_chunk(cfg: LaunchConfig) -> int:
 
 
 def _gemm_config(batch, lora, config):
-    return _config("lora_gemm", batch.num_tokens, lora, config)
+    # One slot (and the entry for tokens without one): K2's one-slot epilogue, ENTRIES_BLOCK 2.
+    return _config("lora_gemm", batch.num_tokens, lora, config, one_slot=batch.num_entries <= 2)
 
 
 def _launch_gemm_only(mode, a, a_scale, weight, weight_scale, cfg: LaunchConfig | None):

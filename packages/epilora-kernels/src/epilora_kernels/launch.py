@@ -4,9 +4,10 @@ Tables live in `epilora_kernels/configs/<device>.json` (device name with spaces 
 underscores, as vLLM names its tables): `{op: {"<N>x<K>": {"<tokens>": LaunchConfig fields}}}`,
 written by `benchmarks/tune.py` on the device, which tunes at rank 64; entries tuned at another
 rank sit under `"<N>x<K>@r<R>"` (R the rank tile, `rank_block`) and are preferred for adapters
-of that rank tile. The entry for the smallest token bucket >= the batch is used (else the
-largest). `validate_table` checks a table's schema on any machine. Ops, shapes or devices a
-table lacks get the heuristic.
+of that rank tile; entries that suit only batches of one adapter slot (K2 compiles its epilogue
+for one slot apart) under `"<N>x<K>@r<R>/one-slot"`, preferred again for such batches. The entry
+for the smallest token bucket >= the batch is used (else the largest). `validate_table` checks a
+table's schema on any machine. Ops, shapes or devices a table lacks get the heuristic.
 """
 
 import dataclasses
@@ -99,9 +100,21 @@ def table_name(device_name: str) -> str:
     return device_name.replace(" ", "_").replace("-", "_") + ".json"
 
 
-def shape_key(n: int, k: int, rank: int | None = None) -> str:
-    """`"NxK"`, or `"NxK@rR"` (R = rank_block(rank)) for entries tuned at that rank."""
-    return f"{n}x{k}" if rank is None else f"{n}x{k}@r{rank_block(rank)}"
+# The suffix of rank keys whose entries serve batches with one adapter slot only: K2's one-slot
+# epilogue (ENTRIES_BLOCK <= 2) is another kernel than the several-slot one, and settings tuned
+# on it can slow the other (rank-64 K2 entries at 16 tokens: the 32-adapter layer 10-14 us
+# slower, benchmarks/results/h200/compare_layer_93f78f7_k2_r64.md).
+ONE_SLOT = "/one-slot"
+
+
+def shape_key(n: int, k: int, rank: int | None = None, one_slot: bool = False) -> str:
+    """`"NxK"`, or `"NxK@rR"` (R = rank_block(rank)) for entries tuned at that rank, with
+    `ONE_SLOT` appended for entries that serve only batches of one slot."""
+    if rank is None:
+        if one_slot:
+            raise ValueError("one-slot entries sit under a rank key")
+        return f"{n}x{k}"
+    return f"{n}x{k}@r{rank_block(rank)}" + (ONE_SLOT if one_slot else "")
 
 
 def validate_table(table: dict) -> None:
@@ -116,9 +129,10 @@ def validate_table(table: dict) -> None:
         for shape, entries in shapes.items():
             dims, at, rank = shape.partition("@r")
             n, _, k = dims.partition("x")
+            rank = rank.removesuffix(ONE_SLOT)
             if not (n.isdigit() and k.isdigit()) or (at and not rank.isdigit()):
-                raise ValueError(f"{op}: shape key {shape!r} must look like '6144x4096' or "
-                                 "'6144x4096@r128'")
+                raise ValueError(f"{op}: shape key {shape!r} must look like '6144x4096', "
+                                 f"'6144x4096@r128' or '6144x4096@r128{ONE_SLOT}'")
             for bucket, fields in entries.items():
                 if not bucket.isdigit():
                     raise ValueError(f"{op} {shape}: bucket {bucket!r} must be a token count")
@@ -137,17 +151,21 @@ def _load_table(device_name: str) -> dict | None:
 
 
 def table_config(device_name: str, op: str, tokens: int, n: int, k: int,
-                 rank: int | None = None, cover: bool = False) -> LaunchConfig | None:
+                 rank: int | None = None, cover: bool = False,
+                 one_slot: bool = False) -> LaunchConfig | None:
     """The tuned entry for (op, N x K) at the smallest bucket >= tokens (else the largest, or
     with `cover` none); given a rank, its rank tile's entries replace the others' at the
     buckets they tuned (a rank tuned at 64-256 tokens leaves the decode buckets to the rank-64
-    entries)."""
+    entries), and with `one_slot` (a batch of one adapter slot) its one-slot entries replace
+    those in turn."""
     table = _load_table(device_name)
     if table is None:
         return None
     shapes = table.get(op, {})
-    entries = {**shapes.get(shape_key(n, k), {}),
-               **(shapes.get(shape_key(n, k, rank), {}) if rank is not None else {})}
+    keys = [shape_key(n, k)]
+    if rank is not None:
+        keys += [shape_key(n, k, rank)] + ([shape_key(n, k, rank, True)] if one_slot else [])
+    entries = {bucket: fields for key in keys for bucket, fields in shapes.get(key, {}).items()}
     if not entries:
         return None
     buckets = sorted(int(b) for b in entries)
@@ -156,7 +174,7 @@ def table_config(device_name: str, op: str, tokens: int, n: int, k: int,
 
 
 def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int, rank: int,
-                  slices: tuple[int, ...] = ()) -> LaunchConfig:
+                  slices: tuple[int, ...] = (), one_slot: bool = False) -> LaunchConfig:
     """The launchers' choice: the device's tuned entry, else the heuristic (`device_name`
     None: the heuristic). K2's table entries are tuned at one rank; its epilogue holds a whole
     adapter's rank in one tile, so their `block_r` becomes the rank's. The decode path's K1
@@ -164,11 +182,13 @@ def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int,
     the fused path's settings unless a `decode_shrink` bucket covers the batch."""
     if op == "decode_shrink" and tokens > DECODE_SHRINK_MAX_TOKENS:
         tuned = None if device_name is None else table_config(device_name, op, tokens, n, k,
-                                                              rank, cover=True)
+                                                              rank, cover=True,
+                                                              one_slot=one_slot)
         if tuned is not None:
             return tuned
         op = "quantize_shrink"
-    tuned = None if device_name is None else table_config(device_name, op, tokens, n, k, rank)
+    tuned = None if device_name is None else table_config(device_name, op, tokens, n, k, rank,
+                                                          one_slot=one_slot)
     if tuned is None:
         return heuristic_config(op, tokens, n, k, rank, slices)
     return dataclasses.replace(tuned, block_r=rank_block(rank)) if op == "lora_gemm" else tuned
