@@ -103,7 +103,8 @@ def main() -> None:
         "",
         f"{meta['gpu']}, torch {meta['torch']}, Triton {meta['triton']}, vLLM {meta['vllm']}; "
         f"{_runs_line(meta)}. The four projections (qkv, o, gate_up, down) in one CUDA graph "
-        "per system, L2 flushed before each replay, median of the replays (script "
+        "per system, a case's graphs replayed in turns, L2 flushed before each replay, median "
+        "of the replays (script "
         "`benchmarks/layer.py`; each setup against the `cutlass` of its own run). "
         "Times in microseconds; *added* is the time over `cutlass` (vLLM's FP8 GEMM alone); "
         "*ratio* is our best path's added time over vLLM's (the issue's target: at most 1/3).",
