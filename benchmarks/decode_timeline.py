@@ -16,6 +16,9 @@ medians over replays:
   k2_wait_end   the last K2 program past gdc_wait
   k2_end        the last K2 program done
   k2_wait_max   the longest gdc_wait of any K2 program
+  k2_loop_median the median K2 program's K loop (from its start, or its spin's end)
+  k2_epi_median  the median K2 program's time from its K loop's end to its end (the wait, the
+                 epilogue with the adapter's h B^T, and the store of y)
   k2_late       K2 programs that started after K1's end (no room for them beside K1)
   layer_start   this projection's origin, from the layer's first traced program
   gap_before    from the previous projection's last K2 program to this one's origin (launch
@@ -26,11 +29,13 @@ bytes of each of its weight rows into L2 before its spin; 0: none), `decode-k1r3
 32-wide rank tiles), `serialized` (no PDL), `fused` (the fused path: K1 then K2 with their own
 settings, serialized), `fused-pdl` (the same with K2 as K1's programmatic dependent, waiting for
 all of K1 before its K loop: the fused path as shipped beyond 32 tokens), `h-given` (our
-quantizer, then K2 with h given); `--variants` picks them, `--traced` those also traced;
-`--ranks`, `--tokens`, `--adapters` (tokens round robin over them) pick the cases, e.g. the
-layer page's misses: `--adapters 32 --ranks 64 --tokens 128 256 --variants fused h-given
---traced fused h-given`. The layer timings (untraced, median of `--reps`) add
-`cutlass` (vLLM quant + CUTLASS) for the ratio.
+quantizer, then K2 with h given), `gemm` (our quantizer, then K2 without adapter in
+`h-given`'s tiles: against `h-given`, what the adapter's epilogue costs; its codes by TMA
+where the tiles allow, `fused.fp8_gemm`'s choice); `--variants` picks them, `--traced` those
+also traced; `--ranks`, `--tokens`, `--adapters` (tokens round robin over them) pick the cases,
+e.g. the layer page's misses: `--adapters 32 --ranks 64 --tokens 128 256 --variants fused
+h-given --traced fused h-given`. The layer timings (untraced, median of `--reps`) add `cutlass`
+(vLLM quant + CUTLASS) for the ratio.
 
     python3 benchmarks/decode_timeline.py --out benchmarks/results/h200/decode_timeline.json
 """
@@ -49,6 +54,7 @@ from epilora_kernels import fused
 RANKS = (16, 64, 128)
 TOKENS = (1, 4, 16)
 TRACED_TOKENS = (1, 16)  # of the default TOKENS; given --tokens, all are traced
+UNTRACED_K1 = ("h-given", "gemm")  # our quantizer alone before K2: no K1 trace
 
 
 def _k1_config(variant: str, tokens: int, lora):
@@ -72,6 +78,10 @@ def run_variant(variant, xs, layer, batch, hs, traces=None):
         if variant in ("fused", "fused-pdl"):  # K1 then K2, the fused path's settings
             fused._linear(0, x, weight, scale, lora, batch, None, None, traces=pair,
                           pdl=variant == "fused-pdl", wait_k1_first=True)
+        elif variant == "gemm":
+            codes, scales = fused.quantize(x)
+            fused._launch_gemm_only(0, codes, scales, weight, scale,
+                                    fused._gemm_config(batch, lora, None), trace=pair[1])
         elif variant == "h-given":
             codes, scales = fused.quantize(x)
             fused._launch_k2(0, codes, scales, weight, scale,
@@ -100,6 +110,9 @@ def _stats(k1: torch.Tensor | None, k2: torch.Tensor, tokens: int) -> dict:
                    k2_late=int((k2[:, 0] > k1_end).sum()))
     if bool((k2[:, 1] != 0).any()):
         out["k2_spin"] = statistics.median(((k2[:, 1] - k2[:, 0]) / 1000.0).tolist())
+    loop_from = torch.where(k2[:, 1] != 0, k2[:, 1], k2[:, 0])
+    out["k2_loop_median"] = statistics.median(((k2[:, 2] - loop_from) / 1000.0).tolist())
+    out["k2_epi_median"] = statistics.median(((k2[:, 4] - k2[:, 2]) / 1000.0).tolist())
     if bool((k2[:, 3] != 0).any()):
         out["k2_wait_end"] = us(k2[:, 3].max())
         out["k2_wait_max"] = float((k2[:, 3] - k2[:, 2]).max()) / 1000.0
@@ -150,7 +163,7 @@ def timeline(variant, xs, layer, batch, hs, reps, flush) -> dict:
         torch.cuda.synchronize()
         rep = {}
         for name, (k1, k2) in traces.items():
-            rep[name] = _stats(None if variant == "h-given" else k1.cpu(), k2.cpu(), tokens)
+            rep[name] = _stats(None if variant in UNTRACED_K1 else k1.cpu(), k2.cpu(), tokens)
         per_rep.append(_place_in_layer(rep))
     return {name: {key: statistics.median(r[name][key] for r in per_rep)
                    for key in per_rep[0][name]} for name in layer}
@@ -170,7 +183,8 @@ def main() -> None:
     parser.add_argument("--git-sha", default=None)
     args = parser.parse_args()
     for variant in args.variants:
-        known = variant in ("decode", "decode-k1r32", "serialized", "fused", "h-given")
+        known = variant in ("decode", "decode-k1r32", "serialized", "fused", "fused-pdl",
+                            "h-given", "gemm")
         if not (known or variant.removeprefix("decode-warm").isdigit()):
             parser.error(f"unknown variant {variant!r}")
     gen = torch.Generator(device="cuda").manual_seed(0)

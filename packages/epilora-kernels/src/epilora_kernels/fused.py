@@ -335,7 +335,8 @@ def _gemm_config(batch, lora, config):
     return _config("lora_gemm", batch.num_tokens, lora, config, one_slot=batch.num_entries <= 2)
 
 
-def _launch_gemm_only(mode, a, a_scale, weight, weight_scale, cfg: LaunchConfig | None):
+def _launch_gemm_only(mode, a, a_scale, weight, weight_scale, cfg: LaunchConfig | None,
+                      trace: torch.Tensor | None = None):
     t, k = a.shape
     n = weight.shape[0]
     cfg = cfg or _shape_config("lora_gemm", t, n, k, 16, ())
@@ -348,12 +349,13 @@ def _launch_gemm_only(mode, a, a_scale, weight, weight_scale, cfg: LaunchConfig 
         a, _a_desc(a, cfg) if a_tma else a, a_scale, weight, w_operand, weight_scale, y,
         weight_scale, weight, weight, weight,
         unused, unused, unused, y if partial is None else partial,
-        counters[_workspace.TILES:], counters, unused,
+        counters[_workspace.TILES:], counters,
+        _trace_arg(trace, unused, grid[0] * grid[1] * grid[2]),
         t, n, k, 1, 0, a.stride(0), y.stride(0), n, n,
         MODE=mode, HAS_LORA=False, NUM_SLICES=1, H_PLANES=1, SPLIT_K=grid[2], ENTRIES_BLOCK=16,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=16,
         INTERPRETER=_env.triton_interpreter(), W_TMA=w_operand is not weight, A_TMA=a_tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TRACE=trace is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
 
