@@ -94,6 +94,34 @@ def test_epilogue_in_rank_steps_matches_reference(mapping, slots):
         < BF16_TOL
 
 
+@pytest.mark.parametrize("mapping", ["mixed_with_base", "one_adapter", "no_adapter"])
+@pytest.mark.parametrize(("block_m", "block_n", "warps"), [(64, 16, 1), (16, 16, 1), (16, 16, 4),
+                                                           (32, 16, 1)])
+def test_one_slot_epilogue_equals_the_several_slot_one_bitwise(mapping, block_m, block_n, warps):
+    # K2 compiles a one-slot epilogue apart (ENTRIES_BLOCK <= 2); the same tokens on slot 0 of
+    # four slots run the several-slot one: the same bits, over 70 tokens at rank 40 of a
+    # 128-wide rank tile, in each one-slot form: 64-row tiles in rank steps
+    # (fused._epilogue_rank_chunk), 16-row tiles loading B after the K loop (one warp) or
+    # holding it through it, 32-row tiles holding it (fused._b_in_registers).
+    x, weight, w_scale, lora, one = make_problem(16, 70, 64, (32, 16, 16), 40, 1, mapping)
+
+    def four_slots(t):
+        return torch.cat([t, torch.zeros_like(t).expand(3, *t.shape[1:])])
+
+    lora4 = fused.LoraWeights(tuple(map(four_slots, lora.lora_a)),
+                              tuple(map(four_slots, lora.lora_b)), lora.output_slices)
+    four = fused.AdapterBatch.from_token_mapping(one.token_lora_mapping, 4)
+    k2 = fused.LaunchConfig(block_m=block_m, block_n=block_n, block_k=32, block_r=128,
+                            num_warps=warps)
+    assert (fused._epilogue_rank_chunk(k2) > 0, fused._b_in_registers(k2)) == {
+        64: (True, False), 16: (False, warps == 4), 32: (False, True)}[block_m]
+    codes, scales, h = fused.quantize_and_shrink(x, lora, one)
+    got, want = (fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, adapters, batch,
+                                     config=k2)
+                 for adapters, batch in ((lora, one), (lora4, four)))
+    assert_bitwise_equal(got, want, name="one-slot K2")
+
+
 def test_rank_below_the_slot_maximum_and_all_slots_filled():
     x, weight, w_scale, lora, batch = make_problem(4, 9, 64, (32,), 16, 4, "one_token_each",
                                                    rank_used=3)
