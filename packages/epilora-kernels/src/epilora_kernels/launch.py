@@ -179,7 +179,8 @@ def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int,
     None: the heuristic). K2's table entries are tuned at one rank; its epilogue holds a whole
     adapter's rank in one tile, so their `block_r` becomes the rank's. The decode path's K1
     beyond the decode buckets (`decode_shrink`, more than DECODE_SHRINK_MAX_TOKENS tokens) takes
-    the fused path's settings unless a `decode_shrink` bucket covers the batch."""
+    the fused path's settings unless a `decode_shrink` bucket covers the batch. `one_slot`: the
+    batch has one adapter slot (its one-slot entries first, `table_config`)."""
     if op == "decode_shrink" and tokens > DECODE_SHRINK_MAX_TOKENS:
         tuned = None if device_name is None else table_config(device_name, op, tokens, n, k,
                                                               rank, cover=True,
