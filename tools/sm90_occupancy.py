@@ -92,7 +92,8 @@ def main() -> None:
                 x = torch.empty(tokens, k, dtype=torch.bfloat16)
                 batch = AdapterBatch.from_token_mapping(torch.zeros(tokens, dtype=torch.int32), 1)
                 k1 = config("quantize_shrink", tokens, n, k, rank, slices)
-                k2 = config("lora_gemm", tokens, n, k, rank, slices, one_slot=True)  # as batch
+                k2 = config("lora_gemm", tokens, n, k, rank, slices,
+                            one_slot=fused._one_slot(batch))
                 # (path, K1, K2, the kernels reported): the launchers' choices, the decode
                 # path's at every count (beyond 32 tokens its K1 has settings of its own where a
                 # decode_shrink bucket covers the batch: launch.select_config), or candidates.

@@ -330,9 +330,14 @@ def _epilogue_rank_chunk(cfg: LaunchConfig) -> int:
     return 32 if cfg.block_m >= 64 and not _b_fits_registers(cfg) else 0
 
 
+def _one_slot(batch: AdapterBatch) -> bool:
+    # One slot (and the entry for tokens without one): K2 compiles its one-slot epilogue
+    # (ENTRIES_BLOCK 2), which the table's one-slot entries were tuned on.
+    return batch.num_entries <= 2
+
+
 def _gemm_config(batch, lora, config):
-    # One slot (and the entry for tokens without one): K2's one-slot epilogue, ENTRIES_BLOCK 2.
-    return _config("lora_gemm", batch.num_tokens, lora, config, one_slot=batch.num_entries <= 2)
+    return _config("lora_gemm", batch.num_tokens, lora, config, one_slot=_one_slot(batch))
 
 
 def _launch_gemm_only(mode, a, a_scale, weight, weight_scale, cfg: LaunchConfig | None,
