@@ -338,7 +338,13 @@ def _lora_gemm_kernel(
         z_first = tl.min(tl.where(meets, e, ENTRIES_BLOCK), axis=0)
         z_last = tl.max(tl.where(meets, e, -1), axis=0)
         if ENTRIES_BLOCK <= 2:  # one slot (several: the segment loop pipelines its loads)
+            # Its slot and segment, so that the epilogue waits on no load of them (loaded
+            # there, at every rank step, the slot held back each step's slice of B: the
+            # rank-128 epilogue took ~4 us a program at 256 tokens against ~0.4 without an
+            # adapter, benchmarks/results/h200/decode_timeline_epilogue_r128_256.json).
             first_slot = tl.max(tl.where(e == z_first, slots, -1), axis=0)
+            first_begin = tl.max(tl.where(e == z_first, seg_begins, 0), axis=0)
+            first_end = tl.max(tl.where(e == z_first, seg_ends, 0), axis=0)
             first_b = b_base + first_slot.to(tl.int64) * (slice_end - slice_begin) * R
             if B_IN_REGS:
                 b_first = tl.load(first_b + b_offs, mask=b_mask & (first_slot >= 0), other=0.0)
@@ -455,6 +461,17 @@ def _lora_gemm_kernel(
                     bt = _b_step(b_base, slot, b_stride, n, n_mask, slice_begin, slice_end, R,
                                  rr)
                     acc = _add_rows(acc, hs, in_seg, bt, INTERPRETER)
+        elif R_CHUNK > 0 and R_CHUNK < BLOCK_R and ENTRIES_BLOCK <= 2:
+            # One slot, the rank in R_CHUNK-wide steps: a loop Triton pipelines, no step's
+            # loads waiting on another load.
+            if first_slot >= 0:
+                in_seg = pos_mask & (pos >= first_begin) & (pos < first_end)
+                for step in range(BLOCK_R // R_CHUNK):
+                    rr = step * R_CHUNK + tl.arange(0, R_CHUNK)
+                    bt = _b_step(b_base, first_slot, b_stride, n, n_mask, slice_begin,
+                                 slice_end, R, rr)
+                    hz = _h_bf16(h_ptr, tok, in_seg, s, T, R, rr, NUM_SLICES, H_PLANES)
+                    acc = _dot_acc(acc, hz, bt, INTERPRETER)
         elif R_CHUNK > 0 and R_CHUNK < BLOCK_R:
             # The rank in R_CHUNK-wide steps, over every (segment, step) that meets the tile:
             # one branch-free loop that Triton pipelines like a K loop. Holding h and B whole
@@ -486,17 +503,25 @@ def _lora_gemm_kernel(
         else:  # one slot: at most one segment with an adapter
             hb = _h_bf16(h_ptr, tok, pos_mask, s, T, R, tl.arange(0, BLOCK_R), NUM_SLICES,
                          H_PLANES)
-            for z in range(z_first, z_last + 1):
-                slot = tl.load(lora_ids_ptr + z)
-                seg_begin = tl.load(start_ptr + z)
-                seg_end = tl.load(start_ptr + z + 1)
-                if slot >= 0:
-                    if B_IN_REGS and z == z_first:
-                        bt = b_first
-                    else:
-                        bt = tl.load(b_base + slot.to(tl.int64) * b_stride + b_offs,
-                                     mask=b_mask, other=0.0)
-                    acc = _add_rows(acc, hb, (pos >= seg_begin) & (pos < seg_end), bt,
-                                    INTERPRETER)
+            if not B_IN_REGS and first_slot >= 0:  # B's load waits on no load of the slot
+                bt = tl.load(first_b + b_offs, mask=b_mask, other=0.0)
+                acc = _add_rows(acc, hb, (pos >= first_begin) & (pos < first_end), bt,
+                                INTERPRETER)
+            elif B_IN_REGS:
+                # B already here, the slot's load overlaps h's. (Written as above, gate_up's
+                # 128-row K2 at rank 16 needed 4 KB more shared memory, 3 blocks per SM to 2:
+                # tools/sm90_occupancy.py.)
+                for z in range(z_first, z_last + 1):
+                    slot = tl.load(lora_ids_ptr + z)
+                    seg_begin = tl.load(start_ptr + z)
+                    seg_end = tl.load(start_ptr + z + 1)
+                    if slot >= 0:
+                        if z == z_first:
+                            bt = b_first
+                        else:
+                            bt = tl.load(b_base + slot.to(tl.int64) * b_stride + b_offs,
+                                         mask=b_mask, other=0.0)
+                        acc = _add_rows(acc, hb, (pos >= seg_begin) & (pos < seg_end), bt,
+                                        INTERPRETER)
     tl.store(y_tile, acc.to(tl.bfloat16), mask=out_mask)
     _stamp(trace_ptr, 4, TRACE)
