@@ -229,6 +229,27 @@ def test_k1_codes_property(x):
     assert_bitwise_equal(scales, want_scales, name="scales")
 
 
+@pytest.mark.parametrize("k2_rows", [16, 64])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("mapping", ["mixed_with_base", "no_adapter"])
+def test_fused_and_decode_paths_give_k2_the_bits_of_k1s_fp32_h(mapping, split_k, k2_rows):
+    # Inside the fused and decode paths K1 rounds h to bf16 for K2's tiles of 64 rows or more,
+    # whose epilogue rounded fp32 h itself: the same bits, with K1's planes summed first
+    # (split) and zero rows for tokens without an adapter; 16-row tiles keep fp32 h. A zero
+    # base weight, so that y is h B^T alone and shows any bit of h.
+    x, weight, w_scale, lora, batch = make_problem(11, 70, 160, (32, 16, 16), 8, 4, mapping)
+    weight = torch.zeros_like(weight)
+    k1 = fused.LaunchConfig(block_m=16, block_n=16, block_k=32, block_r=16, split_k=split_k)
+    k2 = fused.LaunchConfig(block_m=k2_rows, block_n=16, block_k=32, block_r=16)
+    codes, scales, h = fused.quantize_and_shrink(x, lora, batch, config=k1)
+    assert h.dtype == torch.float32
+    given = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2)
+    for linear in (fused.fused_lora_fp8_linear, fused.decode_lora_fp8_linear):
+        assert_bitwise_equal(linear(x, weight, w_scale, lora, batch, k1_config=k1,
+                                    k2_config=k2), given,
+                             name=f"{linear.__name__} vs K2 on fp32 h")
+
+
 @pytest.mark.parametrize("split_k", [2, 3])
 @pytest.mark.parametrize("mapping", ["mixed_with_base", "one_token_each"])
 def test_split_k_gemm_matches_reference_and_repeats_bitwise(mapping, split_k):

@@ -189,7 +189,7 @@ def _sum_splits(acc, tile_ptrs, plane, mask, split, counter, SPLIT_K: tl.constex
 
 @triton.jit
 def _quantize_shrink_kernel(
-    x_ptr, codes_ptr, scales_ptr, h_ptr,
+    x_ptr, codes_ptr, scales_ptr, h_ptr, partial_ptr,
     a0_ptr, a1_ptr, a2_ptr,
     sorted_ptr, lora_ids_ptr, counts_ptr, start_ptr, counter_ptr, ready_ptr, trace_ptr,
     T, K, R, stride_x, NUM_ENTRIES,
@@ -198,6 +198,7 @@ def _quantize_shrink_kernel(
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     QUANT_BLOCK: tl.constexpr, INTERPRETER: tl.constexpr, ENTRIES_BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr = False, TRACE: tl.constexpr = False,
+    H_BF16: tl.constexpr = False,
 ):
     _stamp(trace_ptr, 0, TRACE)
     if USE_PDL:
@@ -250,10 +251,17 @@ def _quantize_shrink_kernel(
     tok = tl.load(sorted_ptr + start + rows, mask=row_mask, other=0)
     r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     h_mask = row_mask[:, None] & (r[None, :] < R)
-    h_tile = h_ptr + (s * T + tok[:, None]).to(tl.int64) * R + r[None, :]
+    # H_BF16: h in bf16 (for K2's tiles of 64 rows or more, whose epilogue rounds h to bf16
+    # anyway: the same bits, half the bytes to read), split-K partials in fp32 planes of their
+    # own (`partial_ptr`), both addressed only after the K loop (held through it, their
+    # offsets spilled the decode path's K1 at 256 tokens, rank 128); else h is fp32 and plane
+    # 0 of the partials.
+    if not H_BF16:
+        h_tile = h_ptr + (s * T + tok[:, None]).to(tl.int64) * R + r[None, :]
     if slot < 0:  # tokens without an adapter get zero rows of h: no loop, no partials
         if split == 0:
-            tl.store(h_tile, tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32), mask=h_mask)
+            tl.store(h_ptr + (s * T + tok[:, None]).to(tl.int64) * R + r[None, :],
+                     tl.zeros([BLOCK_M, BLOCK_R], dtype=h_ptr.dtype.element_ty), mask=h_mask)
         _stamp(trace_ptr, 1, TRACE)
         return
     a_base = _pick(s, a0_ptr, a1_ptr, a2_ptr) + slot.to(tl.int64) * R * K
@@ -272,17 +280,23 @@ def _quantize_shrink_kernel(
             acc += tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)))
         else:
             acc += tl.dot(xt, tl.trans(at))
+    if H_BF16:
+        h_offs = (s * T + tok[:, None]).to(tl.int64) * R + r[None, :]
+        h_tile = h_ptr + h_offs
+        part_tile = partial_ptr + h_offs
+    else:
+        part_tile = h_tile
     if SPLIT_K > 1:
         # Summed here, once, into plane 0 (the other planes are scratch), so K2's epilogue
         # reads one plane: it read all of them in every output tile (at rank 128, 16 planes
         # made the h-given layer ~25% slower than rank 16: results/h200/decode.json).
         tile = ((z * NUM_SLICES + s) * n_m + pid_m) * n_r + pid_r
-        acc, last = _sum_splits(acc, h_tile, NUM_SLICES * T * R, h_mask, split,
+        acc, last = _sum_splits(acc, part_tile, NUM_SLICES * T * R, h_mask, split,
                                 counter_ptr + tile, SPLIT_K)
         if not last:
             _stamp(trace_ptr, 1, TRACE)
             return
-    tl.store(h_tile, acc, mask=h_mask)
+    tl.store(h_tile, acc.to(h_ptr.dtype.element_ty), mask=h_mask)
     _stamp(trace_ptr, 1, TRACE)
 
 

@@ -121,22 +121,25 @@ def _k1_tiles(t: int, lora: LoraWeights, batch: AdapterBatch, cfg: LaunchConfig)
 
 def _launch_k1(x, lora, batch, cfg: LaunchConfig, quantize: bool, pdl: bool = False,
                signal_codes: bool = False, trace: torch.Tensor | None = None,
-               codes_sorted: bool = False):
+               codes_sorted: bool = False, h_dtype: torch.dtype = torch.float32):
     t, k = x.shape
     s_count, rank = len(lora.output_slices), lora.max_rank
-    # Split-K partials in planes; K1 sums them into plane 0, the h it returns.
-    h = torch.empty(cfg.split_k, s_count, t, rank, dtype=torch.float32, device=x.device)
+    # Split-K partials in fp32 planes, which K1 sums into h [1, S, T, R] of `h_dtype`: fp32 h
+    # is plane 0 itself, bf16 h a buffer of its own.
+    partials = torch.empty(cfg.split_k, s_count, t, rank, dtype=torch.float32, device=x.device)
+    h = (partials[:1] if h_dtype == torch.float32 else
+         torch.empty(1, s_count, t, rank, dtype=h_dtype, device=x.device))
     if quantize:
         codes = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
         scales = torch.empty(t, 1, dtype=torch.float32, device=x.device)
     else:
-        codes, scales = h, h  # unused
+        codes, scales = partials, partials  # unused
     a, _, _, _ = _slice_args(lora)
     entries = batch.num_entries
     counters = _workspace.counters(x.device, _k1_tiles(t, lora, batch, cfg))
     grid = ((t if quantize else 0) + _shrink_programs(t, lora, batch, cfg),)
     _quantize_shrink_kernel[grid](
-        x, codes, scales, h, a[0], a[1], a[2],
+        x, codes, scales, h, partials, a[0], a[1], a[2],
         batch.sorted_token_indices, batch.lora_ids, batch.num_tokens_per_lora,
         batch.lora_token_start, counters[_workspace.TILES:], counters,
         _trace_arg(trace, counters, grid[0]),
@@ -146,10 +149,10 @@ def _launch_k1(x, lora, batch, cfg: LaunchConfig, quantize: bool, pdl: bool = Fa
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
         QUANT_BLOCK=_quant_block(k, 16384 if cfg.num_warps >= 8 else 4096),
         INTERPRETER=_env.triton_interpreter(), ENTRIES_BLOCK=triton.next_power_of_2(entries),
-        USE_PDL=_use_pdl(pdl), TRACE=trace is not None, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        USE_PDL=_use_pdl(pdl), TRACE=trace is not None, H_BF16=h_dtype == torch.bfloat16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return codes, scales, h[:1]
+    return codes, scales, h
 
 
 def _quant_block(k: int, cap: int) -> int:
@@ -169,7 +172,8 @@ def _launch_quantize(x: torch.Tensor):
     scales = torch.empty(t, 1, dtype=torch.float32, device=x.device)
     unused = torch.empty(1, dtype=torch.int32, device=x.device)  # the shrink's, never read
     _quantize_shrink_kernel[(t,)](
-        x, codes, scales, scales, x, x, x, unused, unused, unused, unused, unused, unused, unused,
+        x, codes, scales, scales, scales, x, x, x, unused, unused, unused, unused, unused, unused,
+        unused,
         t, k, 1, x.stride(0), 1,
         QUANTIZE=True, SIGNAL_CODES=False, CODES_SORTED=False, NUM_SLICES=1, SPLIT_K=1,
         BLOCK_M=16, BLOCK_R=16,
@@ -533,8 +537,13 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
     # K1 writes its codes in adapter order where K2 reads them by TMA (K1 allocates them
     # [T, K] contiguous: rows 16-byte aligned when K is a multiple of 16).
     a_sorted = mode == 0 and _w_tma(weight, cfg2) and x.shape[1] % 16 == 0
+    # h in bf16 for K2's tiles of 64 rows or more (their epilogue reads every row's h per output
+    # tile; it rounds h to bf16 anyway): at 256 tokens, rank 128, bf16 h everywhere made the
+    # layer ~1 us faster and the 16- and 32-row decode tiles slower (docs/kernels.md, item 27).
+    h_dtype = torch.bfloat16 if cfg2.block_m >= 64 else torch.float32
     codes, scales, h = _launch_k1(x, lora, batch, cfg1, quantize=mode == 0, pdl=pdl,
-                                  signal_codes=counted, trace=traces[0], codes_sorted=a_sorted)
+                                  signal_codes=counted, trace=traces[0], codes_sorted=a_sorted,
+                                  h_dtype=h_dtype)
     a, a_scale = (codes, scales) if mode == 0 else (x, weight_scale)
     return _launch_k2(mode, a, a_scale, weight, weight_scale, y, h, lora, batch, cfg2, pdl=pdl,
                       wait_codes=counted, warm_l2=warm_l2, trace=traces[1],
