@@ -539,7 +539,9 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
     a_sorted = mode == 0 and _w_tma(weight, cfg2) and x.shape[1] % 16 == 0
     # h in bf16 for K2's tiles of 64 rows or more (their epilogue reads every row's h per output
     # tile; it rounds h to bf16 anyway): at 256 tokens, rank 128, bf16 h everywhere made the
-    # layer ~1 us faster and the 16- and 32-row decode tiles slower (docs/kernels.md, item 27).
+    # layer ~1 us faster and the 16- and 32-row decode tiles slower (docs/kernels.md, item 27);
+    # here, on top of the one-slot epilogue, the rank-128 layer at 64-256 tokens 1-3 us faster
+    # (results/h200/compare_one_slot_epilogue.md, item 42).
     h_dtype = torch.bfloat16 if cfg2.block_m >= 64 else torch.float32
     codes, scales, h = _launch_k1(x, lora, batch, cfg1, quantize=mode == 0, pdl=pdl,
                                   signal_codes=counted, trace=traces[0], codes_sorted=a_sorted,
