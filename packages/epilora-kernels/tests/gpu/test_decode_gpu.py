@@ -104,6 +104,21 @@ def test_fused_path_with_pdl_equals_serialized_bitwise(shape):
         lambda: fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch), serialized, 3)
 
 
+def test_decode_op_compiled_and_in_a_cuda_graph_equals_the_function():
+    # The decode path as a torch custom op (epilora_kernels.ops), compiled whole the way a
+    # compiled model would call it and captured in a CUDA graph: the function's eager bits.
+    import epilora_kernels.ops as ops
+
+    x, weight, w_scale, lora, batch = make_problem(1, 8, 4096, (4096, 1024, 1024), 64, 4,
+                                                   "mixed_with_base", device="cuda")
+    eager = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch)
+    compiled = torch.compile(lambda x: ops.decode_lora_fp8_linear(x, weight, w_scale, lora,
+                                                                  batch),
+                             backend="aot_eager", fullgraph=True)
+    assert_bitwise_equal(compiled(x), eager, name="compiled op")
+    _assert_graph_replays_equal(lambda: compiled(x), eager, 3, name="compiled op, graph replay")
+
+
 # The decode path's K1 beyond 32 tokens from tune_layer.py's candidates: few programs over 32-64
 # rows and the whole rank (or 64 of it), K2 started beside them.
 PREFILL_K1 = [LaunchConfig(block_m=64, block_k=128, block_r=128, split_k=4, num_warps=8),
