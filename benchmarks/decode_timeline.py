@@ -105,7 +105,8 @@ def _stats(k1: torch.Tensor | None, k2: torch.Tensor, tokens: int) -> dict:
     if k1 is not None:
         k1 = k1[k1[:, 0] != 0]
         k1_end = int(k1[:, 1].max())
-        out.update(k1_quant_end=us(k1[:tokens, 1].max()), k1_end=us(k1_end),
+        quant = k1[k1[:, 2] != 0]  # the quantizing programs stamp slot 2 too
+        out.update(k1_quant_end=us(quant[:, 2].max()), k1_end=us(k1_end),
                    k1_programs=int(k1.shape[0]), k1_sms=int(k1[:, 7].unique().numel()),
                    k2_late=int((k2[:, 0] > k1_end).sum()))
     if bool((k2[:, 1] != 0).any()):
@@ -135,8 +136,9 @@ def _place_in_layer(rep: dict) -> dict:
 
 def _trace_rows(tokens: int, adapters: int, rank: int) -> int:
     """At least as many programs as any K1 or K2 launch here has, whatever its settings (tiles
-    of 16 or more, at most 3 slices, split-K at most 16, N at most 24576): a trace row each."""
-    k1 = tokens + (adapters + 1) * -(-tokens // 16) * -(-rank // 16) * 3 * 16
+    of 16 or more, at most 3 slices, split-K at most 16, N at most 24576, at most 4 quantizing
+    programs a row): a trace row each."""
+    k1 = 4 * tokens + (adapters + 1) * -(-tokens // 16) * -(-rank // 16) * 3 * 16
     k2 = -(-tokens // 16) * (24576 // 16) * 16
     return max(k1, k2)
 
