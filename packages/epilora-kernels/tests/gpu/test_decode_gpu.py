@@ -104,6 +104,28 @@ def test_fused_path_with_pdl_equals_serialized_bitwise(shape):
         lambda: fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch), serialized, 3)
 
 
+# One adapter slot on the layer's shapes, as the decode benchmark runs them (K2's one-slot
+# epilogue, the launch table's settings: split-K K2 tiles at 4-8 tokens, down's 12288-wide rows).
+ONE_ADAPTER = [(4, 4096, (4096, 1024, 1024), 128), (8, 4096, (4096, 1024, 1024), 128),
+               (4, 12288, (4096,), 64), (8, 4096, (12288, 12288), 128)]
+
+
+@pytest.mark.parametrize("shape", ONE_ADAPTER,
+                         ids=lambda s: f"T{s[0]}-K{s[1]}-N{sum(s[2])}-r{s[3]}")
+def test_decode_with_one_adapter_on_the_layers_shapes(shape):
+    t, k, slices, rank = shape
+    x, weight, w_scale, lora, batch = make_problem(4, t, k, slices, rank, 1, "one_adapter",
+                                                   device="cuda")
+    serialized = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, pdl=False)
+    for _ in range(5):
+        eager = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch)
+        assert_bitwise_equal(eager, serialized, name="decode vs serialized")
+    _assert_graph_replays_equal(
+        lambda: fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch), serialized, 3)
+    want = reference.decode_lora_fp8_linear(x, weight, w_scale, lora, batch)
+    assert relative_error(serialized, want) < 1e-2
+
+
 def test_decode_op_compiled_and_in_a_cuda_graph_equals_the_function():
     # The decode path as a torch custom op (epilora_kernels.ops), compiled whole the way a
     # compiled model would call it and captured in a CUDA graph: the function's eager bits.
