@@ -95,7 +95,7 @@ def run_variant(variant, xs, layer, batch, hs, traces=None):
                           pdl=variant != "serialized", warm_l2=_warm(variant), traces=pair)
 
 
-def _stats(k1: torch.Tensor | None, k2: torch.Tensor, tokens: int) -> dict:
+def _stats(k1: torch.Tensor | None, k2: torch.Tensor) -> dict:
     """One projection's timeline from its trace rows (int64 [programs, 8], zero = not run)."""
     k2 = k2[k2[:, 0] != 0]
     t0 = int(k1[k1[:, 0] != 0][:, 0].min()) if k1 is not None else int(k2[:, 0].min())
@@ -165,7 +165,7 @@ def timeline(variant, xs, layer, batch, hs, reps, flush) -> dict:
         torch.cuda.synchronize()
         rep = {}
         for name, (k1, k2) in traces.items():
-            rep[name] = _stats(None if variant in UNTRACED_K1 else k1.cpu(), k2.cpu(), tokens)
+            rep[name] = _stats(None if variant in UNTRACED_K1 else k1.cpu(), k2.cpu())
         per_rep.append(_place_in_layer(rep))
     return {name: {key: statistics.median(r[name][key] for r in per_rep)
                    for key in per_rep[0][name]} for name in layer}
