@@ -82,12 +82,13 @@ def path_layer(xs: dict, layer: dict, batch, path: str, kernel: str, configs: di
             for name, (weight, scale, lora) in layer.items()}
 
 
-def candidates(path: str, kernel: str, tokens: int, rank: int, name: str) -> list[LaunchConfig]:
+def candidates(path: str, kernel: str, tokens: int, rank: int, name: str,
+               k1_stages: tuple[int, ...] = (2,)) -> list[LaunchConfig]:
     k, slices = PROJECTIONS[name]
     if kernel == "k2":
         return k2_candidates(tokens, slices, rank)
     if tokens <= fused.DECODE_SHRINK_MAX_TOKENS:
-        return k1_candidates(tokens, rank, k)
+        return k1_candidates(tokens, rank, k, k1_stages)
     few = decode_prefill_k1_candidates(rank, k)
     if path == "decode":
         return few
@@ -105,7 +106,8 @@ def tune_tokens(tokens, layer, args, gen, flush, row) -> dict[str, LaunchConfig]
             current = timed(functools.partial(layer_with, chosen), args.reps, flush)[1]
             row("current", name, tokens, current, chosen.get(name), round=round_)
             best = (float("inf"), None)
-            for cfg in candidates(args.path, args.kernel, tokens, args.rank, name):
+            for cfg in candidates(args.path, args.kernel, tokens, args.rank, name,
+                                  tuple(args.k1_stages)):
                 run = functools.partial(layer_with, {**chosen, name: cfg})
                 ok, us = timed(run, args.reps, flush,
                                lambda run=run, name=name:
@@ -151,6 +153,8 @@ def main() -> None:
                         help="tune these (the others keep the installed settings); each K2 "
                              "candidate compiles per slice count, a few seconds each")
     parser.add_argument("--adapters", type=int, default=1)
+    parser.add_argument("--k1-stages", type=int, nargs="+", default=[2],
+                        help="K1's pipeline depths offered up to 32 tokens (tune.k1_candidates)")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--passes", type=int, default=1)
     parser.add_argument("--margin", type=float, default=0.3,

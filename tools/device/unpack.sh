@@ -3,8 +3,8 @@
 #   tools/device/unpack.sh /work/.device/<n> DEST
 set -euo pipefail
 src="$1" dest="$2"
-mkdir -p "$dest"
+mkdir -p "$dest" && dest="$(cd "$dest" && pwd)"  # absolute: the copy below runs in $src
 [ -f "$src/results.tar" ] && tar xf "$src/results.tar" -C "$dest"
-(cd "$src" && find . -type f ! -name results.tar -exec cp --parents {} "$OLDPWD/$dest" \;)
+(cd "$src" && find . -type f ! -name results.tar -exec cp --parents {} "$dest" \;)
 chmod -R u+w "$dest"
 find "$dest" -type f | sort
