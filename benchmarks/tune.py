@@ -86,7 +86,7 @@ def k2_candidates(tokens: int, slices: tuple[int, ...], rank: int = RANK):
     return [c for c in grid if not any(width % c.block_n for width in slices[:-1])]
 
 
-def k1_candidates(tokens: int, rank: int = RANK, k: int = 4096, stages: tuple[int, ...] = (2,)):
+def k1_candidates(tokens: int, rank: int = RANK, k: int = 4096, depths: tuple[int, ...] = (2,)):
     # K1's K loop is latency-bound: the sweeps so far (tune.json at 1-32 tokens,
     # tune_k1_64_256.json beyond) favoured the most splits offered everywhere, so deeper splits,
     # deeper K steps and more stages are in. With 8 warps K1's quantizing programs read a row of
@@ -97,7 +97,7 @@ def k1_candidates(tokens: int, rank: int = RANK, k: int = 4096, stages: tuple[in
     # programs beside K2; in tune_decode_r128_wide.json 64-wide tiles won on qkv and o at 16).
     # Up to 32 tokens a long K (down's 12288) also gets 32 splits: there K1's 16-32 programs
     # ran for most of K2's loop beside it (decode_timeline_16c8e9b.json); untried on a GPU.
-    # Up to 32 tokens `stages` is the K loop's pipeline depth offered (2 everywhere so far; a
+    # Up to 32 tokens `depths` are the K loop's pipeline depths offered (2 everywhere so far; a
     # deeper one keeps more of A in flight, so K1 ends sooner beside K2, at the cost of
     # shared memory K2 could use: tune_layer.py --k1-stages).
     whole = rank_block(rank)
@@ -105,16 +105,16 @@ def k1_candidates(tokens: int, rank: int = RANK, k: int = 4096, stages: tuple[in
         block_m = 16 if tokens <= 16 else 32
         return [LaunchConfig(block_m=block_m, block_k=block_k, block_r=block_r,
                              split_k=split_k, num_stages=depth, num_warps=4)
-                for depth in stages
+                for depth in depths
                 for split_k in ((2, 4, 8, 16) if whole >= 128 else (4, 8, 16))
                 for block_k in (128, 256)
                 for block_r in sorted({32, min(64, whole), whole})] + [
             LaunchConfig(block_m=block_m, block_k=256, block_r=whole, split_k=split_k,
-                         num_stages=depth, num_warps=8) for depth in stages for split_k in (8, 16)
+                         num_stages=depth, num_warps=8) for depth in depths for split_k in (8, 16)
         ] + [
             LaunchConfig(block_m=block_m, block_k=256, block_r=block_r, split_k=32,
                          num_stages=depth, num_warps=4)
-            for depth in stages for block_r in sorted({32, whole}) if k >= 8192]
+            for depth in depths for block_r in sorted({32, whole}) if k >= 8192]
     return [LaunchConfig(block_m=16, block_k=block_k, block_r=32, split_k=split_k,
                          num_stages=stages, num_warps=4)
             for split_k in (8, 16) for block_k in (128, 256) for stages in (2, 3, 4)] + [

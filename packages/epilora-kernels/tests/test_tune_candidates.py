@@ -19,10 +19,10 @@ def _tiles(configs):
 def test_k1_stages_repeat_the_default_tiles_at_each_depth(rank, k):
     default = tune.k1_candidates(8, rank, k)
     assert {c.num_stages for c in default} == {2}
-    deeper = tune.k1_candidates(8, rank, k, stages=(3, 4))
+    deeper = tune.k1_candidates(8, rank, k, depths=(3, 4))
     assert sorted(map(str, _tiles(deeper))) == sorted(map(str, _tiles(default) * 2))
     assert sorted(c.num_stages for c in deeper) == [3] * len(default) + [4] * len(default)
 
 
 def test_k1_stages_leave_prefill_candidates_alone():
-    assert tune.k1_candidates(64, 128, 4096, stages=(3,)) == tune.k1_candidates(64, 128, 4096)
+    assert tune.k1_candidates(64, 128, 4096, depths=(3,)) == tune.k1_candidates(64, 128, 4096)
