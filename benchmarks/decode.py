@@ -16,10 +16,18 @@ K2 without adapters);
 with `epilora-decode`.
 
     python3 benchmarks/decode.py --out benchmarks/results/h200/decode.json
+
+On a machine whose Triton cache is empty, compiling the page's kernels took longer than timing
+them (a cold page ran past 230 s, a warm one 30-40 s, on the H200 in the device calls of
+2026-11-30), one kernel at a time: `--jobs N` first runs every case once in N processes at a
+time (`--compile-only`, no timing), which fill Triton's on-disk cache for the timed run.
 """
 
 import argparse
+import concurrent.futures
 import functools
+import subprocess
+import sys
 
 import torch
 import triton
@@ -98,18 +106,48 @@ def adapter_case(tokens: int, rank: int, layer: dict, gen: torch.Generator, adap
     return batch, xs, hs, bufs
 
 
+def compile_in_parallel(ranks, tokens, jobs: int) -> None:
+    """Every (rank, tokens) case run once by `--compile-only` processes, `jobs` at a time, so that
+    the timed run finds its kernels in Triton's cache. A failure is printed, not raised: the
+    timed run then compiles what is missing itself, as without `--jobs`."""
+    cases = [(rank, count) for rank in ranks for count in tokens]
+
+    def compile_case(case):
+        rank, count = case
+        return case, subprocess.run(
+            [sys.executable, __file__, "--compile-only", "--ranks", str(rank), "--tokens",
+             str(count)], capture_output=True, text=True)
+
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        for done, ((rank, count), result) in enumerate(pool.map(compile_case, cases), 1):
+            status = "compiled" if result.returncode == 0 else (
+                f"failed (exit {result.returncode}): {result.stderr[-2000:]}")
+            print(f"[{done}/{len(cases)}] rank={rank:3d} tokens={count:3d} {status}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", help="the result file (required unless --compile-only)")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--git-sha", default=None)
+    parser.add_argument("--ranks", type=int, nargs="+", default=list(RANKS))
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="compile the cases' kernels in this many processes first")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="run every system of the cases once, untimed, and write nothing")
     args = parser.parse_args()
+    if not args.compile_only and not args.out:
+        parser.error("--out is required unless --compile-only")
+    if args.jobs > 1 and not args.compile_only:
+        compile_in_parallel(args.ranks, args.tokens, args.jobs)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+    flush = None if args.compile_only else torch.empty(512 * 2**20, dtype=torch.uint8,
+                                                        device="cuda")
     rows = []
-    for rank in RANKS:
+    for rank in args.ranks:
         layer = make_layer(1, rank, gen)
-        for tokens in TOKENS:
+        for tokens in args.tokens:
             batch, xs, hs, bufs = adapter_case(tokens, rank, layer, gen)
             meta = batch.vllm_meta_args()
             outs = {name: torch.zeros(tokens, sum(sl), dtype=torch.bfloat16, device="cuda")
@@ -125,6 +163,11 @@ def main() -> None:
                                                      bufs, outs, aux)
                 else:
                     runs[system] = functools.partial(run_decode, system, xs, layer, batch, hs)
+            if args.compile_only:
+                for run in runs.values():
+                    run()
+                torch.cuda.synchronize()
+                continue
             measured = time_graphs(runs, args.reps, flush)  # in turns: drift hits all alike
             for system, us in measured.items():
                 rows.append(_row(system, tokens, rank, us, args.reps))

@@ -9,7 +9,8 @@
 #           --kernel k2, or the fused path's K1 with --path fused, by the layer's time)
 #           -> $OUT/NVIDIA_H200.json, used by the later steps as tune's          TUNE_TIMEOUT
 #   layer   benchmarks/layer.py $LAYER_ARGS -> $OUT/layer.json                     LAYER_TIMEOUT
-#   decode  benchmarks/decode.py -> $OUT/decode.json (cold: over 230 s)           DECODE_TIMEOUT
+#   decode  benchmarks/decode.py --jobs $DECODE_JOBS (15: its cases compiled in parallel
+#           first; cold and one at a time it ran past 230 s) -> $OUT/decode.json  DECODE_TIMEOUT
 #   timeline benchmarks/decode_timeline.py $TIMELINE_ARGS -> $OUT/decode_timeline.json
 #                                                                            TIMELINE_TIMEOUT
 #   use:NAME the later steps run epilora-kernels as built from git ref NAME (a wheel that
@@ -60,7 +61,8 @@ for step in "$@"; do
     layer) timeout "${LAYER_TIMEOUT:-300}" python3 benchmarks/layer.py --out "$OUT/layer.json" \
              --git-sha "$sha" ${LAYER_ARGS:-} 2>&1 | tee "$OUT/layer.log" ;;
     decode) timeout "${DECODE_TIMEOUT:-360}" python3 benchmarks/decode.py \
-              --out "$OUT/decode.json" --git-sha "$sha" 2>&1 | tee "$OUT/decode.log" ;;
+              --out "$OUT/decode.json" --git-sha "$sha" --jobs "${DECODE_JOBS:-15}" 2>&1 \
+              | tee "$OUT/decode.log" ;;
     timeline) timeout "${TIMELINE_TIMEOUT:-240}" python3 benchmarks/decode_timeline.py \
                 --out "$OUT/decode_timeline.json" --git-sha "$sha" ${TIMELINE_ARGS:-} 2>&1 \
                 | tee "$OUT/decode_timeline.log" ;;
