@@ -37,6 +37,7 @@ from layer import PROJECTIONS, adapter_inputs, make_layer, run_layer, time_graph
 from epilora_kernels import fused
 
 TOKENS = (1, 4, 8, 16, 32)
+COMPILE_TIMEOUT_S = 240  # one --compile-only process (--jobs): a hung one must not hold the run
 RANKS = (16, 64, 128)
 SYSTEMS = ("cutlass", "vllm-default", "vllm-dual-stream", "epilora-serialized", "epilora-decode",
            "control-empty", "control-cublas-shrink", "epilora-h-given", "component-shrink",
@@ -114,14 +115,17 @@ def compile_in_parallel(ranks, tokens, jobs: int) -> None:
 
     def compile_case(case):
         rank, count = case
-        return case, subprocess.run(
-            [sys.executable, __file__, "--compile-only", "--ranks", str(rank), "--tokens",
-             str(count)], capture_output=True, text=True)
+        try:
+            result = subprocess.run(
+                [sys.executable, __file__, "--compile-only", "--ranks", str(rank), "--tokens",
+                 str(count)], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return case, f"timed out after {COMPILE_TIMEOUT_S} s"
+        return case, "compiled" if result.returncode == 0 else (
+            f"failed (exit {result.returncode}): {result.stderr[-2000:]}")
 
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        for done, ((rank, count), result) in enumerate(pool.map(compile_case, cases), 1):
-            status = "compiled" if result.returncode == 0 else (
-                f"failed (exit {result.returncode}): {result.stderr[-2000:]}")
+        for done, ((rank, count), status) in enumerate(pool.map(compile_case, cases), 1):
             print(f"[{done}/{len(cases)}] rank={rank:3d} tokens={count:3d} {status}", flush=True)
 
 
