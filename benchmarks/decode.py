@@ -17,27 +17,32 @@ with `epilora-decode`.
 
     python3 benchmarks/decode.py --out benchmarks/results/h200/decode.json
 
-On a machine whose Triton cache is empty, compiling the page's kernels took longer than timing
-them (a cold page ran past 230 s, a warm one 30-40 s, on the H200 in the device calls of
-2026-11-30), one kernel at a time: `--jobs N` first runs every case once in N processes at a
-time (`--compile-only`, no timing), which fill Triton's on-disk cache for the timed run.
+On a machine whose Triton cache is empty, compiling the page's kernels one at a time took longer
+than timing them (a cold page ran past 230 s, a warm one 30-40 s, on the H200 in the device
+calls of 2026-11-30): `--jobs N` first runs every (rank, tokens) case once in N processes at a
+time (`--compile-only`, untimed), which fill Triton's disk cache (layer.compile_in_parallel).
 """
 
 import argparse
-import concurrent.futures
 import functools
-import subprocess
-import sys
 
 import torch
 import triton
 import triton.language as tl
-from layer import PROJECTIONS, adapter_inputs, make_layer, run_layer, time_graphs, write_results
+from layer import (
+    PROJECTIONS,
+    adapter_inputs,
+    add_compile_arguments,
+    compile_in_parallel,
+    make_layer,
+    run_layer,
+    time_graphs,
+    write_results,
+)
 
 from epilora_kernels import fused
 
 TOKENS = (1, 4, 8, 16, 32)
-COMPILE_TIMEOUT_S = 240  # one --compile-only process (--jobs): a hung one must not hold the run
 RANKS = (16, 64, 128)
 SYSTEMS = ("cutlass", "vllm-default", "vllm-dual-stream", "epilora-serialized", "epilora-decode",
            "control-empty", "control-cublas-shrink", "epilora-h-given", "component-shrink",
@@ -107,28 +112,6 @@ def adapter_case(tokens: int, rank: int, layer: dict, gen: torch.Generator, adap
     return batch, xs, hs, bufs
 
 
-def compile_in_parallel(ranks, tokens, jobs: int) -> None:
-    """Every (rank, tokens) case run once by `--compile-only` processes, `jobs` at a time, so that
-    the timed run finds its kernels in Triton's cache. A failure is printed, not raised: the
-    timed run then compiles what is missing itself, as without `--jobs`."""
-    cases = [(rank, count) for rank in ranks for count in tokens]
-
-    def compile_case(case):
-        rank, count = case
-        try:
-            result = subprocess.run(
-                [sys.executable, __file__, "--compile-only", "--ranks", str(rank), "--tokens",
-                 str(count)], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            return case, f"timed out after {COMPILE_TIMEOUT_S} s"
-        return case, "compiled" if result.returncode == 0 else (
-            f"failed (exit {result.returncode}): {result.stderr[-2000:]}")
-
-    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        for done, ((rank, count), status) in enumerate(pool.map(compile_case, cases), 1):
-            print(f"[{done}/{len(cases)}] rank={rank:3d} tokens={count:3d} {status}", flush=True)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="the result file (required unless --compile-only)")
@@ -136,15 +119,14 @@ def main() -> None:
     parser.add_argument("--git-sha", default=None)
     parser.add_argument("--ranks", type=int, nargs="+", default=list(RANKS))
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
-    parser.add_argument("--jobs", type=int, default=1,
-                        help="compile the cases' kernels in this many processes first")
-    parser.add_argument("--compile-only", action="store_true",
-                        help="run every system of the cases once, untimed, and write nothing")
+    add_compile_arguments(parser)
     args = parser.parse_args()
     if not args.compile_only and not args.out:
         parser.error("--out is required unless --compile-only")
     if args.jobs > 1 and not args.compile_only:
-        compile_in_parallel(args.ranks, args.tokens, args.jobs)
+        compile_in_parallel(__file__, [["--ranks", str(rank), "--tokens", str(tokens)]
+                                       for rank in args.ranks for tokens in args.tokens],
+                            args.jobs)
     gen = torch.Generator(device="cuda").manual_seed(0)
     flush = None if args.compile_only else torch.empty(512 * 2**20, dtype=torch.uint8,
                                                         device="cuda")

@@ -17,9 +17,14 @@ is reported (`layer_us`).
 Weights are random FP8 with per-tensor scales; adapters random bf16.
 
     python3 benchmarks/layer.py --out benchmarks/results/h200/layer.json [--quick]
+
+`--jobs N` first runs every case once, untimed, in N processes at a time (`--compile-only`),
+which fill Triton's on-disk cache: on a machine whose cache is empty the run otherwise compiles
+its kernels one at a time (`compile_in_parallel`, shared with decode.py).
 """
 
 import argparse
+import concurrent.futures
 import datetime
 import functools
 import hashlib
@@ -125,9 +130,39 @@ def time_graph(fn, reps: int, flush: torch.Tensor) -> float:
     return time_graphs({"": fn}, reps, flush)[""]
 
 
+COMPILE_TIMEOUT_S = 240  # one --compile-only process: a hung one must not hold the timed run
+
+
+def compile_in_parallel(script: str, cases: list[list[str]], jobs: int) -> None:
+    """`script --compile-only CASE` for every case's arguments, `jobs` processes at a time, so
+    that the timed run finds its kernels in Triton's disk cache. A failure is printed, not
+    raised: the timed run then compiles what is missing itself."""
+
+    def compile_case(case):
+        try:
+            result = subprocess.run([sys.executable, script, "--compile-only", *case],
+                                    capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return case, f"timed out after {COMPILE_TIMEOUT_S} s"
+        return case, "compiled" if result.returncode == 0 else (
+            f"failed (exit {result.returncode}): {result.stderr[-2000:]}")
+
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        for done, (case, status) in enumerate(pool.map(compile_case, cases), 1):
+            print(f"[{done}/{len(cases)}] {' '.join(case)}: {status}", flush=True)
+
+
+def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
+    """--jobs and --compile-only, as layer.py and decode.py take them (--out then optional)."""
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="first run every case once, untimed, in this many processes")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="run every system of the cases once, untimed, and write nothing")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", help="the result file (required unless --compile-only)")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--quick", action="store_true", help="tokens 1, 16, 64, 256 only")
     parser.add_argument("--tokens", type=int, nargs="+", help="these token counts only")
@@ -135,11 +170,19 @@ def main() -> None:
                         help="ADAPTERSxRANK, e.g. 32x64 (the no-adapter systems run with the "
                              "first)")
     parser.add_argument("--git-sha", default=None)
+    add_compile_arguments(parser)
     args = parser.parse_args()
+    if not args.compile_only and not args.out:
+        parser.error("--out is required unless --compile-only")
     setups = [tuple(int(v) for v in s.split("x")) for s in args.setups]
     tokens_list = args.tokens or ((1, 16, 64, 256) if args.quick else TOKENS)
+    if args.jobs > 1 and not args.compile_only:
+        compile_in_parallel(__file__, [["--setups", setup, "--tokens", str(tokens)]
+                                       for setup in args.setups for tokens in tokens_list],
+                            args.jobs)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+    flush = None if args.compile_only else torch.empty(512 * 2**20, dtype=torch.uint8,
+                                                        device="cuda")
     systems = ("cutlass", "epilora-gemm", "vllm-default", "epilora-fused", "epilora-decode",
                "epilora-hybrid")
     rows = []
@@ -153,6 +196,11 @@ def main() -> None:
                     for system in systems
                     if system not in ("cutlass", "epilora-gemm")
                     or (num_adapters, rank) == setups[0]}
+            if args.compile_only:
+                for run in runs.values():
+                    run()
+                torch.cuda.synchronize()
+                continue
             for system, us in time_graphs(runs, args.reps, flush).items():
                 rows.append({"bench": "layer", "model": "qwen3-8b", "base": "fp8",
                              "system": system, "tokens": tokens, "rank": rank,

@@ -9,8 +9,10 @@
 #           --kernel k2, or the fused path's K1 with --path fused, by the layer's time)
 #           -> $OUT/NVIDIA_H200.json, used by the later steps as tune's          TUNE_TIMEOUT
 #   layer   benchmarks/layer.py $LAYER_ARGS -> $OUT/layer.json                     LAYER_TIMEOUT
-#   decode  benchmarks/decode.py --jobs $DECODE_JOBS (15: its cases compiled in parallel
-#           first; cold and one at a time it ran past 230 s) -> $OUT/decode.json  DECODE_TIMEOUT
+#   decode  benchmarks/decode.py -> $OUT/decode.json                               DECODE_TIMEOUT
+#           (both, the first time in the call or after a use: step, with --jobs $COMPILE_JOBS,
+#           15: their cases compiled in parallel first, where a cold decode page compiling one
+#           kernel at a time ran past 230 s; later runs find the kernels in Triton's cache)
 #   timeline benchmarks/decode_timeline.py $TIMELINE_ARGS -> $OUT/decode_timeline.json
 #                                                                            TIMELINE_TIMEOUT
 #   use:NAME the later steps run epilora-kernels as built from git ref NAME (a wheel that
@@ -30,7 +32,13 @@ source tools/device/setup.sh
 BASE_OUT="$OUT"
 sha="${EPILORA_GIT_SHA:-}"
 status=0
-declare -A used
+declare -A used compiled
+# $jobs, benchmarks/NAME.py's --jobs: $COMPILE_JOBS the first time since the call began or the
+# kernels or their table changed (use:, tune), else 1 (each compile process costs its imports
+# even when everything is cached). Sets a global: called in this shell, not in $(...).
+jobs_for() {
+  if [ -z "${compiled[$1]:-}" ]; then compiled[$1]=1; jobs="${COMPILE_JOBS:-15}"; else jobs=1; fi
+}
 # benchmarks/NAME.py ARGS -> $OUT/NAME.json, .log and the table NVIDIA_H200.json, which then
 # serves the later steps (a run cut short wrote what it finished); the tuner's exit status.
 tune() {
@@ -52,16 +60,20 @@ for step in "$@"; do
            used[$name]=$(( ${used[$name]:-0} + 1 )); again=""
            (( used[$name] > 1 )) && again="-${used[$name]}"
            sha="$(cat "$dir/sha")"; OUT="$BASE_OUT/${name//[\/~^]/-}$again"; mkdir -p "$OUT"
+           compiled=()
            echo "epilora-kernels from $name at $sha" ;;
     tests) timeout "${TESTS_TIMEOUT:-240}" python3 -m nox -s gpu-sm90 -- \
              -k "fused_gpu or decode_gpu" --junitxml="$OUT/gpu-sm90-kernels-junit.xml" \
              2>&1 | tee "$OUT/gpu-sm90-kernels.log" ;;
-    tune) tune tune ${TUNE_ARGS:-} ;;
-    tune-layer) tune tune_layer ${TUNE_LAYER_ARGS:-} ;;
-    layer) timeout "${LAYER_TIMEOUT:-300}" python3 benchmarks/layer.py --out "$OUT/layer.json" \
-             --git-sha "$sha" ${LAYER_ARGS:-} 2>&1 | tee "$OUT/layer.log" ;;
-    decode) timeout "${DECODE_TIMEOUT:-360}" python3 benchmarks/decode.py \
-              --out "$OUT/decode.json" --git-sha "$sha" --jobs "${DECODE_JOBS:-15}" 2>&1 \
+    tune) compiled=(); tune tune ${TUNE_ARGS:-} ;;
+    tune-layer) compiled=(); tune tune_layer ${TUNE_LAYER_ARGS:-} ;;
+    layer) jobs_for layer
+           timeout "${LAYER_TIMEOUT:-300}" python3 benchmarks/layer.py --out "$OUT/layer.json" \
+             --git-sha "$sha" --jobs "$jobs" ${LAYER_ARGS:-} 2>&1 \
+             | tee "$OUT/layer.log" ;;
+    decode) jobs_for decode
+            timeout "${DECODE_TIMEOUT:-360}" python3 benchmarks/decode.py \
+              --out "$OUT/decode.json" --git-sha "$sha" --jobs "$jobs" 2>&1 \
               | tee "$OUT/decode.log" ;;
     timeline) timeout "${TIMELINE_TIMEOUT:-240}" python3 benchmarks/decode_timeline.py \
                 --out "$OUT/decode_timeline.json" --git-sha "$sha" ${TIMELINE_ARGS:-} 2>&1 \
