@@ -488,21 +488,6 @@ def _lora_gemm_kernel(
                                  slice_end, R, rr)
                     hz = _h_bf16(h_ptr, tok, in_seg, s, T, R, rr, NUM_SLICES, H_PLANES)
                     acc = _dot_acc(acc, hz, bt, INTERPRETER)
-        elif R_CHUNK > 0 and R_CHUNK < BLOCK_R:
-            # The rank in R_CHUNK-wide steps, over every (segment, step) that meets the tile:
-            # one branch-free loop that Triton pipelines like a K loop. Holding h and B whole
-            # (64 x 128 each at rank 128 in a 64-row tile) took K2 to 200-255 registers, with
-            # spills, and slowed its main loop (results/cpu/sm90_occupancy_b_first_l2.json, and
-            # sm90_occupancy.json with the steps; results/h200/layer.json).
-            steps: tl.constexpr = BLOCK_R // R_CHUNK
-            for i in range(z_first * steps, (z_last + 1) * steps):
-                z = i // steps
-                rr = (i % steps) * R_CHUNK + tl.arange(0, R_CHUNK)
-                slot = tl.load(lora_ids_ptr + z)
-                in_seg = (pos >= tl.load(start_ptr + z)) & (pos < tl.load(start_ptr + z + 1))
-                bt = _b_step(b_base, slot, b_stride, n, n_mask, slice_begin, slice_end, R, rr)
-                hz = _h_bf16(h_ptr, tok, pos_mask & in_seg, s, T, R, rr, NUM_SLICES, H_PLANES)
-                acc = _dot_acc(acc, hz, bt, INTERPRETER)
         elif ENTRIES_BLOCK > 2:
             # Several slots: a tile may meet many segments (32 adapters at 128 tokens, 16 per
             # 64-row tile). The loop over them is a K loop of its own, branch-free (a slot's
