@@ -3,8 +3,8 @@ Qwen3-8B layer, compiled for sm_90 on a CPU (no GPU needed; TRITON_INTERPRET uns
 
 For each projection, token count and adapter rank, the decode path and the fused
 path record their launches with the shipped launch table (`epilora_kernels/configs/
-NVIDIA_H200.json`; one adapter), compile them as Triton's launcher would (16-aligned arguments
-marked), and ask Triton's bundled ptxas for registers and spill stores. Occupancy is the H200's
+NVIDIA_H200.json`; one adapter, or `--adapters N` round robin), compile them as Triton's
+launcher would (16-aligned arguments marked), and ask Triton's bundled ptxas for registers and spill stores. Occupancy is the H200's
 limit per SM (65536 registers allocated per warp in units of 256, 228 KB of shared memory with
 1 KB reserved per block, 32 blocks, 2048 threads); `waves` = programs / (blocks per SM x 132).
 
@@ -61,6 +61,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128, 256])
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64, 128])
     parser.add_argument("--projections", nargs="+", help="these only (default: all four)")
+    parser.add_argument("--adapters", type=int, default=1,
+                        help="the tokens round robin over this many slots, as layer.py's "
+                             "setups (several: K2's several-slot epilogue)")
     parser.add_argument("--candidates", choices=("k1", "k2"),
                         help="every K1 or K2 candidate of benchmarks/tune.py, in the fused path")
     args = parser.parse_args()
@@ -84,13 +87,16 @@ def main() -> None:
         n = sum(slices)
         weight = torch.empty(n, k, dtype=torch.float8_e4m3fn)
         for rank in args.ranks:
+            slots = args.adapters
             lora = LoraWeights(
-                tuple(torch.empty(1, 1, rank, k, dtype=torch.bfloat16) for _ in slices),
-                tuple(torch.empty(1, 1, width, rank, dtype=torch.bfloat16) for width in slices),
+                tuple(torch.empty(slots, 1, rank, k, dtype=torch.bfloat16) for _ in slices),
+                tuple(torch.empty(slots, 1, width, rank, dtype=torch.bfloat16)
+                      for width in slices),
                 slices)
             for tokens in args.tokens:
                 x = torch.empty(tokens, k, dtype=torch.bfloat16)
-                batch = AdapterBatch.from_token_mapping(torch.zeros(tokens, dtype=torch.int32), 1)
+                batch = AdapterBatch.from_token_mapping(
+                    torch.arange(tokens, dtype=torch.int32) % slots, slots)
                 k1 = config("quantize_shrink", tokens, n, k, rank, slices)
                 k2 = config("lora_gemm", tokens, n, k, rank, slices,
                             one_slot=fused._one_slot(batch))
