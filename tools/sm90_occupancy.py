@@ -1,12 +1,13 @@
 """Registers, shared memory, spills and occupancy of K1 and K2 as the launchers run them on one
 Qwen3-8B layer, compiled for sm_90 on a CPU (no GPU needed; TRITON_INTERPRET unset).
 
-For each projection, token count and adapter rank, the decode path and the fused
-path record their launches with the shipped launch table (`epilora_kernels/configs/
-NVIDIA_H200.json`; one adapter, or `--adapters N` round robin), compile them as Triton's
-launcher would (16-aligned arguments marked), and ask Triton's bundled ptxas for registers and spill stores. Occupancy is the H200's
-limit per SM (65536 registers allocated per warp in units of 256, 228 KB of shared memory with
-1 KB reserved per block, 32 blocks, 2048 threads); `waves` = programs / (blocks per SM x 132).
+For each projection, token count and adapter rank, the decode path and the fused path record
+their launches with the shipped launch table (`epilora_kernels/configs/NVIDIA_H200.json`; one
+adapter, or `--adapters N` round robin), compile them as Triton's launcher would (16-aligned
+arguments marked), and ask Triton's bundled ptxas for registers and spill stores. Occupancy is
+the H200's limit per SM (65536 registers allocated per warp in units of 256, 228 KB of shared
+memory with 1 KB reserved per block, 32 blocks, 2048 threads); `waves` = programs / (blocks per
+SM x 132).
 
     python tools/sm90_occupancy.py --out benchmarks/results/cpu/sm90_occupancy.json
 
