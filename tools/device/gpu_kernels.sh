@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call for epilora-kernels on the H200, into $OUT: the steps named as arguments, in
 # order, each under its own timeout (seconds, from the environment):
-#   tests   the kernel GPU tests (nox -s gpu-sm90 -- -k "fused_gpu or decode_gpu")  TESTS_TIMEOUT
+#   tests   the kernel GPU tests (nox -s gpu-sm90 -- -k "fused_gpu or decode_gpu"), in
+#           $TESTS_JOBS (4) processes                                             TESTS_TIMEOUT
 #   tune    benchmarks/tune.py $TUNE_ARGS -> $OUT/NVIDIA_H200.json, which the later steps of the
 #           call then use (installed into the package); copy it to epilora_kernels/configs/ to
 #           keep it                                                                 TUNE_TIMEOUT
@@ -62,9 +63,13 @@ for step in "$@"; do
            sha="$(cat "$dir/sha")"; OUT="$BASE_OUT/${name//[\/~^]/-}$again"; mkdir -p "$OUT"
            compiled=()
            echo "epilora-kernels from $name at $sha" ;;
-    tests) timeout "${TESTS_TIMEOUT:-240}" python3 -m nox -s gpu-sm90 -- \
-             -k "fused_gpu or decode_gpu" --junitxml="$OUT/gpu-sm90-kernels-junit.xml" \
-             2>&1 | tee "$OUT/gpu-sm90-kernels.log" ;;
+    tests) # In $TESTS_JOBS processes (pytest-xdist, from prepare.sh's wheels; 0: one): 84
+           # tests took 142 s in one, mostly compiling.
+           workers=(); (( ${TESTS_JOBS:-4} > 0 )) && python3 -c "import xdist" 2>/dev/null \
+             && workers=(-n "${TESTS_JOBS:-4}")
+           timeout "${TESTS_TIMEOUT:-240}" python3 -m nox -s gpu-sm90 -- \
+             -k "fused_gpu or decode_gpu" "${workers[@]}" \
+             --junitxml="$OUT/gpu-sm90-kernels-junit.xml" 2>&1 | tee "$OUT/gpu-sm90-kernels.log" ;;
     tune) compiled=(); tune tune ${TUNE_ARGS:-} ;;
     tune-layer) compiled=(); tune tune_layer ${TUNE_LAYER_ARGS:-} ;;
     layer) jobs_for layer

@@ -11,7 +11,8 @@ rm -rf .device/wheels && mkdir -p .device/wheels
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform any -d .device/wheels \
   nox==2026.10.20 argcomplete colorlog dependency-groups humanize python-discovery \
-  platformdirs filelock attrs packaging==25.0
+  platformdirs filelock attrs packaging==25.0 \
+  pytest-xdist==3.8.0 execnet==2.1.2  # the GPU tests in processes (gpu_kernels.sh TESTS_JOBS)
 rm -rf .device/dist && uv build --all-packages -q -o .device/dist --wheel
 rm -rf .device/variants
 for ref in ${VARIANTS:-}; do
