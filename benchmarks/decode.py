@@ -32,10 +32,11 @@ import triton.language as tl
 from layer import (
     PROJECTIONS,
     adapter_inputs,
-    add_compile_arguments,
     compile_in_parallel,
     make_layer,
+    parse_benchmark_args,
     run_layer,
+    run_untimed,
     time_graphs,
     write_results,
 )
@@ -119,10 +120,7 @@ def main() -> None:
     parser.add_argument("--git-sha", default=None)
     parser.add_argument("--ranks", type=int, nargs="+", default=list(RANKS))
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
-    add_compile_arguments(parser)
-    args = parser.parse_args()
-    if not args.compile_only and not args.out:
-        parser.error("--out is required unless --compile-only")
+    args = parse_benchmark_args(parser)
     if args.jobs > 1 and not args.compile_only:
         compile_in_parallel(__file__, [["--ranks", str(rank), "--tokens", str(tokens)]
                                        for rank in args.ranks for tokens in args.tokens],
@@ -150,9 +148,7 @@ def main() -> None:
                 else:
                     runs[system] = functools.partial(run_decode, system, xs, layer, batch, hs)
             if args.compile_only:
-                for run in runs.values():
-                    run()
-                torch.cuda.synchronize()
+                run_untimed(runs)
                 continue
             measured = time_graphs(runs, args.reps, flush)  # in turns: drift hits all alike
             for system, us in measured.items():

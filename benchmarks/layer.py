@@ -152,12 +152,24 @@ def compile_in_parallel(script: str, cases: list[list[str]], jobs: int) -> None:
             print(f"[{done}/{len(cases)}] {' '.join(case)}: {status}", flush=True)
 
 
-def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
-    """--jobs and --compile-only, as layer.py and decode.py take them (--out then optional)."""
+def parse_benchmark_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The arguments, with --jobs and --compile-only as layer.py and decode.py take them
+    (--out then optional)."""
     parser.add_argument("--jobs", type=int, default=1,
                         help="first run every case once, untimed, in this many processes")
     parser.add_argument("--compile-only", action="store_true",
                         help="run every system of the cases once, untimed, and write nothing")
+    args = parser.parse_args()
+    if not args.compile_only and not args.out:
+        parser.error("--out is required unless --compile-only")
+    return args
+
+
+def run_untimed(runs: dict) -> None:
+    """Each of a case's systems once (--compile-only: what compiles, compiles)."""
+    for run in runs.values():
+        run()
+    torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -170,10 +182,7 @@ def main() -> None:
                         help="ADAPTERSxRANK, e.g. 32x64 (the no-adapter systems run with the "
                              "first)")
     parser.add_argument("--git-sha", default=None)
-    add_compile_arguments(parser)
-    args = parser.parse_args()
-    if not args.compile_only and not args.out:
-        parser.error("--out is required unless --compile-only")
+    args = parse_benchmark_args(parser)
     setups = [tuple(int(v) for v in s.split("x")) for s in args.setups]
     tokens_list = args.tokens or ((1, 16, 64, 256) if args.quick else TOKENS)
     if args.jobs > 1 and not args.compile_only:
@@ -197,9 +206,7 @@ def main() -> None:
                     if system not in ("cutlass", "epilora-gemm")
                     or (num_adapters, rank) == setups[0]}
             if args.compile_only:
-                for run in runs.values():
-                    run()
-                torch.cuda.synchronize()
+                run_untimed(runs)
                 continue
             for system, us in time_graphs(runs, args.reps, flush).items():
                 rows.append({"bench": "layer", "model": "qwen3-8b", "base": "fp8",
