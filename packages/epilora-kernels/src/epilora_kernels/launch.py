@@ -159,8 +159,12 @@ def table_config(device_name: str, op: str, tokens: int, n: int, k: int,
     entries), and with `one_slot` (a batch of one adapter slot) its one-slot entries replace
     those in turn."""
     table = _load_table(device_name)
-    if table is None:
-        return None
+    return None if table is None else table_entry(table, op, tokens, n, k, rank, cover, one_slot)
+
+
+def table_entry(table: dict, op: str, tokens: int, n: int, k: int, rank: int | None = None,
+                cover: bool = False, one_slot: bool = False) -> LaunchConfig | None:
+    """`table_config`'s lookup in a given table (tools/copy_table_bucket.py edits one)."""
     shapes = table.get(op, {})
     keys = [shape_key(n, k)]
     if rank is not None:
