@@ -233,8 +233,8 @@ def test_k1_launches_a_program_for_every_row_tile_of_every_entry(mapping, block_
 
 
 def test_copy_table_bucket_gives_one_bucket_anothers_settings_at_one_rank_only():
-    # tools/copy_table_bucket.py: rank 64's 4-token batches get what its 8-token ones get; rank
-    # 16's lookups and K2's several-slot ones keep theirs.
+    # tools/copy_table_bucket.py --one-slot: rank 64's one-slot 4-token batches get what its
+    # one-slot 8-token ones get; rank 16's lookups and the several-slot ones keep theirs.
     import sys
     from pathlib import Path
 
@@ -243,21 +243,24 @@ def test_copy_table_bucket_gives_one_bucket_anothers_settings_at_one_rank_only()
     sys.path.insert(0, str(Path(__file__).parents[3] / "tools"))
     from copy_table_bucket import copy_bucket
 
-    table = {"decode_shrink": {"64x32": {"4": {"split_k": 16}, "8": {"split_k": 4}},
+    table = {"decode_shrink": {"64x32": {"1": {"split_k": 8}, "4": {"split_k": 16},
+                                         "8": {"split_k": 4}},
                                "96x32": {"4": {"split_k": 2}, "8": {"split_k": 2}}},
              "lora_gemm": {"64x32": {"1": {"split_k": 4}, "4": {"split_k": 2},
                                      "8": {"split_k": 2}},
                            "64x32@r64": {"8": {"split_k": 1}}}}
     before = json.loads(json.dumps(table))
-    changed = copy_bucket(table, ["decode_shrink", "lora_gemm"], 64, 8, 4, one_slot=True)
-    assert changed == ["decode_shrink 64x32@r64 4", "lora_gemm 64x32@r64/one-slot 4"]
+    ops = ["decode_shrink", "lora_gemm"]
+    changed = copy_bucket(table, ops, 64, 8, 4, one_slot=True)
+    assert changed == ["decode_shrink 64x32@r64/one-slot 4", "lora_gemm 64x32@r64/one-slot 4"]
     validate_table(table)
-    for op, slot in (("decode_shrink", False), ("lora_gemm", True)):
+    for op in ops:
         for tokens in (2, 4):
-            assert (table_entry(table, op, tokens, 64, 32, 64, one_slot=slot)
-                    == table_entry(table, op, 8, 64, 32, 64, one_slot=slot))
-            assert (table_entry(table, op, tokens, 64, 32, 16, one_slot=slot)
-                    == table_entry(before, op, tokens, 64, 32, 16, one_slot=slot))
-    assert table_entry(table, "lora_gemm", 4, 64, 32, 64).split_k == 2  # several slots
-    assert table_entry(table, "lora_gemm", 1, 64, 32, 64, one_slot=True).split_k == 4
-    assert copy_bucket(table, ["decode_shrink", "lora_gemm"], 64, 8, 4, one_slot=True) == []
+            assert (table_entry(table, op, tokens, 64, 32, 64, one_slot=True)
+                    == table_entry(table, op, 8, 64, 32, 64, one_slot=True))
+            for rank, slot in ((16, True), (16, False), (64, False)):
+                assert (table_entry(table, op, tokens, 64, 32, rank, one_slot=slot)
+                        == table_entry(before, op, tokens, 64, 32, rank, one_slot=slot))
+        assert (table_entry(table, op, 1, 64, 32, 64, one_slot=True)
+                == table_entry(before, op, 1, 64, 32, 64, one_slot=True))
+    assert copy_bucket(table, ops, 64, 8, 4, one_slot=True) == []

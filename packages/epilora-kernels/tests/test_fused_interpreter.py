@@ -352,6 +352,19 @@ def test_counter_buffer_grows_before_k1_not_between_the_launches(monkeypatch):
     assert asked[0] == max(k1_tiles, k2_tiles) and max(asked) == asked[0], asked
 
 
+@pytest.mark.parametrize(("slots", "one_slot"), [(1, True), (4, False)])
+def test_both_kernels_look_up_one_slot_entries_only_for_one_slot(slots, one_slot, monkeypatch):
+    # The table's one-slot entries (K2's epilogue, K1's row tiles differ with the slots) must
+    # reach K1's lookup as well as K2's, and never a batch of several slots.
+    x, weight, w_scale, lora, batch = make_problem(8, 40, 64, (96,), 8, slots, "one_adapter")
+    asked = []
+    select = fused.select_config
+    monkeypatch.setattr(fused, "select_config", lambda *a, **kw: asked.append(
+        (a[1], a[-1] if len(a) > 7 else kw.get("one_slot"))) or select(*a, **kw))
+    fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch)
+    assert sorted(asked) == [("decode_shrink", one_slot), ("lora_gemm", one_slot)], asked
+
+
 @pytest.mark.parametrize("path", ["fused", "decode"])
 def test_k1_rank_in_several_tiles_with_split_k(path):
     # K1 may cover the rank in several tiles (block_r < rank) while K2 holds it whole; with

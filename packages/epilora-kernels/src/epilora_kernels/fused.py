@@ -336,7 +336,9 @@ def _epilogue_rank_chunk(cfg: LaunchConfig) -> int:
 
 def _one_slot(batch: AdapterBatch) -> bool:
     # One slot (and the entry for tokens without one): K2 compiles its one-slot epilogue
-    # (ENTRIES_BLOCK 2), which the table's one-slot entries were tuned on.
+    # (ENTRIES_BLOCK 2), which the table's one-slot entries were tuned on; K1's row tiles grow
+    # with the slots (rank 64's one-slot 4-token K1 entries made the 32-adapter layer at 4
+    # tokens 5.5 us slower as plain rank entries: results/h200/layer_32x64_k1_r64_4_plain.json).
     return batch.num_entries <= 2
 
 
@@ -525,7 +527,7 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
     _check_inputs(x, lora, batch)
     _check_weight(weight, weight_scale, lora.in_features, lora.out_features)
     op1 = "decode_shrink" if decode else "quantize_shrink" if mode == 0 else "shrink"
-    cfg1 = _config(op1, x.shape[0], lora, k1_config)
+    cfg1 = _config(op1, x.shape[0], lora, k1_config, one_slot=_one_slot(batch))
     cfg2 = _gemm_config(batch, lora, k2_config)
     y = torch.empty(x.shape[0], lora.out_features, dtype=torch.bfloat16, device=x.device)
     # The counter buffer, grown (if at all) before K1: grown between the launches, it would put

@@ -5,7 +5,8 @@ underscores, as vLLM names its tables): `{op: {"<N>x<K>": {"<tokens>": LaunchCon
 written by `benchmarks/tune.py` on the device, which tunes at rank 64; entries tuned at another
 rank sit under `"<N>x<K>@r<R>"` (R the rank tile, `rank_block`) and are preferred for adapters
 of that rank tile; entries that suit only batches of one adapter slot (K2 compiles its epilogue
-for one slot apart) under `"<N>x<K>@r<R>/one-slot"`, preferred again for such batches. The entry
+for one slot apart, K1's row tiles grow with the slots) under `"<N>x<K>@r<R>/one-slot"`,
+preferred again for such batches. The entry
 for the smallest token bucket >= the batch is used (else the largest). `validate_table` checks a
 table's schema on any machine. Ops, shapes or devices a table lacks get the heuristic.
 """
