@@ -28,7 +28,6 @@ import concurrent.futures
 import datetime
 import functools
 import hashlib
-import json
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from qwen3_8b import PROJECTIONS
 
 from epilora_kernels import fused
 from epilora_kernels.batch import AdapterBatch, LoraWeights
+from epilora_testing.results import results_text
 
 TOKENS = (1, 4, 8, 16, 32, 64, 128, 256)
 SETUPS = ((1, 16), (1, 64), (1, 128), (32, 64))  # (adapters, rank)
@@ -251,7 +251,7 @@ def write_results(args, rows) -> None:
             "triton": triton.__version__, "vllm": vllm.__version__,
             "command": _command()}
     with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        f.write(results_text(meta, rows))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ import json
 import subprocess
 import sys
 
+from epilora_testing.results import results_text
+
 
 def merge(paths: list[str], note: str | None = None) -> dict:
     runs, rows = [], []
@@ -46,4 +48,4 @@ if __name__ == "__main__":
     out, *paths = args
     merged = merge(paths, note)
     with open(out, "w") as f:
-        json.dump(merged, f, indent=1)
+        f.write(results_text(merged["meta"], merged["rows"]))

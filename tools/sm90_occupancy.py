@@ -24,7 +24,6 @@ programs need more waves.
 
 import argparse
 import functools
-import json
 import re
 import subprocess
 import sys
@@ -33,6 +32,8 @@ from pathlib import Path
 
 import torch
 import triton
+
+from epilora_testing.results import results_text
 
 ROOT = Path(__file__).parents[1]
 SMS, REGS_PER_SM, SMEM_PER_SM, MAX_BLOCKS, MAX_THREADS = 132, 65536, 228 * 1024, 32, 2048
@@ -139,9 +140,8 @@ def main() -> None:
                         rows.append(row)
                         print(" ".join(f"{key}={value}" for key, value in row.items()),
                               flush=True)
-    Path(args.out).write_text(json.dumps({"meta": {"tool": "tools/sm90_occupancy.py",
-                                                   "target": "sm_90a (H200: 132 SMs)"},
-                                          "rows": rows}, indent=1))
+    Path(args.out).write_text(results_text({"tool": "tools/sm90_occupancy.py",
+                                            "target": "sm_90a (H200: 132 SMs)"}, rows))
 
 
 if __name__ == "__main__":

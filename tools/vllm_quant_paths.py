@@ -11,7 +11,6 @@ Usage (on the GPU machine, vLLM importable):
 
 import argparse
 import datetime
-import json
 import subprocess
 
 import torch
@@ -19,6 +18,7 @@ import torch
 from epilora_testing import vllm_oracles as vllm
 from epilora_testing.assertions import bits
 from epilora_testing.corpora import special_activations
+from epilora_testing.results import results_text
 
 
 def _hex(t: torch.Tensor) -> list[str]:
@@ -188,7 +188,7 @@ def main() -> None:
         "command": f"python3 tools/vllm_quant_paths.py --out {args.out} --seeds {args.seeds}",
     }
     with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": results}, f, indent=1)
+        f.write(results_text(meta, results))
 
 
 if __name__ == "__main__":
