@@ -99,15 +99,15 @@ def main() -> None:
                 x = torch.empty(tokens, k, dtype=torch.bfloat16)
                 batch = AdapterBatch.from_token_mapping(
                     torch.arange(tokens, dtype=torch.int32) % slots, slots)
-                k1 = config("quantize_shrink", tokens, n, k, rank, slices)
-                k2 = config("lora_gemm", tokens, n, k, rank, slices,
-                            one_slot=fused._one_slot(batch))
+                one_slot = fused._one_slot(batch)  # both kernels' lookups, as fused._linear's
+                k1 = config("quantize_shrink", tokens, n, k, rank, slices, one_slot=one_slot)
+                k2 = config("lora_gemm", tokens, n, k, rank, slices, one_slot=one_slot)
                 # (path, K1, K2, the kernels reported): the launchers' choices, the decode
                 # path's at every count (beyond 32 tokens its K1 has settings of its own where a
                 # decode_shrink bucket covers the batch: launch.select_config), or candidates.
                 launches = [("fused", k1, k2, ("K1", "K2")),
-                            ("decode", config("decode_shrink", tokens, n, k, rank, slices), k2,
-                             ("K1", "K2"))]
+                            ("decode", config("decode_shrink", tokens, n, k, rank, slices,
+                                              one_slot=one_slot), k2, ("K1", "K2"))]
                 if args.candidates == "k2":
                     launches = [("fused", k1, cfg, ("K2",))
                                 for cfg in k2_candidates(tokens, slices, rank)]

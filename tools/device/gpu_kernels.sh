@@ -64,7 +64,7 @@ for step in "$@"; do
            compiled=()
            echo "epilora-kernels from $name at $sha" ;;
     tests) # In $TESTS_JOBS processes (pytest-xdist, from prepare.sh's wheels; 0: one): 84
-           # tests took 142 s in one, mostly compiling.
+           # tests took 142 s in one, mostly compiling, 44-58 s in four.
            workers=(); (( ${TESTS_JOBS:-4} > 0 )) && python3 -c "import xdist" 2>/dev/null \
              && workers=(-n "${TESTS_JOBS:-4}")
            timeout "${TESTS_TIMEOUT:-240}" python3 -m nox -s gpu-sm90 -- \
