@@ -32,9 +32,9 @@ import triton.language as tl
 from layer import (
     PROJECTIONS,
     adapter_inputs,
-    compile_in_parallel,
     make_layer,
     parse_benchmark_args,
+    prepare_run,
     run_layer,
     run_untimed,
     time_graphs,
@@ -121,13 +121,9 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=list(RANKS))
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     args = parse_benchmark_args(parser)
-    if args.jobs > 1 and not args.compile_only:
-        compile_in_parallel(__file__, [["--ranks", str(rank), "--tokens", str(tokens)]
-                                       for rank in args.ranks for tokens in args.tokens],
-                            args.jobs)
+    flush = prepare_run(args, __file__, [["--ranks", str(rank), "--tokens", str(tokens)]
+                                         for rank in args.ranks for tokens in args.tokens])
     gen = torch.Generator(device="cuda").manual_seed(0)
-    flush = None if args.compile_only else torch.empty(512 * 2**20, dtype=torch.uint8,
-                                                        device="cuda")
     rows = []
     for rank in args.ranks:
         layer = make_layer(1, rank, gen)

@@ -47,7 +47,7 @@ import statistics
 
 import torch
 from decode import adapter_case
-from layer import make_layer, run_layer, time_graph, write_results
+from layer import l2_flush_buffer, make_layer, run_layer, time_graph, write_results
 
 from epilora_kernels import fused
 
@@ -190,7 +190,7 @@ def main() -> None:
         if not (known or variant.removeprefix("decode-warm").isdigit()):
             parser.error(f"unknown variant {variant!r}")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+    flush = l2_flush_buffer()
     rows = []
     traced_tokens = args.tokens or TRACED_TOKENS
     for rank in args.ranks:

@@ -152,6 +152,22 @@ def compile_in_parallel(script: str, cases: list[list[str]], jobs: int) -> None:
             print(f"[{done}/{len(cases)}] {' '.join(case)}: {status}", flush=True)
 
 
+def l2_flush_buffer() -> torch.Tensor:
+    """What every timed replay writes first (512 MiB: many times the H200's L2)."""
+    return torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+
+
+def prepare_run(args: argparse.Namespace, script: str,
+                cases: list[list[str]]) -> torch.Tensor | None:
+    """After `parse_benchmark_args`: with --jobs, every case compiled in parallel first
+    (`compile_in_parallel`); the L2 flush buffer of a timed run (None with --compile-only)."""
+    if args.compile_only:
+        return None
+    if args.jobs > 1:
+        compile_in_parallel(script, cases, args.jobs)
+    return l2_flush_buffer()
+
+
 def parse_benchmark_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
     """The arguments, with --jobs and --compile-only as layer.py and decode.py take them
     (--out then optional)."""
@@ -185,13 +201,9 @@ def main() -> None:
     args = parse_benchmark_args(parser)
     setups = [tuple(int(v) for v in s.split("x")) for s in args.setups]
     tokens_list = args.tokens or ((1, 16, 64, 256) if args.quick else TOKENS)
-    if args.jobs > 1 and not args.compile_only:
-        compile_in_parallel(__file__, [["--setups", setup, "--tokens", str(tokens)]
-                                       for setup in args.setups for tokens in tokens_list],
-                            args.jobs)
+    flush = prepare_run(args, __file__, [["--setups", setup, "--tokens", str(tokens)]
+                                         for setup in args.setups for tokens in tokens_list])
     gen = torch.Generator(device="cuda").manual_seed(0)
-    flush = None if args.compile_only else torch.empty(512 * 2**20, dtype=torch.uint8,
-                                                        device="cuda")
     systems = ("cutlass", "epilora-gemm", "vllm-default", "epilora-fused", "epilora-decode",
                "epilora-hybrid")
     rows = []

@@ -38,7 +38,7 @@ import json
 
 import torch
 import triton
-from layer import PROJECTIONS, make_layer, time_graph, write_results
+from layer import PROJECTIONS, l2_flush_buffer, make_layer, time_graph, write_results
 
 from epilora_kernels import fused, reference
 from epilora_kernels.batch import AdapterBatch
@@ -47,7 +47,7 @@ from epilora_kernels.launch import (
     LaunchConfig,
     rank_block,
     shape_key,
-    validate_table,
+    write_table,
 )
 
 TOKENS = (1, 4, 8, 16, 32, 64, 128, 256)
@@ -232,7 +232,7 @@ def main() -> None:
     parser.add_argument("--git-sha", default=None)
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+    flush = l2_flush_buffer()
     slots = args.slots or max(4, args.adapters)
     layer = make_layer(slots, args.rank, gen)
     table = installed_table()
@@ -322,9 +322,7 @@ def main() -> None:
                                                      and args.ops == "k2-lora"))
                     table[op].setdefault(key, {})[str(tokens)] = cfg.__dict__
         run["tokens"].append(tokens)
-        validate_table(table)
-        with open(args.out_table, "w") as f:
-            json.dump(table, f, indent=1)
+        write_table(table, args.out_table)
         write_results(args, rows)
 
 

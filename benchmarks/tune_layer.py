@@ -44,11 +44,10 @@ adapters, which looks them up at rank 16), with one adapter under its one-slot k
 
 import argparse
 import functools
-import json
 import statistics
 
 import torch
-from layer import PROJECTIONS, adapter_inputs, make_layer, write_results
+from layer import PROJECTIONS, adapter_inputs, l2_flush_buffer, make_layer, write_results
 from tune import (
     RANK,
     decode_prefill_k1_candidates,
@@ -62,7 +61,7 @@ from tune import (
 )
 
 from epilora_kernels import fused
-from epilora_kernels.launch import LaunchConfig, select_config, shape_key, validate_table
+from epilora_kernels.launch import LaunchConfig, select_config, shape_key, write_table
 
 CHECK_TOLERANCE = 1e-2  # relative, against the installed settings' output
 
@@ -163,7 +162,7 @@ def main() -> None:
     parser.add_argument("--git-sha", default=None)
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+    flush = l2_flush_buffer()
     layer = make_layer(args.adapters, args.rank, gen)  # as decode.py and decode_timeline.py
     op = OPS[args.path, args.kernel]
     key_rank = entry_rank(args.rank, args.kernel == "k2")
@@ -199,9 +198,7 @@ def main() -> None:
             table[op].setdefault(shape_key(sum(slices), k, key_rank, one_slot), {})[
                 str(tokens)] = cfg.__dict__
         run["tokens"].append(tokens)
-        validate_table(table)
-        with open(args.out_table, "w") as f:
-            json.dump(table, f, indent=1)
+        write_table(table, args.out_table)
         write_results(args, rows)  # after every count: a run cut short keeps what it measured
 
 

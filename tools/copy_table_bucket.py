@@ -20,7 +20,7 @@ layer at 4 tokens 5.5 us slower). The run is recorded in the table's `_meta.runs
 import argparse
 import json
 
-from epilora_kernels.launch import OPS, shape_key, table_entry, validate_table
+from epilora_kernels.launch import OPS, shape_key, table_entry, write_table
 
 
 def copy_bucket(table: dict, ops, rank: int, from_tokens: int, to_tokens: int,
@@ -65,9 +65,7 @@ def main() -> None:
     if args.note:
         run["note"] = args.note
     table.setdefault("_meta", {}).setdefault("runs", []).append(run)
-    validate_table(table)
-    with open(args.table, "w") as f:
-        json.dump(table, f, indent=1)
+    write_table(table, args.table)
     print("\n".join(changed))
 
 

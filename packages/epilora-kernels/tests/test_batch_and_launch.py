@@ -264,3 +264,14 @@ def test_copy_table_bucket_gives_one_bucket_anothers_settings_at_one_rank_only()
         assert (table_entry(table, op, 1, 64, 32, 64, one_slot=True)
                 == table_entry(before, op, 1, 64, 32, 64, one_slot=True))
     assert copy_bucket(table, ops, 64, 8, 4, one_slot=True) == []
+
+
+def test_write_table_checks_before_it_writes(tmp_path):
+    from epilora_kernels.launch import write_table
+
+    good = {"lora_gemm": {"64x32": {"4": {"split_k": 2}}}}
+    write_table(good, tmp_path / "good.json")
+    assert json.loads((tmp_path / "good.json").read_text()) == good
+    with pytest.raises(ValueError, match="unknown op"):
+        write_table({"gemm": {}}, tmp_path / "bad.json")
+    assert not (tmp_path / "bad.json").exists()

@@ -140,6 +140,14 @@ def validate_table(table: dict) -> None:
                 LaunchConfig(**fields)  # raises on unknown or bad fields
 
 
+def write_table(table: dict, path) -> None:
+    """Check `table` (`validate_table`) and write it where a tool was told to (the tuners,
+    tools/copy_table_bucket.py), in the layout of the shipped tables."""
+    validate_table(table)
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1)
+
+
 @functools.cache
 def _load_table(device_name: str) -> dict | None:
     # Read and checked once per process: the launchers ask on every call.
