@@ -43,7 +43,7 @@ def tests(session: nox.Session) -> None:
     """CPU test suite of every package (hypothesis 'ci' profile: 200 examples per property)."""
     _sync(session, "test")
     session.run(
-        "pytest", "packages", "-m", "not gpu", "--hypothesis-profile=ci",
+        "pytest", "packages", "benchmarks/tests", "-m", "not gpu", "--hypothesis-profile=ci",
         "-p", "no:cacheprovider", "--durations=10", *session.posargs,
     )
 
@@ -76,14 +76,17 @@ def docs(session: nox.Session) -> None:
 def gpu_sm90(session: nox.Session) -> None:
     """GPU tests on an H100/H200 (sm_90), with the machine's python3; fails if a GPU test skips.
 
-    Expects our wheels and vLLM importable (tools/device/gpu_tests.sh sets that up).
+    Expects our wheels and vLLM importable (tools/device/setup.sh sets that up).
     """
     log_dir = Path(os.environ.get("OUT", ROOT / "out"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    # Every package's GPU tests unless the arguments name test paths of their own.
+    named = any(not arg.startswith("-") and (ROOT / arg.split("::")[0]).exists()
+                for arg in session.posargs)
     session.run(
-        "python3", "-m", "pytest", "packages", "-m", "gpu", "--require-gpu", "--gpu-arch=sm90",
-        "--hypothesis-profile=gpu", "-p", "no:cacheprovider", "-rA",
-        f"--junitxml={log_dir / 'gpu-sm90-junit.xml'}", *session.posargs,
+        "python3", "-m", "pytest", *([] if named else ["packages"]), "-m", "gpu",
+        "--require-gpu", "--gpu-arch=sm90", "--hypothesis-profile=gpu", "-p", "no:cacheprovider",
+        "-rA", f"--junitxml={log_dir / 'gpu-sm90-junit.xml'}", *session.posargs,
     )
 
 

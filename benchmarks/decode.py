@@ -41,7 +41,7 @@ from layer import (
     write_results,
 )
 
-from epilora_kernels import fused
+import epilora_kernels as ek
 
 TOKENS = (1, 4, 8, 16, 32)
 RANKS = (16, 64, 128)
@@ -69,19 +69,19 @@ def run_decode(system: str, xs, layer, batch, hs) -> None:
     for name, (weight, scale, lora) in layer.items():
         x = xs[name]
         if system in ("epilora-h-given", "control-empty", "control-cublas-shrink"):
-            codes, scales = fused.quantize(x)
+            codes, scales = ek.quantize(x)
             if system == "control-empty":
                 _empty_kernel[(1,)]()
             elif system == "control-cublas-shrink":
                 torch.matmul(x, lora.lora_a[0][0, 0].T)  # cuBLAS, triggers no dependents
-            fused.lora_fp8_gemm(codes, scales, weight, scale, hs[name], lora, batch,
+            ek.lora_fp8_gemm(codes, scales, weight, scale, hs[name], lora, batch,
                                 pdl=system != "epilora-h-given")
         elif system == "component-shrink":
-            fused.lora_shrink(x, lora, batch)
+            ek.lora_shrink(x, lora, batch)
         elif system == "component-gemm":
-            fused.fp8_gemm_from_bf16(x, weight, scale)
+            ek.fp8_gemm_from_bf16(x, weight, scale)
         else:
-            fused.decode_lora_fp8_linear(x, weight, scale, lora, batch,
+            ek.decode_lora_fp8_linear(x, weight, scale, lora, batch,
                                          pdl=system == "epilora-decode")
 
 
@@ -109,7 +109,7 @@ def adapter_case(tokens: int, rank: int, layer: dict, gen: torch.Generator, adap
     """`layer.adapter_inputs` (here: all tokens on slot 0) and the activations' h (our shrink):
     the batch, activations, h and zeroed buffers for vLLM's shrink."""
     batch, xs, bufs = adapter_inputs(tokens, rank, adapters, gen)
-    hs = {name: fused.lora_shrink(xs[name], lora, batch) for name, (_, _, lora) in layer.items()}
+    hs = {name: ek.lora_shrink(xs[name], lora, batch) for name, (_, _, lora) in layer.items()}
     return batch, xs, hs, bufs
 
 

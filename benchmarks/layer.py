@@ -1,22 +1,30 @@
-"""Layer benchmark: one Qwen3-8B decoder layer's four FP8 projections, with LoRA adapters.
+"""Layer benchmark: one decoder layer's four FP8 projections, with LoRA adapters, per model.
 
 Systems, side by side in one run on one GPU (names as in DESIGN.md section 6):
 
 * `cutlass`: vLLM's per-token activation quant (CUDA kernel) + `cutlass_scaled_mm`, no adapter;
 * `epilora-gemm`: our quantizer + our FP8 GEMM (K2 without adapter), against `cutlass`;
 * `vllm-default`: the same + vLLM's Punica `lora_shrink` / `lora_expand` at their defaults;
+* `epilora`: `epilora_kernels.lora_linear`, the dispatcher, with the shipped launch table;
+* `epilora-heuristic`: the dispatcher with every launch setting from the heuristic
+  (EPILORA_LAUNCH_TABLES=0: no table);
 * `epilora-fused`: our K1 (quant + shrink) + K2 (FP8 GEMM with the up-projection in its epilogue);
 * `epilora-decode`: the decode path (K1, then K2 as its PDL dependent, overlapping the shrink);
 * `epilora-hybrid`: vLLM's quant + CUTLASS, then our shrink and expand.
 
-Each system's whole layer (qkv 4096->6144, o 4096->4096, gate_up 4096->24576, down 12288->4096)
-is captured in one CUDA graph; the graphs of a case (token count and setup) are replayed in
-turns, `--reps` rounds, so that drift reaches every system alike; before every replay a 512 MiB
-buffer is written to flush the L2; the replay is timed with CUDA events; each system's median
-is reported (`layer_us`).
-Weights are random FP8 with per-tensor scales; adapters random bf16.
+Models (`--models`, benchmarks/models.py): qwen3-8b (the default), llama3.1-8b, qwen2.5-7b.
+Each system's whole layer (qkv, o, gate_up, down) is captured in one CUDA graph; the graphs of
+a case (model, token count and setup) are replayed in turns, `--reps` rounds, so that drift
+reaches every system alike; before every replay a 512 MiB buffer is written to flush the L2;
+the replay is timed with CUDA events; each system's median is reported (`layer_us`).
+Weights are random FP8 with per-tensor scales; adapters random bf16; the tokens round robin
+over the adapters.
 
     python3 benchmarks/layer.py --out benchmarks/results/h200/layer.json [--quick]
+    python3 benchmarks/layer.py --models qwen3-8b llama3.1-8b qwen2.5-7b \
+        --systems cutlass vllm-default epilora epilora-heuristic \
+        --setups 1x16 1x64 1x128 8x16 32x64 --tokens 1 4 8 16 32 64 256 512 2048 4096 \
+        --out benchmarks/results/h200/layer_models.json
 
 `--jobs N` first runs every case once, untimed, in N processes at a time (`--compile-only`),
 which fill Triton's on-disk cache: on a machine whose cache is empty the run otherwise compiles
@@ -28,6 +36,7 @@ import concurrent.futures
 import datetime
 import functools
 import hashlib
+import os
 import statistics
 import subprocess
 import sys
@@ -35,19 +44,24 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-from qwen3_8b import PROJECTIONS
+from models import MODELS, PROJECTIONS
 
-from epilora_kernels import fused
+import epilora_kernels as ek
 from epilora_kernels.batch import AdapterBatch, LoraWeights
 from epilora_testing.results import results_text
 
 TOKENS = (1, 4, 8, 16, 32, 64, 128, 256)
 SETUPS = ((1, 16), (1, 64), (1, 128), (32, 64))  # (adapters, rank)
+SYSTEMS = ("cutlass", "epilora-gemm", "vllm-default", "epilora-fused", "epilora-decode",
+           "epilora-hybrid")
+ALL_SYSTEMS = (*SYSTEMS, "epilora", "epilora-heuristic")
+NO_ADAPTER = ("cutlass", "epilora-gemm")  # timed once per model and token count
 
 
-def make_layer(num_adapters: int, rank: int, gen: torch.Generator):
+def make_layer(num_adapters: int, rank: int, gen: torch.Generator,
+               projections: dict = PROJECTIONS):
     layer = {}
-    for name, (k, slices) in PROJECTIONS.items():
+    for name, (k, slices) in projections.items():
         n = sum(slices)
         w = torch.randn(n, k, generator=gen, device="cuda") * 0.02
         scale = (w.abs().amax() / 448.0).reshape(1).float()
@@ -60,15 +74,16 @@ def make_layer(num_adapters: int, rank: int, gen: torch.Generator):
     return layer
 
 
-def adapter_inputs(tokens: int, rank: int, adapters: int, gen: torch.Generator):
+def adapter_inputs(tokens: int, rank: int, adapters: int, gen: torch.Generator,
+                   projections: dict = PROJECTIONS):
     """The tokens round robin over `adapters` slots: the batch, the activations per projection
     and zeroed buffers for vLLM's shrink."""
     mapping = torch.arange(tokens, device="cuda", dtype=torch.int32) % adapters
     batch = AdapterBatch.from_token_mapping(mapping, adapters)
     xs = {name: torch.randn(tokens, k, generator=gen, device="cuda").to(torch.bfloat16)
-          for name, (k, _) in PROJECTIONS.items()}
+          for name, (k, _) in projections.items()}
     bufs = {name: torch.zeros(len(s), tokens, rank, device="cuda")
-            for name, (_, s) in PROJECTIONS.items()}
+            for name, (_, s) in projections.items()}
     return batch, xs, bufs
 
 
@@ -78,14 +93,24 @@ def run_layer(system: str, xs: dict, layer: dict, batch: AdapterBatch, meta: tup
 
     for name, (weight, scale, lora) in layer.items():
         x = xs[name]
+        if system == "epilora":
+            ek.lora_linear(x, weight, scale, lora, batch)
+            continue
+        if system == "epilora-heuristic":  # the same with no launch table
+            os.environ["EPILORA_LAUNCH_TABLES"] = "0"
+            try:
+                ek.lora_linear(x, weight, scale, lora, batch)
+            finally:
+                del os.environ["EPILORA_LAUNCH_TABLES"]
+            continue
         if system == "epilora-fused":
-            fused.fused_lora_fp8_linear(x, weight, scale, lora, batch)
+            ek.fused_lora_fp8_linear(x, weight, scale, lora, batch)
             continue
         if system == "epilora-decode":
-            fused.decode_lora_fp8_linear(x, weight, scale, lora, batch)
+            ek.decode_lora_fp8_linear(x, weight, scale, lora, batch)
             continue
         if system == "epilora-gemm":  # our FP8 GEMM alone (quantizing in-kernel), no adapter
-            fused.fp8_gemm_from_bf16(x, weight, scale)
+            ek.fp8_gemm_from_bf16(x, weight, scale)
             continue
         codes, x_scale = ops.scaled_fp8_quant(x, None, use_per_token_if_dynamic=True)
         y = ops.cutlass_scaled_mm(codes, weight.t(), x_scale, scale, torch.bfloat16)
@@ -93,7 +118,7 @@ def run_layer(system: str, xs: dict, layer: dict, batch: AdapterBatch, meta: tup
             lora_shrink(x, list(lora.lora_a), bufs[name], *meta, 1.0)
             lora_expand(bufs[name], list(lora.lora_b), y, *meta, offset_start=0, add_inputs=True)
         elif system == "epilora-hybrid":
-            fused.lora_expand(y, fused.lora_shrink(x, lora, batch), lora, batch)
+            ek.lora_expand(y, ek.lora_shrink(x, lora, batch), lora, batch)
 
 
 def time_graphs(fns: dict, reps: int, flush: torch.Tensor) -> dict:
@@ -197,38 +222,44 @@ def main() -> None:
     parser.add_argument("--setups", nargs="+", default=[f"{a}x{r}" for a, r in SETUPS],
                         help="ADAPTERSxRANK, e.g. 32x64 (the no-adapter systems run with the "
                              "first)")
+    parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=["qwen3-8b"])
+    parser.add_argument("--systems", nargs="+", choices=ALL_SYSTEMS, default=list(SYSTEMS))
     parser.add_argument("--git-sha", default=None)
     args = parse_benchmark_args(parser)
     setups = [tuple(int(v) for v in s.split("x")) for s in args.setups]
     tokens_list = args.tokens or ((1, 16, 64, 256) if args.quick else TOKENS)
-    flush = prepare_run(args, __file__, [["--setups", setup, "--tokens", str(tokens)]
-                                         for setup in args.setups for tokens in tokens_list])
+    flush = prepare_run(args, __file__, [
+        ["--models", model, "--setups", setup, "--tokens", str(tokens), "--systems",
+         *args.systems] for model in args.models for setup in args.setups
+        for tokens in tokens_list])
     gen = torch.Generator(device="cuda").manual_seed(0)
-    systems = ("cutlass", "epilora-gemm", "vllm-default", "epilora-fused", "epilora-decode",
-               "epilora-hybrid")
     rows = []
-    for num_adapters, rank in setups:
-        layer = make_layer(num_adapters, rank, gen)
-        for tokens in tokens_list:
-            batch, xs, bufs = adapter_inputs(tokens, rank, num_adapters, gen)
-            meta = batch.vllm_meta_args()
-            # The no-adapter GEMMs do not depend on the adapters: with the first setup only.
-            runs = {system: functools.partial(run_layer, system, xs, layer, batch, meta, bufs)
-                    for system in systems
-                    if system not in ("cutlass", "epilora-gemm")
-                    or (num_adapters, rank) == setups[0]}
-            if args.compile_only:
-                run_untimed(runs)
-                continue
-            for system, us in time_graphs(runs, args.reps, flush).items():
-                rows.append({"bench": "layer", "model": "qwen3-8b", "base": "fp8",
-                             "system": system, "tokens": tokens, "rank": rank,
-                             "adapters": 0 if system in ("cutlass", "epilora-gemm")
-                             else num_adapters,
-                             "metric": "layer_us", "value": round(us, 2), "n": args.reps})
-                print(f"{system:15s} adapters={num_adapters:2d} rank={rank:3d} "
-                      f"tokens={tokens:3d} {us:8.1f} us", flush=True)
-            write_results(args, rows)  # after every count: a run cut short keeps what it measured
+    for model in args.models:
+        projections = MODELS[model]
+        for num_adapters, rank in setups:
+            layer = make_layer(num_adapters, rank, gen, projections)
+            for tokens in tokens_list:
+                batch, xs, bufs = adapter_inputs(tokens, rank, num_adapters, gen, projections)
+                meta = batch.vllm_meta_args()
+                # The no-adapter GEMMs do not depend on the adapters: with the first setup only.
+                runs = {system: functools.partial(run_layer, system, xs, layer, batch, meta,
+                                                  bufs)
+                        for system in args.systems
+                        if system not in NO_ADAPTER or (num_adapters, rank) == setups[0]}
+                if args.compile_only:
+                    run_untimed(runs)
+                    continue
+                for system, us in time_graphs(runs, args.reps, flush).items():
+                    no_adapter = system in NO_ADAPTER
+                    rows.append({"bench": "layer", "model": model, "base": "fp8",
+                                 "system": system, "tokens": tokens, "rank": rank,
+                                 "adapters": 0 if no_adapter else num_adapters,
+                                 "metric": "layer_us", "value": round(us, 2), "n": args.reps})
+                    print(f"{model:12s} {system:17s} adapters={num_adapters:2d} "
+                          f"rank={rank:3d} tokens={tokens:4d} {us:8.1f} us", flush=True)
+                write_results(args, rows)  # after every case: a run cut short keeps its rows
+            del layer
+            torch.cuda.empty_cache()
 
 
 def _command() -> str:

@@ -40,7 +40,8 @@ import torch
 import triton
 from layer import PROJECTIONS, l2_flush_buffer, make_layer, time_graph, write_results
 
-from epilora_kernels import fused, reference
+import epilora_kernels as ek
+from epilora_kernels import reference
 from epilora_kernels.batch import AdapterBatch
 from epilora_kernels.launch import (
     DECODE_SHRINK_MAX_TOKENS,
@@ -90,7 +91,7 @@ def k1_candidates(tokens: int, rank: int = RANK, k: int = 4096, depths: tuple[in
     # K1's K loop is latency-bound: the sweeps so far (tune.json at 1-32 tokens,
     # tune_k1_64_256.json beyond) favoured the most splits offered everywhere, so deeper splits,
     # deeper K steps and more stages are in. With 8 warps K1's quantizing programs read a row of
-    # up to 16384 features once (fused._quant_block): untried on a GPU. Beyond 32 tokens rank
+    # up to 16384 features once (_tiling.quant_block): untried on a GPU. Beyond 32 tokens rank
     # tiles wider than 32 are offered too (untried: at rank 128 a 32-wide tile makes four
     # programs re-read each x tile, decode_timeline_prefill_r128.json).
     # At rank 128 the decode path's K1 also gets 64-wide rank tiles and two-way splits (fewer
@@ -166,11 +167,11 @@ TUNED_OPS = {"all": ("lora_gemm", *K1_OPS), "k1": K1_OPS, "decode": ("decode_shr
 def _k1_pair(op, x, weight, scale, lora, batch, k1_cfg, k2_cfg, base_out):
     if op == "shrink":  # the hybrid path after vLLM's GEMM (`base_out`, added to in place)
         def pair():
-            h = fused.lora_shrink(x, lora, batch, config=k1_cfg)
-            return fused.lora_expand(base_out, h, lora, batch, config=k2_cfg)
+            h = ek.lora_shrink(x, lora, batch, config=k1_cfg)
+            return ek.lora_expand(base_out, h, lora, batch, config=k2_cfg)
         return pair
-    linear = (fused.decode_lora_fp8_linear if op == "decode_shrink"
-              else fused.fused_lora_fp8_linear)
+    linear = (ek.decode_lora_fp8_linear if op == "decode_shrink"
+              else ek.fused_lora_fp8_linear)
     return functools.partial(linear, x, weight, scale, lora, batch, k1_config=k1_cfg,
                              k2_config=k2_cfg)
 
@@ -274,22 +275,22 @@ def main() -> None:
                 want = reference.fused_lora_fp8_linear(x, weight, scale, lora, batch)
             tuned = TUNED_OPS[args.ops]
             for cfg in k2_candidates(tokens, slices, args.rank) if "lora_gemm" in tuned else ():
-                gemm = (functools.partial(fused.fused_lora_fp8_linear, x, weight, scale, lora,
+                gemm = (functools.partial(ek.fused_lora_fp8_linear, x, weight, scale, lora,
                                           batch, k2_config=cfg) if args.ops == "k2-lora" else
-                        functools.partial(fused.fp8_gemm, codes, scales, weight, scale,
+                        functools.partial(ek.fp8_gemm, codes, scales, weight, scale,
                                           config=cfg))
                 ok, us = timed(gemm, args.reps, flush,
                                lambda gemm=gemm, want=want: rel(gemm(), want) < 1e-2)
                 row("lora_gemm", name, tokens, us, cfg, ok=ok,
                     **({"timed": "with K1 and the epilogue"} if args.ops == "k2-lora" else {}))
                 best2 = min(best2, (us, cfg), key=lambda b: b[0])
-            our_quant = timed(functools.partial(fused.quantize, x), args.reps, flush)[1]
+            our_quant = timed(functools.partial(ek.quantize, x), args.reps, flush)[1]
             row("epilora-quant", name, tokens, our_quant)
             # K1's checks: codes bit for bit our quantizer's (tested against vLLM's), h against
             # torch's fp32 within accumulation error over K (the first sweeps compared
             # candidates with each other at 1e-5, which split-K orderings at K = 12288 exceed
             # on tensor cores: every split candidate of the down projection was rejected).
-            want_codes, _ = fused.quantize(x)
+            want_codes, _ = ek.quantize(x)
             want_h = reference.lora_shrink(x, lora, batch)  # fp32 matmuls (no TF32)
             best1 = {}
             # (decode_shrink, the decode path's, only up to DECODE_SHRINK_MAX_TOKENS)
@@ -300,7 +301,7 @@ def main() -> None:
                     pair = _k1_pair(op, x, weight, scale, lora, batch, cfg, best2[1],
                                     want.clone())
 
-                    k1 = functools.partial(fused.quantize_and_shrink, x, lora, batch,
+                    k1 = functools.partial(ek.quantize_and_shrink, x, lora, batch,
                                            config=cfg)
 
                     def same(k1=k1, want_codes=want_codes, want_h=want_h):

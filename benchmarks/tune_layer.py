@@ -60,8 +60,14 @@ from tune import (
     timing_row,
 )
 
-from epilora_kernels import fused
-from epilora_kernels.launch import LaunchConfig, select_config, shape_key, write_table
+import epilora_kernels as ek
+from epilora_kernels.launch import (
+    DECODE_SHRINK_MAX_TOKENS,
+    LaunchConfig,
+    select_config,
+    shape_key,
+    write_table,
+)
 
 CHECK_TOLERANCE = 1e-2  # relative, against the installed settings' output
 
@@ -70,7 +76,7 @@ CHECK_TOLERANCE = 1e-2  # relative, against the installed settings' output
 KERNELS = {"k1": "k1_config", "k2": "k2_config"}
 OPS = {("decode", "k1"): "decode_shrink", ("decode", "k2"): "lora_gemm",
        ("fused", "k1"): "quantize_shrink", ("fused", "k2"): "lora_gemm"}
-LINEAR = {"decode": fused.decode_lora_fp8_linear, "fused": fused.fused_lora_fp8_linear}
+LINEAR = {"decode": ek.decode_lora_fp8_linear, "fused": ek.fused_lora_fp8_linear}
 
 
 def path_layer(xs: dict, layer: dict, batch, path: str, kernel: str, configs: dict) -> dict:
@@ -86,7 +92,7 @@ def candidates(path: str, kernel: str, tokens: int, rank: int, name: str,
     k, slices = PROJECTIONS[name]
     if kernel == "k2":
         return k2_candidates(tokens, slices, rank)
-    if tokens <= fused.DECODE_SHRINK_MAX_TOKENS:
+    if tokens <= DECODE_SHRINK_MAX_TOKENS:
         return k1_candidates(tokens, rank, k, k1_stages)
     few = decode_prefill_k1_candidates(rank, k)
     if path == "decode":
@@ -186,7 +192,7 @@ def main() -> None:
 
     for tokens in args.tokens:
         chosen = tune_tokens(tokens, layer, args, gen, flush, row)
-        if op == "decode_shrink" and tokens > fused.DECODE_SHRINK_MAX_TOKENS:
+        if op == "decode_shrink" and tokens > DECODE_SHRINK_MAX_TOKENS:
             # A decode_shrink bucket beyond 32 tokens serves every batch down to the next
             # bucket, so it holds every projection's settings: the installed ones (the fused
             # path's) where nothing beat them.

@@ -19,7 +19,7 @@ COLUMNS = ("cutlass", "vllm-default", "vllm-dual-stream", "epilora-serialized", 
            "control-empty", "control-cublas-shrink", "epilora-h-given", "component-shrink",
            "component-gemm", "model-decode")
 # The benchmarks' layer shapes, for the adapter's bytes against the weights'.
-MODEL = runpy.run_path(str(ROOT / "benchmarks/qwen3_8b.py"))
+MODEL = runpy.run_path(str(ROOT / "benchmarks/models.py"))
 TARGET = {16: 0.10, 64: 0.05, 128: 0.10}  # the decode issue: added time / CUTLASS alone
 TARGET_TOKENS = (1, 4, 8, 16)  # ... at these token counts
 # Where rank 128's time went at 4/8/16 tokens (its own commit, printed on the page).
@@ -54,7 +54,7 @@ def main() -> None:
         "component-shrink - component-gemm)); *PDL gain* = epilora-serialized - "
         "epilora-decode; *bytes floor* = component-gemm x (1 + the adapter's bytes / the "
         "weights' bytes): the layer if the adapter cost no more than reading its bf16 A and B "
-        "at the rate our GEMM reads the FP8 weights (`benchmarks/qwen3_8b.py`), and *floor "
+        "at the rate our GEMM reads the FP8 weights (`benchmarks/models.py`), and *floor "
         "added* its added time over cutlass, the least the target can be met with.", ""]
     for rank in sorted({rank for rank, _ in cells}):
         lines += [f"## rank {rank} (target: added at most {TARGET.get(rank, 0.1):.0%})", "",
@@ -131,7 +131,7 @@ def _repeat_lines(meta: dict) -> list[str]:
 
 
 def _timeline_lines() -> list[str]:
-    """Where the time goes, from the kernels' own clocks (benchmarks/decode_timeline.py)."""
+    """Where the time goes, from the kernels' own clocks (dev/decode_timeline.py)."""
     if not TIMELINE.exists():
         return []
     data = json.loads(TIMELINE.read_text())

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for epilora-kernels on the H200, into $OUT: the steps named as arguments, in
 # order, each under its own timeout (seconds, from the environment):
-#   tests   the kernel GPU tests (nox -s gpu-sm90 -- -k "fused_gpu or decode_gpu"), in
+#   tests   the kernel GPU tests (nox -s gpu-sm90 -- packages/epilora-kernels), in
 #           $TESTS_JOBS (4) processes                                             TESTS_TIMEOUT
 #   tune    benchmarks/tune.py $TUNE_ARGS -> $OUT/NVIDIA_H200.json, which the later steps of the
 #           call then use (installed into the package); copy it to epilora_kernels/configs/ to
@@ -10,11 +10,13 @@
 #           --kernel k2, or the fused path's K1 with --path fused, by the layer's time)
 #           -> $OUT/NVIDIA_H200.json, used by the later steps as tune's          TUNE_TIMEOUT
 #   layer   benchmarks/layer.py $LAYER_ARGS -> $OUT/layer.json                     LAYER_TIMEOUT
+#   models  benchmarks/layer.py over the three models' shapes (MODELS_ARGS: the default is the
+#           issue's grid of setups, tokens and systems) -> $OUT/layer_models.json LAYER_TIMEOUT
 #   decode  benchmarks/decode.py -> $OUT/decode.json                               DECODE_TIMEOUT
 #           (both, the first time in the call or after a use: step, with --jobs $COMPILE_JOBS,
 #           15: their cases compiled in parallel first, where a cold decode page compiling one
 #           kernel at a time ran past 230 s; later runs find the kernels in Triton's cache)
-#   timeline benchmarks/decode_timeline.py $TIMELINE_ARGS -> $OUT/decode_timeline.json
+#   timeline dev/decode_timeline.py $TIMELINE_ARGS -> $OUT/decode_timeline.json
 #                                                                            TIMELINE_TIMEOUT
 #   use:NAME the later steps run epilora-kernels as built from git ref NAME (a wheel that
 #           `VARIANTS="NAME ..." tools/device/prepare.sh` put in .device/variants/) and write
@@ -68,7 +70,7 @@ for step in "$@"; do
            workers=(); (( ${TESTS_JOBS:-4} > 0 )) && python3 -c "import xdist" 2>/dev/null \
              && workers=(-n "${TESTS_JOBS:-4}")
            timeout "${TESTS_TIMEOUT:-240}" python3 -m nox -s gpu-sm90 -- \
-             -k "fused_gpu or decode_gpu" "${workers[@]}" \
+             packages/epilora-kernels "${workers[@]}" \
              --junitxml="$OUT/gpu-sm90-kernels-junit.xml" 2>&1 | tee "$OUT/gpu-sm90-kernels.log" ;;
     tune) compiled=(); tune tune ${TUNE_ARGS:-} ;;
     tune-layer) compiled=(); tune tune_layer ${TUNE_LAYER_ARGS:-} ;;
@@ -76,11 +78,19 @@ for step in "$@"; do
            timeout "${LAYER_TIMEOUT:-300}" python3 benchmarks/layer.py --out "$OUT/layer.json" \
              --git-sha "$sha" --jobs "$jobs" ${LAYER_ARGS:-} 2>&1 \
              | tee "$OUT/layer.log" ;;
+    models) jobs_for layer
+            timeout "${LAYER_TIMEOUT:-300}" python3 benchmarks/layer.py \
+              --out "$OUT/layer_models.json" --git-sha "$sha" --jobs "$jobs" \
+              ${MODELS_ARGS:---models qwen3-8b llama3.1-8b qwen2.5-7b \
+                --systems cutlass vllm-default epilora epilora-heuristic \
+                --setups 1x16 1x64 1x128 8x16 32x64 \
+                --tokens 1 4 8 16 32 64 256 512 2048 4096} 2>&1 \
+              | tee "$OUT/layer_models.log" ;;
     decode) jobs_for decode
             timeout "${DECODE_TIMEOUT:-360}" python3 benchmarks/decode.py \
               --out "$OUT/decode.json" --git-sha "$sha" --jobs "$jobs" 2>&1 \
               | tee "$OUT/decode.log" ;;
-    timeline) timeout "${TIMELINE_TIMEOUT:-240}" python3 benchmarks/decode_timeline.py \
+    timeline) timeout "${TIMELINE_TIMEOUT:-240}" python3 dev/decode_timeline.py \
                 --out "$OUT/decode_timeline.json" --git-sha "$sha" ${TIMELINE_ARGS:-} 2>&1 \
                 | tee "$OUT/decode_timeline.log" ;;
     env:*) export "${step#env:}"; mkdir -p "$OUT"; echo "$step"; continue ;;

@@ -12,7 +12,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from epilora_kernels import _fused_kernels, fused
+from epilora_kernels import _fused_kernels, dispatch, fused
+from epilora_kernels.arch import DeviceSupport
 from epilora_kernels.launch import LaunchConfig
 
 from kernel_cases import make_problem
@@ -23,8 +24,14 @@ DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
 OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 
 
+# The device the launchers are told they run on: sm_90 with PDL and TMA, no launch table of its
+# own (its architecture's, the H200's, where it has the shape).
+SM90 = DeviceSupport("aot-sm90", (9, 0), fp8_mma=True, pdl=True, tma=True, interpreter=False)
+
+
 def record_launches(launch, grids: list | None = None) -> list[tuple]:
-    """(kernel, args, kwargs) of every launch `launch()` makes; their grids go to `grids`."""
+    """(kernel, args, kwargs) of every launch `launch()` makes, the launchers told the CPU
+    tensors are on an sm_90 device; their grids go to `grids`."""
     calls = []
     kernels = (_fused_kernels._quantize_shrink_kernel, _fused_kernels._lora_gemm_kernel)
     for kernel in kernels:
@@ -34,9 +41,12 @@ def record_launches(launch, grids: list | None = None) -> list[tuple]:
                 grids.append(tuple(grid))
 
         kernel.run = recorder
+    supports = fused.device_support, dispatch.device_support
+    fused.device_support = dispatch.device_support = lambda device=None: SM90
     try:
         launch()
     finally:
+        fused.device_support, dispatch.device_support = supports
         for kernel in kernels:
             del kernel.run  # back to the class's method
     return calls
@@ -52,13 +62,19 @@ def compile_launch_full(kernel, args, kwargs):
     integers that are multiples of 16 are marked so, as Triton's launcher specializes them at
     run time: without it the K loops' loads cannot become asynchronous copies and the PTX is
     not the GPU's."""
-    constexprs = {k: v for k, v in kwargs.items() if k not in OPTIONS}
+    values = dict(zip(kernel.arg_names, args, strict=False))
+    values.update({k: v for k, v in kwargs.items() if k not in OPTIONS})
+    constexprs = {p.name: values[p.name] for p in kernel.params
+                  if p.is_constexpr and p.name in values}
     for param in kernel.params:  # the launch left them at their defaults, as Triton would
         if param.is_constexpr and param.has_default and param.name not in constexprs:
             constexprs[param.name] = param.default
     options = {k: v for k, v in kwargs.items() if k in OPTIONS and k != "launch_pdl"}
     signature, attrs = {}, {}
-    for index, (name, value) in enumerate(zip(kernel.arg_names, args, strict=False)):
+    for index, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            continue
+        value = values[name]
         if isinstance(value, TensorDescriptor):  # a host TMA descriptor: no alignment mark
             block = ",".join(str(size) for size in value.block_shape)
             signature[name] = f"tensordesc<{DTYPES[value.base.dtype]}[{block}]>"
@@ -91,7 +107,7 @@ def main() -> None:
         "decode": lambda: fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch),
         "decode_split_k": lambda: fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch,
                                                                k2_config=split),
-        # benchmarks/decode_timeline.py's launches: clocks in both kernels, K2 warming L2
+        # dev/decode_timeline.py's launches: clocks in both kernels, K2 warming L2
         "decode_traced": lambda: fused._linear(
             0, x, weight, w_scale, lora, batch, None, None, decode=True, pdl=True, warm_l2=512,
             traces=(torch.zeros(256, 8, dtype=torch.int64),

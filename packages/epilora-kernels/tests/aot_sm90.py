@@ -15,7 +15,8 @@ from kernel_cases import make_problem
 
 PATTERN = (r"(div\.[a-z.0-9]+|rcp\.[a-z.0-9]+|cvt\.rn\.satfinite\.e4m3x2\.f32|mma\.sync|wgmma"
            r"|griddepcontrol\.[a-z_]+|atom\.[a-z_.0-9]+|ld\.global\.gpu\.acquire"
-           r"|prefetch\.global\.L2|%globaltimer|cp\.async\.c[ag]\.shared\.global)")
+           r"|prefetch\.global\.L2|%globaltimer|cp\.async\.c[ag]\.shared\.global"
+           r"|fence\.proxy\.async\.global)")
 K1 = LaunchConfig(block_m=16, block_k=128, block_r=64, split_k=8, num_stages=2)
 K2 = LaunchConfig(block_m=16, block_n=32, block_k=256, block_r=64, num_stages=4)
 K2_SPLIT = LaunchConfig(block_m=16, block_n=32, block_k=256, block_r=64, split_k=4,
@@ -70,6 +71,20 @@ def main() -> None:
         and k2_split[:split_wait].count("atom.") == k2_pdl[:wait].count("atom."))
     out["k2_pdl_split_k_no_store_before_wait"] = (
         split_wait > 0 and "st.global" not in k2_split[:split_wait])
+    # Beyond 32 tokens with 64-row K2 tiles the decode path's K2 reads K1's codes by TMA (the
+    # async proxy) after acquiring their count, which orders generic accesses only: K1 fences
+    # its codes before the release, K2 after the acquire and before its first TMA load.
+    big = make_problem(0, 70, 256, (64, 32, 32), 64, 4, "mixed_with_base")
+    k2_tma = LaunchConfig(block_m=64, block_n=32, block_k=64, block_r=64, num_stages=3)
+    k1_sorted, k2_sorted = ptx_of(lambda: fused.decode_lora_fp8_linear(
+        *big, k1_config=K1, k2_config=k2_tma))
+    fence = "fence.proxy.async.global"
+    out["k1_fence_before_release"] = 0 <= k1_sorted.find(fence) < k1_sorted.find(
+        "atom.global.gpu.release")
+    acquire = k2_sorted.find("ld.global.gpu.acquire")
+    out["k2_fence_after_acquire_before_tma"] = 0 <= acquire < k2_sorted.find(fence) < \
+        k2_sorted.find("cp.async.bulk.tensor")
+    out["no_fence_without_tma"] = fence not in k1_pdl and fence not in k2_pdl
     print(json.dumps(out))
 
 

@@ -59,3 +59,50 @@ def fp64_reference(x, weight, w_scale, codes, scales, lora, batch, *, w8a16=Fals
 
 def relative_error(got, want):
     return float((got.double() - want.double()).norm() / want.double().norm().clamp(min=1e-30))
+
+
+def make_integer_problem(seed, t, k, output_slices, rank, max_loras, mapping, device="cpu"):
+    """Operands with small integer values, so that every fp32 sum K2 forms is exact and every
+    output is an integer below 256 (exact in bf16): K2 must then equal its torch reference bit
+    for bit, whatever its tiles, split-K or summation order. Codes, weight, x and B in [-2, 2];
+    h in [-2, 2] with every adapter token's h nonzero in each slice; scales 1 and a power of
+    two. Returns (x, codes, scales, weight, w_scale, h, lora, batch)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(output_slices)
+
+    def ints(*shape, low=-2, high=3):
+        return torch.randint(low, high, shape, generator=gen).float()
+
+    x = ints(t, k).to(torch.bfloat16)
+    codes = ints(t, k).to(torch.float8_e4m3fn)
+    scales = torch.ones(t, 1)
+    weight = ints(n, k).to(torch.float8_e4m3fn)
+    w_scale = torch.tensor([0.5])
+    lora_a = tuple(ints(max_loras, 1, rank, k).to(torch.bfloat16).to(device)
+                   for _ in output_slices)
+    lora_b = tuple(ints(max_loras, 1, width, rank, low=1).to(torch.bfloat16).to(device)
+                   for width in output_slices)
+    lora = LoraWeights(lora_a, lora_b, tuple(output_slices))
+    batch = AdapterBatch.from_token_mapping(
+        torch.tensor(MAPPINGS[mapping](t, max_loras), dtype=torch.int32, device=device), max_loras)
+    h = torch.zeros(1, len(output_slices), t, rank)
+    active = batch.token_lora_mapping.cpu() >= 0
+    h[0, :, active] = ints(len(output_slices), int(active.sum()), rank, low=1)
+    return (x.to(device), codes.to(device), scales.to(device), weight.to(device),
+            w_scale.to(device), h.to(device), lora, batch)
+
+
+def exact_lora_delta(h, lora, batch):
+    """fp64 `[T, N]`: each token's h B_slot^T, zero for tokens without an adapter."""
+    t = h.shape[2]
+    delta = torch.zeros(t, lora.out_features, dtype=torch.float64)
+    mapping = batch.token_lora_mapping.cpu().long()
+    begin = 0
+    for s, width in enumerate(lora.output_slices):
+        b = lora.lora_b[s].cpu().double()
+        for tok in range(t):
+            slot = int(mapping[tok])
+            if slot >= 0:
+                delta[tok, begin:begin + width] = h[0, s, tok].cpu().double() @ b[slot, 0].T
+        begin += width
+    return delta

@@ -37,8 +37,16 @@ def test_launch_config_validation_and_heuristic():
         LaunchConfig(block_m=24)
     for tokens in (1, 8, 32, 64, 256):
         for rank in (1, 16, 64, 128):
-            heuristic_config("lora_gemm", tokens, 6144, 4096, rank)
-            heuristic_config("quantize_shrink", tokens, 6144, 4096, rank)
+            for slices in ((6144,), (4096, 1024, 1024), (4096, 1040, 1040), (96, 48)):
+                k2 = heuristic_config("lora_gemm", tokens, sum(slices), 4096, rank, slices)
+                # K2 holds the whole rank in its epilogue and never straddles two slices
+                assert k2.block_r >= rank and k2.split_k == 1, (tokens, rank, k2)
+                assert all(width % k2.block_n == 0 for width in slices[:-1]), (slices, k2)
+                k1 = heuristic_config("quantize_shrink", tokens, sum(slices), 4096, rank)
+                # the split K loop covers K in whole BLOCK_K steps of at least 256 each
+                assert k1.split_k * k1.block_k <= 4096 and 4096 // k1.split_k >= 256, k1
+    with pytest.raises(ValueError, match="unknown op"):
+        heuristic_config("gemm", 1, 64, 64, 16)
 
 
 def test_table_schema_is_checked():
@@ -122,7 +130,8 @@ def test_entries_tuned_at_a_rank_are_preferred_for_that_rank_tile(tmp_path, monk
 
 
 def test_one_slot_entries_serve_only_batches_of_one_slot(tmp_path, monkeypatch):
-    from epilora_kernels import fused, launch
+    from epilora_kernels import _tiling, launch
+    from epilora_kernels.arch import DeviceSupport
 
     table = {"lora_gemm": {"64x32": {"16": {"block_n": 16}, "32": {"block_n": 16}},
                            "64x32@r64": {"32": {"block_n": 32}},
@@ -141,16 +150,14 @@ def test_one_slot_entries_serve_only_batches_of_one_slot(tmp_path, monkeypatch):
     assert launch.select_config("Test GPU", "lora_gemm", 16, 64, 32, 16, one_slot=True).block_n \
         == 16
     # K2's launchers ask for them by the batch's entries (its slots and the no-adapter entry)
-    monkeypatch.setattr(fused.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(fused.torch.cuda, "get_device_name", lambda: "Test GPU")
-    monkeypatch.setattr(fused._env, "triton_interpreter", lambda: False)
+    gpu = DeviceSupport("Test GPU", (9, 0), fp8_mma=True, pdl=True, tma=True, interpreter=False)
     lora = LoraWeights((torch.zeros(4, 1, 64, 32, dtype=torch.bfloat16),),
                        (torch.zeros(4, 1, 64, 64, dtype=torch.bfloat16),), (64,))
     mapping = torch.zeros(16, dtype=torch.int32)
-    assert fused._gemm_config(AdapterBatch.from_token_mapping(mapping, 1), lora, None).block_n \
-        == 64
-    assert fused._gemm_config(AdapterBatch.from_token_mapping(mapping, 4), lora, None).block_n \
-        == 16
+    assert _tiling.gemm_config(gpu, AdapterBatch.from_token_mapping(mapping, 1), lora,
+                               None).block_n == 64
+    assert _tiling.gemm_config(gpu, AdapterBatch.from_token_mapping(mapping, 4), lora,
+                               None).block_n == 16
     launch._load_table.cache_clear()
     with pytest.raises(ValueError, match="under a rank key"):
         launch.shape_key(64, 32, one_slot=True)
@@ -175,10 +182,12 @@ def test_the_shipped_h200_table_is_valid_and_covers_the_benchmark_shapes():
 
     table = _load_table("NVIDIA H200")
     assert table is not None and "lora_gemm" in table
+    slices = {6144: (4096, 1024, 1024), 4096: (4096,), 24576: (12288, 12288)}
     for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)):
         for tokens in (1, 7, 32, 300):
             cfg = table_config("NVIDIA H200", "lora_gemm", tokens, n, k)
-            assert cfg is not None and cfg.block_m >= min(tokens, 16)
+            # a K2 tile never straddles two of the projection's slices
+            assert cfg is not None and all(w % cfg.block_n == 0 for w in slices[n][:-1]), cfg
             for op in ("quantize_shrink", "shrink", "decode_shrink"):
                 assert table_config("NVIDIA H200", op, tokens, n, k) is not None
     assert table_config("NVIDIA H200", "shrink", 1, 2048, 2048) is None  # not tuned: heuristic
@@ -217,7 +226,7 @@ def test_select_config_is_the_table_with_k2_rank_else_the_heuristic():
 def test_k1_launches_a_program_for_every_row_tile_of_every_entry(mapping, block_m):
     # K1 lays the entries' row tiles end to end and launches a bound on their number (tight
     # where it matters, never short: a missing program would leave rows of h unwritten).
-    from epilora_kernels import fused
+    from epilora_kernels import _tiling
 
     batch = AdapterBatch.from_token_mapping(torch.tensor(mapping, dtype=torch.int32), 8)
     a = torch.zeros(8, 1, 64, 16, dtype=torch.bfloat16)
@@ -227,43 +236,9 @@ def test_k1_launches_a_program_for_every_row_tile_of_every_entry(mapping, block_
     counts = batch.num_tokens_per_lora.tolist()
     row_tiles = sum(-(-c // block_m) for c in counts)
     per_row_tile = 2 * 2 * 3  # rank tiles x slices x splits
-    launched = fused._shrink_programs(len(mapping), lora, batch, cfg)
+    launched = _tiling.shrink_programs(len(mapping), lora, batch, cfg)
     assert row_tiles * per_row_tile <= launched
     assert launched <= min(9 * -(-len(mapping) // block_m), row_tiles + 8) * per_row_tile
-
-
-def test_copy_table_bucket_gives_one_bucket_anothers_settings_at_one_rank_only():
-    # tools/copy_table_bucket.py --one-slot: rank 64's one-slot 4-token batches get what its
-    # one-slot 8-token ones get; rank 16's lookups and the several-slot ones keep theirs.
-    import sys
-    from pathlib import Path
-
-    from epilora_kernels.launch import table_entry
-
-    sys.path.insert(0, str(Path(__file__).parents[3] / "tools"))
-    from copy_table_bucket import copy_bucket
-
-    table = {"decode_shrink": {"64x32": {"1": {"split_k": 8}, "4": {"split_k": 16},
-                                         "8": {"split_k": 4}},
-                               "96x32": {"4": {"split_k": 2}, "8": {"split_k": 2}}},
-             "lora_gemm": {"64x32": {"1": {"split_k": 4}, "4": {"split_k": 2},
-                                     "8": {"split_k": 2}},
-                           "64x32@r64": {"8": {"split_k": 1}}}}
-    before = json.loads(json.dumps(table))
-    ops = ["decode_shrink", "lora_gemm"]
-    changed = copy_bucket(table, ops, 64, 8, 4, one_slot=True)
-    assert changed == ["decode_shrink 64x32@r64/one-slot 4", "lora_gemm 64x32@r64/one-slot 4"]
-    validate_table(table)
-    for op in ops:
-        for tokens in (2, 4):
-            assert (table_entry(table, op, tokens, 64, 32, 64, one_slot=True)
-                    == table_entry(table, op, 8, 64, 32, 64, one_slot=True))
-            for rank, slot in ((16, True), (16, False), (64, False)):
-                assert (table_entry(table, op, tokens, 64, 32, rank, one_slot=slot)
-                        == table_entry(before, op, tokens, 64, 32, rank, one_slot=slot))
-        assert (table_entry(table, op, 1, 64, 32, 64, one_slot=True)
-                == table_entry(before, op, 1, 64, 32, 64, one_slot=True))
-    assert copy_bucket(table, ops, 64, 8, 4, one_slot=True) == []
 
 
 def test_write_table_checks_before_it_writes(tmp_path):
@@ -275,3 +250,13 @@ def test_write_table_checks_before_it_writes(tmp_path):
     with pytest.raises(ValueError, match="unknown op"):
         write_table({"gemm": {}}, tmp_path / "bad.json")
     assert not (tmp_path / "bad.json").exists()
+
+
+@pytest.mark.parametrize("name", ["NVIDIA H200", "NVIDIA H200 NVL", "NVIDIA H100 80GB HBM3",
+                                  "NVIDIA H100 PCIe", "NVIDIA GH200 480GB"])
+def test_every_sm90_part_finds_the_sm90_table(name):
+    from epilora_kernels.launch import table_device
+
+    assert table_device(name, "sm90") == "NVIDIA H200"
+    assert table_device(name, "sm89") == ("NVIDIA H200" if name == "NVIDIA H200" else None)
+    assert table_device("NVIDIA L40S", "sm89") is None  # no table: the heuristic

@@ -43,6 +43,9 @@ def test_kernels_compile_for_sm90_with_the_expected_instructions():
     assert "atom.global.gpu.acq_rel.add.u32" in atomics
     assert found["k2_pdl_split_k_tile_counter_after_wait"]
     assert found["k2_pdl_split_k_no_store_before_wait"]
+    # The proxy fences of the decode path's hand-off to TMA loads, and only there.
+    assert found["k1_fence_before_release"] and found["k2_fence_after_acquire_before_tma"]
+    assert found["no_fence_without_tma"]
 
 
 def test_every_launch_compiles_for_sm90_with_the_arguments_its_launcher_passes():

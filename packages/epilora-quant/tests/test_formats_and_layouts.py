@@ -1,18 +1,29 @@
 """Exhaustive checks of the code tables and layouts (no vLLM needed)."""
 
+import struct
+
 import torch
 
 from epilora_quant import decode_e2m1, dequantize_fp8, encode_e2m1, pack_e2m1, unpack_e2m1
-from epilora_quant.formats import E2M1_GRID, FP8_MAX, FP8_MIN_SCALING_FACTOR
+from epilora_quant.formats import E2M1_GRID, FP8_MAX, FP8_MIN, FP8_MIN_SCALING_FACTOR
 from epilora_quant.nvfp4_layout import swizzle_nvfp4_scales, unswizzle_nvfp4_scales
 from epilora_testing import assert_bitwise_equal
 
 
 def test_fp8_constants_are_torch_and_vllm_values():
-    assert FP8_MAX == torch.finfo(torch.float8_e4m3fn).max
-    assert torch.tensor(FP8_MIN_SCALING_FACTOR, dtype=torch.float32) == torch.tensor(
-        1.0 / (448.0 * 512.0), dtype=torch.float32
-    )
+    # vLLM 0.26.0, model_executor/layers/quantization/input_quant_fp8.py:
+    #   _FP8_MIN, _FP8_MAX = get_fp8_min_max()   # torch.finfo(float8_e4m3fn) (not ROCm's fnuz)
+    #   _FP8_MIN_SCALING_FACTOR = 1.0 / (_FP8_MAX * 512.0)
+    finfo = torch.finfo(torch.float8_e4m3fn)
+    assert (FP8_MIN, FP8_MAX) == (finfo.min, finfo.max) == (-448.0, 448.0)
+    # 448 * 512 = 7 * 2^15, so the floor is 2^-15 / 7 = 1.001001...b * 2^-18. As a Python float
+    # (what vLLM passes to clamp): exponent 1023 - 18 = 0x3ED, mantissa 0x2492492492492 (52 bits
+    # of the repeating 001, the next bits 01001... round down).
+    assert struct.pack(">d", FP8_MIN_SCALING_FACTOR).hex() == "3ed2492492492492"
+    # As float32 (the scale tensors' dtype): exponent 127 - 18 = 109 = 0x6D, mantissa 23 bits
+    # 00100100100100100100100, the next bits 1001... round up to ...101 = 0x124925.
+    scale = torch.tensor(FP8_MIN_SCALING_FACTOR, dtype=torch.float32)
+    assert int(scale.view(torch.int32)) == (0x6D << 23) | 0x124925 == 0x36924925
 
 
 def test_every_e2m1_code_round_trips():

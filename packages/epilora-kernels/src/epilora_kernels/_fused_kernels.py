@@ -22,9 +22,9 @@ the first `WARM_L2` bytes of its weight rows into L2 meanwhile), streams its wei
 shrink runs, and waits for all of K1 (`gdc_wait`) only before its epilogue.
 With `SPLIT_K` > 1 the K loop is split over programs and the last split of each tile reduces in
 a fixed order. Counters (split-K tiles, the decode path's counts) are zero at rest
-(epilora_kernels._workspace): whoever arrives last resets them.
+(epilora_kernels.workspace): whoever arrives last resets them.
 
-`TRACE` (diagnostics, benchmarks/decode_timeline.py) makes every program of either kernel store
+`TRACE` (diagnostics, dev/decode_timeline.py) makes every program of either kernel store
 its SM and global clock at its start, after each wait and at its end; it is compiled out
 otherwise (checked in tests/test_compile_sm90.py).
 
@@ -109,7 +109,7 @@ def _quantize_row(x_ptr, codes_ptr, scales_ptr, src, t, K, stride_x,
 
 @triton.jit
 def _stamp(trace_ptr, event: tl.constexpr, TRACE: tl.constexpr):
-    # Diagnostics only (benchmarks/decode_timeline.py): this program's SM and global clock (ns)
+    # Diagnostics only (dev/decode_timeline.py): this program's SM and global clock (ns)
     # at `event`, in its row of 8 int64 (slot 7: the SM). Compiled out unless TRACE. In K2 these
     # stores precede gdc_wait: harmless for a buffer allocated before the run that no kernel
     # reads.
@@ -123,6 +123,17 @@ def _stamp(trace_ptr, event: tl.constexpr, TRACE: tl.constexpr):
                                        is_pure=True, pack=1)
         tl.store(row + event, now)
         tl.store(row + 7, sm.to(tl.int64))
+
+
+@triton.jit
+def _fence_proxy_async_global(INTERPRETER: tl.constexpr):
+    # Orders this thread's generic-proxy accesses of global memory against its async-proxy ones
+    # (TMA): K1 stores the codes with generic stores, K2 reads them by TMA, and the release /
+    # acquire of the count of quantized rows orders generic accesses only (PTX memory model,
+    # "proxies"). Both sides fence: the writer before its release, the reader after its acquire.
+    if not INTERPRETER:
+        tl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, 0;", "=r", [],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -173,7 +184,7 @@ def _sum_splits(acc, tile_ptrs, plane, mask, split, counter, SPLIT_K: tl.constex
     # Deterministic split-K: every split stores its fp32 partial at `tile_ptrs + split * plane`;
     # the split that arrives last at the tile's counter sums the planes in the fixed order
     # 0..SPLIT_K-1 (the same bits whichever split came last) and resets the counter to zero
-    # (counters are zero at rest: epilora_kernels._workspace). Returns (the sum, is last).
+    # (counters are zero at rest: epilora_kernels.workspace). Returns (the sum, is last).
     tl.store(tile_ptrs + split * plane, acc, mask=mask)
     tl.debug_barrier()  # every thread's partial is written before the counter moves
     arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
@@ -217,6 +228,8 @@ def _quantize_shrink_kernel(
             if SIGNAL_CODES:
                 # Count this row as done for the K2 already running, which spins on the count;
                 # every thread's codes and the scale are stored before the release.
+                if CODES_SORTED:  # K2 reads these codes by TMA
+                    _fence_proxy_async_global(INTERPRETER)
                 tl.debug_barrier()
                 tl.atomic_add(ready_ptr, 1, sem="release", scope="gpu")
             _stamp(trace_ptr, 1, TRACE)
@@ -396,6 +409,8 @@ def _lora_gemm_kernel(
         # for us: PDL launched us only once every K1 program had started).
         while tl.atomic_add(ready_ptr, 0, sem="acquire", scope="gpu") < T:
             pass
+        if A_TMA:  # the codes, stored by K1's generic stores, are read below by TMA
+            _fence_proxy_async_global(INTERPRETER)
         _stamp(trace_ptr, 1, TRACE)
 
     if WAIT_K1_FIRST:

@@ -148,6 +148,22 @@ def write_table(table: dict, path) -> None:
         json.dump(table, f, indent=1)
 
 
+# The table a device without one of its own uses, by architecture: every sm_90 part (H100 SXM
+# and PCIe, H200, H200 NVL, GH200) shares the H200's tiles; their bandwidths differ, their
+# SM counts and shared memory (what the tiles are bound by) do not.
+ARCH_TABLES = {"sm90": "NVIDIA H200"}
+
+
+def table_device(device_name: str, arch: str | None = None) -> str | None:
+    """The device whose shipped table serves `device_name`: its own, else its architecture's
+    (`ARCH_TABLES`), else None (the heuristic)."""
+    for name in (device_name, ARCH_TABLES.get(arch or "")):
+        if name and resources.files("epilora_kernels").joinpath(
+                "configs", table_name(name)).is_file():
+            return name
+    return None
+
+
 @functools.cache
 def _load_table(device_name: str) -> dict | None:
     # Read and checked once per process: the launchers ask on every call.

@@ -7,7 +7,7 @@ path launched with PDL (K2 waiting for all of K1 first) must equal its serialize
 import pytest
 import torch
 
-from epilora_kernels import _workspace, fused, reference
+from epilora_kernels import fused, reference, workspace
 from epilora_kernels.launch import LaunchConfig, rank_block
 from epilora_testing import assert_bitwise_equal
 from epilora_testing.cuda_graphs import capture
@@ -25,8 +25,8 @@ CASES = [  # (tokens, K, slices, rank, max_loras)
 
 def _assert_counters_at_rest():
     # Every stream's buffer (the graph's capture stream has its own).
-    for key, buf in _workspace._buffers.items():
-        assert int(buf.count_nonzero()) == 0, (key, buf.nonzero().flatten().tolist()[:8])
+    for key, ws in workspace._defaults.items():
+        assert ws.is_clean(), (key, ws.counters(0).nonzero().flatten().tolist()[:8])
 
 
 def _assert_graph_replays_equal(fn, want, replays: int, name: str = "graph replay"):

@@ -1,7 +1,7 @@
 """The approximate fp32 reciprocal of Triton-compiled code on Hopper GPUs, reproduced exactly.
 
 Triton lowers fp32 `a / b` to PTX `div.full.f32`, and Inductor lowers `x.reciprocal()` to Triton
-`1 / x`. On an H200 (sm_90), measured by tools/probe_gpu_division.py:
+`1 / x`. On an H200 (sm_90), measured by dev/probe_gpu_division.py:
 
 * `a / b` equals `fl32(a * r(b))` bit for bit, where r(b) is the hardware's `1 / b`;
 * r(b) is within 1 ulp of the correctly rounded reciprocal: it differs for part of the 2^23

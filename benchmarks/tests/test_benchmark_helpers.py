@@ -1,0 +1,49 @@
+"""The benchmark scripts' helpers that run without a GPU (benchmarks/, run on the GPU machine):
+the decode K1 candidates the tuners offer, where the pipeline depths asked for
+(`tune_layer.py --k1-stages`) multiply the same tiles and the default offers what every earlier
+sweep did; and the parallel compile before a timed run (`--jobs`)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+import layer  # noqa: E402 (the benchmarks' folder on the path first)
+import tune  # noqa: E402
+
+
+def _tiles(configs):
+    return [{k: v for k, v in c.__dict__.items() if k != "num_stages"} for c in configs]
+
+
+@pytest.mark.parametrize(("rank", "k"), [(16, 4096), (64, 12288), (128, 4096), (128, 12288)])
+def test_k1_stages_repeat_the_default_tiles_at_each_depth(rank, k):
+    default = tune.k1_candidates(8, rank, k)
+    assert {c.num_stages for c in default} == {2}
+    deeper = tune.k1_candidates(8, rank, k, depths=(3, 4))
+    assert sorted(map(str, _tiles(deeper))) == sorted(map(str, _tiles(default) * 2))
+    assert sorted(c.num_stages for c in deeper) == [3] * len(default) + [4] * len(default)
+
+
+def test_k1_stages_leave_prefill_candidates_alone():
+    assert tune.k1_candidates(64, 128, 4096, depths=(3,)) == tune.k1_candidates(64, 128, 4096)
+
+
+def test_compile_in_parallel_runs_every_case_and_reports_failures(tmp_path, capsys):
+    # layer.compile_in_parallel (layer.py and decode.py --jobs): every case's arguments reach
+    # one `--compile-only` process; a failing one is reported, not raised (the timed run then
+    # compiles for itself).
+    seen = tmp_path / "seen.txt"
+    script = tmp_path / "fake_benchmark.py"
+    script.write_text(
+        "import sys\n"
+        f"open({str(seen)!r}, 'a').write(' '.join(sys.argv[1:]) + '\\n')\n"
+        "sys.exit(3 if '4' in sys.argv else 0)\n")
+    cases = [["--ranks", "16", "--tokens", str(tokens)] for tokens in (1, 4, 8)]
+    layer.compile_in_parallel(str(script), cases, jobs=2)
+    assert sorted(seen.read_text().splitlines()) == sorted(
+        "--compile-only " + " ".join(case) for case in cases)
+    out = capsys.readouterr().out
+    assert "--tokens 4: failed (exit 3)" in out
+    assert out.count(": compiled") == 2

@@ -1,0 +1,188 @@
+"""The kernels' launches, every argument named: inputs checked and settings chosen by the
+callers (`epilora_kernels.fused`); here only the buffers, the grid and the compile-time flags.
+
+A pointer a launch does not use is passed as `unused` (any tensor of the device, never read or
+written: its flag compiles the access out)."""
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from epilora_kernels import _env, _tiling
+from epilora_kernels._fused_kernels import _lora_gemm_kernel, _quantize_shrink_kernel
+from epilora_kernels.arch import DeviceSupport
+from epilora_kernels.batch import MAX_SLICES, AdapterBatch, LoraWeights
+from epilora_kernels.launch import LaunchConfig
+from epilora_kernels.workspace import TILES, Workspace
+
+TRACE_EVENTS = 8  # int64 slots per program in a trace buffer (dev/decode_timeline.py)
+
+# Mode of K2: the FP8 GEMM, the W8A16 GEMM, or no GEMM (the hybrid path's expand).
+FP8, W8A16, EXPAND = 0, 1, 2
+
+
+def trace_arg(trace: torch.Tensor | None, unused: torch.Tensor, programs: int) -> torch.Tensor:
+    # `trace`: int64 [>= programs, 8] for the kernels' timestamps, a row per program
+    # (dev/decode_timeline.py; never under the interpreter, which has no clock).
+    if trace is None:
+        return unused
+    if (trace.dtype != torch.int64 or not trace.is_contiguous() or trace.ndim != 2
+            or trace.shape[1] != TRACE_EVENTS or trace.shape[0] < programs):
+        raise ValueError(f"trace must be a contiguous int64 tensor [>= {programs}, "
+                         f"{TRACE_EVENTS}], got {trace.dtype} {tuple(trace.shape)}")
+    return trace
+
+
+def use_pdl(support: DeviceSupport, pdl: bool) -> bool:
+    # The interpreter has no PDL intrinsics; the launch attribute alone it ignores. (The decode
+    # path's count of quantized rows runs there too: K1 counts, K2 spins and resets.)
+    return pdl and support.pdl
+
+
+def _slices(lora: LoraWeights) -> tuple[list, list, int, int]:
+    # Per-slice A and B pointers padded to MAX_SLICES, and the output offsets of slices 1 and 2
+    # (N where a slice is absent: no column reaches it).
+    n, widths = lora.out_features, lora.output_slices
+    pad = MAX_SLICES - len(widths)
+    off1 = widths[0] if len(widths) > 1 else n
+    off2 = widths[0] + widths[1] if len(widths) > 2 else n
+    return (list(lora.lora_a) + [lora.lora_a[0]] * pad,
+            list(lora.lora_b) + [lora.lora_b[0]] * pad, off1, off2)
+
+
+def launch_k1(support: DeviceSupport, workspace: Workspace, x, lora: LoraWeights,
+              batch: AdapterBatch, cfg: LaunchConfig, *, quantize: bool, pdl: bool = False,
+              signal_codes: bool = False, trace: torch.Tensor | None = None,
+              codes_sorted: bool = False, h_dtype: torch.dtype = torch.float32):
+    """K1: `(codes, scales, h)` (codes and scales None without `quantize`)."""
+    t, k = x.shape
+    s_count, rank = len(lora.output_slices), lora.max_rank
+    # Split-K partials in fp32 planes, which K1 sums into h [1, S, T, R] of `h_dtype`: fp32 h
+    # is plane 0 itself, bf16 h a buffer of its own.
+    partials = torch.empty(cfg.split_k, s_count, t, rank, dtype=torch.float32, device=x.device)
+    h = (partials[:1] if h_dtype == torch.float32 else
+         torch.empty(1, s_count, t, rank, dtype=h_dtype, device=x.device))
+    codes = scales = None
+    if quantize:
+        codes = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
+        scales = torch.empty(t, 1, dtype=torch.float32, device=x.device)
+    a, _, _, _ = _slices(lora)
+    counters = workspace.counters(_tiling.k1_tiles(t, lora, batch, cfg))
+    grid = ((t if quantize else 0) + _tiling.shrink_programs(t, lora, batch, cfg),)
+    _quantize_shrink_kernel[grid](
+        x_ptr=x, codes_ptr=partials if codes is None else codes,
+        scales_ptr=partials if scales is None else scales, h_ptr=h, partial_ptr=partials,
+        a0_ptr=a[0], a1_ptr=a[1], a2_ptr=a[2],
+        sorted_ptr=batch.sorted_token_indices, lora_ids_ptr=batch.lora_ids,
+        counts_ptr=batch.num_tokens_per_lora, start_ptr=batch.lora_token_start,
+        counter_ptr=counters[TILES:], ready_ptr=counters,
+        trace_ptr=trace_arg(trace, counters, grid[0]),
+        T=t, K=k, R=rank, stride_x=x.stride(0), NUM_ENTRIES=batch.num_entries,
+        QUANTIZE=quantize, SIGNAL_CODES=signal_codes, CODES_SORTED=codes_sorted,
+        NUM_SLICES=s_count, SPLIT_K=cfg.split_k,
+        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
+        QUANT_BLOCK=_tiling.quant_block(k, 16384 if cfg.num_warps >= 8 else 4096),
+        INTERPRETER=_env.triton_interpreter(),
+        ENTRIES_BLOCK=triton.next_power_of_2(batch.num_entries),
+        USE_PDL=use_pdl(support, pdl), TRACE=trace is not None,
+        H_BF16=h_dtype == torch.bfloat16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return codes, scales, h
+
+
+def launch_quantize(x: torch.Tensor):
+    """K1's quantizing programs alone: one per token."""
+    t, k = x.shape
+    codes = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(t, 1, dtype=torch.float32, device=x.device)
+    unused = torch.empty(1, dtype=torch.int32, device=x.device)
+    _quantize_shrink_kernel[(t,)](
+        x_ptr=x, codes_ptr=codes, scales_ptr=scales, h_ptr=scales, partial_ptr=scales,
+        a0_ptr=x, a1_ptr=x, a2_ptr=x, sorted_ptr=unused, lora_ids_ptr=unused,
+        counts_ptr=unused, start_ptr=unused, counter_ptr=unused, ready_ptr=unused,
+        trace_ptr=unused, T=t, K=k, R=1, stride_x=x.stride(0), NUM_ENTRIES=1,
+        QUANTIZE=True, SIGNAL_CODES=False, CODES_SORTED=False, NUM_SLICES=1, SPLIT_K=1,
+        BLOCK_M=16, BLOCK_R=16, BLOCK_K=16, QUANT_BLOCK=_tiling.quant_block(k, 16384),
+        INTERPRETER=_env.triton_interpreter(), ENTRIES_BLOCK=1,
+        num_warps=8, num_stages=1,
+    )
+    return codes, scales
+
+
+def _gemm_buffers(workspace: Workspace, mode: int, t: int, n: int, cfg: LaunchConfig, device):
+    """The grid, the split-K partials (None without split-K) and the counter buffer."""
+    grid = _tiling.gemm_grid(mode, t, n, cfg)
+    if grid[2] == 1:
+        return grid, None, workspace.counters(0)
+    partial = torch.empty(grid[2], grid[0] * cfg.block_m, n, dtype=torch.float32, device=device)
+    return grid, partial, workspace.counters(_tiling.k2_tiles(mode, t, n, cfg))
+
+
+def _w_operand(support: DeviceSupport, weight: torch.Tensor, cfg: LaunchConfig):
+    # K2's weight operand: a TMA descriptor of its [block_n, block_k] tiles, or the weight
+    # itself for pointer loads.
+    if _tiling.w_tma(support, weight, cfg):
+        return TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
+    return weight
+
+
+def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scale, weight,
+              weight_scale, y, h, lora: LoraWeights, batch: AdapterBatch, cfg: LaunchConfig, *,
+              pdl: bool = False, wait_codes: bool = False, warm_l2: int = 0,
+              trace: torch.Tensor | None = None, wait_k1_first: bool = False,
+              a_sorted: bool = False):
+    """K2 with the adapters' epilogue into `y` (MODE EXPAND: y is also its input)."""
+    t, n = y.shape
+    _, b, off1, off2 = _slices(lora)
+    _tiling.check_gemm_config(cfg, lora)
+    grid, partial, counters = _gemm_buffers(workspace, mode, t, n, cfg, y.device)
+    w_operand = _w_operand(support, weight, cfg)
+    pdl = use_pdl(support, pdl)
+    _lora_gemm_kernel[grid](
+        a_ptr=a, a_desc=TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
+        if a_sorted else a, a_scale_ptr=a_scale, w_ptr=weight, w_desc=w_operand,
+        w_scale_ptr=weight_scale, y_ptr=y, h_ptr=h, b0_ptr=b[0], b1_ptr=b[1], b2_ptr=b[2],
+        sorted_ptr=batch.sorted_token_indices, lora_ids_ptr=batch.lora_ids,
+        start_ptr=batch.lora_token_start, partial_ptr=y if partial is None else partial,
+        counter_ptr=counters[TILES:], ready_ptr=counters,
+        trace_ptr=trace_arg(trace, counters, grid[0] * grid[1] * grid[2]),
+        T=t, N=n, K=lora.in_features, R=lora.max_rank, NUM_ENTRIES=batch.num_entries,
+        stride_a=a.stride(0), stride_y=y.stride(0), N_OFF1=off1, N_OFF2=off2,
+        MODE=mode, HAS_LORA=True, NUM_SLICES=len(lora.output_slices), H_PLANES=h.shape[0],
+        SPLIT_K=grid[2], ENTRIES_BLOCK=triton.next_power_of_2(batch.num_entries),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=cfg.block_r,
+        INTERPRETER=_env.triton_interpreter(), USE_PDL=pdl,
+        WAIT_CODES=wait_codes, WARM_L2=warm_l2 if wait_codes else 0, TRACE=trace is not None,
+        B_IN_REGS=_tiling.b_in_registers(cfg), R_CHUNK=_tiling.epilogue_rank_chunk(cfg),
+        W_TMA=w_operand is not weight, WAIT_K1_FIRST=wait_k1_first and pdl, A_TMA=a_sorted,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+    )
+    return y
+
+
+def launch_gemm_only(support: DeviceSupport, workspace: Workspace, a, a_scale, weight,
+                     weight_scale, cfg: LaunchConfig, trace: torch.Tensor | None = None):
+    """K2 without adapters (FP8): rows in their own order."""
+    t, k = a.shape
+    n = weight.shape[0]
+    by_tma = _tiling.a_tma(support, a, weight, cfg)
+    y = torch.empty(t, n, dtype=torch.bfloat16, device=a.device)
+    unused = torch.empty(1, dtype=torch.int32, device=a.device)
+    grid, partial, counters = _gemm_buffers(workspace, FP8, t, n, cfg, a.device)
+    w_operand = _w_operand(support, weight, cfg)
+    _lora_gemm_kernel[grid](
+        a_ptr=a, a_desc=TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
+        if by_tma else a, a_scale_ptr=a_scale, w_ptr=weight, w_desc=w_operand,
+        w_scale_ptr=weight_scale, y_ptr=y, h_ptr=weight_scale, b0_ptr=weight, b1_ptr=weight,
+        b2_ptr=weight, sorted_ptr=unused, lora_ids_ptr=unused, start_ptr=unused,
+        partial_ptr=y if partial is None else partial, counter_ptr=counters[TILES:],
+        ready_ptr=counters, trace_ptr=trace_arg(trace, unused, grid[0] * grid[1] * grid[2]),
+        T=t, N=n, K=k, R=1, NUM_ENTRIES=0, stride_a=a.stride(0), stride_y=y.stride(0),
+        N_OFF1=n, N_OFF2=n,
+        MODE=FP8, HAS_LORA=False, NUM_SLICES=1, H_PLANES=1, SPLIT_K=grid[2], ENTRIES_BLOCK=16,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=16,
+        INTERPRETER=_env.triton_interpreter(), W_TMA=w_operand is not weight, A_TMA=by_tma,
+        TRACE=trace is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y

@@ -1,0 +1,130 @@
+"""How a launch is laid out: its launch settings (table or heuristic), grid sizes, counter
+counts, and the compile-time choices that follow from its tiles (TMA, where B is held, rank
+steps). Pure host arithmetic: nothing here launches or allocates."""
+
+import triton
+
+from epilora_kernels import _env
+from epilora_kernels.arch import DeviceSupport
+from epilora_kernels.batch import AdapterBatch, LoraWeights
+from epilora_kernels.launch import LaunchConfig, select_config, table_device
+
+
+def shape_config(support: DeviceSupport, op: str, tokens: int, n: int, k: int, rank: int,
+                 slices: tuple[int, ...], one_slot: bool = False) -> LaunchConfig:
+    """The device's table entry (its own table, else its architecture's), else the heuristic."""
+    use_table = not support.interpreter and _env.launch_tables()
+    device = table_device(support.name, support.arch) if use_table else None
+    return select_config(device, op, tokens, n, k, rank, slices, one_slot)
+
+
+def config(support: DeviceSupport, op: str, tokens: int, lora: LoraWeights,
+           given: LaunchConfig | None, one_slot: bool = False) -> LaunchConfig:
+    if given is not None:
+        return given
+    return shape_config(support, op, tokens, lora.out_features, lora.in_features, lora.max_rank,
+                        lora.output_slices, one_slot)
+
+
+def one_slot(batch: AdapterBatch) -> bool:
+    # One slot (and the entry for tokens without one): K2 compiles its one-slot epilogue
+    # (ENTRIES_BLOCK 2), which the table's one-slot entries were tuned on; K1's row tiles grow
+    # with the slots (rank 64's one-slot 4-token K1 entries made the 32-adapter layer at 4
+    # tokens 5.5 us slower as plain rank entries: layer_32x64_k1_r64_4_plain.json of 0f3bdfb).
+    return batch.num_entries <= 2
+
+
+def gemm_config(support: DeviceSupport, batch: AdapterBatch, lora: LoraWeights,
+                given: LaunchConfig | None) -> LaunchConfig:
+    return config(support, "lora_gemm", batch.num_tokens, lora, given, one_slot(batch))
+
+
+def check_gemm_config(cfg: LaunchConfig, lora: LoraWeights) -> None:
+    """K2's settings against the adapters: checked before K1 launches, so that a bad K2 cannot
+    leave K1's counts behind."""
+    if any(w % cfg.block_n for w in lora.output_slices[:-1]):
+        raise ValueError(f"block_n={cfg.block_n} must divide the slice widths "
+                         f"{lora.output_slices[:-1]} (a tile must not straddle two slices)")
+    if cfg.block_r < lora.max_rank:
+        raise ValueError(f"block_r={cfg.block_r} must cover the adapters' max rank "
+                         f"{lora.max_rank}: K2's epilogue reads all of h in one tile")
+
+
+def quant_block(k: int, cap: int) -> int:
+    # Row chunk of the quantizing programs. With 8 warps a row of up to 16384 features
+    # (Qwen3-8B's widest input is 12288) stays in registers, 64 values a thread, and is read
+    # once; with 4 warps beside the shrink's tiles in K1 a 16384 chunk spilled and made K1 ~10x
+    # slower (tune_v2.json of 0f3bdfb), so there rows go in chunks of 4096, read twice.
+    return min(triton.next_power_of_2(k), cap)
+
+
+def shrink_programs(t: int, lora: LoraWeights, batch: AdapterBatch, cfg: LaunchConfig) -> int:
+    # K1's shrink programs: one per (row tile of the entries' list, slice, rank tile, split).
+    # The entries' row tiles number at most cdiv(T, block_m) + (entries with tokens) - 1, and
+    # at most min(entries, T) entries have tokens.
+    row_tiles = max(0, triton.cdiv(t, cfg.block_m) + min(batch.num_entries, t) - 1)
+    return (row_tiles * triton.cdiv(lora.max_rank, cfg.block_r) * len(lora.output_slices)
+            * cfg.split_k)
+
+
+def k1_tiles(t: int, lora: LoraWeights, batch: AdapterBatch, cfg: LaunchConfig) -> int:
+    # K1's split-K tile counters, indexed by (entry, slice, row tile, rank tile): room for all.
+    if cfg.split_k == 1:
+        return 0
+    return (batch.num_entries * triton.cdiv(t, cfg.block_m)
+            * triton.cdiv(lora.max_rank, cfg.block_r) * len(lora.output_slices))
+
+
+def gemm_grid(mode: int, t: int, n: int, cfg: LaunchConfig) -> tuple[int, int, int]:
+    split = 1 if mode == 2 else cfg.split_k  # the expand has no K loop to split
+    return (triton.cdiv(t, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
+
+
+def k2_tiles(mode: int, t: int, n: int, cfg: LaunchConfig) -> int:
+    # K2's split-K tile counters, one per output tile.
+    grid = gemm_grid(mode, t, n, cfg)
+    return 0 if grid[2] == 1 else grid[0] * grid[1]
+
+
+def w_tma(support: DeviceSupport, weight, cfg: LaunchConfig) -> bool:
+    # Prefill tiles (64 rows or more, wgmma) read the weight tile by TMA, which needs 16-byte
+    # aligned rows: 1x128 at 256 tokens 187.4 -> 183.6 us. The 16- and 32-row decode tiles
+    # (MMAv2) were slower with it (layer_1x128_tma_hbf16_ab_*.json and
+    # layer_decode_tma_ab_*.json of 0f3bdfb).
+    return (support.tma and cfg.block_m >= 64 and weight.stride(0) % 16 == 0
+            and weight.data_ptr() % 16 == 0)
+
+
+def a_tma(support: DeviceSupport, a, weight, cfg: LaunchConfig) -> bool:
+    # FP8 codes read by TMA where the weight is (tiles of 64 rows or more), rows 16-byte
+    # aligned; K1 then writes them in adapter order (CODES_SORTED), so each row tile is a
+    # contiguous block of rows.
+    return (w_tma(support, weight, cfg) and a.stride(1) == 1 and a.stride(0) % 16 == 0
+            and a.data_ptr() % 16 == 0)
+
+
+def b_fits_registers(cfg: LaunchConfig) -> bool:
+    # The first adapter segment's slice of B (block_n x block_r bf16) is at most 32 values a
+    # thread (at rank 128, 64 a thread cost gate_up's 16-row K2 a third of its blocks per SM:
+    # results/cpu/sm90_occupancy.json of f2cbeef).
+    return cfg.block_n * cfg.block_r <= 32 * 32 * cfg.num_warps
+
+
+def b_in_registers(cfg: LaunchConfig) -> bool:
+    # Whether K2 loads that slice before its K loop and holds it there. A 16-row tile (decode,
+    # 1-16 tokens) whose slice does not fit only warms L2 with it and loads it after the wait:
+    # the rank-128 decode layer got faster at 1-16 tokens. At 32 tokens (32-row tiles) the
+    # decode layer got slower that way (decode_ed9125f.json against decode_993031f.json of
+    # 0f3bdfb), so those hold it whatever its size. Larger tiles with one slot step through the
+    # rank instead (epilogue_rank_chunk); with several slots none is loaded early.
+    return b_fits_registers(cfg) or cfg.block_m == 32
+
+
+def epilogue_rank_chunk(cfg: LaunchConfig) -> int:
+    # Prefill tiles (64 rows or more) whose slice of B is too big to hold in registers add
+    # h B^T in 32-wide rank steps, pipelined loops: whole, h and B took K2 past 200 registers
+    # at rank 128, and stepping made the rank-128 layer faster at 64-256 tokens. Stepping every
+    # tile of 64 rows or more was slower where B fits (rank 64 in 64-wide tiles) and with
+    # several slots, where that loop reloaded h for every segment and step; several slots now
+    # load each step of h once (docs/kernels.md, items on the epilogue). 0: the whole rank.
+    return 32 if cfg.block_m >= 64 and not b_fits_registers(cfg) else 0

@@ -1,0 +1,155 @@
+"""One call for a projection with every token's adapter: `lora_linear` picks the path.
+
+Paths (`PATHS`): `decode` (K1, then K2 as its PDL dependent; sm_90), `fused` (K1 then K2),
+`hybrid` (a vendor FP8 GEMM, then our shrink and expand), `w8a16` (the matched engine's
+arithmetic: bf16 activations, FP8 weights widened in registers). `supports` says whether a
+path can serve a case, and why not; `choose_path` is the rule `lora_linear` follows when it is
+given no path (timed dispatch, which measures the candidates on the caller's shapes, belongs to
+the engine integration and replaces it there).
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from epilora_kernels import _checks, fused
+from epilora_kernels.arch import DeviceSupport, UnsupportedError, device_support
+from epilora_kernels.batch import MAX_SLICES, AdapterBatch, LoraWeights
+from epilora_kernels.workspace import Workspace
+
+PATHS = ("decode", "fused", "hybrid", "w8a16")
+MAX_RANK = 128  # the largest rank tile K2's epilogue was compiled and tested with
+SLICE_ALIGN = 16  # output slices start on a multiple of the narrowest K2 tile
+
+# choose_path's thresholds, from the layer benchmark on Qwen3-8B's shapes (benchmarks/layer.py,
+# results/h200/layer.json of f715d55): the decode path was the fastest at 1-64 tokens with one
+# adapter slot and at 1-8 tokens with 32; the fused path beyond.
+DECODE_MAX_TOKENS_ONE_SLOT = 64
+DECODE_MAX_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Support:
+    """Whether a path can serve a case; `reason` says why not. True in a boolean context when
+    it can."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def _refuse(reason: str) -> Support:
+    return Support(False, reason)
+
+
+def supports(path: str, *, in_features: int, output_slices: tuple[int, ...], max_rank: int,
+             device: torch.device | str | None = None,
+             weight_dtype: torch.dtype = torch.float8_e4m3fn,
+             weight_scale_numel: int = 1) -> Support:
+    """Whether `path` can compute a projection of `in_features` inputs into `output_slices`
+    with adapters of `max_rank` on `device` (default: the current CUDA device), FP8 weights of
+    `weight_dtype` with `weight_scale_numel` scales."""
+    if path not in PATHS:
+        raise ValueError(f"unknown path {path!r}; expected one of {PATHS}")
+    try:
+        support = device_support(device)
+    except UnsupportedError as e:
+        return _refuse(str(e))
+    if not support.fp8_mma:
+        return _refuse(f"FP8 MMA needs sm_89 or newer; {support.name} is {support.arch}")
+    if path == "decode" and not (support.pdl or support.interpreter):
+        return _refuse(f"the decode path needs PDL (sm_90); {support.name} is {support.arch}")
+    if weight_dtype != torch.float8_e4m3fn:
+        return _refuse(f"weights must be float8_e4m3fn, got {weight_dtype}")
+    if weight_scale_numel != 1:
+        return _refuse(f"{weight_scale_numel} weight scales: only per-tensor FP8 weights (one "
+                       "scale) are served yet; per-channel and block scales are not")
+    if not 1 <= len(output_slices) <= MAX_SLICES:
+        return _refuse(f"{len(output_slices)} output slices; 1..{MAX_SLICES} are served")
+    if any(w < 1 for w in output_slices) or in_features < 1:
+        return _refuse(f"empty projection: in_features={in_features}, slices={output_slices}")
+    if any(w % SLICE_ALIGN for w in output_slices[:-1]):
+        return _refuse(f"output slices {output_slices}: every slice but the last must be a "
+                       f"multiple of {SLICE_ALIGN} wide (a K2 tile must not straddle two)")
+    if not 1 <= max_rank <= MAX_RANK:
+        return _refuse(f"max rank {max_rank}: ranks 1..{MAX_RANK} are served")
+    return Support(True)
+
+
+def choose_path(tokens: int, batch: AdapterBatch, support: DeviceSupport) -> str:
+    """The path `lora_linear` takes without one given: the decode path for small batches where
+    PDL exists (more tokens with one adapter slot, whose K2 epilogue is cheapest), else fused."""
+    if support.pdl or support.interpreter:
+        limit = DECODE_MAX_TOKENS_ONE_SLOT if batch.num_entries <= 2 else DECODE_MAX_TOKENS
+        if tokens <= limit:
+            return "decode"
+    return "fused"
+
+
+BaseGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def vendor_fp8_gemm(x: torch.Tensor, weight: torch.Tensor,
+                    weight_scale: torch.Tensor) -> torch.Tensor:
+    """The hybrid path's default base GEMM: our per-token quantizer (vLLM's codes, bit for bit)
+    and cuBLASLt's FP8 GEMM (`torch._scaled_mm`, row-wise scales); under the interpreter, our
+    FP8 GEMM. Engines pass their own (vLLM's CUTLASS) as `base_gemm`."""
+    codes, scales = fused.quantize(x)
+    if device_support(x.device).interpreter:
+        return fused.fp8_gemm(codes, scales, weight, weight_scale)
+    w_scales = weight_scale.reshape(1, 1).expand(1, weight.shape[0]).contiguous()
+    return torch._scaled_mm(codes, weight.t(), scale_a=scales, scale_b=w_scales,
+                            out_dtype=torch.bfloat16)
+
+
+def hybrid_lora_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                           lora: LoraWeights, batch: AdapterBatch, *,
+                           base_gemm: BaseGemm | None = None,
+                           workspace: Workspace | None = None) -> torch.Tensor:
+    """The hybrid path: `base_gemm(x, weight, weight_scale)` (default `vendor_fp8_gemm`), then
+    our shrink and expand (`y += bf16(x A^T) B^T`) over every token's adapter."""
+    _checks.check_inputs(x, lora, batch)
+    _checks.check_weight(weight, weight_scale, lora.in_features, lora.out_features, x.device)
+    y = (base_gemm or vendor_fp8_gemm)(x, weight, weight_scale)
+    _checks.check_output(y, x.shape[0], lora.out_features)
+    h = fused.lora_shrink(x, lora, batch, workspace=workspace)
+    return fused.lora_expand(y, h, lora, batch, workspace=workspace)
+
+
+def lora_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                lora: LoraWeights, batch: AdapterBatch, *, path: str | None = None,
+                workspace: Workspace | None = None,
+                base_gemm: BaseGemm | None = None) -> torch.Tensor:
+    """bf16 `[T, N]` = x W^T (per-token FP8 activations, FP8 weight) + every token's adapter,
+    `bf16(x A_slot^T) B_slot^T` (none for slot -1), by `path` or the one `choose_path` picks.
+
+    x: `[T, K]` bf16; weight: `[N, K]` float8_e4m3fn with a one-element fp32 `weight_scale`;
+    `lora`, `batch`: the adapters and the token-to-slot metadata (vLLM's layouts). With
+    `path="w8a16"` the activations stay bf16 (the matched engine). No host synchronization:
+    the choice depends on shapes only, so the call can be captured in a CUDA graph (with a
+    `workspace` sized before capture)."""
+    _checks.check_inputs(x, lora, batch)
+    support = device_support(x.device)
+    if path is None:
+        path = choose_path(x.shape[0], batch, support)
+    ok = supports(path, in_features=lora.in_features, output_slices=lora.output_slices,
+                  max_rank=lora.max_rank, device=x.device, weight_dtype=weight.dtype,
+                  weight_scale_numel=weight_scale.numel())
+    if not ok:
+        raise UnsupportedError(f"{path} path: {ok.reason}")
+    if x.shape[0] == 0:  # no program to launch
+        return x.new_empty((0, lora.out_features))
+    if path == "decode":
+        return fused.decode_lora_fp8_linear(x, weight, weight_scale, lora, batch,
+                                            workspace=workspace)
+    if path == "fused":
+        return fused.fused_lora_fp8_linear(x, weight, weight_scale, lora, batch,
+                                           workspace=workspace)
+    if path == "w8a16":
+        return fused.fused_lora_w8a16_linear(x, weight, weight_scale, lora, batch,
+                                             workspace=workspace)
+    return hybrid_lora_fp8_linear(x, weight, weight_scale, lora, batch, base_gemm=base_gemm,
+                                  workspace=workspace)

@@ -1,0 +1,135 @@
+"""The counters the kernels synchronize with, in a workspace the caller owns.
+
+Split-K tiles (K1's and K2's) count their arriving splits, and the decode path's K2 counts the
+rows K1 has quantized (`READY` and `PASSED`, the first two entries). Every kernel leaves the
+counters it used at zero (the last to arrive resets them), so no launch needs a memset before
+it: the scheme of the lock workspace of vLLM's Marlin kernels. Ops on one stream run one after
+another and a kernel touches tile counters only once the kernel before it is complete (K2 under
+PDL: after its wait), so every launch starts at the same offset.
+
+Rules for an engine (what `Workspace` enforces where it can):
+
+* One workspace per stream that runs our ops concurrently with others: two streams sharing one
+  would count into the same counters.
+* Size it before CUDA-graph capture (`Workspace.for_batches`, or run every batch size once
+  eagerly): a graph holds the buffer's address, so the buffer must never be replaced while
+  graphs that use it exist. A workspace used during a capture is frozen from then on; a launch
+  that would need a larger one raises `WorkspaceTooSmall` instead of reallocating.
+* After a failed launch (an exception between K1 and K2, a killed kernel), `reset()` zeroes the
+  counters in stream order. The launchers already do so when K2 fails to launch after K1.
+
+Only the counters persist between launches. Intermediates (codes, h, split-K partials, the
+output) are allocated per call from torch's caching allocator, which CUDA-graph capture serves
+from the graph's private pool: they need no caller-owned buffer to be capture-safe.
+"""
+
+import torch
+import triton
+
+from epilora_kernels.batch import MAX_SLICES
+
+READY = 0  # rows quantized by K1 (decode path)
+PASSED = 1  # K2 programs past their wait on READY
+TILES = 2  # first split-K tile counter
+
+_MIN_TILES = 4094
+_MIN_BLOCK = 16  # the smallest tile of every dimension (LaunchConfig): bounds the tile counts
+
+
+class WorkspaceTooSmall(RuntimeError):
+    """A launch needs more counters than a frozen (or captured) workspace holds."""
+
+
+class Workspace:
+    """Zeroed int32 counters for the kernels on one device and stream, owned by the caller.
+
+    `tiles` is the number of split-K tile counters (after READY and PASSED). The buffer grows
+    on demand until the workspace is frozen (`freeze()`, or its first use under CUDA-graph
+    capture); then a launch that needs more raises `WorkspaceTooSmall`.
+    """
+
+    def __init__(self, device: torch.device | str, tiles: int = _MIN_TILES) -> None:
+        if tiles < 0:
+            raise ValueError(f"tiles must be >= 0, got {tiles}")
+        self.device = torch.device(device)
+        self._buffer = torch.zeros(TILES + max(tiles, _MIN_TILES), dtype=torch.int32,
+                                   device=self.device)
+        self.frozen = False
+
+    @classmethod
+    def for_batches(cls, device: torch.device | str, *, max_tokens: int, max_out_features: int,
+                    max_rank: int, max_loras: int) -> "Workspace":
+        """A workspace large enough for every launch setting of every batch up to
+        `max_tokens` tokens over projections of up to `max_out_features` outputs, adapters up
+        to `max_rank` and `max_loras` slots: tile counts bounded with 16-wide tiles."""
+        for name, value in (("max_tokens", max_tokens), ("max_out_features", max_out_features),
+                            ("max_rank", max_rank), ("max_loras", max_loras)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        m = triton.cdiv(max_tokens, _MIN_BLOCK)
+        k1 = (max_loras + 1) * m * triton.cdiv(max_rank, _MIN_BLOCK) * MAX_SLICES
+        k2 = m * triton.cdiv(max_out_features, _MIN_BLOCK)
+        return cls(device, max(k1, k2))
+
+    @property
+    def tiles(self) -> int:
+        """Split-K tile counters available."""
+        return self._buffer.numel() - TILES
+
+    def freeze(self) -> None:
+        """No reallocation from now on (call before capturing graphs that use it)."""
+        self.frozen = True
+
+    def counters(self, tiles: int) -> torch.Tensor:
+        """The counter buffer, with room for `tiles` tile counters after READY and PASSED."""
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if capturing:
+            self.frozen = True
+        if tiles > self.tiles:
+            if self.frozen:
+                raise WorkspaceTooSmall(
+                    f"this launch needs {tiles} split-K tile counters, the workspace has "
+                    f"{self.tiles} and is frozen{' (CUDA-graph capture)' if capturing else ''}:"
+                    " size it before capture with Workspace.for_batches(...) or Workspace("
+                    f"device, tiles={tiles})")
+            self._buffer = torch.zeros(TILES + max(tiles, 2 * self.tiles), dtype=torch.int32,
+                                       device=self.device)
+        return self._buffer
+
+    def reset(self) -> None:
+        """Zero every counter, in stream order (recovery after a failed launch)."""
+        self._buffer.zero_()
+
+    def is_clean(self) -> bool:
+        """Whether every counter is zero, as after every complete launch (synchronizes)."""
+        return not bool(self._buffer.any())
+
+
+_defaults: dict[tuple[str, int | None, int], Workspace] = {}
+
+
+def _stream_key(device: torch.device, stream: "torch.cuda.Stream | None" = None):
+    if device.type != "cuda":
+        return (device.type, device.index, 0)
+    stream = stream if stream is not None else torch.cuda.current_stream(device)
+    return (device.type, device.index, stream.cuda_stream)
+
+
+def set_default_workspace(workspace: Workspace,
+                          stream: "torch.cuda.Stream | None" = None) -> None:
+    """Make `workspace` the one that calls without a workspace use on its device and `stream`
+    (default: the current stream): how an engine hands its own to ops that take no workspace
+    argument (`epilora_kernels.ops`)."""
+    _defaults[_stream_key(workspace.device, stream)] = workspace
+
+
+def default_workspace(device: torch.device) -> Workspace:
+    """The workspace of `device` and its current stream, for callers that pass none (created on
+    first use unless `set_default_workspace` gave one). Sized on demand, so a capture that needs
+    it larger than the eager runs made it raises `WorkspaceTooSmall`: engines that capture
+    graphs should size their own."""
+    key = _stream_key(device)
+    workspace = _defaults.get(key)
+    if workspace is None:
+        workspace = _defaults[key] = Workspace(device)
+    return workspace

@@ -1,0 +1,138 @@
+"""The public API on the H200: the dispatcher and every path against the reference, K2 bit for
+bit on integer-valued operands with each row's adapter delta, the caller-owned workspace inside
+CUDA graphs, and a stress test of the decode path's hand-off from K1's generic stores to K2's
+TMA loads (thousands of back-to-back launches over varied batches, every output compared bit
+for bit with the serialized launch's)."""
+
+import pytest
+import torch
+
+import epilora_kernels as ek
+from epilora_kernels import reference
+from epilora_testing import assert_bitwise_equal
+from epilora_testing.cuda_graphs import capture
+
+from kernel_cases import exact_lora_delta, make_integer_problem, make_problem, relative_error
+
+CUDA = "cuda"
+BF16_TOL = 1e-2
+
+
+def test_the_device_has_pdl_and_tma():
+    support = ek.device_support(CUDA)
+    assert support.capability == (9, 0) and support.pdl and support.tma and support.fp8_mma
+    assert ek.supports("decode", in_features=4096, output_slices=(4096, 1024, 1024),
+                       max_rank=64)
+
+
+@pytest.mark.parametrize("path", [None, *ek.PATHS])
+@pytest.mark.parametrize("tokens", [1, 8, 64, 300])
+def test_lora_linear_on_every_path_matches_the_reference(path, tokens):
+    x, weight, w_scale, lora, batch = make_problem(0, tokens, 4096, (4096, 1024, 1024), 64, 4,
+                                                   "mixed_with_base", device=CUDA)
+    y = ek.lora_linear(x, weight, w_scale, lora, batch, path=path)
+    want = (reference.fused_lora_w8a16_linear(x, weight, w_scale, lora, batch)
+            if path == "w8a16" else
+            reference.fused_lora_fp8_linear(x, weight, w_scale, lora, batch))
+    assert relative_error(y, want) < BF16_TOL
+    again = ek.lora_linear(x, weight, w_scale, lora, batch, path=path)
+    assert_bitwise_equal(again, y, name="repeat")
+
+
+K2_GPU = {
+    "decode-tile": ek.LaunchConfig(block_m=16, block_n=32, block_k=256, block_r=64,
+                                   num_stages=4),
+    "split-k": ek.LaunchConfig(block_m=16, block_n=64, block_k=128, block_r=64, split_k=4),
+    "prefill-tma": ek.LaunchConfig(block_m=64, block_n=64, block_k=128, block_r=64),
+    "wide-tma": ek.LaunchConfig(block_m=128, block_n=128, block_k=128, block_r=64,
+                                num_warps=8),
+}
+
+
+@pytest.mark.parametrize("cfg", K2_GPU)
+@pytest.mark.parametrize("mapping", ["one_adapter", "mixed_with_base", "one_token_each"])
+@pytest.mark.parametrize("tokens", [3, 40, 200])
+def test_k2_bitwise_on_integer_operands_and_every_rows_delta(tokens, mapping, cfg):
+    x, codes, scales, weight, w_scale, h, lora, batch = make_integer_problem(
+        1, tokens, 64, (256, 64, 64), 64, 8, mapping, device=CUDA)
+    k2 = K2_GPU[cfg]
+    y = ek.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2)
+    assert_bitwise_equal(y, reference.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora,
+                                                    batch), name="K2 vs reference")
+    base = ek.fp8_gemm(codes, scales, weight, w_scale, config=k2)
+    delta = y.double().cpu() - base.double().cpu()
+    want = exact_lora_delta(h, lora, batch)
+    wrong = [row for row in range(tokens) if not torch.equal(delta[row], want[row])]
+    assert not wrong, f"rows with a wrong adapter delta: {wrong[:8]}"
+
+
+def test_the_callers_workspace_in_cuda_graphs():
+    # Sized before capture for every batch the graphs will see, frozen by the capture; graphs
+    # of several sizes and paths share it, replayed in turns: each gives its eager bits.
+    ws = ek.Workspace.for_batches(CUDA, max_tokens=256, max_out_features=6144, max_rank=128,
+                                  max_loras=4)
+    graphs = []
+    for tokens, path in ((1, "decode"), (16, "decode"), (64, "decode"), (200, "fused"),
+                         (256, "w8a16"), (48, None)):
+        x, weight, w_scale, lora, batch = make_problem(tokens, tokens, 4096, (4096, 1024, 1024),
+                                                       128, 4, "mixed_with_base", device=CUDA)
+
+        def call(x=x, weight=weight, w_scale=w_scale, lora=lora, batch=batch, path=path):
+            return ek.lora_linear(x, weight, w_scale, lora, batch, path=path, workspace=ws)
+
+        eager = call()
+        graph, out = capture(call)
+        graphs.append((graph, out, eager, f"{tokens} tokens, {path}"))
+    assert ws.frozen
+    for _ in range(3):
+        for graph, out, eager, name in graphs:
+            graph.replay()
+            torch.cuda.synchronize()
+            assert_bitwise_equal(out, eager, name=name)
+            assert ws.is_clean(), name
+
+
+def test_a_capture_that_needs_a_larger_workspace_is_refused():
+    x, weight, w_scale, lora, batch = make_problem(0, 64, 1024, (512,), 16, 2, "one_adapter",
+                                                   device=CUDA)
+    ws = ek.Workspace(CUDA, tiles=0)
+    split = ek.LaunchConfig(block_m=16, block_n=16, block_k=128, block_r=16, split_k=4)
+    ws.freeze()
+    with pytest.raises(ek.WorkspaceTooSmall, match="frozen"):
+        ek.lora_fp8_gemm(*ek.quantize(x), weight, w_scale,
+                         ek.lora_shrink(x, lora, batch), lora, batch, config=split,
+                         workspace=ws)
+    assert ws.is_clean()
+
+
+# The stress test's batches: decode-sized and beyond 32 tokens (64-row K2 tiles reading K1's
+# codes by TMA after the count), one slot and several, rows of every width the models have.
+STRESS = [(1, 1, "one_adapter"), (5, 4, "mixed_with_base"), (16, 1, "one_adapter"),
+          (33, 4, "one_token_each"), (64, 1, "one_adapter"), (100, 4, "reversed_runs"),
+          (200, 8, "mixed_with_base"), (256, 1, "one_adapter")]
+STRESS_K2 = ek.LaunchConfig(block_m=64, block_n=64, block_k=128, block_r=64, num_stages=3)
+STRESS_K1 = ek.LaunchConfig(block_m=64, block_k=128, block_r=64, split_k=4, num_warps=8)
+STRESS_ROUNDS = 400  # x 8 batches: 3200 launches of the decode path
+
+
+def test_stress_decode_handoff_to_tma_bitwise_over_thousands_of_launches():
+    cases = []
+    for seed, (tokens, slots, mapping) in enumerate(STRESS):
+        x, weight, w_scale, lora, batch = make_problem(seed, tokens, 4096, (2048, 512, 512), 64,
+                                                       slots, mapping, device=CUDA)
+        kwargs = {"k1_config": STRESS_K1 if tokens > 32 else None,
+                  "k2_config": STRESS_K2 if tokens > 32 else None}
+        want = ek.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, pdl=False, **kwargs)
+        cases.append((x, weight, w_scale, lora, batch, kwargs, want.view(torch.int16)))
+    ws = ek.Workspace.for_batches(CUDA, max_tokens=256, max_out_features=3072, max_rank=64,
+                                  max_loras=8)
+    mismatches = torch.zeros(len(cases), dtype=torch.int64, device=CUDA)
+    for _ in range(STRESS_ROUNDS):  # back to back: no synchronization until the end
+        for i, (x, weight, w_scale, lora, batch, kwargs, want) in enumerate(cases):
+            y = ek.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, workspace=ws,
+                                          **kwargs)
+            mismatches[i] += (y.view(torch.int16) != want).any()
+    torch.cuda.synchronize()
+    counts = dict(zip([c[:2] for c in STRESS], mismatches.tolist(), strict=True))
+    assert not any(counts.values()), f"launches differing from the serialized bits: {counts}"
+    assert ws.is_clean()

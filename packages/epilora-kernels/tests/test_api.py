@@ -1,0 +1,186 @@
+"""The public API (`from epilora_kernels import ...`): the dispatcher, the capability query, the
+hybrid path, and clear errors for bad input before any kernel launches (interpreter)."""
+
+import pytest
+import torch
+
+import epilora_kernels as ek
+from epilora_kernels import _launchers, dispatch, fused, reference
+from epilora_kernels.arch import INTERPRETER, DeviceSupport
+from epilora_quant import Fp8Arithmetic
+from epilora_testing import assert_bitwise_equal
+
+from kernel_cases import fp64_reference, make_problem, relative_error
+
+BF16_TOL = 1e-2
+SM90 = DeviceSupport("NVIDIA H200", (9, 0), fp8_mma=True, pdl=True, tma=True, interpreter=False)
+SM89 = DeviceSupport("NVIDIA L40S", (8, 9), fp8_mma=True, pdl=False, tma=False,
+                     interpreter=False)
+SM80 = DeviceSupport("NVIDIA A100", (8, 0), fp8_mma=False, pdl=False, tma=False,
+                     interpreter=False)
+
+
+def test_every_public_name_is_importable_and_listed():
+    assert ek.__all__ == sorted(ek._MODULE_OF)  # every lazily loaded name listed, once
+    for name in ek.__all__:
+        assert getattr(ek, name) is not None, name
+    assert "lora_linear" in dir(ek)
+    with pytest.raises(AttributeError, match="no attribute 'nonesuch'"):
+        ek.nonesuch  # noqa: B018
+
+
+@pytest.mark.parametrize(("support", "tokens", "slots", "want"), [
+    (SM90, 1, 1, "decode"), (SM90, 64, 1, "decode"), (SM90, 65, 1, "fused"),
+    (SM90, 8, 32, "decode"), (SM90, 16, 32, "fused"), (SM90, 4096, 1, "fused"),
+    (SM89, 1, 1, "fused"), (INTERPRETER, 4, 2, "decode")])
+def test_choose_path(support, tokens, slots, want):
+    batch = ek.AdapterBatch.from_token_mapping(
+        torch.arange(tokens, dtype=torch.int32) % slots, slots)
+    assert ek.choose_path(tokens, batch, support) == want
+
+
+@pytest.mark.parametrize("path", ["decode", "fused", "hybrid", "w8a16", None])
+@pytest.mark.parametrize("mapping", ["mixed_with_base", "one_adapter", "no_adapter"])
+def test_lora_linear_equals_the_reference_and_the_path_it_runs(path, mapping):
+    x, weight, w_scale, lora, batch = make_problem(5, 11, 64, (32, 16, 16), 16, 3, mapping)
+    y = ek.lora_linear(x, weight, w_scale, lora, batch, path=path)
+    assert y.dtype == torch.bfloat16 and y.shape == (11, 64)
+    codes, scales, _ = reference.quantize_and_shrink(x, lora, batch,
+                                                     arithmetic=Fp8Arithmetic.TORCH_CPU)
+    exact = fp64_reference(x, weight, w_scale, codes, scales, lora, batch, w8a16=path == "w8a16")
+    assert relative_error(y, exact) < BF16_TOL
+    chosen = path or ek.choose_path(11, batch, INTERPRETER)
+    direct = {"decode": fused.decode_lora_fp8_linear, "fused": fused.fused_lora_fp8_linear,
+              "w8a16": fused.fused_lora_w8a16_linear,
+              "hybrid": dispatch.hybrid_lora_fp8_linear}[chosen]
+    assert_bitwise_equal(y, direct(x, weight, w_scale, lora, batch), name=f"{chosen} path")
+
+
+def test_hybrid_path_takes_the_engines_base_gemm():
+    x, weight, w_scale, lora, batch = make_problem(6, 7, 64, (32, 32), 8, 2, "mixed_with_base")
+    calls = []
+
+    def base_gemm(x, weight, weight_scale):
+        calls.append(x.shape)
+        return reference.fp8_gemm_from_bf16(x, weight, weight_scale,
+                                            arithmetic=Fp8Arithmetic.TORCH_CPU)
+
+    y = ek.lora_linear(x, weight, w_scale, lora, batch, path="hybrid", base_gemm=base_gemm)
+    assert calls == [(7, 64)]
+    want = reference.lora_expand(base_gemm(x, weight, w_scale),
+                                 reference.lora_shrink(x, lora, batch), lora, batch)
+    assert relative_error(y, want) < BF16_TOL
+    with pytest.raises(ValueError, match=r"y must be bf16 \[7, 64\]"):
+        ek.lora_linear(x, weight, w_scale, lora, batch, path="hybrid",
+                       base_gemm=lambda *a: torch.zeros(7, 64))
+
+
+def test_an_empty_batch_gives_an_empty_output():
+    x, weight, w_scale, lora, batch = make_problem(7, 0, 64, (32,), 8, 2, "one_adapter")
+    assert ek.lora_linear(x, weight, w_scale, lora, batch).shape == (0, 32)
+
+
+@pytest.mark.parametrize(("path", "kwargs", "support", "reason"), [
+    ("decode", {}, SM89, "needs PDL"),
+    ("fused", {}, SM80, "FP8 MMA needs sm_89"),
+    ("fused", {"weight_scale_numel": 4096}, SM90, "per-tensor"),
+    ("fused", {"weight_dtype": torch.bfloat16}, SM90, "float8_e4m3fn"),
+    ("fused", {"max_rank": 256}, SM90, "ranks 1..128"),
+    ("fused", {"output_slices": (4096, 1000, 1000)}, SM90, "multiple of 16"),
+    ("fused", {"output_slices": (16,) * 4}, SM90, "1..3 are served"),
+])
+def test_supports_says_why_not(path, kwargs, support, reason, monkeypatch):
+    monkeypatch.setattr(dispatch, "device_support", lambda device=None: support)
+    case = {"in_features": 4096, "output_slices": (4096, 1024, 1024), "max_rank": 64, **kwargs}
+    verdict = ek.supports(path, **case)
+    assert not verdict and reason in verdict.reason, verdict
+    with pytest.raises(ValueError, match="unknown path"):
+        ek.supports("fastest", **case)
+
+
+@pytest.mark.parametrize("path", ek.PATHS)
+def test_supports_the_models_projections_on_sm90(path, monkeypatch):
+    monkeypatch.setattr(dispatch, "device_support", lambda device=None: SM90)
+    for slices, k in (((4096, 1024, 1024), 4096), ((12288, 12288), 4096), ((4096,), 12288),
+                      ((3584, 512, 512), 3584), ((18944, 18944), 3584)):
+        for rank in (1, 16, 64, 128):
+            verdict = ek.supports(path, in_features=k, output_slices=slices, max_rank=rank)
+            assert verdict and verdict.reason == "", (slices, rank, verdict)
+
+
+def test_lora_linear_refuses_what_is_not_supported(monkeypatch):
+    x, weight, _, lora, batch = make_problem(8, 3, 64, (32,), 8, 2, "one_adapter")
+    with pytest.raises(ek.UnsupportedError, match="per-tensor"):
+        ek.lora_linear(x, weight, torch.ones(32), lora, batch)
+    monkeypatch.setattr(fused, "device_support", lambda device=None: SM89)
+    monkeypatch.setattr(dispatch, "device_support", lambda device=None: SM89)
+    with pytest.raises(ek.UnsupportedError, match="needs PDL"):
+        ek.lora_linear(x, weight, torch.ones(1), lora, batch, path="decode")
+    with pytest.raises(ek.UnsupportedError, match="needs PDL"):
+        fused.decode_lora_fp8_linear(x, weight, torch.ones(1), lora, batch)
+
+
+def test_sm89_launches_without_pdl_or_tma(monkeypatch):
+    # An sm_89 part (L40S) runs the fused path with both launches plain and pointer loads.
+    x, weight, w_scale, lora, batch = make_problem(9, 70, 64, (32,), 8, 2, "one_adapter")
+    seen = []
+    launch_k2 = _launchers.launch_k2
+    monkeypatch.setattr(fused, "device_support", lambda device=None: SM89)
+    monkeypatch.setattr(_launchers, "launch_k2", lambda support, *a, **kw: seen.append(
+        (support, kw["pdl"], kw["a_sorted"])) or launch_k2(INTERPRETER, *a, **kw))
+    k2 = ek.LaunchConfig(block_m=64, block_n=16, block_k=32, block_r=16)
+    y = ek.fused_lora_fp8_linear(x, weight, w_scale, lora, batch, k2_config=k2)
+    assert seen == [(SM89, True, False)]  # asked for PDL; SM89 has none: launch_k2 drops it
+    assert not _launchers.use_pdl(SM89, True)
+    want = reference.fused_lora_fp8_linear(x, weight, w_scale, lora, batch,
+                                           arithmetic=Fp8Arithmetic.TORCH_CPU)
+    assert relative_error(y, want) < BF16_TOL
+
+
+def _bad_inputs():
+    x, weight, w_scale, lora, batch = make_problem(10, 6, 64, (32, 16, 16), 8, 2,
+                                                   "mixed_with_base")
+    codes, scales, h = fused.quantize_and_shrink(x, lora, batch)
+    other = ek.AdapterBatch.from_token_mapping(torch.zeros(5, dtype=torch.int32), 2)
+    meta = ek.AdapterBatch(batch.token_lora_mapping.long(), *list(vars(batch).values())[1:])
+    return {
+        "h shape": (lambda: ek.lora_fp8_gemm(codes, scales, weight, w_scale, h[:, :2], lora,
+                                             batch), "h must be"),
+        "h dtype": (lambda: ek.lora_fp8_gemm(codes, scales, weight, w_scale, h.double(), lora,
+                                             batch), "h must be"),
+        "codes dtype": (lambda: ek.lora_fp8_gemm(codes.float(), scales, weight, w_scale, h,
+                                                 lora, batch), "codes must be"),
+        "scales shape": (lambda: ek.lora_fp8_gemm(codes, scales.reshape(-1), weight, w_scale,
+                                                  h, lora, batch), "scales must be"),
+        "codes strides": (lambda: ek.fp8_gemm(codes.t().contiguous().t(), scales, weight,
+                                              w_scale), "codes must be"),
+        "batch tokens": (lambda: ek.lora_linear(x, weight, w_scale, lora, other),
+                         "batch maps 5 tokens"),
+        "batch dtype": (lambda: ek.lora_linear(x, weight, w_scale, lora, meta),
+                        "token_lora_mapping must be contiguous int32"),
+        "weight shape": (lambda: ek.lora_linear(x, weight[:32], w_scale, lora, batch),
+                         r"float8_e4m3fn \[64, 64\]"),
+        "weight transposed": (lambda: ek.lora_linear(x, weight.t().contiguous().t(), w_scale,
+                                                     lora, batch), "contiguous"),
+        "x rows": (lambda: ek.lora_linear(x.t().contiguous().t(), weight, w_scale, lora, batch),
+                   "contiguous rows"),
+        "x features": (lambda: ek.lora_linear(x[:, :32], weight, w_scale, lora, batch),
+                       "32 features"),
+        "adapter dtype": (lambda: ek.lora_linear(x, weight, w_scale, ek.LoraWeights(
+            tuple(a.float() for a in lora.lora_a), lora.lora_b, lora.output_slices), batch),
+            "bfloat16"),
+        "device": (lambda: ek.lora_linear(x, weight, w_scale.to("meta"), lora, batch),
+                   "one device"),
+        "expand y": (lambda: ek.lora_expand(torch.zeros(6, 63, dtype=torch.bfloat16), h, lora,
+                                            batch), r"y must be bf16 \[6, 64\]"),
+        "slots": (lambda: ek.lora_linear(x, weight, w_scale, lora,
+                                         ek.AdapterBatch.from_token_mapping(
+                                             batch.token_lora_mapping, 3)), "slots"),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bad_inputs()))
+def test_bad_input_is_a_clear_error(case):
+    call, message = _bad_inputs()[case]
+    with pytest.raises(ValueError, match=message):
+        call()

@@ -1,0 +1,85 @@
+"""K2 (and the hybrid path's expand) bit for bit against its torch reference on integer-valued
+operands, where fp32 arithmetic is exact (kernel_cases.make_integer_problem), and each row's
+adapter delta (y - y without adapters) checked on its own: a token whose adapter was lost,
+applied twice or given another slot's fails, which a norm over the whole output can hide."""
+
+import pytest
+import torch
+
+from epilora_kernels import LaunchConfig, fused, reference
+from epilora_testing import assert_bitwise_equal
+
+from kernel_cases import exact_lora_delta, make_integer_problem
+
+K2_CONFIGS = {
+    "decode-tile": LaunchConfig(block_m=16, block_n=16, block_k=32, block_r=16, num_stages=2),
+    "split-k": LaunchConfig(block_m=16, block_n=16, block_k=32, block_r=16, split_k=2),
+    "32-rows": LaunchConfig(block_m=32, block_n=32, block_k=32, block_r=16),
+    "prefill-tma": LaunchConfig(block_m=64, block_n=16, block_k=32, block_r=16, num_stages=2),
+    "rank-steps": LaunchConfig(block_m=64, block_n=16, block_k=32, block_r=128, num_warps=1),
+}
+CASES = [  # (tokens, K, slices, rank, max_loras, mapping)
+    (5, 64, (32,), 8, 1, "one_adapter"),
+    (9, 64, (32, 16, 16), 16, 4, "mixed_with_base"),
+    (21, 96, (16, 32), 8, 3, "reversed_runs"),
+    (70, 64, (32, 16, 16), 16, 8, "one_token_each"),
+]
+
+
+def _check_rows(y, base, h, lora, batch, name):
+    # Row by row: y - base is exactly the token's own adapter delta (zero without one).
+    got = y.double() - base.double()
+    want = exact_lora_delta(h, lora, batch)
+    for row in range(y.shape[0]):
+        if not torch.equal(got[row].cpu(), want[row]):
+            slot = int(batch.token_lora_mapping[row])
+            bad = (got[row].cpu() != want[row]).nonzero().flatten()[:4].tolist()
+            raise AssertionError(f"{name}: row {row} (slot {slot}) has the wrong adapter "
+                                 f"delta at columns {bad}")
+
+
+# Every case with every setting that fits it (rank within the tile, slices whole tiles).
+FITTING = [(case, name) for case in CASES for name, k2 in K2_CONFIGS.items()
+           if k2.block_r >= case[3] and not any(w % k2.block_n for w in case[2][:-1])]
+
+
+@pytest.mark.parametrize(("case", "cfg"), FITTING,
+                         ids=[f"T{c[0]}-N{sum(c[2])}-{c[5]}-{n}" for c, n in FITTING])
+def test_k2_fp8_equals_reference_bitwise_and_every_rows_delta(case, cfg):
+    x, codes, scales, weight, w_scale, h, lora, batch = make_integer_problem(0, *case)
+    k2 = K2_CONFIGS[cfg]
+    y = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2)
+    assert_bitwise_equal(y, reference.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora,
+                                                    batch), name="K2 vs reference")
+    base = fused.fp8_gemm(codes, scales, weight, w_scale, config=k2)
+    assert_bitwise_equal(base, reference.fp8_gemm(codes, scales, weight, w_scale),
+                         name="K2 without adapters vs reference")
+    _check_rows(y, base, h, lora, batch, "FP8 K2")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-N{sum(c[2])}-{c[5]}")
+def test_k2_w8a16_and_expand_equal_reference_bitwise_and_every_rows_delta(case):
+    x, _, _, weight, w_scale, h, lora, batch = make_integer_problem(1, *case)
+    k2 = K2_CONFIGS["decode-tile"] if case[0] < 64 else K2_CONFIGS["prefill-tma"]
+    y = fused.lora_w8a16_gemm(x, weight, w_scale, h, lora, batch, config=k2)
+    assert_bitwise_equal(y, reference.lora_w8a16_gemm(x, weight, w_scale, h, lora, batch),
+                         name="W8A16 K2 vs reference")
+    base = (w_scale * (x.float() @ weight.float().T)).to(torch.bfloat16)
+    _check_rows(y, base, h, lora, batch, "W8A16 K2")
+    expanded = fused.lora_expand(base.clone(), h, lora, batch, config=k2)
+    assert_bitwise_equal(expanded, reference.lora_expand(base.clone(), h, lora, batch),
+                         name="expand vs reference")
+    _check_rows(expanded, base, h, lora, batch, "expand")
+
+
+def test_a_lost_adapter_row_is_caught():
+    # The row check itself: drop one token's adapter from the reference and it must fail.
+    x, codes, scales, weight, w_scale, h, lora, batch = make_integer_problem(
+        2, 9, 64, (32, 16, 16), 16, 4, "mixed_with_base")
+    y = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch)
+    base = fused.fp8_gemm(codes, scales, weight, w_scale)
+    lost = y.clone()
+    row = int((batch.token_lora_mapping >= 0).nonzero()[0])
+    lost[row] = base[row]
+    with pytest.raises(AssertionError, match=f"row {row}"):
+        _check_rows(lost, base, h, lora, batch, "lost")
