@@ -5,7 +5,8 @@ Systems, side by side in one run on one GPU (names as in DESIGN.md section 6):
 * `cutlass`: vLLM's per-token activation quant (CUDA kernel) + `cutlass_scaled_mm`, no adapter;
 * `epilora-gemm`: our quantizer + our FP8 GEMM (K2 without adapter), against `cutlass`;
 * `vllm-default`: the same + vLLM's Punica `lora_shrink` / `lora_expand` at their defaults;
-* `epilora`: `epilora_kernels.lora_linear`, the dispatcher, with the shipped launch table;
+* `epilora`: `epilora_kernels.lora_linear`, the dispatcher, with the shipped launch table (its
+  hybrid path on vLLM's quant + CUTLASS, as the plugin passes them);
 * `epilora-heuristic`: the dispatcher with every launch setting from the heuristic
   (EPILORA_LAUNCH_TABLES=0: no table);
 * `epilora-fused`: our K1 (quant + shrink) + K2 (FP8 GEMM with the up-projection in its epilogue);
@@ -87,21 +88,28 @@ def adapter_inputs(tokens: int, rank: int, adapters: int, gen: torch.Generator,
     return batch, xs, bufs
 
 
-def run_layer(system: str, xs: dict, layer: dict, batch: AdapterBatch, meta: tuple, bufs: dict):
+def vllm_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """vLLM's per-token quant + CUTLASS (the `cutlass` system), as a base GEMM for the hybrid
+    path."""
     from vllm import _custom_ops as ops
+
+    codes, x_scale = ops.scaled_fp8_quant(x, None, use_per_token_if_dynamic=True)
+    return ops.cutlass_scaled_mm(codes, weight.t(), x_scale, scale, torch.bfloat16)
+
+
+def run_layer(system: str, xs: dict, layer: dict, batch: AdapterBatch, meta: tuple, bufs: dict):
     from vllm.lora.ops.triton_ops import lora_expand, lora_shrink
 
     for name, (weight, scale, lora) in layer.items():
         x = xs[name]
-        if system == "epilora":
-            ek.lora_linear(x, weight, scale, lora, batch)
-            continue
-        if system == "epilora-heuristic":  # the same with no launch table
-            os.environ["EPILORA_LAUNCH_TABLES"] = "0"
+        if system in ("epilora", "epilora-heuristic"):
+            # The dispatcher as the plugin calls it: its hybrid path on vLLM's quant + CUTLASS.
+            if system == "epilora-heuristic":  # the same with no launch table
+                os.environ["EPILORA_LAUNCH_TABLES"] = "0"
             try:
-                ek.lora_linear(x, weight, scale, lora, batch)
+                ek.lora_linear(x, weight, scale, lora, batch, base_gemm=vllm_fp8_gemm)
             finally:
-                del os.environ["EPILORA_LAUNCH_TABLES"]
+                os.environ.pop("EPILORA_LAUNCH_TABLES", None)
             continue
         if system == "epilora-fused":
             ek.fused_lora_fp8_linear(x, weight, scale, lora, batch)
@@ -112,8 +120,7 @@ def run_layer(system: str, xs: dict, layer: dict, batch: AdapterBatch, meta: tup
         if system == "epilora-gemm":  # our FP8 GEMM alone (quantizing in-kernel), no adapter
             ek.fp8_gemm_from_bf16(x, weight, scale)
             continue
-        codes, x_scale = ops.scaled_fp8_quant(x, None, use_per_token_if_dynamic=True)
-        y = ops.cutlass_scaled_mm(codes, weight.t(), x_scale, scale, torch.bfloat16)
+        y = vllm_fp8_gemm(x, weight, scale)
         if system == "vllm-default":
             lora_shrink(x, list(lora.lora_a), bufs[name], *meta, 1.0)
             lora_expand(bufs[name], list(lora.lora_b), y, *meta, offset_start=0, add_inputs=True)

@@ -31,8 +31,9 @@ def test_every_public_name_is_importable_and_listed():
 
 @pytest.mark.parametrize(("support", "tokens", "slots", "want"), [
     (SM90, 1, 1, "decode"), (SM90, 64, 1, "decode"), (SM90, 65, 1, "fused"),
-    (SM90, 8, 32, "decode"), (SM90, 16, 32, "fused"), (SM90, 4096, 1, "fused"),
-    (SM89, 1, 1, "fused"), (INTERPRETER, 4, 2, "decode")])
+    (SM90, 8, 32, "decode"), (SM90, 16, 32, "fused"), (SM90, 512, 8, "fused"),
+    (SM90, 513, 1, "hybrid"), (SM90, 4096, 32, "hybrid"), (SM89, 1, 1, "fused"),
+    (INTERPRETER, 4, 2, "decode")])
 def test_choose_path(support, tokens, slots, want):
     batch = ek.AdapterBatch.from_token_mapping(
         torch.arange(tokens, dtype=torch.int32) % slots, slots)
@@ -179,7 +180,16 @@ def _bad_inputs():
     }
 
 
-@pytest.mark.parametrize("case", sorted(_bad_inputs()))
+BAD_INPUTS = ["adapter dtype", "batch dtype", "batch tokens", "codes dtype", "codes strides",
+              "device", "expand y", "h dtype", "h shape", "scales shape", "slots",
+              "weight shape", "weight transposed", "x features", "x rows"]
+
+
+def test_every_bad_input_case_is_run():
+    assert sorted(_bad_inputs()) == BAD_INPUTS
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)  # built in the test: collection launches nothing
 def test_bad_input_is_a_clear_error(case):
     call, message = _bad_inputs()[case]
     with pytest.raises(ValueError, match=message):

@@ -19,9 +19,10 @@ def test_grows_until_frozen_then_refuses_with_the_size_it_needs():
     assert ws.counters(4) is first
     grown = ws.counters(10_000)
     assert grown is not first and ws.tiles >= 10_000 and ws.is_clean()
+    assert ws._kept == []  # never captured: the old buffer is not kept
     ws.freeze()
     assert ws.counters(ws.tiles) is grown
-    with pytest.raises(ek.WorkspaceTooSmall, match=r"needs 40000 .*tiles=40000"):
+    with pytest.raises(ek.WorkspaceTooSmall, match=r"needs 40000 .*frozen.*tiles=40000"):
         ws.counters(40_000)
     with pytest.raises(ValueError, match="tiles must be >= 0"):
         ek.Workspace("cpu", tiles=-1)

@@ -22,11 +22,14 @@ PATHS = ("decode", "fused", "hybrid", "w8a16")
 MAX_RANK = 128  # the largest rank tile K2's epilogue was compiled and tested with
 SLICE_ALIGN = 16  # output slices start on a multiple of the narrowest K2 tile
 
-# choose_path's thresholds, from the layer benchmark on Qwen3-8B's shapes (benchmarks/layer.py,
-# results/h200/layer.json of f715d55): the decode path was the fastest at 1-64 tokens with one
-# adapter slot and at 1-8 tokens with 32; the fused path beyond.
+# choose_path's thresholds, from the layer benchmark on Qwen3-8B's shapes only (benchmarks/
+# layer.py; layer.json of f715d55 up to 256 tokens, and the 1024- and 4096-token cases of an
+# exploratory run at 815af52): the decode path was the fastest at 1-64 tokens with one adapter
+# slot and at 1-8 tokens with 32; the fused path at 128-256; the hybrid path (CUTLASS, then our
+# shrink and expand) at 1024 and 4096 with one adapter and with eight. 512 lies between.
 DECODE_MAX_TOKENS_ONE_SLOT = 64
 DECODE_MAX_TOKENS = 8
+FUSED_MAX_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -81,12 +84,14 @@ def supports(path: str, *, in_features: int, output_slices: tuple[int, ...], max
 
 def choose_path(tokens: int, batch: AdapterBatch, support: DeviceSupport) -> str:
     """The path `lora_linear` takes without one given: the decode path for small batches where
-    PDL exists (more tokens with one adapter slot, whose K2 epilogue is cheapest), else fused."""
+    PDL exists (more tokens with one adapter slot, whose K2 epilogue is cheapest), the fused
+    path up to FUSED_MAX_TOKENS, the hybrid path beyond (the vendor GEMM is faster than our K2
+    at large M, more than the expand's re-read of its output costs)."""
     if support.pdl or support.interpreter:
         limit = DECODE_MAX_TOKENS_ONE_SLOT if batch.num_entries <= 2 else DECODE_MAX_TOKENS
         if tokens <= limit:
             return "decode"
-    return "fused"
+    return "fused" if tokens <= FUSED_MAX_TOKENS else "hybrid"
 
 
 BaseGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

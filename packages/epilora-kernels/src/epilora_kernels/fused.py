@@ -50,7 +50,9 @@ def _support(x: torch.Tensor, path: str) -> DeviceSupport:
 def _workspace(workspace: Workspace | None, device: torch.device) -> Workspace:
     if workspace is None:
         return default_workspace(device)
-    if workspace.device != device:
+    if workspace.device.type != device.type or (
+            device.type == "cuda" and workspace.device.index != (
+                device.index if device.index is not None else torch.cuda.current_device())):
         raise ValueError(f"the workspace is on {workspace.device}, x on {device}")
     return workspace
 

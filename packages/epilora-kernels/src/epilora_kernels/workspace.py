@@ -10,11 +10,12 @@ PDL: after its wait), so every launch starts at the same offset.
 Rules for an engine (what `Workspace` enforces where it can):
 
 * One workspace per stream that runs our ops concurrently with others: two streams sharing one
-  would count into the same counters.
-* Size it before CUDA-graph capture (`Workspace.for_batches`, or run every batch size once
-  eagerly): a graph holds the buffer's address, so the buffer must never be replaced while
-  graphs that use it exist. A workspace used during a capture is frozen from then on; a launch
-  that would need a larger one raises `WorkspaceTooSmall` instead of reallocating.
+  would count into the same counters. Calls without a workspace share their device's default.
+* Size it before CUDA-graph capture (`Workspace.for_batches`, or run the largest batch once
+  eagerly): a launch under capture that needs more raises `WorkspaceTooSmall` rather than
+  allocate memory the graph does not own. A graph holds the buffer's address, so a buffer a
+  graph captured is never freed: when an eager launch needs more, a larger buffer replaces it
+  for new launches and the captured one is kept for the graphs.
 * After a failed launch (an exception between K1 and K2, a killed kernel), `reset()` zeroes the
   counters in stream order. The launchers already do so when K2 fails to launch after K1.
 
@@ -40,20 +41,32 @@ class WorkspaceTooSmall(RuntimeError):
     """A launch needs more counters than a frozen (or captured) workspace holds."""
 
 
+def _normalized(device: torch.device | str) -> torch.device:
+    # "cuda" and "cuda:0" name one device: keep the index, so that comparisons hold.
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class Workspace:
-    """Zeroed int32 counters for the kernels on one device and stream, owned by the caller.
+    """Zeroed int32 counters for the kernels on one device, owned by the caller.
 
     `tiles` is the number of split-K tile counters (after READY and PASSED). The buffer grows
-    on demand until the workspace is frozen (`freeze()`, or its first use under CUDA-graph
-    capture); then a launch that needs more raises `WorkspaceTooSmall`.
+    on demand: a larger one replaces it, and a buffer that a CUDA graph captured is kept alive
+    beside it, so graphs keep a valid address (they go on using their own; new launches use
+    the new one). It never grows during a capture (`WorkspaceTooSmall`: the launch would be
+    captured with memory the graph does not own), nor once `freeze()` was called.
     """
 
     def __init__(self, device: torch.device | str, tiles: int = _MIN_TILES) -> None:
         if tiles < 0:
             raise ValueError(f"tiles must be >= 0, got {tiles}")
-        self.device = torch.device(device)
+        self.device = _normalized(device)
         self._buffer = torch.zeros(TILES + max(tiles, _MIN_TILES), dtype=torch.int32,
                                    device=self.device)
+        self._captured = False  # whether a graph captured the current buffer
+        self._kept: list[torch.Tensor] = []  # buffers graphs captured, replaced since
         self.frozen = False
 
     @classmethod
@@ -77,59 +90,56 @@ class Workspace:
         return self._buffer.numel() - TILES
 
     def freeze(self) -> None:
-        """No reallocation from now on (call before capturing graphs that use it)."""
+        """Never grow from now on: a launch that needs more raises `WorkspaceTooSmall` (for
+        engines that size their workspace once and want to know if it ever falls short)."""
         self.frozen = True
 
     def counters(self, tiles: int) -> torch.Tensor:
         """The counter buffer, with room for `tiles` tile counters after READY and PASSED."""
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if capturing:
-            self.frozen = True
         if tiles > self.tiles:
-            if self.frozen:
+            if capturing or self.frozen:
+                why = "during CUDA-graph capture" if capturing else "and is frozen"
                 raise WorkspaceTooSmall(
                     f"this launch needs {tiles} split-K tile counters, the workspace has "
-                    f"{self.tiles} and is frozen{' (CUDA-graph capture)' if capturing else ''}:"
-                    " size it before capture with Workspace.for_batches(...) or Workspace("
-                    f"device, tiles={tiles})")
+                    f"{self.tiles} {why}: size it before capture with "
+                    f"Workspace.for_batches(...) or Workspace(device, tiles={tiles}), or run "
+                    "the largest batch once before capturing")
+            if self._captured:
+                self._kept.append(self._buffer)
             self._buffer = torch.zeros(TILES + max(tiles, 2 * self.tiles), dtype=torch.int32,
                                        device=self.device)
+            self._captured = False
+        if capturing:
+            self._captured = True
         return self._buffer
 
     def reset(self) -> None:
         """Zero every counter, in stream order (recovery after a failed launch)."""
         self._buffer.zero_()
+        for kept in self._kept:
+            kept.zero_()
 
     def is_clean(self) -> bool:
         """Whether every counter is zero, as after every complete launch (synchronizes)."""
-        return not bool(self._buffer.any())
+        return not any(bool(b.any()) for b in (self._buffer, *self._kept))
 
 
-_defaults: dict[tuple[str, int | None, int], Workspace] = {}
+_defaults: dict[torch.device, Workspace] = {}
 
 
-def _stream_key(device: torch.device, stream: "torch.cuda.Stream | None" = None):
-    if device.type != "cuda":
-        return (device.type, device.index, 0)
-    stream = stream if stream is not None else torch.cuda.current_stream(device)
-    return (device.type, device.index, stream.cuda_stream)
+def set_default_workspace(workspace: Workspace) -> None:
+    """Make `workspace` the one that calls without a workspace use on its device: how an engine
+    hands its own to ops that take no workspace argument (`epilora_kernels.ops`)."""
+    _defaults[workspace.device] = workspace
 
 
-def set_default_workspace(workspace: Workspace,
-                          stream: "torch.cuda.Stream | None" = None) -> None:
-    """Make `workspace` the one that calls without a workspace use on its device and `stream`
-    (default: the current stream): how an engine hands its own to ops that take no workspace
-    argument (`epilora_kernels.ops`)."""
-    _defaults[_stream_key(workspace.device, stream)] = workspace
-
-
-def default_workspace(device: torch.device) -> Workspace:
-    """The workspace of `device` and its current stream, for callers that pass none (created on
-    first use unless `set_default_workspace` gave one). Sized on demand, so a capture that needs
-    it larger than the eager runs made it raises `WorkspaceTooSmall`: engines that capture
-    graphs should size their own."""
-    key = _stream_key(device)
-    workspace = _defaults.get(key)
+def default_workspace(device: torch.device | str) -> Workspace:
+    """The workspace of `device` for callers that pass none (created on first use unless
+    `set_default_workspace` gave one), grown on demand outside captures. One per device: ops
+    on concurrent streams of one device need a workspace each, passed explicitly."""
+    device = _normalized(device)
+    workspace = _defaults.get(device)
     if workspace is None:
-        workspace = _defaults[key] = Workspace(device)
+        workspace = _defaults[device] = Workspace(device)
     return workspace

@@ -53,8 +53,10 @@ K2_GPU = {
 @pytest.mark.parametrize("mapping", ["one_adapter", "mixed_with_base", "one_token_each"])
 @pytest.mark.parametrize("tokens", [3, 40, 200])
 def test_k2_bitwise_on_integer_operands_and_every_rows_delta(tokens, mapping, cfg):
+    # Rank 16 over K = 64: every output an integer below 256 in magnitude, exact in bf16, so
+    # y - (y without adapters) is each row's delta exactly.
     x, codes, scales, weight, w_scale, h, lora, batch = make_integer_problem(
-        1, tokens, 64, (256, 64, 64), 64, 8, mapping, device=CUDA)
+        1, tokens, 64, (256, 128, 128), 16, 8, mapping, device=CUDA)
     k2 = K2_GPU[cfg]
     y = ek.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2)
     assert_bitwise_equal(y, reference.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora,
@@ -92,16 +94,35 @@ def test_the_callers_workspace_in_cuda_graphs():
             assert ws.is_clean(), name
 
 
-def test_a_capture_that_needs_a_larger_workspace_is_refused():
-    x, weight, w_scale, lora, batch = make_problem(0, 64, 1024, (512,), 16, 2, "one_adapter",
+def test_a_workspace_grows_between_captures_and_keeps_what_graphs_captured():
+    # A captured graph keeps its counter buffer: an eager launch that needs more gets a larger
+    # one, and the graph still replays its bits; a capture that needs more is refused.
+    x, weight, w_scale, lora, batch = make_problem(0, 256, 1024, (4096,), 16, 2, "one_adapter",
                                                    device=CUDA)
-    ws = ek.Workspace(CUDA, tiles=0)
+    small, large = x[:64], x
+    small_batch = ek.AdapterBatch.from_token_mapping(batch.token_lora_mapping[:64], 2)
     split = ek.LaunchConfig(block_m=16, block_n=16, block_k=128, block_r=16, split_k=4)
+    ws = ek.Workspace(CUDA, tiles=0)
+
+    def run(x, batch):
+        return ek.lora_fp8_gemm(*ek.quantize(x), weight, w_scale, ek.lora_shrink(x, lora, batch),
+                                lora, batch, config=split, workspace=ws)
+
+    eager_small = run(small, small_batch)
+    graph, out = capture(lambda: run(small, small_batch))
+    captured = ws.counters(0)
+    eager_large = run(large, batch)  # 16 x 256 tiles: more than the 4094 it had
+    assert ws.counters(0) is not captured and ws.tiles >= 4096
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_bitwise_equal(out, eager_small, name="graph after the workspace grew")
+    assert_bitwise_equal(run(large, batch), eager_large, name="eager after growing")
     ws.freeze()
+    bigger = torch.cat([x, x])
+    bigger_batch = ek.AdapterBatch.from_token_mapping(torch.cat([batch.token_lora_mapping] * 2),
+                                                      2)
     with pytest.raises(ek.WorkspaceTooSmall, match="frozen"):
-        ek.lora_fp8_gemm(*ek.quantize(x), weight, w_scale,
-                         ek.lora_shrink(x, lora, batch), lora, batch, config=split,
-                         workspace=ws)
+        run(bigger, bigger_batch)
     assert ws.is_clean()
 
 
