@@ -97,6 +97,7 @@ def main() -> None:
                                                    "mixed_with_base")
     split = LaunchConfig(block_m=16, block_n=32, block_k=64, block_r=16, split_k=2)
     wide = make_problem(0, 2, 12288, (32,), 16, 1, "one_adapter")  # the down projection's K
+    channel_scales = torch.ones(weight.shape[0])
     eight_warps = LaunchConfig(block_m=16, block_k=128, block_r=16, split_k=8, num_warps=8)
     launchers = {
         "quantize": lambda: fused.quantize(x),
@@ -116,6 +117,11 @@ def main() -> None:
         "k1_eight_warps_wide": lambda: fused.quantize_and_shrink(
             wide[0], wide[3], wide[4], config=eight_warps),
         "w8a16": lambda: fused.fused_lora_w8a16_linear(x, weight, w_scale, lora, batch),
+        # one weight scale per output channel, in both GEMM modes and without adapters
+        "per_channel": lambda: (
+            fused.decode_lora_fp8_linear(x, weight, channel_scales, lora, batch),
+            fused.fused_lora_w8a16_linear(x, weight, channel_scales, lora, batch),
+            fused.fp8_gemm_from_bf16(x, weight, channel_scales)),
         "expand": lambda: fused.lora_expand(
             torch.zeros(5, 128, dtype=torch.bfloat16), fused.lora_shrink(x, lora, batch), lora,
             batch),

@@ -14,15 +14,20 @@ MAPPINGS = {
 
 
 def make_problem(seed, t, k, output_slices, rank, max_loras, mapping, device="cpu",
-                 rank_used=None):
-    """x, an FP8 weight with its scale, adapters (only `rank_used` rows of each slot nonzero),
+                 rank_used=None, per_channel=False):
+    """x, an FP8 weight with its scale (one, or with `per_channel` one per output row `[N]`,
+    from rows of different magnitudes), adapters (only `rank_used` rows of each slot nonzero),
     and the batch metadata for `mapping`."""
     gen = torch.Generator().manual_seed(seed)
     n = sum(output_slices)
     x = (torch.randn(t, k, generator=gen) * 2).to(torch.bfloat16)
     w = torch.randn(n, k, generator=gen) * 0.05
-    w_scale = (w.abs().amax() / 448.0).reshape(1).float()
-    weight = (w / w_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    if per_channel:
+        w = w * torch.logspace(-2, 2, n, base=2.0)[torch.randperm(n, generator=gen), None]
+        w_scale = (w.abs().amax(dim=1) / 448.0).float()
+    else:
+        w_scale = (w.abs().amax() / 448.0).reshape(1).float()
+    weight = (w / w_scale.reshape(-1, 1)).clamp(-448, 448).to(torch.float8_e4m3fn)
     rank_used = rank if rank_used is None else rank_used
     lora_a, lora_b = [], []
     for width in output_slices:
@@ -40,10 +45,11 @@ def make_problem(seed, t, k, output_slices, rank, max_loras, mapping, device="cp
 
 def fp64_reference(x, weight, w_scale, codes, scales, lora, batch, *, w8a16=False):
     """The exact math in float64: (dequantized GEMM) + x A^T B^T per token's adapter."""
+    w = weight.double() * w_scale.double().reshape(-1, 1)  # per tensor or per output row
     if w8a16:
-        base = x.double() @ (weight.double() * w_scale.double()).T
+        base = x.double() @ w.T
     else:
-        base = (codes.double() * scales.double()) @ (weight.double() * w_scale.double()).T
+        base = (codes.double() * scales.double()) @ w.T
     mapping = batch.token_lora_mapping.long()
     out = base.clone()
     begin = 0

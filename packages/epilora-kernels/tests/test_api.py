@@ -84,7 +84,7 @@ def test_an_empty_batch_gives_an_empty_output():
 @pytest.mark.parametrize(("path", "kwargs", "support", "reason"), [
     ("decode", {}, SM89, "needs PDL"),
     ("fused", {}, SM80, "FP8 MMA needs sm_89"),
-    ("fused", {"weight_scale_numel": 4096}, SM90, "per-tensor"),
+    ("fused", {"weight_scale_numel": 4096}, SM90, "block scales are not"),
     ("fused", {"weight_dtype": torch.bfloat16}, SM90, "float8_e4m3fn"),
     ("fused", {"max_rank": 256}, SM90, "ranks 1..128"),
     ("fused", {"output_slices": (4096, 1000, 1000)}, SM90, "multiple of 16"),
@@ -111,8 +111,8 @@ def test_supports_the_models_projections_on_sm90(path, monkeypatch):
 
 def test_lora_linear_refuses_what_is_not_supported(monkeypatch):
     x, weight, _, lora, batch = make_problem(8, 3, 64, (32,), 8, 2, "one_adapter")
-    with pytest.raises(ek.UnsupportedError, match="per-tensor"):
-        ek.lora_linear(x, weight, torch.ones(32), lora, batch)
+    with pytest.raises(ek.UnsupportedError, match="block scales are not"):
+        ek.lora_linear(x, weight, torch.ones(16), lora, batch)
     monkeypatch.setattr(fused, "device_support", lambda device=None: SM89)
     monkeypatch.setattr(dispatch, "device_support", lambda device=None: SM89)
     with pytest.raises(ek.UnsupportedError, match="needs PDL"):
@@ -194,3 +194,32 @@ def test_bad_input_is_a_clear_error(case):
     call, message = _bad_inputs()[case]
     with pytest.raises(ValueError, match=message):
         call()
+
+
+@pytest.mark.parametrize("path", ["decode", "fused", "hybrid", "w8a16"])
+@pytest.mark.parametrize("shape", [(1, None), (70, ek.LaunchConfig(block_m=64, block_n=16,
+                                                                   block_k=32, block_r=16))],
+                         ids=["decode-tile", "prefill-tma"])
+def test_per_channel_weight_scales_on_every_path(path, shape):
+    # llm-compressor's FP8-dynamic checkpoints: one scale per output channel, rows of
+    # magnitudes 2^-2 to 2^2 apart, so that a scale applied to the wrong column shows.
+    tokens, k2 = shape
+    x, weight, w_scale, lora, batch = make_problem(11, tokens, 64, (32, 16, 16), 16, 3,
+                                                   "mixed_with_base", per_channel=True)
+    assert w_scale.shape == (64,)
+    codes, scales, _ = reference.quantize_and_shrink(x, lora, batch,
+                                                     arithmetic=Fp8Arithmetic.TORCH_CPU)
+    exact = fp64_reference(x, weight, w_scale, codes, scales, lora, batch, w8a16=path == "w8a16")
+    if k2 is None or path == "hybrid":
+        y = ek.lora_linear(x, weight, w_scale, lora, batch, path=path)
+    else:
+        run = {"decode": ek.decode_lora_fp8_linear, "fused": ek.fused_lora_fp8_linear,
+               "w8a16": ek.fused_lora_w8a16_linear}[path]
+        y = run(x, weight, w_scale, lora, batch, k2_config=k2)
+    assert relative_error(y, exact) < BF16_TOL
+    # [N, 1] (vLLM's channelwise layout) gives the same bits as [N]
+    column = ek.lora_linear(x, weight, w_scale.reshape(-1, 1), lora, batch, path=path)
+    assert_bitwise_equal(column, ek.lora_linear(x, weight, w_scale, lora, batch, path=path),
+                         name="[N, 1] vs [N] scales")
+    with pytest.raises(ValueError, match="one per output channel"):
+        ek.fused_lora_fp8_linear(x, weight, w_scale[:32], lora, batch)

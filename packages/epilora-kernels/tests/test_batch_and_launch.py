@@ -39,8 +39,10 @@ def test_launch_config_validation_and_heuristic():
         for rank in (1, 16, 64, 128):
             for slices in ((6144,), (4096, 1024, 1024), (4096, 1040, 1040), (96, 48)):
                 k2 = heuristic_config("lora_gemm", tokens, sum(slices), 4096, rank, slices)
-                # K2 holds the whole rank in its epilogue and never straddles two slices
-                assert k2.block_r >= rank and k2.split_k == 1, (tokens, rank, k2)
+                # K2 holds the whole rank in its epilogue and never straddles two slices; it
+                # splits K only at decode sizes where K is at least twice N
+                deep = tokens <= 32 and 4096 >= 2 * sum(slices)
+                assert k2.block_r >= rank and k2.split_k == (2 if deep else 1), (tokens, k2)
                 assert all(width % k2.block_n == 0 for width in slices[:-1]), (slices, k2)
                 k1 = heuristic_config("quantize_shrink", tokens, sum(slices), 4096, rank)
                 # the split K loop covers K in whole BLOCK_K steps of at least 256 each
@@ -72,7 +74,7 @@ def test_table_lookup_picks_the_smallest_bucket_at_or_above(tmp_path, monkeypatc
     assert launch.table_config("Test GPU", "lora_gemm", 1, 64, 32).block_m == 16
     assert launch.table_config("Test GPU", "lora_gemm", 17, 64, 32).block_m == 64
     assert launch.table_config("Test GPU", "lora_gemm", 999, 64, 32).block_m == 64
-    assert launch.table_config("Test GPU", "lora_gemm", 1, 128, 32) is None
+    assert launch.table_config("Test GPU", "lora_gemm", 1, 512, 32) is None  # not near
     assert launch.table_config("Other GPU", "lora_gemm", 1, 64, 32) is None
     launch._load_table.cache_clear()
 
@@ -190,18 +192,25 @@ def test_the_shipped_h200_table_is_valid_and_covers_the_benchmark_shapes():
             assert cfg is not None and all(w % cfg.block_n == 0 for w in slices[n][:-1]), cfg
             for op in ("quantize_shrink", "shrink", "decode_shrink"):
                 assert table_config("NVIDIA H200", op, tokens, n, k) is not None
-    assert table_config("NVIDIA H200", "shrink", 1, 2048, 2048) is None  # not tuned: heuristic
+    assert table_config("NVIDIA H200", "shrink", 1, 512, 512) is None  # nothing near: heuristic
 
 
 def test_shrink_heuristics_split_small_batches():
     from epilora_kernels.launch import heuristic_config
 
-    # Up to 32 tokens K split into at most 16 parts, each at least 256 deep, for every K1 op.
-    for op in ("shrink", "quantize_shrink", "decode_shrink"):
+    # Up to 32 tokens K split into at most 16 parts, each at least 256 deep, for the fused and
+    # hybrid paths' K1; the decode path's K1, which K2 hides, into parts about 1024 deep with
+    # rank tiles of at most 64.
+    for op in ("shrink", "quantize_shrink"):
         assert heuristic_config(op, 16, 4096, 4096, 64).split_k == 16
         assert heuristic_config(op, 1, 4096, 12288, 64).split_k == 16
         assert heuristic_config(op, 32, 4096, 2048, 64).split_k == 8
         assert heuristic_config(op, 1, 64, 128, 16).split_k == 1
+    assert [heuristic_config("decode_shrink", 8, 4096, k, 128).split_k
+            for k in (4096, 12288, 18944, 512)] == [4, 12, 16, 1]
+    assert heuristic_config("decode_shrink", 8, 4096, 4096, 128).block_r == 64
+    assert heuristic_config("decode_shrink", 8, 4096, 4096, 16).block_r == 16
+    for op in ("shrink", "quantize_shrink", "decode_shrink"):
         # Beyond 32 tokens: 16-row tiles, K in at most 8 parts each at least 512 deep.
         assert [heuristic_config(op, t, 4096, k, 64).split_k
                 for t, k in ((64, 4096), (256, 12288), (2048, 2048), (64, 256))] == [8, 8, 4, 1]
@@ -260,3 +269,33 @@ def test_every_sm90_part_finds_the_sm90_table(name):
     assert table_device(name, "sm90") == "NVIDIA H200"
     assert table_device(name, "sm89") == ("NVIDIA H200" if name == "NVIDIA H200" else None)
     assert table_device("NVIDIA L40S", "sm89") is None  # no table: the heuristic
+
+
+def test_an_untuned_shape_takes_its_nearest_tuned_shapes_entries():
+    from epilora_kernels.launch import _load_table, nearest_shape, select_config, table_config
+
+    shapes = _load_table("NVIDIA H200")["lora_gemm"]
+    assert nearest_shape(shapes, 24576, 4096) == (24576, 4096)  # tuned: itself
+    assert nearest_shape(shapes, 28672, 4096) == (24576, 4096)  # Llama-3.1-8B gate_up
+    assert nearest_shape(shapes, 4096, 14336) == (4096, 12288)  # Llama-3.1-8B down
+    assert nearest_shape(shapes, 4608, 3584) == (4096, 4096)  # Qwen2.5-7B qkv
+    assert nearest_shape(shapes, 37888, 3584) == (24576, 4096)  # Qwen2.5-7B gate_up
+    assert nearest_shape(shapes, 1024, 4096) is None  # beyond a factor of two in N
+    assert table_config("NVIDIA H200", "lora_gemm", 4, 28672, 4096) == table_config(
+        "NVIDIA H200", "lora_gemm", 4, 24576, 4096)
+    # K2's tile still fits the slices of the shape it serves (Qwen2.5-7B's qkv: 3584, 512, 512)
+    for tokens in (1, 16, 64, 256):
+        cfg = select_config("NVIDIA H200", "lora_gemm", tokens, 4608, 3584, 64, (3584, 512, 512))
+        assert 3584 % cfg.block_n == 0 and 512 % cfg.block_n == 0 and cfg.block_r == 64
+
+
+def test_heuristic_decode_gemm_rules():
+    from epilora_kernels.launch import heuristic_config
+
+    # gate_up-wide N: 64-wide tiles in 3 stages; else 32-wide in 5; down (K >= 2N): split 2
+    wide = heuristic_config("lora_gemm", 8, 28672, 4096, 64, (14336, 14336))
+    assert (wide.block_n, wide.num_stages, wide.split_k, wide.block_k) == (64, 3, 1, 256)
+    down = heuristic_config("lora_gemm", 8, 4096, 14336, 64, (4096,))
+    assert (down.block_n, down.num_stages, down.split_k) == (32, 5, 2)
+    qkv = heuristic_config("lora_gemm", 1, 4608, 3584, 16, (3584, 512, 512))
+    assert (qkv.block_n, qkv.split_k, qkv.block_r) == (32, 1, 16)

@@ -83,3 +83,20 @@ def test_a_lost_adapter_row_is_caught():
     lost[row] = base[row]
     with pytest.raises(AssertionError, match=f"row {row}"):
         _check_rows(lost, base, h, lora, batch, "lost")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-N{sum(c[2])}-{c[5]}")
+def test_k2_with_per_channel_scales_equals_reference_bitwise(case):
+    # Powers of two per output channel keep every product exact: K2 must equal its reference
+    # bit for bit, and each column be scaled by its own channel's scale.
+    x, codes, scales, weight, _, h, lora, batch = make_integer_problem(3, *case)
+    n = lora.out_features
+    w_scale = 2.0 ** -(torch.arange(n) % 3).float()  # 1, 1/2, 1/4, ...
+    for k2 in (K2_CONFIGS["decode-tile"], K2_CONFIGS["prefill-tma"]):
+        y = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2)
+        assert_bitwise_equal(y, reference.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora,
+                                                        batch), name="per-channel K2")
+        base = fused.fp8_gemm(codes, scales, weight, w_scale, config=k2)
+        want = (codes.float() @ weight.float().T) * w_scale[None, :]
+        assert_bitwise_equal(base, want.to(torch.bfloat16), name="per-channel GEMM columns")
+        _check_rows(y, base, h, lora, batch, "per-channel K2")

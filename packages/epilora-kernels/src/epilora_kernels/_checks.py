@@ -65,9 +65,11 @@ def check_weight(weight: torch.Tensor, weight_scale: torch.Tensor, k: int, n: in
     if not weight.is_contiguous():
         raise ValueError(f"weight must be contiguous [N, K] (K-major), got strides "
                          f"{weight.stride()} (vLLM keeps W^T: pass layer.weight.t())")
-    if weight_scale.numel() != 1 or weight_scale.dtype != torch.float32:
-        raise ValueError(f"weight_scale must be one fp32 value (per-tensor FP8 weights), got "
-                         f"{_shape(weight_scale)}")
+    per_tensor = weight_scale.numel() == 1
+    per_channel = tuple(weight_scale.shape) in ((n,), (n, 1)) and weight_scale.is_contiguous()
+    if weight_scale.dtype != torch.float32 or not (per_tensor or per_channel):
+        raise ValueError(f"weight_scale must be fp32, one value (per-tensor) or one per output "
+                         f"channel ([{n}] or [{n}, 1], contiguous), got {_shape(weight_scale)}")
     check_device(device, weight=weight, weight_scale=weight_scale)
 
 

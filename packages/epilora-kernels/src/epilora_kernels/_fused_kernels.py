@@ -10,7 +10,8 @@ K2 reads one plane. In the decode path (`SIGNAL_CODES`) the quantizing programs 
 they finished, for the K2 that runs beside them.
 
 `_lora_gemm_kernel` (K2) walks the tokens in adapter order. MODE 0: FP8 x FP8 GEMM scaled as
-vLLM's CUTLASS epilogue; MODE 1: W8A16 (FP8 weight widened to bf16 in registers); MODE 2: no
+vLLM's CUTLASS epilogue, `x_scale * (w_scale * acc)`, with one weight scale or one per output
+channel (`W_SCALE_PER_CHANNEL`); MODE 1: W8A16 (FP8 weight widened to bf16 in registers); MODE 2: no
 GEMM, the tile starts from an existing output (the hybrid path's expand). Tiles of 64 rows or
 more (`W_TMA`) read the weight tile through a TMA descriptor (`w_desc`). Its epilogue adds
 `bf16(h) B_slot^T` for each adapter segment that meets the tile, reading only the tile's columns
@@ -328,7 +329,7 @@ def _lora_gemm_kernel(
     WAIT_CODES: tl.constexpr = False, WARM_L2: tl.constexpr = 0, TRACE: tl.constexpr = False,
     B_IN_REGS: tl.constexpr = True, R_CHUNK: tl.constexpr = 0,  # 0: the whole rank at once
     W_TMA: tl.constexpr = False, WAIT_K1_FIRST: tl.constexpr = False,
-    A_TMA: tl.constexpr = False,
+    A_TMA: tl.constexpr = False, W_SCALE_PER_CHANNEL: tl.constexpr = False,
 ):
     _stamp(trace_ptr, 0, TRACE)
     pid_m = tl.program_id(0)
@@ -468,11 +469,16 @@ def _lora_gemm_kernel(
         if not last:
             _stamp(trace_ptr, 4, TRACE)
             return
+    if MODE != 2:
+        if W_SCALE_PER_CHANNEL:  # one scale per output channel (llm-compressor's FP8-dynamic)
+            w_scale = tl.load(w_scale_ptr + n, mask=n_mask, other=0.0)[None, :]
+        else:
+            w_scale = tl.load(w_scale_ptr)
     if MODE == 0:
         x_scale = tl.load(a_scale_ptr + (pos if A_TMA else tok), mask=pos_mask, other=0.0)
-        acc = x_scale[:, None] * (tl.load(w_scale_ptr) * acc)
+        acc = x_scale[:, None] * (w_scale * acc)
     elif MODE == 1:
-        acc = tl.load(w_scale_ptr) * acc
+        acc = w_scale * acc
 
     if HAS_LORA:
         b_stride = (slice_end - slice_begin) * R  # one slot's slice of B

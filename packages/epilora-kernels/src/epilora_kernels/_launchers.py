@@ -156,6 +156,7 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
         WAIT_CODES=wait_codes, WARM_L2=warm_l2 if wait_codes else 0, TRACE=trace is not None,
         B_IN_REGS=_tiling.b_in_registers(cfg), R_CHUNK=_tiling.epilogue_rank_chunk(cfg),
         W_TMA=w_operand is not weight, WAIT_K1_FIRST=wait_k1_first and pdl, A_TMA=a_sorted,
+        W_SCALE_PER_CHANNEL=mode != EXPAND and weight_scale.numel() > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     return y
@@ -183,6 +184,7 @@ def launch_gemm_only(support: DeviceSupport, workspace: Workspace, a, a_scale, w
         MODE=FP8, HAS_LORA=False, NUM_SLICES=1, H_PLANES=1, SPLIT_K=grid[2], ENTRIES_BLOCK=16,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=16,
         INTERPRETER=_env.triton_interpreter(), W_TMA=w_operand is not weight, A_TMA=by_tma,
+        W_SCALE_PER_CHANNEL=weight_scale.numel() > 1,
         TRACE=trace is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y

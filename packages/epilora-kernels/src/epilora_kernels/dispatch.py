@@ -67,9 +67,6 @@ def supports(path: str, *, in_features: int, output_slices: tuple[int, ...], max
         return _refuse(f"the decode path needs PDL (sm_90); {support.name} is {support.arch}")
     if weight_dtype != torch.float8_e4m3fn:
         return _refuse(f"weights must be float8_e4m3fn, got {weight_dtype}")
-    if weight_scale_numel != 1:
-        return _refuse(f"{weight_scale_numel} weight scales: only per-tensor FP8 weights (one "
-                       "scale) are served yet; per-channel and block scales are not")
     if not 1 <= len(output_slices) <= MAX_SLICES:
         return _refuse(f"{len(output_slices)} output slices; 1..{MAX_SLICES} are served")
     if any(w < 1 for w in output_slices) or in_features < 1:
@@ -79,6 +76,10 @@ def supports(path: str, *, in_features: int, output_slices: tuple[int, ...], max
                        f"multiple of {SLICE_ALIGN} wide (a K2 tile must not straddle two)")
     if not 1 <= max_rank <= MAX_RANK:
         return _refuse(f"max rank {max_rank}: ranks 1..{MAX_RANK} are served")
+    if weight_scale_numel not in (1, sum(output_slices)):
+        return _refuse(f"{weight_scale_numel} weight scales for {sum(output_slices)} outputs: "
+                       "per-tensor (one) and per-channel (one per output) FP8 weights are "
+                       "served; block scales are not")
     return Support(True)
 
 
@@ -105,7 +106,7 @@ def vendor_fp8_gemm(x: torch.Tensor, weight: torch.Tensor,
     codes, scales = fused.quantize(x)
     if device_support(x.device).interpreter:
         return fused.fp8_gemm(codes, scales, weight, weight_scale)
-    w_scales = weight_scale.reshape(1, 1).expand(1, weight.shape[0]).contiguous()
+    w_scales = weight_scale.float().reshape(1, -1).expand(1, weight.shape[0]).contiguous()
     return torch._scaled_mm(codes, weight.t(), scale_a=scales, scale_b=w_scales,
                             out_dtype=torch.bfloat16)
 
@@ -131,7 +132,8 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     """bf16 `[T, N]` = x W^T (per-token FP8 activations, FP8 weight) + every token's adapter,
     `bf16(x A_slot^T) B_slot^T` (none for slot -1), by `path` or the one `choose_path` picks.
 
-    x: `[T, K]` bf16; weight: `[N, K]` float8_e4m3fn with a one-element fp32 `weight_scale`;
+    x: `[T, K]` bf16; weight: `[N, K]` float8_e4m3fn with an fp32 `weight_scale` of one element
+    (per-tensor) or one per output channel (`[N]` or `[N, 1]`);
     `lora`, `batch`: the adapters and the token-to-slot metadata (vLLM's layouts). With
     `path="w8a16"` the activations stay bf16 (the matched engine). No host synchronization:
     the choice depends on shapes only, so the call can be captured in a CUDA graph (with a

@@ -20,7 +20,8 @@ Every function here has a torch twin of the same name and positional signature i
   (our GEMM against CUTLASS), and the two in a row.
 
 Weights are `[N, K]` float8_e4m3fn (row-major, K contiguous; vLLM keeps their transpose view)
-with a one-element fp32 scale; activations `[T, K]` bf16.
+with an fp32 scale, one element (per-tensor) or one per output channel (`[N]` or `[N, 1]`,
+llm-compressor's FP8-dynamic checkpoints); activations `[T, K]` bf16.
 """
 
 import torch

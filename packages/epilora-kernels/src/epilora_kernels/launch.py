@@ -7,13 +7,16 @@ rank sit under `"<N>x<K>@r<R>"` (R the rank tile, `rank_block`) and are preferre
 of that rank tile; entries that suit only batches of one adapter slot (K2 compiles its epilogue
 for one slot apart, K1's row tiles grow with the slots) under `"<N>x<K>@r<R>/one-slot"`,
 preferred again for such batches. The entry
-for the smallest token bucket >= the batch is used (else the largest). `validate_table` checks a
-table's schema on any machine. Ops, shapes or devices a table lacks get the heuristic.
+for the smallest token bucket >= the batch is used (else the largest). A shape the table lacks
+takes the entries of the nearest tuned shape within a factor of two in N and K
+(`nearest_shape`). `validate_table` checks a table's schema on any machine. Ops, shapes or
+devices a table lacks (beyond that) get the heuristic.
 """
 
 import dataclasses
 import functools
 import json
+import math
 from dataclasses import dataclass
 from importlib import resources
 
@@ -78,6 +81,13 @@ def heuristic_config(
         # noise on every Qwen3-8B shape, benchmarks/results/h200/tune.json). Beyond, with one
         # adapter, 16-row by 32-rank tiles split 8 were fastest or within 3% at 64-256 tokens on
         # every shape (tune_k1_64_256.json; 64-row unsplit tiles, the previous rule, 2-4x slower).
+        if tokens <= 32 and op == "decode_shrink":
+            # The decode path's K1 runs beside K2 and only has to finish before K2's epilogue:
+            # the table's tuned entries on Qwen3-8B's shapes split K into 4-16 parts about
+            # 1024 deep, in rank tiles of at most 64 (configs/NVIDIA_H200.json).
+            return LaunchConfig(block_m=block_m, block_n=64, block_k=256 if tokens <= 16 else 128,
+                                block_r=min(block_r, 64), split_k=max(1, min(16, k // 1024)),
+                                num_warps=4, num_stages=2)
         if tokens <= 32:
             return LaunchConfig(block_m=block_m, block_n=64, block_k=256 if tokens <= 16 else 128,
                                 block_r=block_r, split_k=max(1, min(16, k // 256)),
@@ -85,16 +95,33 @@ def heuristic_config(
         return LaunchConfig(block_m=16, block_n=64, block_k=128, block_r=min(block_r, 32),
                             split_k=max(1, min(8, k // 512)), num_warps=4, num_stages=2)
     # Decode is bandwidth-bound: narrow N tiles give every SM weights to stream (N=4096 in
-    # 128-wide tiles is 32 programs for 132 SMs; in 32-wide tiles, 128), and deep K tiles in 5
-    # stages keep bytes in flight (the H200 sweep, benchmarks/results/h200/tune_v1.json).
+    # 128-wide tiles is 32 programs for 132 SMs; in 32-wide tiles, 128). The rules below are
+    # what the H200 table's tuned decode entries on Qwen3-8B's four shapes have in common
+    # (configs/NVIDIA_H200.json, lora_gemm at 1-32 tokens): 256-deep K tiles; 64-wide N tiles
+    # where they still give two programs per SM (gate_up), in 3 stages, else 32-wide in 5; and
+    # the K loop split in two where K is at least twice N (down), so its few columns still
+    # spread over every SM.
+    split_k = 1
     if tokens <= 32:
-        block_n, block_k, stages = 32, 512, 5
+        block_k = 256
+        block_n, stages = (64, 3) if n // 64 >= 2 * H200_SMS else (32, 5)
+        if k >= 2 * n:
+            split_k = 2
     else:
         block_n, block_k, stages = 64, 128, 4
+    return LaunchConfig(block_m=block_m, block_n=fit_slices(block_n, slices), block_k=block_k,
+                        block_r=block_r, split_k=split_k, num_warps=4, num_stages=stages)
+
+
+H200_SMS = 132  # the heuristic's programs-per-SM rules (H100 SXM has 132 too)
+
+
+def fit_slices(block_n: int, slices: tuple[int, ...]) -> int:
+    """The largest power of two <= block_n (at least 16) dividing every slice boundary: a K2
+    tile must not straddle two slices."""
     while block_n > 16 and any(width % block_n for width in slices[:-1]):
         block_n //= 2
-    return LaunchConfig(block_m=block_m, block_n=block_n, block_k=block_k,
-                        block_r=block_r, split_k=1, num_warps=4, num_stages=stages)
+    return block_n
 
 
 def table_name(device_name: str) -> str:
@@ -142,7 +169,7 @@ def validate_table(table: dict) -> None:
 
 def write_table(table: dict, path) -> None:
     """Check `table` (`validate_table`) and write it where a tool was told to (the tuners,
-    tools/copy_table_bucket.py), in the layout of the shipped tables."""
+    benchmarks/tune_layer.py), in the layout of the shipped tables."""
     validate_table(table)
     with open(path, "w") as f:
         json.dump(table, f, indent=1)
@@ -187,10 +214,37 @@ def table_config(device_name: str, op: str, tokens: int, n: int, k: int,
     return None if table is None else table_entry(table, op, tokens, n, k, rank, cover, one_slot)
 
 
+# How far a tuned shape may be from an untuned one and still lend it its entries: within this
+# factor in N and in K (Llama-3.1-8B's gate_up 28672 x 4096 takes Qwen3-8B's 24576 x 4096;
+# Qwen2.5-7B's 4608 x 3584 qkv the 4096 x 4096 o's).
+NEAREST_SHAPE_FACTOR = 2.0
+
+
+def nearest_shape(shapes: dict, n: int, k: int) -> tuple[int, int] | None:
+    """The tuned (N, K) of `shapes` (an op's part of a table) closest to (n, k) in log N + log K
+    and within NEAREST_SHAPE_FACTOR in each, or None: where the table has n x k itself, that."""
+    best, best_distance = None, None
+    for key in shapes:
+        dims = key.partition("@r")[0]
+        tn, tk = (int(v) for v in dims.split("x"))
+        ratios = (max(tn, n) / min(tn, n), max(tk, k) / min(tk, k))
+        if max(ratios) > NEAREST_SHAPE_FACTOR:
+            continue
+        distance = math.log(ratios[0]) + math.log(ratios[1])
+        if best_distance is None or distance < best_distance:
+            best, best_distance = (tn, tk), distance
+    return best
+
+
 def table_entry(table: dict, op: str, tokens: int, n: int, k: int, rank: int | None = None,
                 cover: bool = False, one_slot: bool = False) -> LaunchConfig | None:
-    """`table_config`'s lookup in a given table (tools/copy_table_bucket.py edits one)."""
+    """`table_config`'s lookup in a given table; a shape the table lacks takes the entries of
+    its nearest tuned shape (`nearest_shape`), if any."""
     shapes = table.get(op, {})
+    near = nearest_shape(shapes, n, k)
+    if near is None:
+        return None
+    n, k = near
     keys = [shape_key(n, k)]
     if rank is not None:
         keys += [shape_key(n, k, rank)] + ([shape_key(n, k, rank, True)] if one_slot else [])
@@ -221,4 +275,8 @@ def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int,
                                                           one_slot=one_slot)
     if tuned is None:
         return heuristic_config(op, tokens, n, k, rank, slices)
-    return dataclasses.replace(tuned, block_r=rank_block(rank)) if op == "lora_gemm" else tuned
+    if op != "lora_gemm":
+        return tuned
+    # K2 holds the whole rank in its epilogue; a nearest shape's tiles may not fit the slices.
+    return dataclasses.replace(tuned, block_r=rank_block(rank),
+                               block_n=fit_slices(tuned.block_n, slices))

@@ -7,7 +7,7 @@ Arithmetic (the contract the kernels keep):
 * the shrink `h = x A^T` takes bf16 operands and accumulates in fp32; split-K partials are summed
   in a fixed order (partial 0 first), so results are deterministic;
 * the FP8 GEMM accumulates in fp32 and scales as vLLM's CUTLASS epilogue, `x_scale * (w_scale *
-  acc)`; the W8A16 GEMM widens the FP8 weight to bf16 (exact) and multiplies bf16 activations;
+  acc)`, with one weight scale or one per output channel; the W8A16 GEMM widens the FP8 weight to bf16 (exact) and multiplies bf16 activations;
 * the up-projection rounds h to bf16 (as vLLM's expand does), multiplies by bf16 B in fp32 and
   adds that fp32 delta to the fp32 GEMM result before the single rounding to bf16 (vLLM adds two
   bf16 values instead, so its result can differ in the last bit: ours is the more accurate one).
@@ -17,6 +17,11 @@ import torch
 
 from epilora_kernels.batch import AdapterBatch, LoraWeights
 from epilora_quant import Fp8Arithmetic, quantize_fp8_per_token
+
+
+def _w_scale(weight_scale: torch.Tensor) -> torch.Tensor:
+    """The weight scale as a row to broadcast over `[T, N]`: one value or one per channel."""
+    return weight_scale.float().reshape(1, -1)
 
 
 def _slot_rows(batch: AdapterBatch) -> list[tuple[int, torch.Tensor]]:
@@ -79,7 +84,7 @@ def lora_fp8_gemm(
 ) -> torch.Tensor:
     """K2: bf16 `[T, N]` = x_scale * (w_scale * codes @ weight^T) + bf16(h) @ B^T, rounded once."""
     acc = codes.float() @ weight.float().T
-    base = scales.float() * (weight_scale.float().reshape(()) * acc)
+    base = scales.float() * (_w_scale(weight_scale) * acc)
     return (base + _lora_delta(h, lora, batch, codes.shape[0])).to(torch.bfloat16)
 
 
@@ -93,7 +98,7 @@ def lora_w8a16_gemm(
 ) -> torch.Tensor:
     """K2, W8A16: bf16 `[T, N]` = w_scale * (x @ bf16(weight)^T) + bf16(h) @ B^T, rounded once."""
     acc = x.float() @ weight.to(torch.bfloat16).float().T
-    base = weight_scale.float().reshape(()) * acc
+    base = _w_scale(weight_scale) * acc
     return (base + _lora_delta(h, lora, batch, x.shape[0])).to(torch.bfloat16)
 
 
@@ -153,7 +158,7 @@ def fp8_gemm(
 ) -> torch.Tensor:
     """K2 without adapters: bf16 `[T, N]` = x_scale * (w_scale * codes @ weight^T)."""
     acc = codes.float() @ weight.float().T
-    return (scales.float() * (weight_scale.float().reshape(()) * acc)).to(torch.bfloat16)
+    return (scales.float() * (_w_scale(weight_scale) * acc)).to(torch.bfloat16)
 
 
 def fp8_gemm_from_bf16(

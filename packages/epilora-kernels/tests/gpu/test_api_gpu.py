@@ -39,6 +39,21 @@ def test_lora_linear_on_every_path_matches_the_reference(path, tokens):
     assert_bitwise_equal(again, y, name="repeat")
 
 
+@pytest.mark.parametrize("path", ek.PATHS)
+@pytest.mark.parametrize("tokens", [4, 300])
+def test_per_channel_weight_scales_on_every_path(path, tokens):
+    x, weight, w_scale, lora, batch = make_problem(2, tokens, 4096, (4096, 1024, 1024), 64, 4,
+                                                   "mixed_with_base", device=CUDA,
+                                                   per_channel=True)
+    y = ek.lora_linear(x, weight, w_scale, lora, batch, path=path)
+    want = (reference.fused_lora_w8a16_linear(x, weight, w_scale, lora, batch)
+            if path == "w8a16" else
+            reference.fused_lora_fp8_linear(x, weight, w_scale, lora, batch))
+    assert relative_error(y, want) < BF16_TOL
+    assert_bitwise_equal(ek.lora_linear(x, weight, w_scale.reshape(-1, 1), lora, batch,
+                                        path=path), y, name="[N, 1] vs [N] scales")
+
+
 K2_GPU = {
     "decode-tile": ek.LaunchConfig(block_m=16, block_n=32, block_k=256, block_r=64,
                                    num_stages=4),
@@ -73,6 +88,7 @@ def test_the_callers_workspace_in_cuda_graphs():
     # of several sizes and paths share it, replayed in turns: each gives its eager bits.
     ws = ek.Workspace.for_batches(CUDA, max_tokens=256, max_out_features=6144, max_rank=128,
                                   max_loras=4)
+    sized = ws.tiles
     graphs = []
     for tokens, path in ((1, "decode"), (16, "decode"), (64, "decode"), (200, "fused"),
                          (256, "w8a16"), (48, None)):
@@ -85,7 +101,7 @@ def test_the_callers_workspace_in_cuda_graphs():
         eager = call()
         graph, out = capture(call)
         graphs.append((graph, out, eager, f"{tokens} tokens, {path}"))
-    assert ws.frozen
+    assert ws.tiles == sized  # sized before capture: it never had to grow
     for _ in range(3):
         for graph, out, eager, name in graphs:
             graph.replay()
