@@ -100,7 +100,9 @@ def render() -> None:
                 if verdict != "-":
                     counts[verdict.split()[0]] += 1
                 counts["h" + heuristic] += 1
-                add = lambda s: f"{c[s] / c['cutlass'] - 1:+.1%}"  # noqa: E731
+                def add(system, c=c):
+                    return f"{c[system] / c['cutlass'] - 1:+.1%}"
+
                 body.append(f"| {adapters}x{rank} | {tokens} | {c['cutlass']:.1f} | "
                             f"{c['epilora']:.1f} | {add('epilora')} | "
                             f"{add('epilora-heuristic')} | {add('vllm-default')} | {verdict} | "

@@ -6,8 +6,9 @@ Arithmetic (the contract the kernels keep):
   compiled path, bit for bit; the Triton interpreter divides exactly, `TORCH_CPU`);
 * the shrink `h = x A^T` takes bf16 operands and accumulates in fp32; split-K partials are summed
   in a fixed order (partial 0 first), so results are deterministic;
-* the FP8 GEMM accumulates in fp32 and scales as vLLM's CUTLASS epilogue, `x_scale * (w_scale *
-  acc)`, with one weight scale or one per output channel; the W8A16 GEMM widens the FP8 weight to bf16 (exact) and multiplies bf16 activations;
+* the FP8 GEMM accumulates in fp32 and scales as vLLM's CUTLASS epilogue,
+  `x_scale * (w_scale * acc)`, with one weight scale or one per output channel; the W8A16 GEMM
+  widens the FP8 weight to bf16 (exact) and multiplies bf16 activations;
 * the up-projection rounds h to bf16 (as vLLM's expand does), multiplies by bf16 B in fp32 and
   adds that fp32 delta to the fp32 GEMM result before the single rounding to bf16 (vLLM adds two
   bf16 values instead, so its result can differ in the last bit: ours is the more accurate one).
