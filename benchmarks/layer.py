@@ -293,9 +293,14 @@ def write_results(args, rows) -> None:
 
     table = resources.files("epilora_kernels").joinpath("configs",
                                                          table_name(torch.cuda.get_device_name()))
+    from epilora_kernels.tuner import cache_path
+
+    cache = cache_path(torch.cuda.get_device_name())
     meta = {"git_sha": sha or "unknown",
             "launch_table": hashlib.sha256(table.read_bytes()).hexdigest()[:16]
             if table.is_file() else None,
+            "launch_cache": hashlib.sha256(cache.read_bytes()).hexdigest()[:16]
+            if cache.is_file() else None,
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "vllm": vllm.__version__,

@@ -10,6 +10,9 @@
 #           --kernel k2, or the fused path's K1 with --path fused, by the layer's time)
 #           -> $OUT/NVIDIA_H200.json, used by the later steps as tune's          TUNE_TIMEOUT
 #   layer   benchmarks/layer.py $LAYER_ARGS -> $OUT/layer.json                     LAYER_TIMEOUT
+#   tune-decode benchmarks/tune_decode.py $TUNE_DECODE_ARGS: the library's tuner on the models'
+#           shapes -> $OUT/tune_decode.json; its cache goes to $EPILORA_CACHE_DIR (set it, e.g.
+#           env:EPILORA_CACHE_DIR=$OUT/cache, for the later steps to use it)  TUNE_TIMEOUT
 #   models  benchmarks/layer.py over the three models' shapes (MODELS_ARGS: the default is the
 #           issue's grid of setups, tokens and systems) -> $OUT/layer_models.json LAYER_TIMEOUT
 #   decode  benchmarks/decode.py -> $OUT/decode.json                               DECODE_TIMEOUT
@@ -78,6 +81,9 @@ for step in "$@"; do
            timeout "${LAYER_TIMEOUT:-300}" python3 benchmarks/layer.py --out "$OUT/layer.json" \
              --git-sha "$sha" --jobs "$jobs" ${LAYER_ARGS:-} 2>&1 \
              | tee "$OUT/layer.log" ;;
+    tune-decode) timeout "${TUNE_TIMEOUT:-420}" python3 benchmarks/tune_decode.py \
+                   --out "$OUT/tune_decode.json" --git-sha "$sha" ${TUNE_DECODE_ARGS:-} 2>&1 \
+                   | tee "$OUT/tune_decode.log" ;;
     models) jobs_for layer
             timeout "${LAYER_TIMEOUT:-300}" python3 benchmarks/layer.py \
               --out "$OUT/layer_models.json" --git-sha "$sha" --jobs "$jobs" \

@@ -12,3 +12,11 @@ def launch_tables() -> bool:
     """EPILORA_LAUNCH_TABLES=0: ignore the shipped launch tables, every launch setting from the
     heuristic (how the benchmarks measure it alone; default 1)."""
     return os.environ.get("EPILORA_LAUNCH_TABLES", "1") != "0"
+
+
+def cache_dir() -> str:
+    """EPILORA_CACHE_DIR: where the tuner writes its launch settings and the launchers read them
+    (default: $XDG_CACHE_HOME/epilora/kernels, else ~/.cache/epilora/kernels)."""
+    default = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                           "epilora", "kernels")
+    return os.environ.get("EPILORA_CACHE_DIR") or default

@@ -193,13 +193,28 @@ def table_device(device_name: str, arch: str | None = None) -> str | None:
 
 @functools.cache
 def _load_table(device_name: str) -> dict | None:
-    # Read and checked once per process: the launchers ask on every call.
+    # Read and checked once per process: the launchers ask on every call. The tuner's cache
+    # for this device (epilora_kernels.tuner) overlays the shipped table shape by shape.
     path = resources.files("epilora_kernels").joinpath("configs", table_name(device_name))
-    if not path.is_file():
-        return None
-    table = json.loads(path.read_text())
-    validate_table(table)
-    return table
+    table = None
+    if path.is_file():
+        table = json.loads(path.read_text())
+        validate_table(table)
+    from epilora_kernels import tuner  # the cache's file name needs the versions
+
+    cached = tuner.read_cache(device_name)
+    if cached is None:
+        return table
+    merged = {op: dict(shapes) for op, shapes in (table or {}).items() if op != "_meta"}
+    for op, shapes in cached.items():
+        if op != "_meta":
+            merged.setdefault(op, {}).update(shapes)
+    return merged
+
+
+def clear_table_cache() -> None:
+    """Forget the tables read so far (after the tuner wrote its cache)."""
+    _load_table.cache_clear()
 
 
 def table_config(device_name: str, op: str, tokens: int, n: int, k: int,
@@ -220,12 +235,16 @@ def table_config(device_name: str, op: str, tokens: int, n: int, k: int,
 NEAREST_SHAPE_FACTOR = 2.0
 
 
-def nearest_shape(shapes: dict, n: int, k: int) -> tuple[int, int] | None:
+def nearest_shape(shapes: dict, n: int, k: int, suffixes: tuple[str, ...] | None = None,
+                  ) -> tuple[int, int] | None:
     """The tuned (N, K) of `shapes` (an op's part of a table) closest to (n, k) in log N + log K
-    and within NEAREST_SHAPE_FACTOR in each, or None: where the table has n x k itself, that."""
+    and within NEAREST_SHAPE_FACTOR in each, or None: where the table has n x k itself, that.
+    With `suffixes` (e.g. ("", "@r64")), only shapes with a key of one of them count."""
     best, best_distance = None, None
     for key in shapes:
-        dims = key.partition("@r")[0]
+        dims, at, rest = key.partition("@r")
+        if suffixes is not None and (at + rest) not in suffixes:
+            continue
         tn, tk = (int(v) for v in dims.split("x"))
         ratios = (max(tn, n) / min(tn, n), max(tk, k) / min(tk, k))
         if max(ratios) > NEAREST_SHAPE_FACTOR:
@@ -241,13 +260,16 @@ def table_entry(table: dict, op: str, tokens: int, n: int, k: int, rank: int | N
     """`table_config`'s lookup in a given table; a shape the table lacks takes the entries of
     its nearest tuned shape (`nearest_shape`), if any."""
     shapes = table.get(op, {})
-    near = nearest_shape(shapes, n, k)
+    suffixes = [""]
+    if rank is not None:
+        suffixes += [f"@r{rank_block(rank)}"] + ([f"@r{rank_block(rank)}{ONE_SLOT}"]
+                                                if one_slot else [])
+    # The nearest shape with entries this lookup may use (a shape tuned only for other ranks or
+    # one slot does not hide a farther one that serves it).
+    near = nearest_shape(shapes, n, k, tuple(suffixes))
     if near is None:
         return None
-    n, k = near
-    keys = [shape_key(n, k)]
-    if rank is not None:
-        keys += [shape_key(n, k, rank)] + ([shape_key(n, k, rank, True)] if one_slot else [])
+    keys = [f"{near[0]}x{near[1]}{suffix}" for suffix in suffixes]
     entries = {bucket: fields for key in keys for bucket, fields in shapes.get(key, {}).items()}
     if not entries:
         return None

@@ -1,0 +1,49 @@
+"""The tuner (epilora_kernels.tuner) on each model's four projections at the decode buckets:
+what it costs (seconds per model, the plugin pays it at engine start) and what it found (the
+decode path's time per projection before and after, as the tuner measured it). The cache it
+writes goes to $EPILORA_CACHE_DIR, which the layer benchmark of the same call then reads.
+
+    EPILORA_CACHE_DIR=out/cache python3 benchmarks/tune_decode.py --models llama3.1-8b \\
+        --rank 64 --budget 60 --out benchmarks/results/h200/tune_decode.json
+"""
+
+import argparse
+
+from layer import write_results
+from models import MODELS
+
+import epilora_kernels.tuner as tuner
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS))
+    parser.add_argument("--rank", type=int, default=64)
+    parser.add_argument("--slots", type=int, default=1)
+    parser.add_argument("--budget", type=float, default=60.0, help="seconds per model")
+    parser.add_argument("--git-sha", default=None)
+    args = parser.parse_args()
+    rows = []
+    for model in args.models:
+        report = tuner.tune_decode(MODELS[model], rank=args.rank, slots=args.slots,
+                                   budget_s=args.budget)
+        common = {"bench": "tune_decode", "model": model, "base": "fp8", "rank": args.rank,
+                  "adapters": args.slots}
+        for cell in report["cells"]:
+            for when in ("before", "after"):
+                rows.append({**common, "system": f"tuner-{when}",
+                             "projection": cell["projection"], "tokens": cell["tokens"],
+                             "metric": "decode_us", "value": round(cell[f"{when}_us"], 2)})
+        rows.append({**common, "system": "tuner", "metric": "tune_s",
+                     "value": round(sum(report["seconds"].values()), 1),
+                     "complete": report["complete"], "budget_s": args.budget,
+                     "seconds_per_projection": report["seconds"]})
+        print(f"{model}: {sum(report['seconds'].values()):.1f} s "
+              f"({'complete' if report['complete'] else 'budget reached'}) "
+              f"{report['seconds']}", flush=True)
+        write_results(args, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""The decode path's launch settings tuned on the GPU for a model's own shapes, in bounded time,
+into a cache the launchers read (the user's cache directory, per GPU and versions).
+
+    import epilora_kernels.tuner as tuner
+    report = tuner.tune_decode({"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)),
+                                "gate_up": (4096, (14336, 14336)), "down": (14336, (4096,))},
+                               rank=64, budget_s=60)
+
+For each projection and token bucket it times the decode path (K1 and K2 together: K2 hides
+K1, so they are tuned as a pair) in a CUDA graph with the L2 flushed, median of `reps`
+replays: first the launch settings the launchers would use now (the shipped table, its nearest
+shape, or the heuristic), then K2 candidates around them with that K1, then K1 candidates with
+the best K2. A candidate replaces the settings in use only if it is faster by more than
+`MARGIN`: noise does not churn the cache. When the budget runs out the remaining cells keep the
+settings they had. The cache is a launch table (`launch.validate_table`'s schema) under
+`one_slot` keys for batches of one adapter slot, plain rank keys otherwise; the launchers
+overlay it on the shipped table, shape by shape.
+"""
+
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from epilora_kernels import _env
+from epilora_kernels.launch import LaunchConfig, fit_slices, rank_block, shape_key, validate_table
+
+DECODE_BUCKETS = (1, 4, 8, 16, 32)
+MARGIN = 0.01  # a candidate must beat the settings in use by more than this fraction
+
+
+def cache_path(device_name: str) -> Path:
+    """The cache file of `device_name` for these versions of torch, Triton and this package
+    (settings tuned with one compiler are not assumed to suit another)."""
+    return _cache_file(device_name, _env.cache_dir())
+
+
+@functools.cache
+def _cache_file(device_name: str, directory: str) -> Path:
+    # Asked on every launch where the device has no shipped table: the versions once.
+    from importlib.metadata import version
+
+    import triton
+
+    name = "_".join(device_name.replace("-", " ").split())
+    versions = (f"torch-{torch.__version__.split('+')[0]}_triton-{triton.__version__}_"
+                f"epilora-kernels-{version('epilora-kernels')}")
+    return Path(directory) / f"{name}__{versions}.json"
+
+
+@functools.cache
+def _read(path: str, mtime: float) -> dict | None:
+    table = json.loads(Path(path).read_text())
+    validate_table(table)
+    return table
+
+
+def read_cache(device_name: str) -> dict | None:
+    """The tuned table of `device_name`, or None (no file; a file that fails its schema check
+    raises, naming it, rather than serve wrong settings)."""
+    path = cache_path(device_name)
+    if not path.is_file():
+        return None
+    try:
+        return _read(str(path), path.stat().st_mtime)
+    except (ValueError, TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"the launch-settings cache {path} is not a valid table ({e}); "
+                         "delete it to re-tune") from e
+
+
+def k2_candidates(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...]) -> list:
+    """K2 settings around `cfg`: N tiles of 32 and 64, K tiles of 256 and 512, the K loop split
+    in 1 or 2, 3 or 5 stages (a tile must not straddle two slices)."""
+    out = []
+    for block_n in (32, 64):
+        for block_k in (256, 512):
+            for split_k in (1, 2):
+                for stages in (3, 5):
+                    if k // split_k < block_k:
+                        continue
+                    out.append(dataclasses.replace(cfg, block_n=fit_slices(block_n, slices),
+                                                   block_k=block_k, split_k=split_k,
+                                                   num_stages=stages))
+    return list(dict.fromkeys(out))
+
+
+def k1_candidates(cfg: LaunchConfig, k: int, rank: int) -> list:
+    """The decode K1's settings around `cfg`: K split in 4, 8 or 16 (each at least 256 deep),
+    rank tiles of 32 and 64 (the rank's own where it is smaller)."""
+    out = []
+    for split_k in (4, 8, 16):
+        for block_r in sorted({min(32, rank_block(rank)), min(64, rank_block(rank))}):
+            if k // split_k < 256:
+                continue
+            out.append(dataclasses.replace(cfg, split_k=split_k, block_r=block_r))
+    return list(dict.fromkeys(out))
+
+
+def _problem(tokens: int, k: int, slices: tuple[int, ...], rank: int, slots: int, device):
+    from epilora_kernels.batch import AdapterBatch, LoraWeights
+
+    gen = torch.Generator(device=device).manual_seed(tokens)
+    n = sum(slices)
+    x = torch.randn(tokens, k, generator=gen, device=device).to(torch.bfloat16)
+    weight = (torch.randn(n, k, generator=gen, device=device) * 8).to(torch.float8_e4m3fn)
+    scale = torch.full((1,), 1e-3, device=device)
+    lora = LoraWeights(
+        tuple((torch.randn(slots, 1, rank, k, generator=gen, device=device) * 0.02)
+              .to(torch.bfloat16) for _ in slices),
+        tuple((torch.randn(slots, 1, w, rank, generator=gen, device=device) * 0.02)
+              .to(torch.bfloat16) for w in slices), slices)
+    batch = AdapterBatch.from_token_mapping(
+        torch.arange(tokens, device=device, dtype=torch.int32) % slots, slots)
+    return x, weight, scale, lora, batch
+
+
+def _timer(reps: int, flush: torch.Tensor):
+    """Median us of one call of `fn` in a CUDA graph, the L2 flushed before every replay."""
+
+    def time_us(fn) -> float:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        times = []
+        for _ in range(reps):
+            flush.zero_()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1000.0)
+        return statistics.median(times)
+
+    return time_us
+
+
+def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: int,
+                slots: int = 1, tokens: tuple[int, ...] = DECODE_BUCKETS,
+                budget_s: float = 60.0, reps: int = 15, write: bool = True,
+                time_us=None, progress=print) -> dict:
+    """Tune the decode path's K1 and K2 for `projections` ({name: (K, output slices)}) with
+    adapters of `rank` over `slots` slots at the `tokens` buckets, within `budget_s` seconds;
+    write the winners into the cache (`cache_path`) unless `write` is False. `time_us(fn)`
+    replaces the GPU timer (tests). Returns the report: per cell the settings before and
+    after and their times, and the seconds each projection took."""
+    from epilora_kernels import fused
+    from epilora_kernels._tiling import shape_config
+    from epilora_kernels.arch import device_support
+    from epilora_kernels.workspace import Workspace
+
+    support = device_support()
+    device = torch.device("cuda") if not support.interpreter else torch.device("cpu")
+    if time_us is None:
+        time_us = _timer(reps, torch.empty(256 * 2**20, dtype=torch.uint8, device=device))
+    workspace = Workspace.for_batches(device, max_tokens=max(tokens),
+                                      max_out_features=max(sum(s) for _, s in
+                                                           projections.values()),
+                                      max_rank=rank, max_loras=slots)
+    start = time.monotonic()
+    one_slot = slots == 1
+    table: dict = {"_meta": {"device": support.name, "tool": "epilora_kernels.tuner",
+                             "rank": rank, "slots": slots}}
+    report = {"device": support.name, "rank": rank, "slots": slots, "cells": [],
+              "seconds": {}, "budget_s": budget_s, "complete": True}
+    for name, (k, slices) in projections.items():
+        began = time.monotonic()
+        n = sum(slices)
+        for t in tokens:
+            if time.monotonic() - start > budget_s:
+                report["complete"] = False
+                break
+            x, weight, scale, lora, batch = _problem(t, k, slices, rank, slots, device)
+
+            def run(k1, k2, x=x, weight=weight, scale=scale, lora=lora, batch=batch):
+                return time_us(lambda: fused.decode_lora_fp8_linear(
+                    x, weight, scale, lora, batch, k1_config=k1, k2_config=k2,
+                    workspace=workspace))
+
+            k1 = shape_config(support, "decode_shrink", t, n, k, rank, slices, one_slot)
+            k2 = shape_config(support, "lora_gemm", t, n, k, rank, slices, one_slot)
+            k2 = dataclasses.replace(k2, block_r=rank_block(rank))
+            before = best = run(k1, k2)
+            chosen = (k1, k2)
+            for cand in k2_candidates(k2, n, k, slices):
+                if time.monotonic() - start > budget_s:
+                    break
+                us = run(chosen[0], cand)
+                if us < best * (1 - MARGIN):
+                    best, chosen = us, (chosen[0], cand)
+            for cand in k1_candidates(k1, k, rank):
+                if time.monotonic() - start > budget_s:
+                    break
+                us = run(cand, chosen[1])
+                if us < best * (1 - MARGIN):
+                    best, chosen = us, (cand, chosen[1])
+            key = shape_key(n, k, rank, one_slot)
+            for op, cfg in (("decode_shrink", chosen[0]), ("lora_gemm", chosen[1])):
+                table.setdefault(op, {}).setdefault(key, {})[str(t)] = dataclasses.asdict(cfg)
+            report["cells"].append({"projection": name, "tokens": t, "before_us": before,
+                                    "after_us": best, "k1": dataclasses.asdict(chosen[0]),
+                                    "k2": dataclasses.asdict(chosen[1])})
+            progress(f"tune {name} ({n}x{k}) r{rank} {t:3d} tokens: {before:7.1f} -> "
+                     f"{best:7.1f} us")
+        report["seconds"][name] = round(time.monotonic() - began, 1)
+    if write:
+        _write(support.name, table)
+    return report
+
+
+def _write(device_name: str, table: dict) -> None:
+    """Merge `table` into the device's cache file (shape keys replaced), atomically."""
+    from epilora_kernels.launch import clear_table_cache
+
+    validate_table(table)
+    path = cache_path(device_name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    merged = dict(read_cache(device_name) or {})
+    for op, shapes in table.items():
+        if op == "_meta":
+            merged.setdefault("_meta", {}).setdefault("runs", []).append(shapes)
+        else:
+            merged[op] = {**merged.get(op, {}), **shapes}
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(merged, indent=1))
+    tmp.replace(path)
+    clear_table_cache()

@@ -1,0 +1,101 @@
+"""The tuner's search and cache, with a stand-in timer (the interpreter has no clock worth
+reading): it measures the settings in use first, keeps a candidate only past its margin, stops
+at its budget, and writes a cache the table lookups then serve, per device and versions."""
+
+import json
+
+import pytest
+
+import epilora_kernels.tuner as tuner
+from epilora_kernels import fused, launch
+
+PROJECTIONS = {"qkv": (2048, (64, 32, 32)), "down": (4096, (64,))}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("EPILORA_CACHE_DIR", str(tmp_path))
+    launch.clear_table_cache()
+    yield tmp_path
+    launch.clear_table_cache()
+
+
+def _fake_gpu(monkeypatch, score):
+    """The decode path replaced by a recorder; the timer returns `score(k1, k2)`."""
+    seen = []
+    monkeypatch.setattr(fused, "decode_lora_fp8_linear",
+                        lambda *a, k1_config, k2_config, **kw: seen.append((k1_config,
+                                                                            k2_config)))
+
+    def time_us(fn):
+        fn()
+        return score(*seen[-1])
+
+    return seen, time_us
+
+
+def test_the_fastest_candidates_are_cached_and_served(cache, monkeypatch):
+    # The stand-in GPU likes 64-wide K2 tiles in 3 stages and K1 split in 8.
+    def score(k1, k2):
+        return 100.0 - 10 * (k2.block_n == 64) - 5 * (k2.num_stages == 3) - 3 * (k1.split_k == 8)
+
+    seen, time_us = _fake_gpu(monkeypatch, score)
+    report = tuner.tune_decode(PROJECTIONS, rank=16, tokens=(1, 8), time_us=time_us,
+                               progress=lambda line: None)
+    assert report["complete"] and len(report["cells"]) == 4
+    best = {"down": (64, 3, 8, 82.0), "qkv": (32, 3, 8, 92.0)}  # qkv: 32-wide slices keep 32
+    for cell in report["cells"]:
+        assert cell["before_us"] == 100.0, cell  # the settings in use, measured first
+        assert (cell["k2"]["block_n"], cell["k2"]["num_stages"], cell["k1"]["split_k"],
+                cell["after_us"]) == best[cell["projection"]], cell
+    files = list(cache.iterdir())
+    assert len(files) == 1 and files[0].name.startswith("triton_interpreter__torch-")
+    launch.validate_table(json.loads(files[0].read_text()))
+    cfg = launch.table_config("triton-interpreter", "lora_gemm", 8, 64, 4096, 16, one_slot=True)
+    assert (cfg.block_n, cfg.num_stages) == (64, 3)
+    assert launch.table_config("triton-interpreter", "decode_shrink", 1, 128, 2048, 16,
+                               one_slot=True).split_k == 8
+    # several-slot batches do not take one-slot entries
+    assert launch.table_config("triton-interpreter", "lora_gemm", 8, 64, 4096, 16) is None
+
+
+def test_noise_below_the_margin_keeps_the_settings_in_use(cache, monkeypatch):
+    seen, time_us = _fake_gpu(monkeypatch, lambda k1, k2: 100.0 - 0.5 * (k2.block_n == 64))
+    report = tuner.tune_decode({"down": (4096, (64,))}, rank=16, tokens=(4,),
+                               time_us=time_us, progress=lambda line: None, write=False)
+    (cell,) = report["cells"]
+    assert cell["after_us"] == cell["before_us"] == 100.0
+    assert cell["k2"] == tuner.dataclasses.asdict(seen[0][1])  # the baseline's, unchanged
+    assert any(k2.block_n == 64 for _, k2 in seen)  # the 0.5% faster one was tried
+    assert list(cache.iterdir()) == []  # write=False
+
+
+def test_the_budget_bounds_the_search(cache, monkeypatch):
+    seen, time_us = _fake_gpu(monkeypatch, lambda k1, k2: 100.0)
+    report = tuner.tune_decode(PROJECTIONS, rank=16, tokens=(1, 8), budget_s=0.0,
+                               time_us=time_us, progress=lambda line: None)
+    assert not report["complete"] and report["cells"] == [] and seen == []
+
+
+def test_a_corrupt_cache_is_refused_by_name(cache):
+    path = tuner.cache_path("triton-interpreter")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"lora_gemm": {"64x1024": {"8": {"block_m": 24}}}}))
+    with pytest.raises(ValueError, match="not a valid table.*delete it"):
+        tuner.read_cache("triton-interpreter")
+
+
+def test_candidates_fit_the_shape():
+    cfg = launch.heuristic_config("lora_gemm", 4, 6144, 4096, 64, (4096, 1024, 1024))
+    k2 = tuner.k2_candidates(cfg, 6144, 4096, (4096, 1024, 1024))
+    assert len(k2) == 16 and cfg in k2
+    for cand in k2:
+        assert 1024 % cand.block_n == 0 and 4096 // cand.split_k >= cand.block_k
+    narrow = tuner.k2_candidates(cfg, 48, 512, (16, 16, 16))
+    assert {c.block_n for c in narrow} == {16} and all(c.split_k == 1 for c in narrow
+                                                        if c.block_k == 512)
+    k1 = launch.heuristic_config("decode_shrink", 4, 6144, 4096, 16)
+    assert {(c.split_k, c.block_r) for c in tuner.k1_candidates(k1, 4096, 16)} == {
+        (4, 16), (8, 16), (16, 16)}
+    assert {(c.split_k, c.block_r) for c in tuner.k1_candidates(k1, 12288, 128)} == {
+        (s, r) for s in (4, 8, 16) for r in (32, 64)}
