@@ -100,10 +100,11 @@ def test_the_callers_workspace_in_cuda_graphs():
 
         eager = call()
         graph, out = capture(call)
-        graphs.append((graph, out, eager, f"{tokens} tokens, {path}"))
+        # the graph reads its inputs where they were: keep them (the closure holds them) alive
+        graphs.append((graph, out, eager, f"{tokens} tokens, {path}", call))
     assert ws.tiles == sized  # sized before capture: it never had to grow
     for _ in range(3):
-        for graph, out, eager, name in graphs:
+        for graph, out, eager, name, _ in graphs:
             graph.replay()
             torch.cuda.synchronize()
             assert_bitwise_equal(out, eager, name=name)
