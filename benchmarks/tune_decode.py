@@ -22,12 +22,15 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=64)
     parser.add_argument("--slots", type=int, default=1)
     parser.add_argument("--budget", type=float, default=60.0, help="seconds per model")
+    parser.add_argument("--jobs", type=int, default=15,
+                        help="compile the candidates in this many processes first (0: none)")
     parser.add_argument("--git-sha", default=None)
     args = parser.parse_args()
     rows = []
     for model in args.models:
         report = tuner.tune_decode(MODELS[model], rank=args.rank, slots=args.slots,
-                                   budget_s=args.budget)
+                                   budget_s=args.budget, jobs=args.jobs)
+        total = report["compile_s"] + sum(report["seconds"].values())
         common = {"bench": "tune_decode", "model": model, "base": "fp8", "rank": args.rank,
                   "adapters": args.slots}
         for cell in report["cells"]:
@@ -35,11 +38,13 @@ def main() -> None:
                 rows.append({**common, "system": f"tuner-{when}",
                              "projection": cell["projection"], "tokens": cell["tokens"],
                              "metric": "decode_us", "value": round(cell[f"{when}_us"], 2)})
-        rows.append({**common, "system": "tuner", "metric": "tune_s",
-                     "value": round(sum(report["seconds"].values()), 1),
+        rows.append({**common, "system": "tuner", "metric": "tune_s", "value": round(total, 1),
                      "complete": report["complete"], "budget_s": args.budget,
+                     "compile_s": report["compile_s"], "jobs": args.jobs,
+                     "compile_errors": len(report["compile_errors"]),
+                     "failed": len(report.get("failed", [])),
                      "seconds_per_projection": report["seconds"]})
-        print(f"{model}: {sum(report['seconds'].values()):.1f} s "
+        print(f"{model}: {total:.1f} s, compile {report['compile_s']} s "
               f"({'complete' if report['complete'] else 'budget reached'}) "
               f"{report['seconds']}", flush=True)
         write_results(args, rows)

@@ -99,3 +99,31 @@ def test_candidates_fit_the_shape():
         (4, 16), (8, 16), (16, 16)}
     assert {(c.split_k, c.block_r) for c in tuner.k1_candidates(k1, 12288, 128)} == {
         (s, r) for s in (4, 8, 16) for r in (32, 64)}
+
+
+def test_a_candidate_that_fails_is_skipped_and_reported(cache, monkeypatch):
+    def score(k1, k2):
+        if k2.block_n == 64:
+            raise RuntimeError("does not compile")
+        return 100.0 - 5 * (k2.num_stages == 3)
+
+    seen, time_us = _fake_gpu(monkeypatch, score)
+    report = tuner.tune_decode({"down": (4096, (64,))}, rank=16, tokens=(4,), time_us=time_us,
+                               progress=lambda line: None, write=False)
+    (cell,) = report["cells"]
+    assert (cell["k2"]["block_n"], cell["k2"]["num_stages"], cell["after_us"]) == (32, 3, 95.0)
+    assert len(report["failed"]) == 8 and "does not compile" in report["failed"][0]
+
+
+def test_the_parallel_compile_covers_every_launch_the_search_times():
+    from epilora_kernels.arch import INTERPRETER
+
+    launches = tuner._launches(INTERPRETER, PROJECTIONS, (1, 8), 16, 1)
+    assert len(launches) == len(set(launches))
+    for k, slices in PROJECTIONS.values():
+        for t in (1, 8):
+            k1, k2 = tuner._baseline(INTERPRETER, k, slices, t, 16, True)
+            cells = {(a, b) for kk, ss, tt, a, b in launches if (kk, ss, tt) == (k, slices, t)}
+            assert (k1, k2) in cells
+            assert all((k1, c) in cells for c in tuner.k2_candidates(k2, sum(slices), k, slices))
+            assert all((c, k2) in cells for c in tuner.k1_candidates(k1, k, 16))

@@ -146,17 +146,70 @@ def _timer(reps: int, flush: torch.Tensor):
     return time_us
 
 
+def _baseline(support, k: int, slices: tuple[int, ...], t: int, rank: int, one_slot: bool):
+    """The decode path's settings in use for one cell: (K1's, K2's)."""
+    from epilora_kernels._tiling import shape_config
+
+    n = sum(slices)
+    k1 = shape_config(support, "decode_shrink", t, n, k, rank, slices, one_slot)
+    k2 = shape_config(support, "lora_gemm", t, n, k, rank, slices, one_slot)
+    return k1, dataclasses.replace(k2, block_r=rank_block(rank))
+
+
+def _launches(support, projections: dict, tokens, rank: int, slots: int) -> list:
+    """Every (K, slices, tokens, K1, K2) the search may time: the settings in use, the K2
+    candidates with K1's in use, the K1 candidates with K2's in use (the best K2 differs, but
+    K1 and K2 are separate kernels: compiling each once is enough)."""
+    out = []
+    for k, slices in projections.values():
+        for t in tokens:
+            k1, k2 = _baseline(support, k, slices, t, rank, slots == 1)
+            out += [(k, slices, t, k1, k2)]
+            out += [(k, slices, t, k1, c) for c in k2_candidates(k2, sum(slices), k, slices)]
+            out += [(k, slices, t, c, k2) for c in k1_candidates(k1, k, rank)]
+    return list(dict.fromkeys(out))
+
+
+def _compile(launches: list, rank: int, slots: int) -> list[str]:
+    """Run each launch once (a worker process: Triton compiles and writes its disk cache, which
+    the tuning process then reads); the errors, as text."""
+    from epilora_kernels import fused
+
+    errors = []
+    device = torch.device("cuda")
+    for k, slices, t, k1, k2 in launches:
+        try:
+            x, weight, scale, lora, batch = _problem(t, k, slices, rank, slots, device)
+            fused.decode_lora_fp8_linear(x, weight, scale, lora, batch, k1_config=k1,
+                                         k2_config=k2)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 (reported; the timed search skips it)
+            errors.append(f"{k} {slices} {t} {k1} {k2}: {e!r}"[:500])
+    return errors
+
+
+def _compile_in_parallel(launches: list, rank: int, slots: int, jobs: int) -> list[str]:
+    import concurrent.futures
+    import multiprocessing
+
+    shares = [launches[i::jobs] for i in range(jobs)]
+    context = multiprocessing.get_context("spawn")  # no CUDA state inherited
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        results = pool.map(_compile, shares, [rank] * jobs, [slots] * jobs)
+        return [error for errors in results for error in errors]
+
+
 def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: int,
                 slots: int = 1, tokens: tuple[int, ...] = DECODE_BUCKETS,
-                budget_s: float = 60.0, reps: int = 15, write: bool = True,
+                budget_s: float = 60.0, reps: int = 15, write: bool = True, jobs: int = 0,
                 time_us=None, progress=print) -> dict:
     """Tune the decode path's K1 and K2 for `projections` ({name: (K, output slices)}) with
     adapters of `rank` over `slots` slots at the `tokens` buckets, within `budget_s` seconds;
-    write the winners into the cache (`cache_path`) unless `write` is False. `time_us(fn)`
-    replaces the GPU timer (tests). Returns the report: per cell the settings before and
-    after and their times, and the seconds each projection took."""
+    write the winners into the cache (`cache_path`) unless `write` is False. With `jobs` > 1
+    every candidate is first compiled in that many processes (in the budget). `time_us(fn)`
+    replaces the GPU timer (tests). Returns the report: per cell the settings before and after
+    and their times, and the seconds each projection took."""
     from epilora_kernels import fused
-    from epilora_kernels._tiling import shape_config
     from epilora_kernels.arch import device_support
     from epilora_kernels.workspace import Workspace
 
@@ -170,10 +223,18 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
                                       max_rank=rank, max_loras=slots)
     start = time.monotonic()
     one_slot = slots == 1
+    compile_s, compile_errors = 0.0, []
+    if jobs > 1 and not support.interpreter:
+        compile_errors = _compile_in_parallel(_launches(support, projections, tokens, rank,
+                                                        slots), rank, slots, jobs)
+        compile_s = round(time.monotonic() - start, 1)
+        progress(f"compiled the candidates in {jobs} processes: {compile_s} s, "
+                 f"{len(compile_errors)} failed")
     table: dict = {"_meta": {"device": support.name, "tool": "epilora_kernels.tuner",
                              "rank": rank, "slots": slots}}
     report = {"device": support.name, "rank": rank, "slots": slots, "cells": [],
-              "seconds": {}, "budget_s": budget_s, "complete": True}
+              "seconds": {}, "budget_s": budget_s, "complete": True, "compile_s": compile_s,
+              "compile_errors": compile_errors}
     for name, (k, slices) in projections.items():
         began = time.monotonic()
         n = sum(slices)
@@ -184,13 +245,16 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
             x, weight, scale, lora, batch = _problem(t, k, slices, rank, slots, device)
 
             def run(k1, k2, x=x, weight=weight, scale=scale, lora=lora, batch=batch):
-                return time_us(lambda: fused.decode_lora_fp8_linear(
-                    x, weight, scale, lora, batch, k1_config=k1, k2_config=k2,
-                    workspace=workspace))
+                try:
+                    return time_us(lambda: fused.decode_lora_fp8_linear(
+                        x, weight, scale, lora, batch, k1_config=k1, k2_config=k2,
+                        workspace=workspace))
+                except Exception as e:  # a candidate that does not compile or launch
+                    report.setdefault("failed", []).append(f"{name} {t} {k1} {k2}: {e!r}"[:300])
+                    workspace.reset()
+                    return float("inf")
 
-            k1 = shape_config(support, "decode_shrink", t, n, k, rank, slices, one_slot)
-            k2 = shape_config(support, "lora_gemm", t, n, k, rank, slices, one_slot)
-            k2 = dataclasses.replace(k2, block_r=rank_block(rank))
+            k1, k2 = _baseline(support, k, slices, t, rank, one_slot)
             before = best = run(k1, k2)
             chosen = (k1, k2)
             for cand in k2_candidates(k2, n, k, slices):
