@@ -244,13 +244,15 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
                 break
             x, weight, scale, lora, batch = _problem(t, k, slices, rank, slots, device)
 
-            def run(k1, k2, x=x, weight=weight, scale=scale, lora=lora, batch=batch):
+            def run(k1, k2, x=x, weight=weight, scale=scale, lora=lora, batch=batch, name=name,
+                    t=t):
                 try:
                     return time_us(lambda: fused.decode_lora_fp8_linear(
                         x, weight, scale, lora, batch, k1_config=k1, k2_config=k2,
                         workspace=workspace))
                 except Exception as e:  # a candidate that does not compile or launch
-                    report.setdefault("failed", []).append(f"{name} {t} {k1} {k2}: {e!r}"[:300])
+                    failure = f"{name} {t} {k1} {k2}: {e!r}"[:300]
+                    report.setdefault("failed", []).append(failure)
                     workspace.reset()
                     return float("inf")
 
