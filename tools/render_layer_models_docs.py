@@ -1,5 +1,6 @@
 """Render docs/benchmarks/layer-models.md and layer-models.png from
-benchmarks/results/h200/layer_models.json: one decoder layer's four FP8 projections per model,
+benchmarks/results/h200/layer_models.json (and the tuner's cost from tune_decode.json): one
+decoder layer's four FP8 projections per model,
 added time over vLLM's quant + CUTLASS for the dispatcher (`epilora`), the dispatcher without a
 launch table (`epilora-heuristic`) and vLLM's LoRA kernels (`vllm-default`), with each cell's
 target (the kernels-library issue's) marked met or missed.
@@ -16,6 +17,7 @@ from layer_plots import plot_panels
 
 ROOT = Path(__file__).parents[1]
 SOURCE = ROOT / "benchmarks/results/h200/layer_models.json"
+TUNER = ROOT / "benchmarks/results/h200/tune_decode.json"
 PAGE = ROOT / "docs/benchmarks/layer-models.md"
 PLOT = ROOT / "docs/benchmarks/layer-models.png"
 MODELS = ("qwen3-8b", "llama3.1-8b", "qwen2.5-7b")
@@ -65,6 +67,37 @@ def verdicts(adapters: int, rank: int, tokens: int, c: dict) -> tuple[str, str]:
     return verdict, heuristic
 
 
+def _tuner_lines() -> list[str]:
+    """The tuner's cost per model and what it found, from its own result file."""
+    if not TUNER.exists():
+        return []
+    data = json.loads(TUNER.read_text())
+    meta = data["meta"]
+    lines = ["## The tuner", "",
+             f"From `{TUNER.relative_to(ROOT)}`: commit `{meta['git_sha'][:10]}`, "
+             f"{meta['date']}, `{meta['command']}`. `epilora_kernels.tuner.tune_decode` on "
+             "each model's four projections at the decode buckets (1-32 tokens), one adapter "
+             "slot; seconds include compiling the candidates in parallel processes first (the "
+             "first model's with Triton's disk cache empty). Before and after: the decode "
+             "path per projection as the tuner timed it.", "",
+             "| model | rank | seconds | of which compiling | complete | cells | after / before"
+             " (mean) | best |", "|---|---|---|---|---|---|---|---|"]
+    cells: dict = {}
+    for r in data["rows"]:
+        if r["metric"] == "decode_us":
+            key = (r["model"], r["projection"], r["tokens"])
+            cells.setdefault(r["model"], {}).setdefault(key, {})[r["system"]] = r["value"]
+    for r in data["rows"]:
+        if r["metric"] != "tune_s":
+            continue
+        ratios = [c["tuner-after"] / c["tuner-before"] for c in cells.get(r["model"], {}).values()]
+        mean = f"{sum(ratios) / len(ratios):.3f}" if ratios else "-"
+        best = f"{min(ratios):.3f}" if ratios else "-"
+        lines.append(f"| {r['model']} | {r['rank']} | {r['value']:.1f} | {r['compile_s']:.1f} | "
+                     f"{'yes' if r['complete'] else 'no'} | {len(ratios)} | {mean} | {best} |")
+    return lines + [""]
+
+
 def render() -> None:
     data = json.loads(SOURCE.read_text())
     meta, table = data["meta"], cells(data["rows"])
@@ -110,7 +143,8 @@ def render() -> None:
         body.append("")
         lines.append(f"| {model} | {counts['met']} | {counts['MISSED']} | {counts['hmet']} | "
                      f"{counts['hMISSED']} |")
-    lines += ["", f"![layer time, one rank-64 adapter]({PLOT.name})", "", *body]
+    lines += ["", f"![layer time, one rank-64 adapter]({PLOT.name})", "", *_tuner_lines(),
+              *body]
     PAGE.write_text("\n".join(lines) + "\n")
     panels = {model: {t: c for t, c in table[model][(1, 64)].items()}
               for model in MODELS if (1, 64) in table.get(model, {})}
