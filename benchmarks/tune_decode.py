@@ -34,6 +34,8 @@ def main() -> None:
         common = {"bench": "tune_decode", "model": model, "base": "fp8", "rank": args.rank,
                   "adapters": args.slots}
         for cell in report["cells"]:
+            if cell["before_us"] is None:  # the settings in use failed to run: nothing to compare
+                continue
             for when in ("before", "after"):
                 rows.append({**common, "system": f"tuner-{when}",
                              "projection": cell["projection"], "tokens": cell["tokens"],

@@ -90,7 +90,8 @@ def _tuner_lines() -> list[str]:
     for r in data["rows"]:
         if r["metric"] != "tune_s":
             continue
-        ratios = [c["tuner-after"] / c["tuner-before"] for c in cells.get(r["model"], {}).values()]
+        ratios = [c["tuner-after"] / c["tuner-before"] for c in cells.get(r["model"], {}).values()
+                  if "tuner-before" in c and "tuner-after" in c]
         mean = f"{sum(ratios) / len(ratios):.3f}" if ratios else "-"
         best = f"{min(ratios):.3f}" if ratios else "-"
         lines.append(f"| {r['model']} | {r['rank']} | {r['value']:.1f} | {r['compile_s']:.1f} | "
@@ -112,7 +113,10 @@ def render() -> None:
              "Added time is over `cutlass` (vLLM's quant + CUTLASS, no adapter). `epilora` is "
              "`epilora_kernels.lora_linear` with the shipped launch table (tuned on Qwen3-8B's "
              "shapes; other shapes take their nearest tuned shape's entries within a factor of "
-             "two); `epilora-heuristic` the same with no table (EPILORA_LAUNCH_TABLES=0).", "",
+             "two)" + (f" overlaid by the tuner's cache of the same call (`{meta['launch_cache']}`"
+                       ")" if meta.get("launch_cache") else "") +
+             "; `epilora-heuristic` the same with no table and no cache "
+             "(EPILORA_LAUNCH_TABLES=0).", "",
              "Targets: one adapter at 1-16 tokens, rank 64 at most +5% and ranks 16/128 at "
              "most +10%; 8 adapters of rank 16 at 8-32 tokens at most +15%; every other cell "
              f"from 32 tokens at most {VLLM_FRACTION} of vLLM's added time; the heuristic at "

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import epilora_kernels as ek
-from epilora_kernels import _launchers, dispatch, fused, reference
+from epilora_kernels import _launchers, _tiling, dispatch, fused, reference
 from epilora_kernels.arch import INTERPRETER, DeviceSupport
 from epilora_quant import Fp8Arithmetic
 from epilora_testing import assert_bitwise_equal
@@ -122,20 +122,37 @@ def test_lora_linear_refuses_what_is_not_supported(monkeypatch):
 
 
 def test_sm89_launches_without_pdl_or_tma(monkeypatch):
-    # An sm_89 part (L40S) runs the fused path with both launches plain and pointer loads.
+    # An sm_89 part (L40S) runs the fused path with both launches plain and pointer loads: the
+    # launchers run with its DeviceSupport (the interpreter runs the kernels whatever it says).
     x, weight, w_scale, lora, batch = make_problem(9, 70, 64, (32,), 8, 2, "one_adapter")
-    seen = []
-    launch_k2 = _launchers.launch_k2
+    seen, operands = [], []
+    launch_k2, w_operand = _launchers.launch_k2, _launchers._w_operand
     monkeypatch.setattr(fused, "device_support", lambda device=None: SM89)
     monkeypatch.setattr(_launchers, "launch_k2", lambda support, *a, **kw: seen.append(
-        (support, kw["pdl"], kw["a_sorted"])) or launch_k2(INTERPRETER, *a, **kw))
+        (support, kw["pdl"], kw["a_sorted"])) or launch_k2(support, *a, **kw))
+    monkeypatch.setattr(_launchers, "_w_operand", lambda support, weight, cfg: operands.append(
+        w_operand(support, weight, cfg)) or operands[-1])
     k2 = ek.LaunchConfig(block_m=64, block_n=16, block_k=32, block_r=16)
     y = ek.fused_lora_fp8_linear(x, weight, w_scale, lora, batch, k2_config=k2)
-    assert seen == [(SM89, True, False)]  # asked for PDL; SM89 has none: launch_k2 drops it
-    assert not _launchers.use_pdl(SM89, True)
+    assert seen == [(SM89, True, False)]  # asked for PDL, sorted codes not (no TMA)
+    assert not _launchers.use_pdl(SM89, True)  # ... and launch_k2 launches without it
+    assert len(operands) == 1 and operands[0] is weight  # the weight by pointer loads
+    assert _tiling.w_tma(INTERPRETER, weight, k2)  # where TMA exists, these tiles would use it
     want = reference.fused_lora_fp8_linear(x, weight, w_scale, lora, batch,
                                            arithmetic=Fp8Arithmetic.TORCH_CPU)
     assert relative_error(y, want) < BF16_TOL
+
+
+def test_the_hybrid_path_refuses_unaligned_shapes_and_the_dispatcher_takes_fused():
+    case = {"in_features": 4096, "max_rank": 16}
+    verdict = ek.supports("hybrid", output_slices=(1000,), **case)
+    assert not verdict and "multiples of 16" in verdict.reason
+    assert ek.supports("fused", output_slices=(1000,), **case)
+    x, weight, w_scale, lora, batch = make_problem(12, 600, 64, (40,), 8, 2, "one_adapter")
+    assert ek.choose_path(600, batch, INTERPRETER) == "hybrid"
+    y = ek.lora_linear(x, weight, w_scale, lora, batch)  # N = 40: fused instead
+    assert_bitwise_equal(y, ek.fused_lora_fp8_linear(x, weight, w_scale, lora, batch),
+                         name="dispatcher on an unaligned shape")
 
 
 def _bad_inputs():

@@ -1,3 +1,4 @@
+import functools
 import json
 
 import pytest
@@ -299,3 +300,21 @@ def test_heuristic_decode_gemm_rules():
     assert (down.block_n, down.num_stages, down.split_k) == (32, 5, 2)
     qkv = heuristic_config("lora_gemm", 1, 4608, 3584, 16, (3584, 512, 512))
     assert (qkv.block_n, qkv.split_k, qkv.block_r) == (32, 1, 16)
+
+
+def test_decode_only_entries_do_not_give_prefill_batches_decode_tiles():
+    # A shape the tuner cached at the decode buckets only: batches above them take a near
+    # shape's prefill entry, not its 32-token tiles; its own entries still serve decode.
+    from epilora_kernels.launch import table_entry
+
+    table = {"lora_gemm": {
+        "28672x4096@r64/one-slot": {"1": {"block_n": 32}, "32": {"block_m": 32, "block_n": 32}},
+        "24576x4096": {"16": {"block_n": 16}, "256": {"block_m": 128, "block_n": 128}}}}
+    entry = functools.partial(table_entry, table, "lora_gemm", n=28672, k=4096, rank=64,
+                              one_slot=True)
+    assert entry(tokens=8).block_m == 32 and entry(tokens=1).block_n == 32  # its own
+    assert entry(tokens=200).block_m == 128  # the near shape's bucket covers it
+    assert entry(tokens=4096).block_m == 128  # no bucket covers it: the largest of any
+    assert entry(tokens=4096, cover=True) is None
+    # a several-slot batch never saw the one-slot entries
+    assert table_entry(table, "lora_gemm", 8, 28672, 4096, 64).block_n == 16

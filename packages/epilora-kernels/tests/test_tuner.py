@@ -127,3 +127,44 @@ def test_the_parallel_compile_covers_every_launch_the_search_times():
             assert (k1, k2) in cells
             assert all((k1, c) in cells for c in tuner.k2_candidates(k2, sum(slices), k, slices))
             assert all((c, k2) in cells for c in tuner.k1_candidates(k1, k, 16))
+
+
+def test_a_later_run_keeps_the_buckets_an_earlier_one_tuned(cache):
+    fields = {"block_n": 64}
+    tuner._write("triton-interpreter", {"lora_gemm": {"64x4096@r16/one-slot": {
+        "1": fields, "8": fields, "32": fields}}})
+    tuner._write("triton-interpreter", {"lora_gemm": {"64x4096@r16/one-slot": {
+        "1": {"block_n": 32}}}})
+    buckets = tuner.read_cache("triton-interpreter")["lora_gemm"]["64x4096@r16/one-slot"]
+    assert buckets == {"1": {"block_n": 32}, "8": fields, "32": fields}
+
+
+def test_an_sm90_part_without_a_table_of_its_own_reads_its_own_cache(cache):
+    # An H100 starts from the H200's table; what it tuned on itself overlays that.
+    from epilora_kernels._tiling import shape_config
+    from epilora_kernels.arch import DeviceSupport
+
+    h100 = DeviceSupport("NVIDIA H100 80GB HBM3", (9, 0), fp8_mma=True, pdl=True, tma=True,
+                         interpreter=False)
+    shipped = shape_config(h100, "lora_gemm", 8, 6144, 4096, 64, (4096, 1024, 1024), True)
+    tuned = {f: v for f, v in tuner.dataclasses.asdict(shipped).items()}
+    tuned["num_stages"] = 2 if shipped.num_stages != 2 else 4
+    tuner._write(h100.name, {"lora_gemm": {"6144x4096@r64/one-slot": {"8": tuned}}})
+    again = shape_config(h100, "lora_gemm", 8, 6144, 4096, 64, (4096, 1024, 1024), True)
+    assert again.num_stages == tuned["num_stages"] != shipped.num_stages
+    h200 = DeviceSupport("NVIDIA H200", (9, 0), fp8_mma=True, pdl=True, tma=True,
+                         interpreter=False)
+    assert shape_config(h200, "lora_gemm", 8, 6144, 4096, 64, (4096, 1024, 1024),
+                        True) == shipped  # the H200 never reads the H100's cache
+
+
+def test_a_cell_where_nothing_runs_is_left_untuned(cache, monkeypatch):
+    def score(k1, k2):
+        raise RuntimeError("no GPU")
+
+    _, time_us = _fake_gpu(monkeypatch, score)
+    report = tuner.tune_decode({"down": (4096, (64,))}, rank=16, tokens=(4,), time_us=time_us,
+                               progress=lambda line: None)
+    assert report["cells"] == [] and report["untuned"] == [{"projection": "down", "tokens": 4}]
+    assert tuner.read_cache("triton-interpreter") is not None  # written, without that cell
+    assert "lora_gemm" not in tuner.read_cache("triton-interpreter")

@@ -106,8 +106,10 @@ def test_set_default_workspace_hands_an_engines_workspace_to_calls_without_one()
     ws = ek.Workspace("cpu")
     saved = dict(module._defaults)
     try:
+        first = ek.default_workspace(torch.device("cpu"))
         ek.set_default_workspace(ws)
         assert ek.default_workspace(torch.device("cpu")) is ws
+        assert module._replaced[-1] is first  # kept alive: a graph may have captured it
     finally:
         module._defaults.clear()
         module._defaults.update(saved)

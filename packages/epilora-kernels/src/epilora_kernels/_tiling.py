@@ -17,7 +17,8 @@ def shape_config(support: DeviceSupport, op: str, tokens: int, n: int, k: int, r
     device = table_device(support.name, support.arch) if use_table else None
     if use_table and device is None and tuner.read_cache(support.name) is not None:
         device = support.name  # no shipped table, but tuned settings of its own
-    return select_config(device, op, tokens, n, k, rank, slices, one_slot)
+    return select_config(device, op, tokens, n, k, rank, slices, one_slot,
+                         cache_device=support.name)
 
 
 def config(support: DeviceSupport, op: str, tokens: int, lora: LoraWeights,

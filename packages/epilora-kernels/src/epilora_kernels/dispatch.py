@@ -76,6 +76,9 @@ def supports(path: str, *, in_features: int, output_slices: tuple[int, ...], max
                        f"multiple of {SLICE_ALIGN} wide (a K2 tile must not straddle two)")
     if not 1 <= max_rank <= MAX_RANK:
         return _refuse(f"max rank {max_rank}: ranks 1..{MAX_RANK} are served")
+    if path == "hybrid" and (in_features % 16 or sum(output_slices) % 16):
+        return _refuse(f"the hybrid path's vendor FP8 GEMM needs K and N multiples of 16, got "
+                       f"K={in_features}, N={sum(output_slices)}")
     if weight_scale_numel not in (1, sum(output_slices)):
         return _refuse(f"{weight_scale_numel} weight scales for {sum(output_slices)} outputs: "
                        "per-tensor (one) and per-channel (one per output) FP8 weights are "
@@ -140,11 +143,16 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     `workspace` sized before capture)."""
     _checks.check_inputs(x, lora, batch)
     support = device_support(x.device)
+    def verdict(path: str) -> Support:
+        return supports(path, in_features=lora.in_features, output_slices=lora.output_slices,
+                        max_rank=lora.max_rank, device=x.device, weight_dtype=weight.dtype,
+                        weight_scale_numel=weight_scale.numel())
+
     if path is None:
         path = choose_path(x.shape[0], batch, support)
-    ok = supports(path, in_features=lora.in_features, output_slices=lora.output_slices,
-                  max_rank=lora.max_rank, device=x.device, weight_dtype=weight.dtype,
-                  weight_scale_numel=weight_scale.numel())
+        if path == "hybrid" and not verdict(path):
+            path = "fused"  # a shape the vendor GEMM refuses: our K2 has no such bound
+    ok = verdict(path)
     if not ok:
         raise UnsupportedError(f"{path} path: {ok.reason}")
     if x.shape[0] == 0:  # no program to launch

@@ -176,8 +176,9 @@ def write_table(table: dict, path) -> None:
 
 
 # The table a device without one of its own uses, by architecture: every sm_90 part (H100 SXM
-# and PCIe, H200, H200 NVL, GH200) shares the H200's tiles; their bandwidths differ, their
-# SM counts and shared memory (what the tiles are bound by) do not.
+# and PCIe, H200, H200 NVL, GH200) starts from the H200's tiles (shared memory per SM, what the
+# tiles are bound by, is the same; bandwidths differ, and the H100 PCIe has 114 SMs, not 132):
+# a starting point the tuner replaces with the device's own measurements.
 ARCH_TABLES = {"sm90": "NVIDIA H200"}
 
 
@@ -192,9 +193,10 @@ def table_device(device_name: str, arch: str | None = None) -> str | None:
 
 
 @functools.cache
-def _load_table(device_name: str) -> dict | None:
+def _load_table(device_name: str, cache_device: str | None = None) -> dict | None:
     # Read and checked once per process: the launchers ask on every call. The tuner's cache
-    # for this device (epilora_kernels.tuner) overlays the shipped table shape by shape.
+    # of the device that runs (`cache_device`, default `device_name`: an H100 without a table
+    # of its own reads the H200's, and its own cache) overlays it shape by shape.
     path = resources.files("epilora_kernels").joinpath("configs", table_name(device_name))
     table = None
     if path.is_file():
@@ -202,7 +204,7 @@ def _load_table(device_name: str) -> dict | None:
         validate_table(table)
     from epilora_kernels import tuner  # the cache's file name needs the versions
 
-    cached = tuner.read_cache(device_name)
+    cached = tuner.read_cache(cache_device or device_name)
     if cached is None:
         return table
     merged = {op: dict(shapes) for op, shapes in (table or {}).items() if op != "_meta"}
@@ -219,13 +221,13 @@ def clear_table_cache() -> None:
 
 def table_config(device_name: str, op: str, tokens: int, n: int, k: int,
                  rank: int | None = None, cover: bool = False,
-                 one_slot: bool = False) -> LaunchConfig | None:
+                 one_slot: bool = False, cache_device: str | None = None) -> LaunchConfig | None:
     """The tuned entry for (op, N x K) at the smallest bucket >= tokens (else the largest, or
     with `cover` none); given a rank, its rank tile's entries replace the others' at the
     buckets they tuned (a rank tuned at 64-256 tokens leaves the decode buckets to the rank-64
     entries), and with `one_slot` (a batch of one adapter slot) its one-slot entries replace
     those in turn."""
-    table = _load_table(device_name)
+    table = _load_table(device_name, cache_device)
     return None if table is None else table_entry(table, op, tokens, n, k, rank, cover, one_slot)
 
 
@@ -240,7 +242,14 @@ def nearest_shape(shapes: dict, n: int, k: int, suffixes: tuple[str, ...] | None
     """The tuned (N, K) of `shapes` (an op's part of a table) closest to (n, k) in log N + log K
     and within NEAREST_SHAPE_FACTOR in each, or None: where the table has n x k itself, that.
     With `suffixes` (e.g. ("", "@r64")), only shapes with a key of one of them count."""
-    best, best_distance = None, None
+    near = nearest_shapes(shapes, n, k, suffixes)
+    return near[0] if near else None
+
+
+def nearest_shapes(shapes: dict, n: int, k: int,
+                   suffixes: tuple[str, ...] | None = None) -> list[tuple[int, int]]:
+    """Every shape `nearest_shape` may return, nearest first (ties by N, then K)."""
+    found = {}
     for key in shapes:
         dims, at, rest = key.partition("@r")
         if suffixes is not None and (at + rest) not in suffixes:
@@ -249,10 +258,8 @@ def nearest_shape(shapes: dict, n: int, k: int, suffixes: tuple[str, ...] | None
         ratios = (max(tn, n) / min(tn, n), max(tk, k) / min(tk, k))
         if max(ratios) > NEAREST_SHAPE_FACTOR:
             continue
-        distance = math.log(ratios[0]) + math.log(ratios[1])
-        if best_distance is None or distance < best_distance:
-            best, best_distance = (tn, tk), distance
-    return best
+        found[(tn, tk)] = math.log(ratios[0]) + math.log(ratios[1])
+    return sorted(found, key=lambda shape: (found[shape], shape))
 
 
 def table_entry(table: dict, op: str, tokens: int, n: int, k: int, rank: int | None = None,
@@ -265,36 +272,44 @@ def table_entry(table: dict, op: str, tokens: int, n: int, k: int, rank: int | N
         suffixes += [f"@r{rank_block(rank)}"] + ([f"@r{rank_block(rank)}{ONE_SLOT}"]
                                                 if one_slot else [])
     # The nearest shape with entries this lookup may use (a shape tuned only for other ranks or
-    # one slot does not hide a farther one that serves it).
-    near = nearest_shape(shapes, n, k, tuple(suffixes))
-    if near is None:
-        return None
-    keys = [f"{near[0]}x{near[1]}{suffix}" for suffix in suffixes]
-    entries = {bucket: fields for key in keys for bucket, fields in shapes.get(key, {}).items()}
-    if not entries:
-        return None
-    buckets = sorted(int(b) for b in entries)
-    bucket = next((b for b in buckets if b >= tokens), None if cover else buckets[-1])
-    return None if bucket is None else LaunchConfig(**entries[str(bucket)])
+    # one slot does not hide a farther one that serves it) and a bucket at or above the batch:
+    # a shape the tuner cached at the decode buckets only does not give a prefill batch its
+    # 32-token tiles while a near shape has prefill ones. Where no shape has such a bucket, the
+    # largest bucket of any (the nearest shape's among equals), or with `cover` none.
+    fallback, fallback_bucket = None, -1
+    for near in nearest_shapes(shapes, n, k, tuple(suffixes)):
+        keys = [f"{near[0]}x{near[1]}{suffix}" for suffix in suffixes]
+        entries = {b: fields for key in keys for b, fields in shapes.get(key, {}).items()}
+        buckets = sorted(int(b) for b in entries)
+        if not buckets:
+            continue
+        bucket = next((b for b in buckets if b >= tokens), None)
+        if bucket is not None:
+            return LaunchConfig(**entries[str(bucket)])
+        if buckets[-1] > fallback_bucket:
+            fallback, fallback_bucket = entries[str(buckets[-1])], buckets[-1]
+    return None if cover or fallback is None else LaunchConfig(**fallback)
 
 
 def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int, rank: int,
-                  slices: tuple[int, ...] = (), one_slot: bool = False) -> LaunchConfig:
+                  slices: tuple[int, ...] = (), one_slot: bool = False,
+                  cache_device: str | None = None) -> LaunchConfig:
     """The launchers' choice: the device's tuned entry, else the heuristic (`device_name`
     None: the heuristic). K2's table entries are tuned at one rank; its epilogue holds a whole
     adapter's rank in one tile, so their `block_r` becomes the rank's. The decode path's K1
     beyond the decode buckets (`decode_shrink`, more than DECODE_SHRINK_MAX_TOKENS tokens) takes
     the fused path's settings unless a `decode_shrink` bucket covers the batch. `one_slot`: the
-    batch has one adapter slot (its one-slot entries first, `table_config`)."""
+    batch has one adapter slot (its one-slot entries first, `table_config`). `cache_device`: the
+    device whose tuner cache overlays `device_name`'s table (default: that device)."""
     if op == "decode_shrink" and tokens > DECODE_SHRINK_MAX_TOKENS:
-        tuned = None if device_name is None else table_config(device_name, op, tokens, n, k,
-                                                              rank, cover=True,
-                                                              one_slot=one_slot)
+        tuned = None if device_name is None else table_config(
+            device_name, op, tokens, n, k, rank, cover=True, one_slot=one_slot,
+            cache_device=cache_device)
         if tuned is not None:
             return tuned
         op = "quantize_shrink"
-    tuned = None if device_name is None else table_config(device_name, op, tokens, n, k, rank,
-                                                          one_slot=one_slot)
+    tuned = None if device_name is None else table_config(
+        device_name, op, tokens, n, k, rank, one_slot=one_slot, cache_device=cache_device)
     if tuned is None:
         return heuristic_config(op, tokens, n, k, rank, slices)
     if op != "lora_gemm":

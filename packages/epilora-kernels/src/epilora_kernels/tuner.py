@@ -261,20 +261,26 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
             chosen = (k1, k2)
             for cand in k2_candidates(k2, n, k, slices):
                 if time.monotonic() - start > budget_s:
+                    report["complete"] = False  # this cell's search cut short
                     break
                 us = run(chosen[0], cand)
                 if us < best * (1 - MARGIN):
                     best, chosen = us, (chosen[0], cand)
             for cand in k1_candidates(k1, k, rank):
                 if time.monotonic() - start > budget_s:
+                    report["complete"] = False
                     break
                 us = run(cand, chosen[1])
                 if us < best * (1 - MARGIN):
                     best, chosen = us, (cand, chosen[1])
+            if best == float("inf"):  # nothing ran: leave the cell to the settings in use
+                report.setdefault("untuned", []).append({"projection": name, "tokens": t})
+                continue
             key = shape_key(n, k, rank, one_slot)
             for op, cfg in (("decode_shrink", chosen[0]), ("lora_gemm", chosen[1])):
                 table.setdefault(op, {}).setdefault(key, {})[str(t)] = dataclasses.asdict(cfg)
-            report["cells"].append({"projection": name, "tokens": t, "before_us": before,
+            report["cells"].append({"projection": name, "tokens": t,
+                                    "before_us": None if before == float("inf") else before,
                                     "after_us": best, "k1": dataclasses.asdict(chosen[0]),
                                     "k2": dataclasses.asdict(chosen[1])})
             progress(f"tune {name} ({n}x{k}) r{rank} {t:3d} tokens: {before:7.1f} -> "
@@ -296,8 +302,9 @@ def _write(device_name: str, table: dict) -> None:
     for op, shapes in table.items():
         if op == "_meta":
             merged.setdefault("_meta", {}).setdefault("runs", []).append(shapes)
-        else:
-            merged[op] = {**merged.get(op, {}), **shapes}
+            continue
+        for key, buckets in shapes.items():  # bucket by bucket: an earlier run's others stay
+            merged.setdefault(op, {})[key] = {**merged.get(op, {}).get(key, {}), **buckets}
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(merged, indent=1))
     tmp.replace(path)

@@ -107,6 +107,10 @@ class Workspace:
                     "the largest batch once before capturing")
             if self._captured:
                 self._kept.append(self._buffer)
+            elif self.device.type == "cuda":
+                # Freed once replaced: not before the kernels already queued on this stream
+                # (which may not be the one it was allocated on) are done with it.
+                self._buffer.record_stream(torch.cuda.current_stream(self.device))
             self._buffer = torch.zeros(TILES + max(tiles, 2 * self.tiles), dtype=torch.int32,
                                        device=self.device)
             self._captured = False
@@ -126,11 +130,16 @@ class Workspace:
 
 
 _defaults: dict[torch.device, Workspace] = {}
+_replaced: list[Workspace] = []  # former defaults: graphs may have captured their buffers
 
 
 def set_default_workspace(workspace: Workspace) -> None:
     """Make `workspace` the one that calls without a workspace use on its device: how an engine
-    hands its own to ops that take no workspace argument (`epilora_kernels.ops`)."""
+    hands its own to ops that take no workspace argument (`epilora_kernels.ops`). The one it
+    replaces is kept alive: a graph may have captured it."""
+    old = _defaults.get(workspace.device)
+    if old is not None and old is not workspace:
+        _replaced.append(old)
     _defaults[workspace.device] = workspace
 
 
