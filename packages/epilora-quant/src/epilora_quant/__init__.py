@@ -33,7 +33,6 @@ from epilora_quant.nvfp4_layout import (
     unswizzle_nvfp4_scales,
 )
 
-__version__ = "0.1.0"
 # Bumped whenever any function's output bits change; kernels pin the version they were tested with.
 FORMAT_SPEC_VERSION = 1
 
@@ -59,3 +58,11 @@ __all__ = [
     "unpack_e2m1",
     "unswizzle_nvfp4_scales",
 ]
+
+
+def __getattr__(name: str):
+    if name == "__version__":  # the version lives in pyproject.toml only
+        from importlib.metadata import version
+
+        return version("epilora-quant")
+    raise AttributeError(f"module 'epilora_quant' has no attribute {name!r}")

@@ -8,6 +8,12 @@ through the `pytest11` entry point).
 
 from epilora_testing.assertions import assert_bitwise_equal, bits, bitwise_mismatches
 
-__version__ = "0.1.0"
-
 __all__ = ["assert_bitwise_equal", "bits", "bitwise_mismatches"]
+
+
+def __getattr__(name: str):
+    if name == "__version__":  # the version lives in pyproject.toml only
+        from importlib.metadata import version
+
+        return version("epilora-testing")
+    raise AttributeError(f"module 'epilora_testing' has no attribute {name!r}")

@@ -5,5 +5,12 @@ linear layers) is not written yet, so no entry point is declared and installing 
 changes nothing in vLLM.
 """
 
-__version__ = "0.1.0"
 __all__: list[str] = []
+
+
+def __getattr__(name: str):
+    if name == "__version__":  # the version lives in pyproject.toml only
+        from importlib.metadata import version
+
+        return version("epilora-vllm")
+    raise AttributeError(f"module 'epilora_vllm' has no attribute {name!r}")
