@@ -7,18 +7,20 @@ import pytest
 import torch
 
 import epilora_kernels.ops as ops
-from epilora_kernels import fused
+from epilora_kernels import dispatch, fused
 from epilora_testing import assert_bitwise_equal
 from epilora_testing.hygiene import assert_clean_import
 
 from kernel_cases import make_problem
 
 PATHS = {  # op wrapper, the function it calls
+    "dispatcher": (ops.lora_linear, dispatch.lora_linear),
     "decode": (ops.decode_lora_fp8_linear, fused.decode_lora_fp8_linear),
     "fused": (ops.fused_lora_fp8_linear, fused.fused_lora_fp8_linear),
     "w8a16": (ops.fused_lora_w8a16_linear, fused.fused_lora_w8a16_linear),
 }
-OPS = {"decode": torch.ops.epilora.decode_lora_fp8_linear,
+OPS = {"dispatcher": torch.ops.epilora.lora_linear,
+       "decode": torch.ops.epilora.decode_lora_fp8_linear,
        "fused": torch.ops.epilora.fused_lora_fp8_linear,
        "w8a16": torch.ops.epilora.fused_lora_w8a16_linear}
 
@@ -84,6 +86,14 @@ def test_fake_output_has_the_paths_shape_and_dtype():
         args = _map_tensors(mode.from_tensor, ops._args(x, weight, w_scale, lora, batch))
         y = torch.ops.epilora.decode_lora_fp8_linear(*args)
     assert (tuple(y.shape), y.dtype) == ((9, 64), torch.bfloat16)
+
+
+def test_the_dispatcher_op_takes_a_path():
+    x, weight, w_scale, lora, batch = _problem()
+    for path in ("fused", "w8a16", "hybrid"):
+        assert_bitwise_equal(ops.lora_linear(x, weight, w_scale, lora, batch, path=path),
+                             dispatch.lora_linear(x, weight, w_scale, lora, batch, path=path),
+                             name=f"dispatcher op, {path}")
 
 
 def test_import_registers_without_cuda():

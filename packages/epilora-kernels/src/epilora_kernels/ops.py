@@ -1,5 +1,8 @@
-"""The multi-adapter linears as torch custom ops: `torch.ops.epilora.decode_lora_fp8_linear`,
-`fused_lora_fp8_linear` and `fused_lora_w8a16_linear`, registered when this module is imported.
+"""The multi-adapter linears as torch custom ops: `torch.ops.epilora.lora_linear` (the
+dispatcher; `path` None picks one), `decode_lora_fp8_linear`, `fused_lora_fp8_linear` and
+`fused_lora_w8a16_linear`, registered when this module is imported. The ops take no workspace:
+they use their device's default, which an engine sets with
+`epilora_kernels.set_default_workspace` (sized before capture).
 
 An op is one opaque node to torch.compile (vLLM compiles its models with it): Dynamo does not
 trace into the Triton launchers, and a fake implementation gives the output's shape and dtype
@@ -15,7 +18,7 @@ from the device's table as in `epilora_kernels.fused`.
 
 import torch
 
-from epilora_kernels import fused
+from epilora_kernels import dispatch, fused
 from epilora_kernels.batch import AdapterBatch, LoraWeights
 
 
@@ -53,6 +56,7 @@ def _register(name: str, function, options: str = "") -> None:
                      **kwargs: _output(x, output_slices))
 
 
+_register("lora_linear", dispatch.lora_linear, ", *, str? path=None")
 _register("decode_lora_fp8_linear", fused.decode_lora_fp8_linear, ", *, bool pdl=True")
 _register("fused_lora_fp8_linear", fused.fused_lora_fp8_linear, ", *, bool pdl=True")
 _register("fused_lora_w8a16_linear", fused.fused_lora_w8a16_linear)
@@ -62,6 +66,13 @@ def _args(x, weight, weight_scale, lora: LoraWeights, batch: AdapterBatch) -> tu
     return (x, weight, weight_scale, list(lora.lora_a), list(lora.lora_b),
             list(lora.output_slices), batch.token_lora_mapping, batch.sorted_token_indices,
             batch.lora_ids, batch.num_tokens_per_lora, batch.lora_token_start)
+
+
+def lora_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                lora: LoraWeights, batch: AdapterBatch, *, path: str | None = None) -> torch.Tensor:
+    """`epilora_kernels.lora_linear` through its op (the default workspace, the default base
+    GEMM of the hybrid path)."""
+    return torch.ops.epilora.lora_linear(*_args(x, weight, weight_scale, lora, batch), path=path)
 
 
 def decode_lora_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
