@@ -4,7 +4,7 @@ decode path's time per projection before and after, as the tuner measured it). T
 writes goes to $EPILORA_CACHE_DIR, which the layer benchmark of the same call then reads.
 
     EPILORA_CACHE_DIR=out/cache python3 benchmarks/tune_decode.py --models llama3.1-8b \\
-        --rank 64 --budget 60 --out benchmarks/results/h200/tune_decode.json
+        --ranks 16 64 128 --slots 1 8 --budget 60 --out benchmarks/results/h200/tune_decode.json
 """
 
 import argparse
@@ -19,8 +19,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS))
-    parser.add_argument("--rank", type=int, default=64)
-    parser.add_argument("--slots", type=int, default=1)
+    parser.add_argument("--ranks", "--rank", type=int, nargs="+", default=[64])
+    parser.add_argument("--slots", type=int, nargs="+", default=[1],
+                        help="adapter slots of the batches tuned for (1: the one-slot entries)")
     parser.add_argument("--budget", type=float, default=60.0, help="seconds per model")
     parser.add_argument("--jobs", type=int, default=15,
                         help="compile the candidates in this many processes first (0: none)")
@@ -28,28 +29,37 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for model in args.models:
-        report = tuner.tune_decode(MODELS[model], rank=args.rank, slots=args.slots,
-                                   budget_s=args.budget, jobs=args.jobs)
-        total = report["compile_s"] + sum(report["seconds"].values())
-        common = {"bench": "tune_decode", "model": model, "base": "fp8", "rank": args.rank,
-                  "adapters": args.slots}
-        for cell in report["cells"]:
-            if cell["before_us"] is None:  # the settings in use failed to run: nothing to compare
-                continue
-            for when in ("before", "after"):
-                rows.append({**common, "system": f"tuner-{when}",
-                             "projection": cell["projection"], "tokens": cell["tokens"],
-                             "metric": "decode_us", "value": round(cell[f"{when}_us"], 2)})
-        rows.append({**common, "system": "tuner", "metric": "tune_s", "value": round(total, 1),
-                     "complete": report["complete"], "budget_s": args.budget,
-                     "compile_s": report["compile_s"], "jobs": args.jobs,
-                     "compile_errors": len(report["compile_errors"]),
-                     "failed": len(report.get("failed", [])),
-                     "seconds_per_projection": report["seconds"]})
-        print(f"{model}: {total:.1f} s, compile {report['compile_s']} s "
-              f"({'complete' if report['complete'] else 'budget reached'}) "
-              f"{report['seconds']}", flush=True)
-        write_results(args, rows)
+        for rank in args.ranks:
+            for slots in args.slots:
+                rows += tune(model, rank, slots, args)
+                write_results(args, rows)
+
+
+def tune(model: str, rank: int, slots: int, args) -> list[dict]:
+    """One model at one rank and slot count: the tuner's rows."""
+    report = tuner.tune_decode(MODELS[model], rank=rank, slots=slots, budget_s=args.budget,
+                               jobs=args.jobs)
+    total = report["compile_s"] + sum(report["seconds"].values())
+    common = {"bench": "tune_decode", "model": model, "base": "fp8", "rank": rank,
+              "adapters": slots}
+    rows = []
+    for cell in report["cells"]:
+        if cell["before_us"] is None:  # the settings in use failed to run: nothing to compare
+            continue
+        for when in ("before", "after"):
+            rows.append({**common, "system": f"tuner-{when}", "projection": cell["projection"],
+                         "tokens": cell["tokens"], "metric": "decode_us",
+                         "value": round(cell[f"{when}_us"], 2)})
+    rows.append({**common, "system": "tuner", "metric": "tune_s", "value": round(total, 1),
+                 "complete": report["complete"], "budget_s": args.budget,
+                 "compile_s": report["compile_s"], "jobs": args.jobs,
+                 "compile_errors": len(report["compile_errors"]),
+                 "failed": len(report.get("failed", [])),
+                 "seconds_per_projection": report["seconds"]})
+    print(f"{model} rank {rank}, {slots} slot(s): {total:.1f} s, compile {report['compile_s']} s "
+          f"({'complete' if report['complete'] else 'budget reached'}) {report['seconds']}",
+          flush=True)
+    return rows
 
 
 if __name__ == "__main__":

@@ -76,25 +76,28 @@ def _tuner_lines() -> list[str]:
     lines = ["## The tuner", "",
              f"From `{TUNER.relative_to(ROOT)}`: commit `{meta['git_sha'][:10]}`, "
              f"{meta['date']}, `{meta['command']}`. `epilora_kernels.tuner.tune_decode` on "
-             "each model's four projections at the decode buckets (1-32 tokens), one adapter "
-             "slot; seconds include compiling the candidates in parallel processes first (the "
+             "each model's four projections at the decode buckets (1-32 tokens); seconds "
+             "include compiling the candidates in parallel processes first (the "
              "first model's with Triton's disk cache empty). Before and after: the decode "
              "path per projection as the tuner timed it.", "",
-             "| model | rank | seconds | of which compiling | complete | cells | after / before"
-             " (mean) | best |", "|---|---|---|---|---|---|---|---|"]
+             "| model | rank | slots | seconds | of which compiling | complete | cells | "
+             "after / before (mean) | best |", "|---|---|---|---|---|---|---|---|---|"]
     cells: dict = {}
     for r in data["rows"]:
         if r["metric"] == "decode_us":
-            key = (r["model"], r["projection"], r["tokens"])
-            cells.setdefault(r["model"], {}).setdefault(key, {})[r["system"]] = r["value"]
+            run = (r["model"], r["rank"], r["adapters"])
+            key = (r["projection"], r["tokens"])
+            cells.setdefault(run, {}).setdefault(key, {})[r["system"]] = r["value"]
     for r in data["rows"]:
         if r["metric"] != "tune_s":
             continue
-        ratios = [c["tuner-after"] / c["tuner-before"] for c in cells.get(r["model"], {}).values()
+        run = (r["model"], r["rank"], r["adapters"])
+        ratios = [c["tuner-after"] / c["tuner-before"] for c in cells.get(run, {}).values()
                   if "tuner-before" in c and "tuner-after" in c]
         mean = f"{sum(ratios) / len(ratios):.3f}" if ratios else "-"
         best = f"{min(ratios):.3f}" if ratios else "-"
-        lines.append(f"| {r['model']} | {r['rank']} | {r['value']:.1f} | {r['compile_s']:.1f} | "
+        lines.append(f"| {r['model']} | {r['rank']} | {r['adapters']} | {r['value']:.1f} | "
+                     f"{r['compile_s']:.1f} | "
                      f"{'yes' if r['complete'] else 'no'} | {len(ratios)} | {mean} | {best} |")
     return lines + [""]
 
