@@ -4,7 +4,7 @@ steps). Pure host arithmetic: nothing here launches or allocates."""
 
 import triton
 
-from epilora_kernels import _env, tuner
+from epilora_kernels import _env
 from epilora_kernels.arch import DeviceSupport
 from epilora_kernels.batch import AdapterBatch, LoraWeights
 from epilora_kernels.launch import LaunchConfig, select_config, table_device
@@ -14,9 +14,9 @@ def shape_config(support: DeviceSupport, op: str, tokens: int, n: int, k: int, r
                  slices: tuple[int, ...], one_slot: bool = False) -> LaunchConfig:
     """The device's table entry (its own table, else its architecture's), else the heuristic."""
     use_table = not support.interpreter and _env.launch_tables()
-    device = table_device(support.name, support.arch) if use_table else None
-    if use_table and device is None and tuner.read_cache(support.name) is not None:
-        device = support.name  # no shipped table, but tuned settings of its own
+    # No shipped table for the device: its own name still finds its tuner cache, if any
+    # (launch._load_table overlays the cache on whichever table it finds, or none).
+    device = (table_device(support.name, support.arch) or support.name) if use_table else None
     return select_config(device, op, tokens, n, k, rank, slices, one_slot,
                          cache_device=support.name)
 

@@ -141,7 +141,7 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     `path="w8a16"` the activations stay bf16 (the matched engine). No host synchronization:
     the choice depends on shapes only, so the call can be captured in a CUDA graph (with a
     `workspace` sized before capture)."""
-    _checks.check_inputs(x, lora, batch)
+    _checks.check_activations(x)  # the path checks the rest
     support = device_support(x.device)
     def verdict(path: str) -> Support:
         return supports(path, in_features=lora.in_features, output_slices=lora.output_slices,
@@ -155,7 +155,8 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     ok = verdict(path)
     if not ok:
         raise UnsupportedError(f"{path} path: {ok.reason}")
-    if x.shape[0] == 0:  # no program to launch
+    if x.shape[0] == 0:  # no program to launch, so no path's checks
+        _checks.check_inputs(x, lora, batch)
         return x.new_empty((0, lora.out_features))
     if path == "decode":
         return fused.decode_lora_fp8_linear(x, weight, weight_scale, lora, batch,

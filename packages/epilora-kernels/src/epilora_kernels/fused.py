@@ -31,7 +31,7 @@ from epilora_kernels._launchers import EXPAND, FP8, W8A16
 from epilora_kernels.arch import DeviceSupport, UnsupportedError, device_support
 from epilora_kernels.batch import AdapterBatch, LoraWeights
 from epilora_kernels.launch import DECODE_SHRINK_MAX_TOKENS, LaunchConfig
-from epilora_kernels.workspace import Workspace, default_workspace
+from epilora_kernels.workspace import Workspace, default_workspace, normalized_device
 
 # The decode path's K2 prefetches the first bytes of each of its weight rows into L2 before it
 # spins on K1's count of quantized rows: 512 made the layer faster, or no slower, at every rank
@@ -51,9 +51,7 @@ def _support(x: torch.Tensor, path: str) -> DeviceSupport:
 def _workspace(workspace: Workspace | None, device: torch.device) -> Workspace:
     if workspace is None:
         return default_workspace(device)
-    if workspace.device.type != device.type or (
-            device.type == "cuda" and workspace.device.index != (
-                device.index if device.index is not None else torch.cuda.current_device())):
+    if workspace.device != normalized_device(device):
         raise ValueError(f"the workspace is on {workspace.device}, x on {device}")
     return workspace
 

@@ -41,7 +41,7 @@ class WorkspaceTooSmall(RuntimeError):
     """A launch needs more counters than a frozen (or captured) workspace holds."""
 
 
-def _normalized(device: torch.device | str) -> torch.device:
+def normalized_device(device: torch.device | str) -> torch.device:
     # "cuda" and "cuda:0" name one device: keep the index, so that comparisons hold.
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -62,7 +62,7 @@ class Workspace:
     def __init__(self, device: torch.device | str, tiles: int = _MIN_TILES) -> None:
         if tiles < 0:
             raise ValueError(f"tiles must be >= 0, got {tiles}")
-        self.device = _normalized(device)
+        self.device = normalized_device(device)
         self._buffer = torch.zeros(TILES + max(tiles, _MIN_TILES), dtype=torch.int32,
                                    device=self.device)
         self._captured = False  # whether a graph captured the current buffer
@@ -147,7 +147,7 @@ def default_workspace(device: torch.device | str) -> Workspace:
     """The workspace of `device` for callers that pass none (created on first use unless
     `set_default_workspace` gave one), grown on demand outside captures. One per device: ops
     on concurrent streams of one device need a workspace each, passed explicitly."""
-    device = _normalized(device)
+    device = normalized_device(device)
     workspace = _defaults.get(device)
     if workspace is None:
         workspace = _defaults[device] = Workspace(device)
