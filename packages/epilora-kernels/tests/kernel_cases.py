@@ -112,3 +112,17 @@ def exact_lora_delta(h, lora, batch):
                 delta[tok, begin:begin + width] = h[0, s, tok].cpu().double() @ b[slot, 0].T
         begin += width
     return delta
+
+
+def pad_batch(x, batch, padded_tokens, garbage=1 << 20):
+    """x and batch padded to `padded_tokens` rows as vLLM pads a batch to a captured CUDA graph's
+    size: the metadata counts only the real tokens, and the padding's slots and sorted indices
+    are stale (here out of range, so a kernel that read them would fault or write elsewhere)."""
+    t = x.shape[0]
+    extra = padded_tokens - t
+    x = torch.cat([x, torch.randn(extra, x.shape[1], generator=torch.Generator().manual_seed(1))
+                   .to(x.dtype).to(x.device)])
+    stale = torch.full((extra,), garbage, dtype=torch.int32, device=x.device)
+    return x, AdapterBatch(torch.cat([batch.token_lora_mapping, stale]),
+                           torch.cat([batch.sorted_token_indices, stale]), batch.lora_ids,
+                           batch.num_tokens_per_lora, batch.lora_token_start)

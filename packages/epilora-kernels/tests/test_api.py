@@ -10,7 +10,7 @@ from epilora_kernels.arch import INTERPRETER, DeviceSupport
 from epilora_quant import Fp8Arithmetic
 from epilora_testing import assert_bitwise_equal
 
-from kernel_cases import fp64_reference, make_problem, relative_error
+from kernel_cases import fp64_reference, make_problem, pad_batch, relative_error
 
 BF16_TOL = 1e-2
 SM90 = DeviceSupport("NVIDIA H200", (9, 0), fp8_mma=True, pdl=True, tma=True, interpreter=False)
@@ -240,3 +240,19 @@ def test_per_channel_weight_scales_on_every_path(path, shape):
                          name="[N, 1] vs [N] scales")
     with pytest.raises(ValueError, match="one per output channel"):
         ek.fused_lora_fp8_linear(x, weight, w_scale[:32], lora, batch)
+
+
+@pytest.mark.parametrize("path", ek.PATHS)
+def test_rows_padded_past_the_counted_tokens_get_no_adapter_and_stay_in_place(path):
+    # vLLM's metadata counts the scheduled tokens; a CUDA graph's batch pads them with rows
+    # whose slots and sorted indices are stale. The real rows must be what they are unpadded,
+    # the padding the base GEMM alone, and nothing read or written out of range.
+    x, weight, w_scale, lora, batch = make_problem(9, 5, 64, (32, 16, 16), 16, 3,
+                                                   "mixed_with_base")
+    xp, padded = pad_batch(x, batch, 12)
+    y = ek.lora_linear(xp, weight, w_scale, lora, padded, path=path)
+    assert_bitwise_equal(y[:5], ek.lora_linear(x, weight, w_scale, lora, batch, path=path),
+                         name=f"{path}: real rows")
+    no_adapter = ek.AdapterBatch.from_token_mapping(torch.full((12,), -1, dtype=torch.int32), 3)
+    base = ek.lora_linear(xp, weight, w_scale, lora, no_adapter, path=path)
+    assert_bitwise_equal(y[5:], base[5:], name=f"{path}: padding")

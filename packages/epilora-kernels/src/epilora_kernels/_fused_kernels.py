@@ -200,6 +200,21 @@ def _sum_splits(acc, tile_ptrs, plane, mask, split, counter, SPLIT_K: tl.constex
 
 
 @triton.jit
+def _sorted_token(sorted_ptr, start_ptr, pos, NUM_ENTRIES, ENTRIES_BLOCK: tl.constexpr,
+                  mask=None):
+    # The token at adapter-sorted position `pos`: `sorted[pos]` among the tokens the segments
+    # count (the largest segment end), `pos` itself beyond (a bijection of [0, T) either way).
+    # vLLM sizes its metadata to the scheduled tokens and a CUDA graph's batch pads them: the
+    # padding's sorted indices are stale, possibly out of range.
+    e = tl.arange(0, ENTRIES_BLOCK)
+    counted = tl.max(tl.load(start_ptr + e + 1, mask=e < NUM_ENTRIES, other=0), axis=0)
+    inside = pos < counted
+    if mask is not None:
+        inside = inside & mask
+    return tl.where(inside, tl.load(sorted_ptr + pos, mask=inside, other=0), pos)
+
+
+@triton.jit
 def _quantize_shrink_kernel(
     x_ptr, codes_ptr, scales_ptr, h_ptr, partial_ptr,
     a0_ptr, a1_ptr, a2_ptr,
@@ -223,7 +238,12 @@ def _quantize_shrink_kernel(
         if pid < T:
             # CODES_SORTED: row pid of the codes is the pid-th token in adapter order (what
             # K2 reads by TMA, in whole row tiles), else token pid.
-            src = tl.load(sorted_ptr + pid) if CODES_SORTED else pid
+            # Rows past the tokens the segments count (an engine pads a batch to a captured
+            # graph's size and leaves those sorted indices stale) stay in their own place.
+            if CODES_SORTED:
+                src = _sorted_token(sorted_ptr, start_ptr, pid, NUM_ENTRIES, ENTRIES_BLOCK)
+            else:
+                src = pid
             _quantize_row(x_ptr, codes_ptr, scales_ptr, src, pid, K, stride_x, QUANT_BLOCK,
                           INTERPRETER)
             if SIGNAL_CODES:
@@ -337,7 +357,7 @@ def _lora_gemm_kernel(
     pos = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pos_mask = pos < T
     if HAS_LORA:
-        tok = tl.load(sorted_ptr + pos, mask=pos_mask, other=0)
+        tok = _sorted_token(sorted_ptr, start_ptr, pos, NUM_ENTRIES, ENTRIES_BLOCK, pos_mask)
     else:  # no adapters: rows in their own order
         tok = pos
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

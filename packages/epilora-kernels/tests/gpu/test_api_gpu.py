@@ -12,7 +12,13 @@ from epilora_kernels import reference
 from epilora_testing import assert_bitwise_equal
 from epilora_testing.cuda_graphs import capture
 
-from kernel_cases import exact_lora_delta, make_integer_problem, make_problem, relative_error
+from kernel_cases import (
+    exact_lora_delta,
+    make_integer_problem,
+    make_problem,
+    pad_batch,
+    relative_error,
+)
 
 CUDA = "cuda"
 BF16_TOL = 1e-2
@@ -37,6 +43,25 @@ def test_lora_linear_on_every_path_matches_the_reference(path, tokens):
     assert relative_error(y, want) < BF16_TOL
     again = ek.lora_linear(x, weight, w_scale, lora, batch, path=path)
     assert_bitwise_equal(again, y, name="repeat")
+
+
+@pytest.mark.parametrize("path", [None, *ek.PATHS])
+@pytest.mark.parametrize(("tokens", "padded"), [(3, 8), (40, 48), (300, 320)])
+def test_rows_padded_past_the_counted_tokens(path, tokens, padded):
+    # A CUDA graph's batch padded past vLLM's metadata (stale, out-of-range sorted indices in
+    # the padding; 40 and 300 tokens read K1's codes by TMA in adapter order).
+    x, weight, w_scale, lora, batch = make_problem(5, tokens, 4096, (4096, 1024, 1024), 64, 4,
+                                                   "mixed_with_base", device=CUDA)
+    xp, padded_batch = pad_batch(x, batch, padded)
+    y = ek.lora_linear(xp, weight, w_scale, lora, padded_batch, path=path)
+    torch.cuda.synchronize()
+    ref = (reference.fused_lora_w8a16_linear if path == "w8a16"
+           else reference.fused_lora_fp8_linear)
+    assert relative_error(y[:tokens], ref(x, weight, w_scale, lora, batch)) < BF16_TOL
+    no_adapter = ek.AdapterBatch.from_token_mapping(
+        torch.full((padded,), -1, dtype=torch.int32, device=CUDA), 4)
+    base = ref(xp, weight, w_scale, lora, no_adapter)
+    assert relative_error(y[tokens:], base[tokens:]) < BF16_TOL
 
 
 @pytest.mark.parametrize("path", ek.PATHS)

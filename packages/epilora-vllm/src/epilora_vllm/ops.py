@@ -1,0 +1,31 @@
+"""`torch.ops.epilora_vllm.lora_linear(layer_name, output_size, x, bias)`: one projection of a
+layer the plugin serves, as one custom op (registered when this module is imported, which
+`register` does).
+
+The op finds its layer by name in vLLM's forward context, as vLLM's dual-stream LoRA op does
+(a layer registers itself in `static_forward_context` when it is built), so its module state
+(weights, adapter buffers, Punica metadata) needs no arguments. To torch.compile it is one
+opaque node whose fake gives the output's shape; CUDA graphs capture its kernels.
+"""
+
+import torch
+from torch.library import Library
+from vllm.forward_context import get_forward_context
+from vllm.utils.torch_utils import direct_register_custom_op
+
+_LIBRARY = Library("epilora_vllm", "FRAGMENT")  # kept alive at module scope
+
+
+def lora_linear(layer_name: str, output_size: int, x: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    layer = get_forward_context().no_compile_layers[layer_name]
+    return layer.epilora(x, bias)
+
+
+def lora_linear_fake(layer_name: str, output_size: int, x: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], output_size))
+
+
+direct_register_custom_op(op_name="lora_linear", op_func=lora_linear, fake_impl=lora_linear_fake,
+                          target_lib=_LIBRARY)

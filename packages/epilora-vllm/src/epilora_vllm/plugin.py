@@ -1,0 +1,50 @@
+"""The `vllm.general_plugins` entry point: `register()` puts epilora's LoRA layer classes ahead
+of vLLM's.
+
+vLLM calls it in every process it starts (the API server, the engine core, each worker), before
+the worker loads the model. It is idempotent, touches no GPU, and does nothing when
+EPILORA_VLLM_DISABLE=1, when VLLM_PLUGINS leaves out `epilora` (vLLM then never calls it), or
+on a vLLM it was not written for (logged). vLLM has no registration API for LoRA layer classes:
+`vllm.lora.utils.from_layer` walks the module-level tuple `_all_lora_classes` at call time and
+takes the first class whose `can_replace_layer` accepts the layer, so ours go first and decline
+what the kernels cannot serve.
+"""
+
+import logging
+
+from epilora_vllm import _compat, _env
+
+logger = logging.getLogger("vllm.epilora_vllm")
+
+
+def register() -> bool:
+    """Install the plugin in this process; True if its layers are (now or already) installed."""
+    if _env.disabled():
+        logger.info("epilora: EPILORA_VLLM_DISABLE=1, every layer stays vLLM's")
+        return False
+    why = _compat.check_version()
+    if why is not None:
+        logger.warning("epilora: not installed: %s", why)
+        return False
+    import vllm.lora.utils as lora_utils
+
+    import epilora_vllm.ops  # noqa: F401  (registers torch.ops.epilora_vllm.lora_linear)
+    from epilora_vllm.layers import LAYER_CLASSES
+
+    current = lora_utils._all_lora_classes
+    if all(cls in current for cls in LAYER_CLASSES):
+        return True
+    rest = tuple(cls for cls in current if cls not in LAYER_CLASSES)
+    lora_utils._all_lora_classes = (*LAYER_CLASSES, *rest)
+    logger.info("epilora: LoRA layers on FP8 bases served by epilora-kernels "
+                "(EPILORA_VLLM_DISABLE=1 turns this off)")
+    return True
+
+
+def installed() -> bool:
+    """Whether this process's vLLM picks epilora's layer classes first."""
+    import vllm.lora.utils as lora_utils
+
+    from epilora_vllm.layers import LAYER_CLASSES
+
+    return lora_utils._all_lora_classes[: len(LAYER_CLASSES)] == LAYER_CLASSES
