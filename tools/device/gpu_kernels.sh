@@ -26,6 +26,9 @@
 #           into $OUT/NAME/ (/, ~ and ^ as dashes: the call brings back no name with ~), e.g.
 #           `use:main layer use:next/x layer` times two branches in one call; the benchmark
 #           scripts and tests stay the working tree's
+#   plugin-tests the plugin's GPU tests (nox -s gpu-sm90 -- packages/epilora-vllm) TESTS_TIMEOUT
+#   serving benchmarks/serving.py $SERVING_ARGS -> $OUT/serving.json, engine logs in
+#           $OUT/serving-logs/                                                  SERVING_TIMEOUT
 #   env:NAME=VALUE  sets NAME for the later steps (quote it when VALUE has spaces); setting OUT
 #           (e.g. "env:OUT=$OUT/main-1x128") keeps a second run of a step from replacing the first
 # A call brings back at most 8 files of $OUT, so each finished step's files are appended to
@@ -99,6 +102,12 @@ for step in "$@"; do
     timeline) timeout "${TIMELINE_TIMEOUT:-240}" python3 dev/decode_timeline.py \
                 --out "$OUT/decode_timeline.json" --git-sha "$sha" ${TIMELINE_ARGS:-} 2>&1 \
                 | tee "$OUT/decode_timeline.log" ;;
+    plugin-tests) timeout "${TESTS_TIMEOUT:-240}" python3 -m nox -s gpu-sm90 -- \
+                    packages/epilora-vllm --junitxml="$OUT/gpu-sm90-vllm-junit.xml" 2>&1 \
+                    | tee "$OUT/gpu-sm90-vllm.log" ;;
+    serving) timeout "${SERVING_TIMEOUT:-540}" python3 benchmarks/serving.py \
+               --out "$OUT/serving.json" --git-sha "$sha" --logs "$OUT/serving-logs" \
+               ${SERVING_ARGS:-} 2>&1 | tee "$OUT/serving.log" ;;
     env:*) export "${step#env:}"; mkdir -p "$OUT"; echo "$step"; continue ;;
     *) echo "unknown step: $step"; exit 2 ;;
   esac

@@ -25,6 +25,27 @@ class _Mode:
     path: str | None
 
 
+_workspaces: dict = {}  # device -> (the bounds its default workspace was sized for)
+
+
+def _size_workspace(device: torch.device, lora: ek.LoraWeights) -> None:
+    """Size the device's default workspace (the one the kernels use without one given) for
+    every batch the engine can schedule over this layer's shapes, before any CUDA graph is
+    captured: layers are built while the model loads, long before capture."""
+    from vllm.config import get_current_vllm_config
+
+    tokens = get_current_vllm_config().scheduler_config.max_num_batched_tokens
+    want = (tokens, lora.out_features, lora.max_rank, lora.max_loras)
+    have = _workspaces.get(device)
+    if have is not None and all(w <= h for w, h in zip(want, have, strict=True)):
+        return
+    bounds = want if have is None else tuple(max(w, h) for w, h in zip(want, have, strict=True))
+    ek.set_default_workspace(ek.Workspace.for_batches(
+        device, max_tokens=bounds[0], max_out_features=bounds[1], max_rank=bounds[2],
+        max_loras=bounds[3]))
+    _workspaces[device] = bounds
+
+
 class EpiloraForward:
     """The computation of one vLLM LoRA layer (`layer`, an `epilora_vllm.layers` class)."""
 
@@ -40,6 +61,8 @@ class EpiloraForward:
         layer = self.layer
         self.lora = ek.LoraWeights(tuple(layer.lora_a_stacked), tuple(layer.lora_b_stacked),
                                    tuple(layer.output_slices))
+        if layer.device.type == "cuda":
+            _size_workspace(layer.device, self.lora)
         if path is not None and path not in ek.PATHS:
             raise ValueError(f"EPILORA_VLLM_PATH={path!r}: expected one of {ek.PATHS}")
         self.mode = _Mode(matched=matched, path="w8a16" if matched else path)

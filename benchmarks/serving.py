@@ -1,0 +1,222 @@
+"""The serving benchmark: stock vLLM and vLLM with the epilora plugin, in one run, each engine
+in its own process (dummy weights of a real model's shapes, `quantization="fp8"`, vLLM's
+default torch.compile and CUDA graphs).
+
+Scenarios (`--scenarios`):
+* `tpot1`: batch 1, one rank-64 adapter: time per output token, the median of `--reps`
+  generations of `--output-tokens` tokens (a 1-token generation's time taken off: TPOT
+  excludes prefill), plus each engine's start time and KV-cache tokens (its log line).
+
+Systems: `epilora` (the plugin), `vllm-default` (stock LoRA; the plugin off), `vllm-dual-stream`
+(stock LoRA on a second stream, VLLM_LORA_ENABLE_DUAL_STREAM=1), `no-lora` (stock, LoRA off).
+Every engine also generates greedily for four prompts with the adapter; the table says where
+the systems' tokens agree.
+
+    python3 benchmarks/serving.py --models qwen3-8b --out results/h200/serving.json
+"""
+
+import argparse
+import datetime
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from epilora_testing.results import results_text
+
+# config.json of each model (dummy weights: vLLM needs the architecture and shapes only).
+CONFIGS = {
+    "qwen3-8b": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                 "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                 "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+                 "rope_theta": 1000000, "tie_word_embeddings": False, "hidden_act": "silu",
+                 "attention_bias": False, "torch_dtype": "bfloat16"},
+    "llama3.1-8b": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                    "vocab_size": 128256, "max_position_embeddings": 131072,
+                    "rms_norm_eps": 1e-5, "rope_theta": 500000, "tie_word_embeddings": False,
+                    "hidden_act": "silu", "attention_bias": False, "torch_dtype": "bfloat16"},
+}
+SYSTEMS = ("epilora", "vllm-default", "vllm-dual-stream", "no-lora")
+RANK = 64
+CHECK_PROMPTS = [[100 + 7 * i + j for j in range(16)] for i in range(4)]
+
+
+def system_env(system: str) -> dict:
+    env = {"EPILORA_VLLM_DISABLE": "0" if system == "epilora" else "1",
+           "VLLM_LORA_ENABLE_DUAL_STREAM": "1" if system == "vllm-dual-stream" else "0"}
+    return {**os.environ, **env}
+
+
+def prepare_model(model: str, root: Path) -> tuple[Path, Path]:
+    """The dummy model's config and a random rank-64 adapter of its shapes (PEFT format)."""
+    from epilora_testing.tiny_models import write_lora_adapter
+
+    model_dir = root / model
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(CONFIGS[model]))
+    adapter = root / f"{model}-r{RANK}"
+    if not (adapter / "adapter_config.json").exists():
+        write_lora_adapter(adapter, model_dir, rank=RANK, seed=1, std=0.02)
+    return model_dir, adapter
+
+
+def worker(args) -> None:
+    """One engine: start it, time batch-1 decoding, generate the check prompts; print a JSON
+    line of results."""
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    lora = args.system != "no-lora"
+    llm = LLM(args.model_dir, load_format="dummy", quantization="fp8", skip_tokenizer_init=True,
+              enable_lora=lora, max_loras=1, max_lora_rank=RANK, max_model_len=4096,
+              max_num_seqs=32, gpu_memory_utilization=0.85, seed=0)
+    start_s = time.perf_counter() - t0
+    request = LoRARequest("tenant", 1, args.adapter) if lora else None
+    prompt = [TokensPrompt(prompt_token_ids=list(range(1000, 1000 + args.prompt_tokens)))]
+
+    def run(tokens: int) -> float:
+        params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0,
+                                ignore_eos=True, detokenize=False)
+        begin = time.perf_counter()
+        llm.generate(prompt, params, lora_request=request, use_tqdm=False)
+        return time.perf_counter() - begin
+
+    run(args.output_tokens)  # warm-up: adapter loaded, every graph touched
+    tpots = []
+    for _ in range(args.reps):
+        full, first = run(args.output_tokens), run(1)
+        tpots.append((full - first) / (args.output_tokens - 1) * 1e3)
+    params = SamplingParams(max_tokens=32, temperature=0.0, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in CHECK_PROMPTS], params,
+                        lora_request=request, use_tqdm=False)
+    print("RESULT " + json.dumps({"start_s": start_s, "tpot_ms": tpots,
+                                  "tokens": [list(o.outputs[0].token_ids) for o in outs]}),
+          flush=True)
+
+
+def kv_cache_tokens(log: str) -> int | None:
+    match = re.search(r"GPU KV cache size: ([\d,]+) tokens", log)
+    return int(match.group(1).replace(",", "")) if match else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["qwen3-8b"], choices=list(CONFIGS))
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--scenarios", nargs="+", default=["tpot1"], choices=["tpot1"])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--output-tokens", type=int, default=257)
+    parser.add_argument("--timeout", type=int, default=400, help="seconds per engine")
+    parser.add_argument("--work", default="/tmp/epilora-serving", help="models and adapters")
+    parser.add_argument("--logs", default=None, help="where each engine's log goes")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--git-sha", default=None)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--system", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--adapter", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+
+    work, logs = Path(args.work), Path(args.logs or args.work)
+    logs.mkdir(parents=True, exist_ok=True)
+    rows, tokens, failures = [], {}, []
+    for model in args.models:
+        model_dir, adapter = prepare_model(model, work)
+        for system in args.systems:
+            log_path = logs / f"serving-{model}-{system}.log"
+            cmd = [sys.executable, __file__, "--worker", "--system", system, "--model-dir",
+                   str(model_dir), "--adapter", str(adapter), "--reps", str(args.reps),
+                   "--prompt-tokens", str(args.prompt_tokens),
+                   "--output-tokens", str(args.output_tokens)]
+            print(f"{model} {system} ...", flush=True)
+            try:
+                proc = subprocess.run(cmd, env=system_env(system), capture_output=True,
+                                      text=True, timeout=args.timeout)
+                log, ok = proc.stdout + proc.stderr, proc.returncode == 0
+            except subprocess.TimeoutExpired as e:
+                log = (e.stdout or b"").decode() + (e.stderr or b"").decode()
+                ok = False
+            log_path.write_text(log)
+            result = next((json.loads(line[7:]) for line in log.splitlines()
+                           if line.startswith("RESULT ")), None)
+            if not ok or result is None:
+                failures.append(f"{model} {system}: failed, see {log_path}")
+                print(failures[-1], flush=True)
+                continue
+            base = {"bench": "serving", "model": model, "base": "fp8", "system": system,
+                    "adapters": 0 if system == "no-lora" else 1,
+                    "rank": None if system == "no-lora" else RANK, "tp": 1}
+            rows.append({**base, "metric": "tpot_ms", "batch": 1,
+                         "value": statistics.median(result["tpot_ms"]), "n": args.reps,
+                         "samples": result["tpot_ms"]})
+            rows.append({**base, "metric": "start_s", "value": result["start_s"], "n": 1})
+            kv = kv_cache_tokens(log)
+            if kv is not None:
+                rows.append({**base, "metric": "kv_cache_tokens", "value": kv, "n": 1})
+            tokens[(model, system)] = result["tokens"]
+        for system in args.systems:
+            if system in ("epilora", "no-lora") or (model, system) not in tokens:
+                continue
+            if (model, "epilora") in tokens:
+                same = sum(a == b for a, b in zip(tokens[(model, "epilora")],
+                                                  tokens[(model, system)], strict=True))
+                rows.append({"bench": "serving", "model": model, "system": "epilora",
+                             "against": system, "metric": "same_greedy_outputs", "value": same,
+                             "n": len(CHECK_PROMPTS)})
+    print(table(rows))
+    if args.out:
+        write(args, rows)
+    if failures:
+        sys.exit("\n".join(failures))
+
+
+def table(rows: list) -> str:
+    lines = [f"{'model':12} {'system':18} {'metric':20} value"]
+    for r in rows:
+        what = r["metric"] + (f" vs {r['against']}" if "against" in r else "")
+        lines.append(f"{r['model']:12} {r['system']:18} {what:20} {r['value']:.4g}")
+    return "\n".join(lines)
+
+
+def _command() -> str:
+    """This run's command line without its machine-specific paths and commit."""
+    words, skip = [], False
+    for word in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif word in ("--out", "--logs", "--git-sha", "--work"):
+            skip = True
+        else:
+            words.append(word)
+    return " ".join(["python3", "benchmarks/serving.py", *words])
+
+
+def write(args, rows) -> None:
+    import torch
+    import vllm
+
+    sha = args.git_sha or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                         text=True).stdout.strip()
+    meta = {"git_sha": sha or "unknown",
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "vllm": vllm.__version__,
+            "command": _command()}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(results_text(meta, rows))
+
+
+if __name__ == "__main__":
+    main()
