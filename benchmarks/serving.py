@@ -72,6 +72,7 @@ def worker(args) -> None:
     line of results."""
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
+    from vllm import __version__ as vllm_version_string
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
 
@@ -83,22 +84,33 @@ def worker(args) -> None:
     request = LoRARequest("tenant", 1, args.adapter) if lora else None
     prompt = [TokensPrompt(prompt_token_ids=list(range(1000, 1000 + args.prompt_tokens)))]
 
-    def run(tokens: int) -> float:
+    def run(tokens: int, lora_request) -> float:
         params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0,
                                 ignore_eos=True, detokenize=False)
         begin = time.perf_counter()
-        llm.generate(prompt, params, lora_request=request, use_tqdm=False)
+        llm.generate(prompt, params, lora_request=lora_request, use_tqdm=False)
         return time.perf_counter() - begin
 
-    run(args.output_tokens)  # warm-up: adapter loaded, every graph touched
-    tpots = []
-    for _ in range(args.reps):
-        full, first = run(args.output_tokens), run(1)
-        tpots.append((full - first) / (args.output_tokens - 1) * 1e3)
+    def tpots(lora_request) -> list[float]:
+        run(args.output_tokens, lora_request)  # warm-up: adapter loaded, graphs touched
+        out = []
+        for _ in range(args.reps):
+            full, first = run(args.output_tokens, lora_request), run(1, lora_request)
+            out.append((full - first) / (args.output_tokens - 1) * 1e3)
+        return out
+
+    with_adapter = tpots(request)
+    # A request without an adapter in a LoRA engine: what LoRA costs every tenant.
+    base_request = tpots(None) if lora else None
     params = SamplingParams(max_tokens=32, temperature=0.0, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in CHECK_PROMPTS], params,
                         lora_request=request, use_tqdm=False)
-    print("RESULT " + json.dumps({"start_s": start_s, "tpot_ms": tpots,
+    import torch
+
+    print("RESULT " + json.dumps({"start_s": start_s, "tpot_ms": with_adapter,
+                                  "tpot_ms_base_request": base_request,
+                                  "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                  "vllm": vllm_version_string,
                                   "tokens": [list(o.outputs[0].token_ids) for o in outs]}),
           flush=True)
 
@@ -106,6 +118,70 @@ def worker(args) -> None:
 def kv_cache_tokens(log: str) -> int | None:
     match = re.search(r"GPU KV cache size: ([\d,]+) tokens", log)
     return int(match.group(1).replace(",", "")) if match else None
+
+
+LOG_NAME = re.compile(r"serving-(?P<model>[\w.-]+?)-(?P<system>epilora|vllm-default|"
+                      r"vllm-dual-stream|no-lora)\.log$")
+
+
+def rows_from_log(model: str, system: str, log: str) -> tuple[list, list | None]:
+    """The rows of one engine's run, from its log (its RESULT line and vLLM's KV-cache line),
+    and its greedy tokens; no rows if the engine did not finish."""
+    result = next((json.loads(line[7:]) for line in log.splitlines()
+                   if line.startswith("RESULT ")), None)
+    if result is None:
+        return [], None
+    base = {"bench": "serving", "model": model, "base": "fp8", "system": system,
+            "adapters": 0 if system == "no-lora" else 1,
+            "rank": None if system == "no-lora" else RANK, "tp": 1}
+    rows = [{**base, "metric": "tpot_ms", "batch": 1,
+             "value": statistics.median(result["tpot_ms"]), "n": len(result["tpot_ms"]),
+             "samples": result["tpot_ms"]},
+            {**base, "metric": "start_s", "value": result["start_s"], "n": 1}]
+    if result.get("tpot_ms_base_request"):
+        rows.append({**base, "metric": "tpot_ms_base_request", "batch": 1,
+                     "value": statistics.median(result["tpot_ms_base_request"]),
+                     "n": len(result["tpot_ms_base_request"]),
+                     "samples": result["tpot_ms_base_request"]})
+    for key in ("gpu", "torch", "vllm"):
+        for row in rows:
+            row["_" + key] = result.get(key)
+    kv = kv_cache_tokens(log)
+    if kv is not None:
+        rows.append({**base, "metric": "kv_cache_tokens", "value": kv, "n": 1})
+    return rows, result["tokens"]
+
+
+def agreement_rows(tokens: dict) -> list:
+    """How many check prompts' greedy tokens the plugin shares with each stock LoRA system."""
+    rows = []
+    for (model, system), theirs in tokens.items():
+        ours = tokens.get((model, "epilora"))
+        if system in ("epilora", "no-lora") or ours is None:
+            continue
+        rows.append({"bench": "serving", "model": model, "system": "epilora",
+                     "against": system, "metric": "same_greedy_outputs",
+                     "value": sum(a == b for a, b in zip(ours, theirs, strict=True)),
+                     "n": len(CHECK_PROMPTS)})
+    return rows
+
+
+def collect(log_dirs: list[Path]) -> list:
+    """Every engine log under `log_dirs` as rows (a later directory's log of the same model
+    and system replaces an earlier one's), then the agreement rows."""
+    logs = {}
+    for directory in log_dirs:
+        for path in sorted(Path(directory).glob("serving-*.log")):
+            match = LOG_NAME.search(path.name)
+            if match:
+                logs[(match["model"], match["system"])] = path.read_text()
+    rows, tokens = [], {}
+    for (model, system), log in logs.items():
+        engine_rows, engine_tokens = rows_from_log(model, system, log)
+        rows += engine_rows
+        if engine_tokens is not None:
+            tokens[(model, system)] = engine_tokens
+    return rows + agreement_rows(tokens)
 
 
 def main() -> None:
@@ -119,6 +195,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=400, help="seconds per engine")
     parser.add_argument("--work", default="/tmp/epilora-serving", help="models and adapters")
     parser.add_argument("--logs", default=None, help="where each engine's log goes")
+    parser.add_argument("--collect", nargs="+", default=None, metavar="LOG_DIR",
+                        help="run no engine: the result file from these directories' engine "
+                             "logs (several device calls' runs in one file)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--git-sha", default=None)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -128,10 +207,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(args)
+    if args.collect:
+        rows = collect([Path(d) for d in args.collect])
+        print(table(rows))
+        if args.out:
+            write(args, rows)
+        return None
 
     work, logs = Path(args.work), Path(args.logs or args.work)
     logs.mkdir(parents=True, exist_ok=True)
-    rows, tokens, failures = [], {}, []
+    failures = []
     for model in args.models:
         model_dir, adapter = prepare_model(model, work)
         for system in args.systems:
@@ -149,35 +234,13 @@ def main() -> None:
                 log = (e.stdout or b"").decode() + (e.stderr or b"").decode()
                 ok = False
             log_path.write_text(log)
-            result = next((json.loads(line[7:]) for line in log.splitlines()
-                           if line.startswith("RESULT ")), None)
-            if not ok or result is None:
+            if not ok or not rows_from_log(model, system, log)[0]:
                 failures.append(f"{model} {system}: failed, see {log_path}")
                 print(failures[-1], flush=True)
-                continue
-            base = {"bench": "serving", "model": model, "base": "fp8", "system": system,
-                    "adapters": 0 if system == "no-lora" else 1,
-                    "rank": None if system == "no-lora" else RANK, "tp": 1}
-            rows.append({**base, "metric": "tpot_ms", "batch": 1,
-                         "value": statistics.median(result["tpot_ms"]), "n": args.reps,
-                         "samples": result["tpot_ms"]})
-            rows.append({**base, "metric": "start_s", "value": result["start_s"], "n": 1})
-            kv = kv_cache_tokens(log)
-            if kv is not None:
-                rows.append({**base, "metric": "kv_cache_tokens", "value": kv, "n": 1})
-            tokens[(model, system)] = result["tokens"]
-        for system in args.systems:
-            if system in ("epilora", "no-lora") or (model, system) not in tokens:
-                continue
-            if (model, "epilora") in tokens:
-                same = sum(a == b for a, b in zip(tokens[(model, "epilora")],
-                                                  tokens[(model, system)], strict=True))
-                rows.append({"bench": "serving", "model": model, "system": "epilora",
-                             "against": system, "metric": "same_greedy_outputs", "value": same,
-                             "n": len(CHECK_PROMPTS)})
+            rows = collect([logs])  # after every engine: a later timeout loses none
+            if args.out:
+                write(args, rows)
     print(table(rows))
-    if args.out:
-        write(args, rows)
     if failures:
         sys.exit("\n".join(failures))
 
@@ -191,29 +254,30 @@ def table(rows: list) -> str:
 
 
 def _command() -> str:
-    """This run's command line without its machine-specific paths and commit."""
-    words, skip = [], False
+    """This run's command line without machine-specific paths (their values) and the commit."""
+    words, dropping = [], False
     for word in sys.argv[1:]:
-        if skip:
-            skip = False
-        elif word in ("--out", "--logs", "--git-sha", "--work"):
-            skip = True
-        else:
+        if word.startswith("--"):
+            dropping = word in ("--out", "--logs", "--git-sha", "--work", "--collect")
+            words.append(word + (" ..." if word == "--collect" else "")) if (
+                not dropping or word == "--collect") else None
+        elif not dropping:
             words.append(word)
     return " ".join(["python3", "benchmarks/serving.py", *words])
 
 
 def write(args, rows) -> None:
-    import torch
-    import vllm
-
+    """The result file; its GPU and versions are the engines' own (each worker reports them),
+    so the file can be made from logs on a machine without a GPU (`--collect`)."""
+    env = {}
+    for key in ("gpu", "torch", "vllm"):
+        values = {row.pop("_" + key) for row in rows if "_" + key in row}
+        env[key] = values.pop() if len(values) == 1 else sorted(map(str, values)) or None
     sha = args.git_sha or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                          text=True).stdout.strip()
     meta = {"git_sha": sha or "unknown",
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "vllm": vllm.__version__,
-            "command": _command()}
+            **env, "command": _command()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(results_text(meta, rows))
 
