@@ -162,7 +162,7 @@ def agreement_rows(tokens: dict) -> list:
         rows.append({"bench": "serving", "model": model, "system": "epilora",
                      "against": system, "metric": "same_greedy_outputs",
                      "value": sum(a == b for a, b in zip(ours, theirs, strict=True)),
-                     "n": len(CHECK_PROMPTS)})
+                     "n": len(ours)})
     return rows
 
 
@@ -174,11 +174,12 @@ def collect(log_dirs: list[Path]) -> list:
         for path in sorted(Path(directory).glob("serving-*.log")):
             match = LOG_NAME.search(path.name)
             if match:
-                logs[(match["model"], match["system"])] = path.read_text()
+                logs[(match["model"], match["system"])] = (path, path.read_text())
     rows, tokens = [], {}
-    for (model, system), log in logs.items():
+    for (model, system), (path, log) in logs.items():
         engine_rows, engine_tokens = rows_from_log(model, system, log)
-        rows += engine_rows
+        # Which run: the log's folder (benchmarks/results/<gpu>/serving-logs/<commit>/).
+        rows += [{**row, "log": f"{path.parent.name}/{path.name}"} for row in engine_rows]
         if engine_tokens is not None:
             tokens[(model, system)] = engine_tokens
     return rows + agreement_rows(tokens)

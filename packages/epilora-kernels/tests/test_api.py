@@ -256,3 +256,23 @@ def test_rows_padded_past_the_counted_tokens_get_no_adapter_and_stay_in_place(pa
     no_adapter = ek.AdapterBatch.from_token_mapping(torch.full((12,), -1, dtype=torch.int32), 3)
     base = ek.lora_linear(xp, weight, w_scale, lora, no_adapter, path=path)
     assert_bitwise_equal(y[5:], base[5:], name=f"{path}: padding")
+
+
+@pytest.mark.parametrize("path", ["decode", "fused", None])
+def test_activations_quantized_by_the_caller_give_the_bits_of_the_paths_own(path):
+    # An engine may quantize x itself (vLLM fuses it into RMSNorm): K1 then only shrinks. With
+    # the codes K1 would make, the result is the same, bit for bit.
+    x, weight, w_scale, lora, batch = make_problem(12, 9, 64, (32, 16, 16), 16, 3,
+                                                   "mixed_with_base")
+    given = ek.quantize(x)
+    y = ek.lora_linear(x, weight, w_scale, lora, batch, path=path, x_quantized=given)
+    assert_bitwise_equal(y, ek.lora_linear(x, weight, w_scale, lora, batch, path=path),
+                         name=f"{path}: caller's codes")
+    want = reference.fused_lora_fp8_linear(x, weight, w_scale, lora, batch,
+                                           x_quantized=given)
+    assert relative_error(y, want) < BF16_TOL
+    with pytest.raises(ValueError, match="x_quantized has 8 rows, x 9"):
+        ek.lora_linear(x, weight, w_scale, lora, batch, path=path,
+                       x_quantized=(given[0][:8], given[1][:8]))
+    with pytest.raises(ValueError, match="x_quantized is for the FP8 paths"):
+        ek.lora_linear(x, weight, w_scale, lora, batch, path="w8a16", x_quantized=given)

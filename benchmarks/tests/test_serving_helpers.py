@@ -1,0 +1,42 @@
+"""benchmarks/serving.py's result rows, from engine logs (no engine: the parsing and the merge
+of several runs' logs, which the result file and the docs page come from)."""
+
+import json
+import runpy
+from pathlib import Path
+
+import pytest
+
+SERVING = runpy.run_path(str(Path(__file__).parents[1] / "serving.py"))
+
+
+def _log(tpots, tokens, kv=785_488, base=None):
+    result = {"start_s": 100.0, "tpot_ms": tpots, "tpot_ms_base_request": base,
+              "tokens": tokens, "gpu": "NVIDIA H200", "torch": "2.11.0", "vllm": "0.26.0"}
+    return (f"INFO [kv_cache_utils.py:2177] GPU KV cache size: {kv:,} tokens\n"
+            f"RESULT {json.dumps(result)}\n")
+
+
+def test_rows_from_a_log_and_none_from_an_engine_that_did_not_finish():
+    rows, tokens = SERVING["rows_from_log"]("qwen3-8b", "epilora",
+                                            _log([4.3, 4.1, 4.2], [[1, 2]], base=[3.9, 3.8]))
+    by_metric = {r["metric"]: r for r in rows}
+    assert by_metric["tpot_ms"]["value"] == 4.2 and by_metric["tpot_ms"]["n"] == 3
+    assert by_metric["tpot_ms_base_request"]["value"] == pytest.approx(3.85)
+    assert by_metric["kv_cache_tokens"]["value"] == 785_488
+    assert tokens == [[1, 2]]
+    assert SERVING["rows_from_log"]("qwen3-8b", "epilora", "Traceback ...\n") == ([], None)
+
+
+def test_collect_takes_the_later_runs_log_and_counts_agreement(tmp_path):
+    old, new = tmp_path / "aaa", tmp_path / "bbb"
+    old.mkdir(), new.mkdir()
+    (old / "serving-qwen3-8b-epilora.log").write_text(_log([9.0], [[1], [2]]))
+    (old / "serving-qwen3-8b-vllm-dual-stream.log").write_text(_log([5.5], [[1], [3]]))
+    (new / "serving-qwen3-8b-epilora.log").write_text(_log([4.0], [[1], [3]]))
+    rows = SERVING["collect"]([old, new])
+    tpot = {r["system"]: (r["value"], r["log"]) for r in rows if r["metric"] == "tpot_ms"}
+    assert tpot == {"epilora": (4.0, "bbb/serving-qwen3-8b-epilora.log"),
+                    "vllm-dual-stream": (5.5, "aaa/serving-qwen3-8b-vllm-dual-stream.log")}
+    (same,) = [r for r in rows if r["metric"] == "same_greedy_outputs"]
+    assert same["against"] == "vllm-dual-stream" and (same["value"], same["n"]) == (2, 2)
