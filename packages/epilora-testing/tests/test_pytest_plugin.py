@@ -5,7 +5,9 @@ import pytest
 
 pytest_plugins = ["pytester"]
 
-# The child session sees a CUDA device and no vLLM, whatever this machine has.
+# The child session sees a CUDA device and no vLLM, whatever this machine has. It runs in a
+# process of its own: in this one, the patches would outlive it (every later vllm-marked test of
+# the run skipped as if vLLM were absent).
 CONFTEST = """
 import importlib.util
 import torch
@@ -29,12 +31,12 @@ def test_vllm_gpu_tests_fail_rather_than_skip_under_require_gpu(pytester, args, 
     pytester.makeconftest(CONFTEST)
     pytester.mkdir("gpu")
     (pytester.path / "gpu" / "test_engine.py").write_text(TEST)
-    result = pytester.runpytest("-p", "epilora", "-p", "no:cacheprovider", *args)
+    result = pytester.runpytest_subprocess("-p", "epilora", "-p", "no:cacheprovider", *args)
     result.assert_outcomes(**outcome)
 
 
 def test_vllm_cpu_tests_still_skip_without_vllm_under_require_gpu(pytester):
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_cpu=TEST)
-    pytester.runpytest("-p", "epilora", "-p", "no:cacheprovider",
+    pytester.runpytest_subprocess("-p", "epilora", "-p", "no:cacheprovider",
                        "--require-gpu").assert_outcomes(skipped=1)

@@ -23,3 +23,16 @@ def path() -> str | None:
     """EPILORA_VLLM_PATH=decode|fused|hybrid|w8a16: one path for every batch (benchmarks and
     debugging; default: the kernels' dispatcher picks per batch)."""
     return os.environ.get("EPILORA_VLLM_PATH") or None
+
+
+def vllm_quantizes() -> bool:
+    """EPILORA_VLLM_QUANTIZE=vllm: vLLM's own per-token quantization (the layer's QuantFP8)
+    runs before the op and the kernels take its codes; default `kernels`: the kernels' K1
+    quantizes. On Qwen3-8B's shapes (H200, batch 1) `vllm` made a request without an adapter
+    as fast as in an engine without LoRA and a request with one slower (the commit that added
+    this says by how much): vLLM's compiler fuses the quantization into the RMSNorm before
+    only when nothing else reads the RMSNorm's output, and the shrink does."""
+    value = os.environ.get("EPILORA_VLLM_QUANTIZE", "kernels")
+    if value not in ("kernels", "vllm"):
+        raise ValueError(f"EPILORA_VLLM_QUANTIZE={value!r}: expected 'kernels' or 'vllm'")
+    return value == "vllm"

