@@ -14,8 +14,8 @@ import urllib.error
 import urllib.request
 
 import pytest
-
 from engine_cases import make_checkpoints
+
 from epilora_testing.tiny_models import write_lora_adapter, write_word_tokenizer
 
 pytestmark = pytest.mark.vllm
