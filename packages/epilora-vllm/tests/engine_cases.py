@@ -94,12 +94,16 @@ FUSED = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"
          "down_proj": ("mlp.down_proj",)}
 
 
-def expected(checkpoints, name, x, mapping, slots):
+def expected(checkpoints, name, x, mapping, slots, *, w8a16=False):
     """float64: the FP8 base on per-token FP8 activations (epilora-quant, vLLM's CPU
-    arithmetic) plus each token's adapter straight from its PEFT files (alpha / r scaling)."""
+    arithmetic), or with `w8a16` on the bf16 activations themselves (the matched mode), plus
+    each token's adapter straight from its PEFT files (alpha / r scaling)."""
     weights = load_file(checkpoints["fp8"] / "model.safetensors")
-    codes, scales = quantize_fp8_per_token(x, arithmetic=Fp8Arithmetic.TORCH_CPU)
-    xq = codes.double() * scales.double()
+    if w8a16:
+        xq = x.double()
+    else:
+        codes, scales = quantize_fp8_per_token(x, arithmetic=Fp8Arithmetic.TORCH_CPU)
+        xq = codes.double() * scales.double()
     parts = []
     for module in FUSED[name]:
         prefix = f"model.layers.0.{module}"

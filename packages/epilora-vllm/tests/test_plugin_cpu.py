@@ -7,6 +7,7 @@ import logging
 from importlib.metadata import entry_points
 
 import pytest
+import torch
 from engine_cases import (
     FUSED,
     PROMPTS,
@@ -107,6 +108,38 @@ def test_an_adapter_with_nan_weights_spoils_only_its_own_tenants_answers(served,
     (alone,) = generate(llm, [good])
     mixed = generate(llm, [(PROMPTS[2], LoRARequest("nan", 9, str(poisoned))), good])
     assert mixed[1] == alone
+
+
+def test_the_matched_mode_computes_w8a16_with_and_without_adapters(checkpoints, served):
+    # EPILORA_VLLM_MATCHED=1: bf16 activations against the FP8 weights (the RL trainer's
+    # arithmetic). Its calls match the W8A16 float64 expectation more closely than the W8A8 one
+    # can (no activation rounding), and steps without adapters compute it too.
+    import os
+
+    del served  # one engine at a time in this process
+    os.environ["EPILORA_VLLM_MATCHED"] = "1"
+    try:
+        matched = serve_and_record(checkpoints, enforce_eager=True)
+    finally:
+        del os.environ["EPILORA_VLLM_MATCHED"]
+    assert matched["projections"]["qkv_proj"].epilora.mode.path == "w8a16"
+    down = matched["projections"]["down_proj"]
+    alone = []  # a request without an adapter, alone: steps without any adapter
+    handle = down.register_forward_hook(lambda m, args, out: alone.append(
+        (args[0].clone(), out[0].clone(), torch.full((args[0].shape[0],), -1), [])))
+    generate(matched["llm"], [(PROMPTS[2], None)])
+    handle.remove()
+    without_adapter = 0
+    for x, y, mapping, slots in matched["calls"]["down_proj"] + alone:
+        if not bool(torch.isfinite(x).all()):
+            continue  # the profiling run's garbage
+        w8a16 = expected(checkpoints, "down_proj", x, mapping, slots, w8a16=True)
+        w8a8 = expected(checkpoints, "down_proj", x, mapping, slots)
+        err = ((y.double() - w8a16).norm() / w8a16.norm()).item()
+        assert err < 4e-3, err  # bf16 rounding of the output alone
+        assert err < ((y.double() - w8a8).norm() / w8a8.norm()).item()
+        without_adapter += int((mapping < 0).all())
+    assert without_adapter > 0
 
 
 def test_layers_the_kernels_cannot_serve_keep_vllms_class_and_say_why(checkpoints, caplog,
