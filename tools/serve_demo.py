@@ -98,7 +98,8 @@ def train_adapter(model, tokenizer, opening: str, out: Path) -> None:
     width = max(len(ids) for ids, _ in rows)
     pad = tokenizer.pad_token_id or 0
     ids = torch.stack([torch.cat([i, torch.full((width - len(i),), pad)]) for i, _ in rows])
-    labels = torch.stack([torch.cat([l, torch.full((width - len(l),), -100)]) for _, l in rows])
+    labels = torch.stack([torch.cat([lab, torch.full((width - len(lab),), -100)])
+                          for _, lab in rows])
     mask = (labels != -100) | (torch.arange(width)[None] < torch.tensor(
         [len(i) for i, _ in rows])[:, None])
     optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad],
