@@ -126,3 +126,15 @@ def expected(checkpoints, name, x, mapping, slots, *, w8a16=False):
     return y
 
 
+
+
+def assert_every_call_matches_the_files(served, checkpoints, name: str) -> None:
+    """Every recorded call of layer 0's `name` within 1e-2 (relative) of `expected`, and some
+    of its tokens with an adapter (the mixed batch's adapter tokens reached the layer)."""
+    with_adapter = 0
+    for x, y, mapping, slots in served["calls"][name]:
+        want = expected(checkpoints, name, x.cpu(), mapping.cpu(), slots)
+        err = ((y.cpu().double() - want).norm() / want.norm()).item()
+        assert err < 1e-2, f"{name}: relative error {err:.2e} over {x.shape[0]} tokens"
+        with_adapter += int((mapping >= 0).sum())
+    assert with_adapter > 0
