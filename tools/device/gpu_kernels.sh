@@ -29,6 +29,8 @@
 #   plugin-tests the plugin's GPU tests (nox -s gpu-sm90 -- packages/epilora-vllm) TESTS_TIMEOUT
 #   serving benchmarks/serving.py $SERVING_ARGS -> $OUT/serving.json, engine logs in
 #           $OUT/serving-logs/                                                  SERVING_TIMEOUT
+#   engine-kernels dev/engine_kernels.py $ENGINE_KERNELS_ARGS: one engine decode step's kernels
+#           per system -> $OUT/engine_kernels.json and its engines' logs          SERVING_TIMEOUT
 #   env:NAME=VALUE  sets NAME for the later steps (quote it when VALUE has spaces); setting OUT
 #           (e.g. "env:OUT=$OUT/main-1x128") keeps a second run of a step from replacing the first
 # A call brings back at most 8 files of $OUT, so each finished step's files are appended to
@@ -108,6 +110,9 @@ for step in "$@"; do
     serving) timeout "${SERVING_TIMEOUT:-540}" python3 benchmarks/serving.py \
                --out "$OUT/serving.json" --git-sha "$sha" --logs "$OUT/serving-logs" \
                ${SERVING_ARGS:-} 2>&1 | tee "$OUT/serving.log" ;;
+    engine-kernels) timeout "${SERVING_TIMEOUT:-540}" python3 dev/engine_kernels.py \
+                      --out "$OUT/engine_kernels.json" ${ENGINE_KERNELS_ARGS:-} 2>&1 \
+                      | tee "$OUT/engine_kernels.log" ;;
     env:*) export "${step#env:}"; mkdir -p "$OUT"; echo "$step"; continue ;;
     *) echo "unknown step: $step"; exit 2 ;;
   esac
