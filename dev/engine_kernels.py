@@ -136,7 +136,7 @@ def main() -> None:
         system, extra = SYSTEMS[name]
         cmd = [sys.executable, __file__, "--worker", "--name", name, "--system", system,
                "--model-dir", str(model_dir), "--adapter", str(adapter), "--work", str(work),
-               "--steps", str(args.steps)]
+               "--steps", str(args.steps), "--out", str(out)]
         env = {**serving.system_env(system), **extra, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         print(f"{name} ...", flush=True)
         try:
