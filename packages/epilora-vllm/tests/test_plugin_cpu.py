@@ -50,6 +50,23 @@ def test_register_is_idempotent_and_can_be_turned_off(monkeypatch):
         lora_utils._all_lora_classes = before
 
 
+def test_the_compile_cache_key_tells_the_plugins_graphs_apart():
+    # vLLM keys compiled graphs on VllmConfig.compute_hash(): with the plugin off, in the
+    # kernels' quantization and in vLLM's, three different keys.
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from epilora_vllm.layers import key_compiled_graphs
+
+    config = VllmConfig()
+    hashes = [config.compute_hash()]
+    with set_current_vllm_config(config):
+        for vllm_quantizes in (False, True):
+            key_compiled_graphs(vllm_quantizes)
+            hashes.append(config.compute_hash())
+    assert len(set(hashes)) == 3, hashes
+    assert config.additional_config["epilora_vllm"]["vllm_quantizes"] is True
+
+
 def test_the_plugin_serves_every_fp8_projection(served):
     names = {n: type(m).__name__ for n, m in served["projections"].items()}
     assert names == {"qkv_proj": "EpiloraMergedQKVParallelLinearWithLoRA",
@@ -57,6 +74,8 @@ def test_the_plugin_serves_every_fp8_projection(served):
                      "gate_up_proj": "EpiloraMergedColumnParallelLinearWithLoRA",
                      "down_proj": "EpiloraRowParallelLinearWithLoRA"}
     assert all(calls for calls in served["calls"].values())
+    config = served["llm"].llm_engine.vllm_config
+    assert config.additional_config["epilora_vllm"]["vllm_quantizes"] is False
 
 
 @pytest.mark.parametrize("name", list(FUSED))

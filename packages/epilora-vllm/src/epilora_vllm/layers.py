@@ -45,6 +45,25 @@ def _log_once(key: tuple, message: str, *args) -> None:
         logger.info(message, *args)
 
 
+def key_compiled_graphs(vllm_quantizes: bool) -> None:
+    """Put what the plugin changes in the traced graph into the current VllmConfig's
+    `additional_config`, which vLLM hashes into its torch.compile cache key: our environment is
+    not in that key, so without this an engine would load a graph compiled with the plugin in
+    another mode (EPILORA_VLLM_QUANTIZE puts vLLM's QuantFP8 in the graph or not) or, from its
+    AOT cache, with the plugin where it is now off."""
+    from importlib.metadata import version
+
+    config = get_current_vllm_config()
+    key = {"version": version("epilora-vllm"), "vllm_quantizes": vllm_quantizes}
+    if isinstance(config.additional_config, dict):
+        config.additional_config["epilora_vllm"] = key
+    else:  # another plugin's hashable object: vLLM hashes it, we cannot add to it
+        _log_once(("compile-key",), "epilora: additional_config is a %s, not a dict: vLLM's "
+                  "compile cache cannot tell the plugin's modes apart; set "
+                  "VLLM_DISABLE_COMPILE_CACHE=1 when switching them",
+                  type(config.additional_config).__name__)
+
+
 def refusal(source_layer: torch.nn.Module, lora_config) -> str | None:
     """Why the kernels cannot serve `source_layer` (vLLM's check already passed), or None."""
     exact = (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
@@ -104,6 +123,7 @@ class _Epilora:
         super().create_lora_weights(max_loras, lora_config, model_config)
         self.epilora.adapters_created(matched=_env.matched(), path=_env.path(),
                                       vllm_quantizes=_env.vllm_quantizes())
+        key_compiled_graphs(self.epilora.mode.vllm_quantizes)
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         codes = scales = None
