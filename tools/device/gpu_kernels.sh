@@ -27,6 +27,7 @@
 #           `use:main layer use:next/x layer` times two branches in one call; the benchmark
 #           scripts and tests stay the working tree's
 #   plugin-tests the plugin's GPU tests (nox -s gpu-sm90 -- packages/epilora-vllm) TESTS_TIMEOUT
+#   rl-tests the trainer's GPU tests (nox -s gpu-sm90 -- packages/epilora-rl)   TESTS_TIMEOUT
 #   serving benchmarks/serving.py $SERVING_ARGS -> $OUT/serving.json, engine logs in
 #           $OUT/serving-logs/                                                  SERVING_TIMEOUT
 #   engine-kernels dev/engine_kernels.py $ENGINE_KERNELS_ARGS: one engine decode step's kernels
@@ -107,6 +108,9 @@ for step in "$@"; do
     plugin-tests) timeout "${TESTS_TIMEOUT:-240}" python3 -m nox -s gpu-sm90 -- \
                     packages/epilora-vllm --junitxml="$OUT/gpu-sm90-vllm-junit.xml" 2>&1 \
                     | tee "$OUT/gpu-sm90-vllm.log" ;;
+    rl-tests) timeout "${TESTS_TIMEOUT:-240}" python3 -m nox -s gpu-sm90 -- \
+                packages/epilora-rl --junitxml="$OUT/gpu-sm90-rl-junit.xml" 2>&1 \
+                | tee "$OUT/gpu-sm90-rl.log" ;;
     serving) timeout "${SERVING_TIMEOUT:-540}" python3 benchmarks/serving.py \
                --out "$OUT/serving.json" --git-sha "$sha" --logs "$OUT/serving-logs" \
                ${SERVING_ARGS:-} 2>&1 | tee "$OUT/serving.log" ;;

@@ -1,9 +1,19 @@
 """epilora-rl: GRPO LoRA training on the serving engine's own FP8 weights.
 
-Status: skeleton. No trainer is implemented yet.
+Status: the training linear (`fp8_lora_linear`, `Fp8LoraLinear`): the matched engine's W8A16
+forward on FP8 weights the engine owns, with a backward through the frozen codes and the
+adapter (Triton on the GPU, `epilora_rl.reference` twins on the CPU). The model, the GRPO
+loop and the CLI are not built yet.
 """
 
-__all__: list[str] = []
+from typing import TYPE_CHECKING
+
+_PUBLIC = {"epilora_rl.linear": ("Fp8LoraLinear", "fp8_lora_linear")}
+_MODULE_OF = {name: module for module, names in _PUBLIC.items() for name in names}
+__all__ = ["Fp8LoraLinear", "fp8_lora_linear"]
+
+if TYPE_CHECKING:
+    from epilora_rl.linear import Fp8LoraLinear, fp8_lora_linear
 
 
 def __getattr__(name: str):
@@ -11,4 +21,15 @@ def __getattr__(name: str):
         from importlib.metadata import version
 
         return version("epilora-rl")
-    raise AttributeError(f"module 'epilora_rl' has no attribute {name!r}")
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'epilora_rl' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return [*__all__, "__version__"]
