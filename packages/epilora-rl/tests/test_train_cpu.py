@@ -12,87 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+from train_cases import check_two_steps, run_config, tiny_fp8_model  # noqa: E402
+
 pytestmark = pytest.mark.vllm
-
-RUN = """
-[model]
-path = "{model}"
-[engine]
-mode = "matched"
-max_model_len = 256
-kv_cache_memory_bytes = 67108864
-enforce_eager = true
-[lora]
-rank = 4
-alpha = 8
-[task]
-name = "even_tokens"
-eval_size = 4
-[grpo]
-prompts_per_step = 2
-group_size = 4
-max_completion_tokens = 6
-micro_batch_size = 4
-[optim]
-lr = 0.02
-[run]
-steps = {steps}
-out_dir = "{out}"
-seed = 3
-"""
-
 
 @pytest.fixture(scope="module")
 def tiny_fp8(tmp_path_factory):
-    from epilora_testing.tiny_models import write_tiny_llama, write_word_tokenizer
-    from epilora_vllm import write_fp8_checkpoint
-
-    root = tmp_path_factory.mktemp("tiny")
-    fp8 = write_fp8_checkpoint(write_tiny_llama(root / "bf16"), root / "fp8", progress=False)
-    write_word_tokenizer(fp8)
-    return fp8
-
-
-def _config(tmp_path, model, name, steps):
-    path = tmp_path / f"{name}.toml"
-    path.write_text(RUN.format(model=model, steps=steps, out=tmp_path / name))
-    return path
+    return tiny_fp8_model(tmp_path_factory.mktemp("tiny"))
 
 
 def test_two_steps_end_to_end_and_the_next_rollout_uses_the_new_adapter(tiny_fp8, tmp_path):
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-    from vllm.lora.request import LoRARequest
-
-    from epilora_rl.config import load_config
-    from epilora_rl.trainer import GrpoRun
-
-    run = GrpoRun(load_config(_config(tmp_path, tiny_fp8, "run", steps=2)))
-    run.evaluate("before")
-    records = [run.train_step(), run.train_step()]
-    assert [r["step"] for r in records] == [1, 2] and run.request.lora_int_id == 3
-    assert all(r["tokens"] == 2 * 4 * 6 for r in records)
-    # Matched mode: the engine's and the trainer's log-probabilities of the sampled tokens
-    # differ only by attention's and the norms' order of operations.
-    assert all(0 <= r["kl_per_token"] < 1e-3 for r in records), records
-    lines = (tmp_path / "run" / "steps.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == [1, 2]
-    saved = tmp_path / "run" / "adapters" / "step-2"
-    assert {p.name for p in saved.iterdir()} == {"adapter_model.safetensors",
-                                                 "adapter_config.json"}
-
-    prompt = [TokensPrompt(prompt_token_ids=[1, 17, 42, 99, 7, 300])]
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0,
-                            detokenize=False)
-
-    def logprobs(request):
-        (out,) = run.llm.generate(prompt, params, lora_request=request, use_tqdm=False)
-        return [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
-
-    published = logprobs(run.request)  # the adapter in memory, version 3
-    from_file = logprobs(LoRARequest("step-2-file", 100, str(saved)))  # its PEFT checkpoint
-    assert published == from_file
-    assert published != logprobs(None)  # two updates moved the policy off the base
+    check_two_steps(tiny_fp8, tmp_path)
 
 
 def _cli(config, **env):
@@ -104,9 +35,9 @@ def _cli(config, **env):
 def test_a_run_killed_before_its_state_resumes_to_the_uninterrupted_result(tiny_fp8, tmp_path):
     from safetensors.torch import load_file
 
-    whole = _cli(_config(tmp_path, tiny_fp8, "whole", steps=3))
+    whole = _cli(run_config(tmp_path, tiny_fp8, "whole", steps=3))
     assert whole.returncode == 0, whole.stderr[-3000:]
-    killed_config = _config(tmp_path, tiny_fp8, "killed", steps=3)
+    killed_config = run_config(tmp_path, tiny_fp8, "killed", steps=3)
     # Killed in the second step after its adapter files, before the state that records it.
     killed = _cli(killed_config, EPILORA_RL_CRASH_AT="checkpoint:1")
     assert killed.returncode == 75, killed.stderr[-3000:]

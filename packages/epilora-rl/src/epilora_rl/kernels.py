@@ -20,7 +20,18 @@ def w8a16_lora_forward(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
 
     n = weight.shape[0]
     lora = ek.LoraWeights((lora_a[None, None],), (lora_b[None, None],), (n,))
-    return ek.fused_lora_w8a16_linear(x, weight, weight_scale, lora, _one_slot(x))
+    return ek.fused_lora_w8a16_linear(x, weight, weight_scale, lora, _one_slot(x),
+                                      workspace=_workspace(x.device))
+
+
+@functools.cache
+def _workspace(device: torch.device):
+    # The trainer's own counters: the engine in this process captured CUDA graphs with the
+    # device's default workspace, which the trainer's batches need not share (same stream,
+    # but a workspace sized for the engine's batches stays the engine's).
+    import epilora_kernels as ek
+
+    return ek.Workspace(device)
 
 
 def _one_slot(x: torch.Tensor):
