@@ -28,6 +28,8 @@
 #           scripts and tests stay the working tree's
 #   plugin-tests the plugin's GPU tests (nox -s gpu-sm90 -- packages/epilora-vllm) TESTS_TIMEOUT
 #   rl-tests the trainer's GPU tests (nox -s gpu-sm90 -- packages/epilora-rl)   TESTS_TIMEOUT
+#   rl-memory benchmarks/rl_memory.py $RL_MEMORY_ARGS -> $OUT/rl.json, logs in $OUT/rl-logs/
+#                                                                          SERVING_TIMEOUT
 #   serving benchmarks/serving.py $SERVING_ARGS -> $OUT/serving.json, engine logs in
 #           $OUT/serving-logs/                                                  SERVING_TIMEOUT
 #   engine-kernels dev/engine_kernels.py $ENGINE_KERNELS_ARGS: one engine decode step's kernels
@@ -111,6 +113,9 @@ for step in "$@"; do
     rl-tests) timeout "${TESTS_TIMEOUT:-240}" python3 -m nox -s gpu-sm90 -- \
                 packages/epilora-rl --junitxml="$OUT/gpu-sm90-rl-junit.xml" 2>&1 \
                 | tee "$OUT/gpu-sm90-rl.log" ;;
+    rl-memory) timeout "${SERVING_TIMEOUT:-540}" python3 benchmarks/rl_memory.py \
+                 --out "$OUT/rl.json" --git-sha "$sha" --logs "$OUT/rl-logs" \
+                 ${RL_MEMORY_ARGS:-} 2>&1 | tee "$OUT/rl-memory.log" ;;
     serving) timeout "${SERVING_TIMEOUT:-540}" python3 benchmarks/serving.py \
                --out "$OUT/serving.json" --git-sha "$sha" --logs "$OUT/serving-logs" \
                ${SERVING_ARGS:-} 2>&1 | tee "$OUT/serving.log" ;;
