@@ -10,7 +10,7 @@ path = "{model}"
 [engine]
 mode = "matched"
 max_model_len = 256
-kv_cache_memory_bytes = 67108864
+kv_cache_memory_bytes = {kv_bytes}{engine_extra}
 enforce_eager = true
 gpu_memory_utilization = 0.3
 [lora]
@@ -42,9 +42,10 @@ def tiny_fp8_model(root):
     return fp8
 
 
-def run_config(tmp_path, model, name, steps):
+def run_config(tmp_path, model, name, steps, *, kv_bytes=1 << 26, engine_extra=""):
     path = tmp_path / f"{name}.toml"
-    path.write_text(RUN.format(model=model, steps=steps, out=tmp_path / name))
+    path.write_text(RUN.format(model=model, steps=steps, out=tmp_path / name, kv_bytes=kv_bytes,
+                               engine_extra=engine_extra))
     return path
 
 

@@ -56,6 +56,9 @@ class EngineConfig:
     max_model_len: int = 1024
     kv_cache_memory_bytes: int | None = None  # instead of gpu_memory_utilization (CPU)
     enforce_eager: bool = False
+    # Free the engine's KV cache while the trainer runs, the shared weights staying (GPU only:
+    # epilora_rl.kv_release).
+    release_kv_cache: bool = False
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,14 @@ def make_engine(config: RunConfig):
     e = config.engine
     memory = ({"kv_cache_memory_bytes": e.kv_cache_memory_bytes} if e.kv_cache_memory_bytes
               else {"gpu_memory_utilization": e.gpu_memory_utilization})
+    if e.release_kv_cache:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("[engine] release_kv_cache needs a CUDA GPU (vLLM's cumem pool)")
+        from epilora_rl import kv_release
+
+        memory.update(enable_sleep_mode=True, sleep_mode_backend=kv_release.register())
     return LLM(config.model.path, quantization=config.model.quantization, enable_lora=True,
                max_loras=1, max_lora_rank=_vllm_rank(config.lora.rank),
                max_model_len=e.max_model_len, dtype="bfloat16", seed=config.run.seed,

@@ -103,6 +103,7 @@ class GrpoRun:
         advantages = group_advantages(rewards, g.group_size)
 
         begin = time.perf_counter()
+        released = self._release_kv_cache()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         tokens = sum(len(r.completion_ids) for r in rollouts)
@@ -124,6 +125,8 @@ class GrpoRun:
         grad_norm = torch.nn.utils.clip_grad_norm_(list(self.params.values()),
                                                    c.optim.max_grad_norm)
         self.optimizer.step()
+        if released is not None:
+            self.llm.wake_up()
         train_s = time.perf_counter() - begin
         _crash_here("update", s)
 
@@ -137,10 +140,19 @@ class GrpoRun:
                   "accuracy": float((rewards == 1).float().mean()),
                   "kl_per_token": kl_sum / max(tokens, 1), "tokens": tokens,
                   "grad_norm": float(grad_norm), "generate_s": generate_s, "train_s": train_s,
-                  "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+                  "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                  "kv_released_gib": released}
         self.records.append(record)
         self._save()
         return record
+
+    def _release_kv_cache(self) -> float | None:
+        """With `release_kv_cache`: the engine's KV cache freed for the update; the GiB freed."""
+        if not self.config.engine.release_kv_cache:
+            return None
+        free = torch.cuda.mem_get_info()[0]
+        self.llm.sleep(level=1)
+        return (torch.cuda.mem_get_info()[0] - free) / 2**30
 
     def completion_logps(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The trainer's log-probabilities of each rollout's completion tokens `[b, T]` (at the

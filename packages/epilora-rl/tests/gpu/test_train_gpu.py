@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from train_cases import check_two_steps, tiny_fp8_model  # noqa: E402
+from train_cases import check_two_steps, run_config, tiny_fp8_model  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -17,3 +17,28 @@ def test_two_steps_on_the_gpu(tmp_path):
     run = check_two_steps(tiny_fp8_model(tmp_path), tmp_path)
     assert all(r["peak_gpu_gib"] is not None for r in run.records)
     assert next(iter(run.params.values())).is_cuda
+
+
+def test_the_kv_cache_is_released_while_training_and_the_weights_stay(tmp_path):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from epilora_rl.config import load_config
+    from epilora_rl.trainer import GrpoRun
+
+    config = run_config(tmp_path, tiny_fp8_model(tmp_path), "kv", steps=2, kv_bytes=2 << 30,
+                        engine_extra="\nrelease_kv_cache = true")
+    run = GrpoRun(load_config(config))
+    prompt = [TokensPrompt(prompt_token_ids=[1, 17, 42, 99, 7, 300])]
+    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=0, detokenize=False)
+
+    def base_answer():  # no adapter: what the shared weights alone compute
+        (out,) = run.llm.generate(prompt, params, use_tqdm=False)
+        c = out.outputs[0]
+        return list(c.token_ids), [d[t].logprob for d, t in zip(c.logprobs, c.token_ids,
+                                                                 strict=True)]
+
+    before = base_answer()
+    records = [run.train_step(), run.train_step()]
+    assert all(r["kv_released_gib"] > 1.9 for r in records), records
+    assert base_answer() == before
