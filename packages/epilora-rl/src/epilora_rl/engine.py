@@ -42,10 +42,8 @@ def make_engine(config: RunConfig):
 
         if not torch.cuda.is_available():
             raise ValueError("[engine] release_kv_cache needs a CUDA GPU (vLLM's cumem pool)")
-        from epilora_rl import kv_release
-
-        memory.update(enable_sleep_mode=True, sleep_mode_backend=kv_release.register())
-    return LLM(config.model.path, quantization=config.model.quantization, enable_lora=True,
+        memory.update(enable_sleep_mode=True)
+    llm = LLM(config.model.path, quantization=config.model.quantization, enable_lora=True,
                max_loras=1, max_lora_rank=_vllm_rank(config.lora.rank),
                max_model_len=e.max_model_len, dtype="bfloat16", seed=config.run.seed,
                enforce_eager=e.enforce_eager,
@@ -53,6 +51,14 @@ def make_engine(config: RunConfig):
                # them (TRL's choice too): the importance ratio and the mismatch compare like with
                # like.
                logprobs_mode="processed_logprobs", **memory)
+    if e.release_kv_cache:
+        # vLLM 0.26's EngineArgs do not take `sleep_mode_backend`; the worker reads it from its
+        # model config at its first sleep.
+        from epilora_rl import kv_release
+
+        worker = llm.llm_engine.model_executor.driver_worker.worker
+        worker.vllm_config.model_config.sleep_mode_backend = kv_release.register()
+    return llm
 
 
 def _vllm_rank(rank: int) -> int:

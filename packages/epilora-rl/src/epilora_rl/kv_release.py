@@ -4,9 +4,11 @@ vLLM 0.26's sleep level 1 offloads the weights pool to host memory, so the train
 computes on those very tensors, would read unmapped memory; level 2 discards them. This is a
 sleep-mode backend (vLLM's extension point, `SleepModeBackendFactory`) that releases only the
 allocations tagged `kv_cache` and maps them back on wake (their contents discarded: vLLM clears
-the prefix cache when it sleeps). An engine started with `enable_sleep_mode=True,
-sleep_mode_backend=BACKEND` then frees its KV cache with `llm.sleep()` and gets it back with
-`llm.wake_up()`; the weights, the LoRA buffers and the CUDA graphs stay. CUDA only (cumem).
+the prefix cache when it sleeps). An engine started with `enable_sleep_mode=True` whose worker's
+model config names BACKEND as its `sleep_mode_backend` (vLLM 0.26's EngineArgs do not take it:
+`epilora_rl.engine.make_engine` sets it) then frees its KV cache with `llm.sleep()` and gets it
+back with `llm.wake_up()`; the weights, the LoRA buffers and the CUDA graphs stay. CUDA only
+(cumem).
 """
 
 from vllm.device_allocator.sleep_mode_backend import SleepModeBackend, SleepModeBackendFactory
