@@ -19,15 +19,18 @@ def test_two_steps_on_the_gpu(tmp_path):
     assert next(iter(run.params.values())).is_cuda
 
 
-def test_the_kv_cache_is_released_while_training_and_the_weights_stay(tmp_path):
+@pytest.mark.parametrize("release", [False, True], ids=["kv-kept", "kv-released"])
+def test_the_base_model_answers_alike_before_and_after_training(tmp_path, release):
+    # With the KV cache released in each update, also after a bare sleep and wake.
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from epilora_rl.config import load_config
     from epilora_rl.trainer import GrpoRun
 
+    extra = "\nrelease_kv_cache = true" if release else ""
     config = run_config(tmp_path, tiny_fp8_model(tmp_path), "kv", steps=2, kv_bytes=2 << 30,
-                        engine_extra="\nrelease_kv_cache = true")
+                        engine_extra=extra)
     run = GrpoRun(load_config(config))
     prompt = [TokensPrompt(prompt_token_ids=[1, 17, 42, 99, 7, 300])]
     params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=0, detokenize=False)
@@ -39,6 +42,11 @@ def test_the_kv_cache_is_released_while_training_and_the_weights_stay(tmp_path):
                                                                  strict=True)]
 
     before = base_answer()
+    if release:
+        run.llm.sleep(level=1)
+        run.llm.wake_up()
+        assert base_answer() == before, "a bare sleep and wake changed the answer"
     records = [run.train_step(), run.train_step()]
-    assert all(r["kv_released_gib"] > 1.9 for r in records), records
+    if release:
+        assert all(r["kv_released_gib"] > 1.9 for r in records), records
     assert base_answer() == before
