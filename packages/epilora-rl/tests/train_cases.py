@@ -3,6 +3,7 @@ tiny FP8 Llama with a word tokenizer, a run's TOML, and two steps checked from r
 next rollout on the published adapter."""
 
 import json
+import os
 
 RUN = """
 [model]
@@ -59,7 +60,9 @@ def check_two_steps(model, tmp_path):
     from epilora_rl.config import load_config
     from epilora_rl.trainer import GrpoRun
 
+    environment = dict(os.environ)
     run = GrpoRun(load_config(run_config(tmp_path, model, "run", steps=2)))
+    assert dict(os.environ) == environment  # the engine's settings did not leak
     run.evaluate("before")
     records = [run.train_step(), run.train_step()]
     assert [r["step"] for r in records] == [1, 2] and run.request.lora_int_id == 3

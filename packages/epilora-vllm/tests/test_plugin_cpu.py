@@ -160,3 +160,23 @@ def test_layers_the_kernels_cannot_serve_keep_vllms_class_and_say_why(checkpoint
     assert any("QKVParallelLinear layers keep vLLM's MergedQKVParallelLinearWithLoRA: not an "
                "FP8 W8A8 linear (UnquantizedLinearMethod)" in s for s in said), said
     assert len(said) == len(set(said))  # once per kind of layer and reason
+
+
+@pytest.mark.parametrize("tokens", [6, 1, 256])
+def test_the_matched_modes_batch_without_adapters_counts_its_own_tokens(tokens):
+    # The matched mode runs the W8A16 kernels on steps without adapters, on a batch sliced from
+    # persistent tensors. Its counts must be the step's: a batch of 6 tokens that counted 256
+    # (the profiling run's) made K1 zero h's rows far past its end on the H200.
+    import types
+
+    import epilora_kernels as ek
+    from epilora_vllm.forward import EpiloraForward
+
+    forward = EpiloraForward(layer=None)
+    forward.lora = types.SimpleNamespace(max_loras=2)
+    forward._no_adapter_batch(256, torch.device("cpu"))  # the profiling run's, first
+    got = forward._no_adapter_batch(tokens, torch.device("cpu"))
+    want = ek.AdapterBatch.from_token_mapping(torch.full((tokens,), -1, dtype=torch.int32), 2)
+    for name in ("token_lora_mapping", "sorted_token_indices", "lora_ids",
+                 "num_tokens_per_lora", "lora_token_start"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name

@@ -9,6 +9,7 @@ loaded into it from elsewhere evicts the policy (one slot). Modes: `matched` (ep
 W8A16 mode: the trainer's arithmetic) or `w8a8` (vLLM's FP8 with epilora-vllm's kernels).
 """
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -28,10 +29,31 @@ class Rollout:
     text: str
 
 
+@contextlib.contextmanager
+def _environment(**values: str):
+    # Set for the engine's construction only (vLLM and epilora-vllm read them then): a process
+    # that starts other engines afterwards, e.g. a test session, does not inherit them.
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def make_engine(config: RunConfig):
     """The in-process vLLM engine of the run (LoRA on, one slot, the run's rank)."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the trainer reaches into its model
-    os.environ["EPILORA_VLLM_MATCHED"] = "1" if config.engine.mode == "matched" else "0"
+    # In process: the trainer reaches into the engine's model. Matched: epilora-vllm's W8A16.
+    with _environment(VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                      EPILORA_VLLM_MATCHED="1" if config.engine.mode == "matched" else "0"):
+        return _make_engine(config)
+
+
+def _make_engine(config: RunConfig):
     from vllm import LLM
 
     e = config.engine
@@ -44,13 +66,13 @@ def make_engine(config: RunConfig):
             raise ValueError("[engine] release_kv_cache needs a CUDA GPU (vLLM's cumem pool)")
         memory.update(enable_sleep_mode=True)
     llm = LLM(config.model.path, quantization=config.model.quantization, enable_lora=True,
-               max_loras=1, max_lora_rank=_vllm_rank(config.lora.rank),
-               max_model_len=e.max_model_len, dtype="bfloat16", seed=config.run.seed,
-               enforce_eager=e.enforce_eager,
-               # The sampled tokens' log-probabilities after temperature, as the trainer computes
-               # them (TRL's choice too): the importance ratio and the mismatch compare like with
-               # like.
-               logprobs_mode="processed_logprobs", **memory)
+              max_loras=1, max_lora_rank=_vllm_rank(config.lora.rank),
+              max_model_len=e.max_model_len, dtype="bfloat16", seed=config.run.seed,
+              enforce_eager=e.enforce_eager,
+              # The sampled tokens' log-probabilities after temperature, as the trainer computes
+              # them (TRL's choice too): the importance ratio and the mismatch compare like with
+              # like.
+              logprobs_mode="processed_logprobs", **memory)
     if e.release_kv_cache:
         # vLLM 0.26's EngineArgs do not take `sleep_mode_backend`; the worker reads it from its
         # model config at its first sleep.

@@ -109,16 +109,23 @@ class EpiloraForward:
         return ek.AdapterBatch.from_vllm_meta_args(meta.meta_args(tokens, specialize))
 
     def _no_adapter_batch(self, tokens: int, device: torch.device) -> ek.AdapterBatch:
-        # The matched mode computes W8A16 without adapters too: a batch of no slot, sliced
-        # from persistent tensors (made once, before any capture, by the profiling run).
+        # The matched mode computes W8A16 without adapters too: a batch of `tokens` tokens in no
+        # slot. Its counts must be this batch's (the kernels read `count` sorted rows, and a
+        # count past the tokens made K1 zero rows of h beyond its end: memory corruption seen on
+        # the H200). The mapping and sorted indices are slices of persistent tensors (made once
+        # by the profiling run, before any capture); the counts are filled per call, a kernel
+        # each, with no host sync, so the batch is the same inside CUDA graphs.
         if self._no_adapter is None or self._no_adapter.num_tokens < tokens:
             size = max(tokens, 1)
             self._no_adapter = ek.AdapterBatch.from_token_mapping(
                 torch.full((size,), -1, dtype=torch.int32, device=device), self.lora.max_loras)
         full = self._no_adapter
+        counts = torch.zeros_like(full.num_tokens_per_lora)
+        counts[0] = tokens
+        start = torch.full_like(full.lora_token_start, tokens)
+        start[0] = 0
         return ek.AdapterBatch(full.token_lora_mapping[:tokens],
-                               full.sorted_token_indices[:tokens], full.lora_ids,
-                               full.num_tokens_per_lora, full.lora_token_start)
+                               full.sorted_token_indices[:tokens], full.lora_ids, counts, start)
 
     # -- the computation -----------------------------------------------------------------------
 
