@@ -26,6 +26,15 @@ def test_two_steps_end_to_end_and_the_next_rollout_uses_the_new_adapter(tiny_fp8
     check_two_steps(tiny_fp8, tmp_path)
 
 
+def test_the_bf16_reference_pair_trains_on_the_engines_bf16_weights(tmp_path):
+    from epilora_rl import Bf16LoraLinear
+
+    run = check_two_steps(tiny_fp8_model(tmp_path, fp8=False), tmp_path, mode="bf16")
+    layers = [m for m in run.model.modules() if isinstance(m, Bf16LoraLinear)]
+    assert len(layers) == 7 * run.model.config.num_hidden_layers
+    assert all(m.weight.dtype == torch.bfloat16 for m in layers)
+
+
 def _cli(config, **env):
     return subprocess.run([sys.executable, "-m", "epilora_rl.cli", "train", "--config",
                            str(config)], capture_output=True, text=True, timeout=600,

@@ -9,7 +9,7 @@ RUN = """
 [model]
 path = "{model}"
 [engine]
-mode = "matched"
+mode = "{mode}"
 max_model_len = 256
 kv_cache_memory_bytes = {kv_bytes}{engine_extra}
 enforce_eager = true
@@ -34,23 +34,27 @@ seed = 3
 """
 
 
-def tiny_fp8_model(root):
+def tiny_fp8_model(root, *, fp8=True):
+    """The tiny Llama with a word tokenizer, as an FP8-dynamic checkpoint (or the bf16 one)."""
     from epilora_testing.tiny_models import write_tiny_llama, write_word_tokenizer
     from epilora_vllm import write_fp8_checkpoint
 
-    fp8 = write_fp8_checkpoint(write_tiny_llama(root / "bf16"), root / "fp8", progress=False)
-    write_word_tokenizer(fp8)
-    return fp8
+    model = write_tiny_llama(root / "bf16")
+    if fp8:
+        model = write_fp8_checkpoint(model, root / "fp8", progress=False)
+    write_word_tokenizer(model)
+    return model
 
 
-def run_config(tmp_path, model, name, steps, *, kv_bytes=1 << 26, engine_extra=""):
+def run_config(tmp_path, model, name, steps, *, kv_bytes=1 << 26, engine_extra="",
+               mode="matched"):
     path = tmp_path / f"{name}.toml"
     path.write_text(RUN.format(model=model, steps=steps, out=tmp_path / name, kv_bytes=kv_bytes,
-                               engine_extra=engine_extra))
+                               engine_extra=engine_extra, mode=mode))
     return path
 
 
-def check_two_steps(model, tmp_path):
+def check_two_steps(model, tmp_path, *, mode="matched"):
     """Two steps of a run; the next rollout's adapter is the update's, and equals its saved
     checkpoint loaded by vLLM as a file."""
     from vllm import SamplingParams
@@ -61,14 +65,16 @@ def check_two_steps(model, tmp_path):
     from epilora_rl.trainer import GrpoRun
 
     environment = dict(os.environ)
-    run = GrpoRun(load_config(run_config(tmp_path, model, "run", steps=2)))
-    assert dict(os.environ) == environment  # the engine's settings did not leak
+    run = GrpoRun(load_config(run_config(tmp_path, model, "run", steps=2, mode=mode)))
+    leaked = {k: v for k, v in os.environ.items() if environment.get(k) != v}
+    assert not {k for k in leaked if "EPILORA" in k or k == "VLLM_ENABLE_V1_MULTIPROCESSING"}, \
+        leaked  # the engine's settings did not leak (libraries may set their own)
     run.evaluate("before")
     records = [run.train_step(), run.train_step()]
     assert [r["step"] for r in records] == [1, 2] and run.request.lora_int_id == 3
     assert all(r["tokens"] == 2 * 4 * 6 for r in records)
-    # Matched mode: the engine's and the trainer's log-probabilities of the sampled tokens
-    # differ only by attention's and the norms' order of operations.
+    # Matched (and bf16) mode: the engine's and the trainer's log-probabilities of the sampled
+    # tokens differ only by attention's and the norms' order of operations.
     assert all(0 <= r["kl_per_token"] < 1e-3 for r in records), records
     lines = (tmp_path / "run" / "steps.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2]

@@ -1,19 +1,21 @@
 """epilora-rl: GRPO LoRA training on the serving engine's own FP8 weights.
 
-Status: the training linear (`fp8_lora_linear`, `Fp8LoraLinear`): the matched engine's W8A16
-forward on FP8 weights the engine owns, with a backward through the frozen codes and the
-adapter (Triton on the GPU, `epilora_rl.reference` twins on the CPU). The model, the GRPO
-loop and the CLI are not built yet.
+The training linear (`fp8_lora_linear`, `Fp8LoraLinear`): the matched engine's W8A16 forward
+on FP8 weights the engine owns, with a backward through the frozen codes and the adapter
+(Triton on the GPU, `epilora_rl.reference` twins on the CPU). The model over the engine's
+tensors (`epilora_rl.model`), GRPO's objective (`epilora_rl.grpo`), the loop
+(`epilora_rl.trainer`) and the CLI (`epilora-rl train --config run.toml`) are its submodules.
 """
 
 from typing import TYPE_CHECKING
 
-_PUBLIC = {"epilora_rl.linear": ("Fp8LoraLinear", "fp8_lora_linear")}
+_PUBLIC = {"epilora_rl.linear": ("Bf16LoraLinear", "Fp8LoraLinear", "LoraLinear",
+                                 "fp8_lora_linear")}
 _MODULE_OF = {name: module for module, names in _PUBLIC.items() for name in names}
-__all__ = ["Fp8LoraLinear", "fp8_lora_linear"]
+__all__ = ["Bf16LoraLinear", "Fp8LoraLinear", "LoraLinear", "fp8_lora_linear"]
 
 if TYPE_CHECKING:
-    from epilora_rl.linear import Fp8LoraLinear, fp8_lora_linear
+    from epilora_rl.linear import Bf16LoraLinear, Fp8LoraLinear, LoraLinear, fp8_lora_linear
 
 
 def __getattr__(name: str):

@@ -6,7 +6,8 @@ before anything is loaded, so a bad value costs no GPU time.
     quantization = "fp8"          # with a bf16 checkpoint: vLLM's online FP8 (GPU only)
 
     [engine]                      # the in-process vLLM engine that makes the rollouts
-    mode = "matched"              # matched (W8A16, no correction) | w8a8 (vLLM FP8 + TIS)
+    mode = "matched"              # matched (W8A16, no correction) | w8a8 (vLLM FP8 + TIS) |
+                                  # bf16 (a bf16 checkpoint, engine and trainer: the reference)
     gpu_memory_utilization = 0.4
     max_model_len = 1024
 
@@ -40,7 +41,7 @@ from pathlib import Path
 from epilora_rl.grpo import GrpoLoss
 from epilora_rl.model import PROJECTIONS
 
-ENGINE_MODES = ("matched", "w8a8")
+ENGINE_MODES = ("matched", "w8a8", "bf16")
 
 
 @dataclass(frozen=True)
@@ -171,8 +172,10 @@ def validate(c: RunConfig) -> None:
     if c.model.quantization not in (None, "fp8"):
         raise ValueError(f"[model] quantization = {c.model.quantization!r}: null or 'fp8'")
     if c.engine.mode not in ENGINE_MODES:
-        raise ValueError(f"[engine] mode = {c.engine.mode!r}: one of {ENGINE_MODES} (the bf16 "
-                         "reference pair is not built yet)")
+        raise ValueError(f"[engine] mode = {c.engine.mode!r}: one of {ENGINE_MODES}")
+    if c.engine.mode == "bf16" and c.model.quantization is not None:
+        raise ValueError("[engine] mode = 'bf16' computes the checkpoint as it is: leave [model] "
+                         "quantization unset (and give a bf16 checkpoint)")
     if not 0 < c.engine.gpu_memory_utilization < 1:
         raise ValueError(f"[engine] gpu_memory_utilization = {c.engine.gpu_memory_utilization}:"
                          " between 0 and 1")

@@ -68,26 +68,23 @@ def fp8_lora_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     return _Fp8LoraLinear.apply(x, weight, weight_scale, lora_a, lora_b, float(scaling), impl)
 
 
-class Fp8LoraLinear(torch.nn.Module):
-    """A linear layer over an FP8 weight it does not own (the engine's, or a view of one of
-    vLLM's fused projections) with a trainable LoRA adapter, PEFT's layout and initialization
-    (A Kaiming-uniform, B zero: the adapter starts as the identity).
+class LoraLinear(torch.nn.Module):
+    """A linear layer over a base weight it does not own (the engine's, or a slice of one of
+    vLLM's fused projections) with a trainable LoRA adapter in PEFT's layout and initialization
+    (A Kaiming-uniform, B zero: the adapter starts as the identity). The base is a plain
+    attribute, not a parameter or buffer: `state_dict` holds the adapter only, and moving the
+    module never copies the base. Subclasses compute it (`Fp8LoraLinear`, `Bf16LoraLinear`)."""
 
-    The weight and its scale are plain attributes, not parameters or buffers: the module's
-    `state_dict` holds the adapter only, and moving the module never copies the base."""
-
-    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, *, rank: int,
-                 alpha: float, bias: torch.Tensor | None = None, impl: str = "auto",
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, weight: torch.Tensor, *, rank: int, alpha: float,
+                 bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        if weight.ndim != 2 or weight.dtype != torch.float8_e4m3fn:
-            raise ValueError(f"weight must be float8_e4m3fn [N, K], got {weight.dtype} "
-                             f"{tuple(weight.shape)}")
+        if weight.ndim != 2:
+            raise ValueError(f"weight must be [N, K], got {tuple(weight.shape)}")
         if rank < 1:
             raise ValueError(f"rank must be at least 1, got {rank}")
-        self.weight, self.weight_scale, self.bias = weight, weight_scale, bias
+        self.weight, self.bias = weight, bias
         self.out_features, self.in_features = weight.shape
-        self.rank, self.alpha, self.impl = rank, alpha, impl
+        self.rank, self.alpha = rank, alpha
         self.scaling = alpha / rank
         self.lora_A = torch.nn.Parameter(torch.empty(rank, self.in_features, dtype=dtype,
                                                      device=weight.device))
@@ -95,11 +92,34 @@ class Fp8LoraLinear(torch.nn.Module):
                                                      device=weight.device))
         torch.nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # PEFT's default
 
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"rank={self.rank}, alpha={self.alpha}")
+
+
+class Fp8LoraLinear(LoraLinear):
+    """`LoraLinear` over FP8 codes and their fp32 scale(s), computed by `fp8_lora_linear`."""
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, *, rank: int,
+                 alpha: float, bias: torch.Tensor | None = None, impl: str = "auto",
+                 dtype: torch.dtype = torch.float32) -> None:
+        if weight.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"weight must be float8_e4m3fn [N, K], got {weight.dtype} "
+                             f"{tuple(weight.shape)}")
+        super().__init__(weight, rank=rank, alpha=alpha, bias=bias, dtype=dtype)
+        self.weight_scale, self.impl = weight_scale, impl
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = fp8_lora_linear(x, self.weight, self.weight_scale, self.lora_A, self.lora_B,
                             self.scaling, impl=self.impl)
         return y if self.bias is None else y + self.bias
 
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"rank={self.rank}, alpha={self.alpha}, impl={self.impl}")
+
+class Bf16LoraLinear(LoraLinear):
+    """`LoraLinear` over a bf16 weight (the reference pair: a bf16 engine and its trainer),
+    computed by torch: `x W^T + scaling * (x A^T) B^T`, the adapter cast to x's dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
+        y = torch.nn.functional.linear(x, self.weight, self.bias)
+        return y + (x @ a.T) @ (b.T * self.scaling)

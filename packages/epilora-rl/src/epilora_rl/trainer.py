@@ -21,7 +21,7 @@ from epilora_rl.checkpoint import adapter_dir, load_state, save_adapter, save_st
 from epilora_rl.config import RunConfig
 from epilora_rl.engine import adapter_config, generate, make_engine, publish
 from epilora_rl.grpo import group_advantages, kl_k3
-from epilora_rl.linear import Fp8LoraLinear
+from epilora_rl.linear import LoraLinear
 from epilora_rl.model import adapter_state_dict, trainable_model
 from epilora_rl.tasks import make_task
 
@@ -34,7 +34,7 @@ def _crash_here(point: str, step: int) -> None:
 @contextlib.contextmanager
 def adapters_off(model):
     """The base model: every adapter's contribution zero (beta > 0's reference)."""
-    layers = [m for m in model.modules() if isinstance(m, Fp8LoraLinear)]
+    layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
     saved = [m.scaling for m in layers]
     for m in layers:
         m.scaling = 0.0
