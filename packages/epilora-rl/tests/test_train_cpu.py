@@ -41,31 +41,40 @@ def _cli(config, **env):
                           env={**os.environ, **env})
 
 
-def test_a_run_killed_before_its_state_resumes_to_the_uninterrupted_result(tiny_fp8, tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_fp8, tmp_path_factory):
+    """A three-step run from start to end, through the CLI: what a resumed run must equal."""
+    root = tmp_path_factory.mktemp("whole")
+    whole = _cli(run_config(root, tiny_fp8, "whole", steps=3))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    return root / "whole"
+
+
+def _steps(out_dir):
+    keep = ("step", "reward", "accuracy", "kl_per_token", "tokens", "grad_norm")
+    lines = (out_dir / "steps.jsonl").read_text().splitlines()
+    return [{k: json.loads(line)[k] for k in keep} for line in lines]
+
+
+# Killed in the second step after its adapter files, before the state that records it; in the
+# third right after its rollouts (no update yet).
+@pytest.mark.parametrize("crash,finished", [("checkpoint:1", 1), ("rollout:2", 2)])
+def test_a_killed_run_resumes_to_the_uninterrupted_result(tiny_fp8, uninterrupted, tmp_path,
+                                                         crash, finished):
     from safetensors.torch import load_file
 
-    whole = _cli(run_config(tmp_path, tiny_fp8, "whole", steps=3))
-    assert whole.returncode == 0, whole.stderr[-3000:]
     killed_config = run_config(tmp_path, tiny_fp8, "killed", steps=3)
-    # Killed in the second step after its adapter files, before the state that records it.
-    killed = _cli(killed_config, EPILORA_RL_CRASH_AT="checkpoint:1")
+    killed = _cli(killed_config, EPILORA_RL_CRASH_AT=crash)
     assert killed.returncode == 75, killed.stderr[-3000:]
-    assert (tmp_path / "killed" / "adapters" / "step-2").exists()
-    assert len((tmp_path / "killed" / "steps.jsonl").read_text().splitlines()) == 1
+    assert len(_steps(tmp_path / "killed")) == finished
     resumed = _cli(killed_config)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming" in resumed.stdout and "held-out accuracy after" in resumed.stdout
-
-    def steps(name):
-        keep = ("step", "reward", "accuracy", "kl_per_token", "tokens", "grad_norm")
-        lines = (tmp_path / name / "steps.jsonl").read_text().splitlines()
-        return [{k: json.loads(line)[k] for k in keep} for line in lines]
-
-    assert steps("killed") == steps("whole") and len(steps("whole")) == 3
+    assert _steps(tmp_path / "killed") == _steps(uninterrupted) and len(_steps(uninterrupted)) == 3
     for step in (1, 2, 3):
         ours = load_file(tmp_path / "killed" / "adapters" / f"step-{step}" /
                          "adapter_model.safetensors")
-        theirs = load_file(tmp_path / "whole" / "adapters" / f"step-{step}" /
+        theirs = load_file(uninterrupted / "adapters" / f"step-{step}" /
                            "adapter_model.safetensors")
         assert ours.keys() == theirs.keys()
         assert all(torch.equal(ours[k].view(torch.int16), theirs[k].view(torch.int16))
