@@ -40,6 +40,8 @@ _logged: set[tuple] = set()
 
 
 def _log_once(key: tuple, message: str, *args) -> None:
+    # Once per engine (each has its own VllmConfig): a second engine in the process says it too.
+    key = (id(get_current_vllm_config()), *key)
     if key not in _logged:
         _logged.add(key)
         logger.info(message, *args)
