@@ -18,12 +18,11 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from serving import CONFIGS, RANK  # noqa: I001 (the serving benchmark's model shapes)
+from serving import CONFIGS, RANK, results_of, run_worker  # noqa: I001 (the serving benchmark's)
 
 from epilora_testing.results import results_text
 
@@ -133,17 +132,13 @@ def main() -> None:
                "--tokens", str(args.tokens),
                "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
         print(f"{args.model} {system} ...", flush=True)
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-            log = proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as e:
-            log = (e.stdout or b"").decode() + (e.stderr or b"").decode()
+        log, _ = run_worker(cmd, timeout=args.timeout)
         (logs / f"rl-memory-{args.model}-{system}.log").write_text(log)
-        result = next((json.loads(line[7:]) for line in log.splitlines()
-                       if line.startswith("RESULT ")), None)
-        if result is None:
+        results = results_of(log)
+        if not results:
             failures.append(f"{system}: no result, see {logs}")
             continue
+        result = results[0]
         env = {"gpu": result["gpu"], "torch": result["torch"]}
         base = {"bench": "rl", "model": args.model, "base": "fp8", "system": system,
                 "rank": RANK, "batch": args.batch, "tokens": args.tokens}

@@ -115,6 +115,21 @@ def worker(args) -> None:
           flush=True)
 
 
+def run_worker(cmd: list[str], *, timeout: int, env: dict | None = None) -> tuple[str, bool]:
+    """One engine's worker process: its stdout and stderr, and whether it exited 0 in time
+    (a timed-out worker's output so far)."""
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        return proc.stdout + proc.stderr, proc.returncode == 0
+    except subprocess.TimeoutExpired as e:
+        return (e.stdout or b"").decode() + (e.stderr or b"").decode(), False
+
+
+def results_of(log: str) -> list[dict]:
+    """Every `RESULT {json}` line a worker printed, in order."""
+    return [json.loads(line[7:]) for line in log.splitlines() if line.startswith("RESULT ")]
+
+
 def kv_cache_tokens(log: str) -> int | None:
     match = re.search(r"GPU KV cache size: ([\d,]+) tokens", log)
     return int(match.group(1).replace(",", "")) if match else None
@@ -127,10 +142,10 @@ LOG_NAME = re.compile(r"serving-(?P<model>[\w.-]+?)-(?P<system>epilora|vllm-defa
 def rows_from_log(model: str, system: str, log: str) -> tuple[list, list | None]:
     """The rows of one engine's run, from its log (its RESULT line and vLLM's KV-cache line),
     and its greedy tokens; no rows if the engine did not finish."""
-    result = next((json.loads(line[7:]) for line in log.splitlines()
-                   if line.startswith("RESULT ")), None)
-    if result is None:
+    results = results_of(log)
+    if not results:
         return [], None
+    result = results[0]
     base = {"bench": "serving", "model": model, "base": "fp8", "system": system,
             "adapters": 0 if system == "no-lora" else 1,
             "rank": None if system == "no-lora" else RANK, "tp": 1}
@@ -227,13 +242,7 @@ def main() -> None:
                    "--prompt-tokens", str(args.prompt_tokens),
                    "--output-tokens", str(args.output_tokens)]
             print(f"{model} {system} ...", flush=True)
-            try:
-                proc = subprocess.run(cmd, env=system_env(system), capture_output=True,
-                                      text=True, timeout=args.timeout)
-                log, ok = proc.stdout + proc.stderr, proc.returncode == 0
-            except subprocess.TimeoutExpired as e:
-                log = (e.stdout or b"").decode() + (e.stderr or b"").decode()
-                ok = False
+            log, ok = run_worker(cmd, env=system_env(system), timeout=args.timeout)
             log_path.write_text(log)
             if not ok or not rows_from_log(model, system, log)[0]:
                 failures.append(f"{model} {system}: failed, see {log_path}")

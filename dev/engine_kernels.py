@@ -18,7 +18,6 @@ import collections
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -139,15 +138,9 @@ def main() -> None:
                "--steps", str(args.steps), "--out", str(out)]
         env = {**serving.system_env(system), **extra, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         print(f"{name} ...", flush=True)
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                                  timeout=args.timeout)
-            log = proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as e:
-            log = (e.stdout or b"").decode() + (e.stderr or b"").decode()
+        log, _ = serving.run_worker(cmd, env=env, timeout=args.timeout)
         out.with_name(f"engine_kernels-{name}.log").write_text(log)
-        results += [json.loads(line[7:]) for line in log.splitlines()
-                    if line.startswith("RESULT ")]
+        results += serving.results_of(log)
         out.write_text(json.dumps({"model": args.model, "layers": args.layers,
                                    "git_sha": os.environ.get("EPILORA_GIT_SHA"),
                                    "results": results}, indent=1))

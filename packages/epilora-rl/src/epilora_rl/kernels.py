@@ -20,7 +20,8 @@ def w8a16_lora_forward(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
 
     n = weight.shape[0]
     lora = ek.LoraWeights((lora_a[None, None],), (lora_b[None, None],), (n,))
-    return ek.fused_lora_w8a16_linear(x, weight, weight_scale, lora, _one_slot(x),
+    return ek.fused_lora_w8a16_linear(x, weight, weight_scale, lora,
+                                      _one_slot(x.shape[0], x.device),
                                       workspace=_workspace(x.device))
 
 
@@ -34,10 +35,13 @@ def _workspace(device: torch.device):
     return ek.Workspace(device)
 
 
-def _one_slot(x: torch.Tensor):
+@functools.lru_cache(maxsize=64)
+def _one_slot(tokens: int, device: torch.device):
+    # Every token on the adapter's one slot. Building it syncs with the device (vLLM's
+    # metadata recipe), so it is made once per batch size, not in every projection's call.
     import epilora_kernels as ek
 
-    mapping = torch.zeros(x.shape[0], dtype=torch.int32, device=x.device)
+    mapping = torch.zeros(tokens, dtype=torch.int32, device=device)
     return ek.AdapterBatch.from_token_mapping(mapping, 1)
 
 
