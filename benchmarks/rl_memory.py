@@ -24,7 +24,7 @@ from pathlib import Path
 
 from serving import CONFIGS, RANK, results_of, run_worker  # noqa: I001 (the serving benchmark's)
 
-from epilora_testing.results import results_text
+from epilora_testing.results import update_results
 
 SYSTEMS = ("fp8-one-copy", "bf16-trainer-copy")
 
@@ -157,8 +157,8 @@ def main() -> None:
                                    f"--batch {args.batch} --tokens {args.tokens} "
                                    "--gpu-memory-utilization "
                                    f"{args.gpu_memory_utilization}")}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(results_text(meta, rows))
+        # The file's other parts (the accuracy runs) are kept.
+        update_results(Path(args.out), part=f"{args.model}-memory", meta=meta, rows=rows)
     if failures:
         sys.exit("\n".join(failures))
 

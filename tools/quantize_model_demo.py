@@ -94,6 +94,33 @@ def load_model(gguf: Path):
     return tokenizer, model.to(torch.bfloat16).eval()
 
 
+def write_bf16_checkpoint(out: Path, tokenizer=None, model=None) -> Path:
+    """SmolLM2 as a bf16 checkpoint vLLM and transformers load (config, tokenizer,
+    model.safetensors) in `out`, once; the GGUF is fetched and dequantized unless given."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    if (out / "model.safetensors").exists():
+        return out
+    if model is None:
+        tokenizer, model = load_model(fetch_gguf())
+    # save_pretrained refuses a model loaded from GGUF: config, tokenizer, weights by hand (the
+    # embedding is tied to lm_head: stored once).
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(out)
+    config = json.loads((out / "config.json").read_text())
+    config.pop("quantization_config", None)  # GGUF's: the weights here are bf16
+    config["dtype"] = "bfloat16"
+    config["architectures"] = [type(model).__name__]  # LlamaForCausalLM
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save_pretrained(out)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    partial = out / "model.safetensors.part"
+    save_file(state, partial, metadata={"format": "pt"})
+    partial.rename(out / "model.safetensors")
+    return out
+
+
 def fused_weights(layer) -> dict[str, torch.Tensor]:
     """The four projections of a Llama decoder layer, fused as vLLM stores them."""
     attn, mlp = layer.self_attn, layer.mlp

@@ -16,7 +16,6 @@ it. Exits non-zero if an adapter changes no answer.
 """
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -43,26 +42,13 @@ def workdir() -> Path:
 
 def prepare(root: Path) -> None:
     """The bf16 and FP8 checkpoints and the tenants' adapters (this process only)."""
-    from quantize_model_demo import fetch_gguf, load_model
-    from safetensors.torch import save_file
+    from quantize_model_demo import fetch_gguf, load_model, write_bf16_checkpoint
 
     from epilora_vllm import write_fp8_checkpoint
 
     bf16, fp8 = root / "bf16", root / "fp8"
     tokenizer, model = load_model(fetch_gguf())
-    if not (bf16 / "model.safetensors").exists():
-        # save_pretrained refuses a model loaded from GGUF: config, tokenizer, weights by hand
-        # (the embedding is tied to lm_head: stored once).
-        bf16.mkdir(parents=True, exist_ok=True)
-        model.config.save_pretrained(bf16)
-        config = json.loads((bf16 / "config.json").read_text())
-        config.pop("quantization_config", None)  # GGUF's: the weights here are bf16
-        config["dtype"] = "bfloat16"
-        config["architectures"] = [type(model).__name__]  # LlamaForCausalLM
-        (bf16 / "config.json").write_text(json.dumps(config, indent=2))
-        tokenizer.save_pretrained(bf16)
-        state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-        save_file(state, bf16 / "model.safetensors", metadata={"format": "pt"})
+    write_bf16_checkpoint(bf16, tokenizer, model)
     if not (fp8 / "config.json").exists():
         write_fp8_checkpoint(bf16, fp8)
     from transformers import AutoModelForCausalLM

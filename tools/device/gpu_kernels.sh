@@ -28,8 +28,11 @@
 #           scripts and tests stay the working tree's
 #   plugin-tests the plugin's GPU tests (nox -s gpu-sm90 -- packages/epilora-vllm) TESTS_TIMEOUT
 #   rl-tests the trainer's GPU tests (nox -s gpu-sm90 -- packages/epilora-rl)   TESTS_TIMEOUT
-#   rl-memory benchmarks/rl_memory.py $RL_MEMORY_ARGS -> $OUT/rl.json, logs in $OUT/rl-logs/
-#                                                                          SERVING_TIMEOUT
+#   rl-memory benchmarks/rl_memory.py $RL_MEMORY_ARGS -> $OUT/rl.json (the committed file's
+#           other parts kept), logs in $OUT/rl-logs/                        SERVING_TIMEOUT
+#   rl-accuracy benchmarks/rl_accuracy.py $RL_ACCURACY_ARGS on SmolLM2 (bf16, from the GGUF
+#           and wheels that tools/device/stage_rl.sh stages in .stage/) -> $OUT/rl.json as
+#           rl-memory, logs in $OUT/rl-logs/                                   RL_TIMEOUT
 #   serving benchmarks/serving.py $SERVING_ARGS -> $OUT/serving.json, engine logs in
 #           $OUT/serving-logs/                                                  SERVING_TIMEOUT
 #   engine-kernels dev/engine_kernels.py $ENGINE_KERNELS_ARGS: one engine decode step's kernels
@@ -113,9 +116,24 @@ for step in "$@"; do
     rl-tests) timeout "${TESTS_TIMEOUT:-240}" python3 -m nox -s gpu-sm90 -- \
                 packages/epilora-rl --junitxml="$OUT/gpu-sm90-rl-junit.xml" 2>&1 \
                 | tee "$OUT/gpu-sm90-rl.log" ;;
-    rl-memory) timeout "${SERVING_TIMEOUT:-540}" python3 benchmarks/rl_memory.py \
+    rl-memory) [ -f "$OUT/rl.json" ] || cp benchmarks/results/h200/rl.json "$OUT/rl.json"
+               timeout "${SERVING_TIMEOUT:-540}" python3 benchmarks/rl_memory.py \
                  --out "$OUT/rl.json" --git-sha "$sha" --logs "$OUT/rl-logs" \
                  ${RL_MEMORY_ARGS:-} 2>&1 | tee "$OUT/rl-memory.log" ;;
+    rl-accuracy) [ -f "$OUT/rl.json" ] || cp benchmarks/results/h200/rl.json "$OUT/rl.json"
+                 (cd .stage/smollm2 && cat part-aa part-ab > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf \
+                    && cd /tmp && sha256sum -c "$OLDPWD/SHA256SUMS") || exit 1
+                 python3 -m pip install -q --no-index --no-deps --no-compile \
+                   --target "$EPILORA_SITE" .stage/wheels/*.whl || exit 1
+                 mkdir -p /tmp/epilora-cache/smollm2 && mv /tmp/SmolLM2-135M-Instruct.Q4_1.gguf \
+                   /tmp/epilora-cache/smollm2/
+                 # The checkpoint in its own process: vLLM forks its engine (DESIGN.md section 2).
+                 EPILORA_CACHE=/tmp/epilora-cache timeout 300 python3 -c "import sys;
+sys.path.insert(0, 'tools'); from quantize_model_demo import write_bf16_checkpoint as w;
+w('/tmp/smollm2-bf16')" 2>&1 | tail -3
+                 timeout "${RL_TIMEOUT:-570}" python3 benchmarks/rl_accuracy.py \
+                   --model-dir /tmp/smollm2-bf16 --out "$OUT/rl.json" --git-sha "$sha" \
+                   --logs "$OUT/rl-logs" ${RL_ACCURACY_ARGS:-} 2>&1 | tee "$OUT/rl-accuracy.log" ;;
     serving) timeout "${SERVING_TIMEOUT:-540}" python3 benchmarks/serving.py \
                --out "$OUT/serving.json" --git-sha "$sha" --logs "$OUT/serving-logs" \
                ${SERVING_ARGS:-} 2>&1 | tee "$OUT/serving.log" ;;

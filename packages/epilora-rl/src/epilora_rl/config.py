@@ -17,6 +17,7 @@ before anything is loaded, so a bad value costs no GPU time.
 
     [task]
     name = "basic_arithmetic"     # a reasoning-gym dataset, or `even_tokens` (smoke tests)
+    answer = "last_number"        # the first line's last number (default: the whole line)
 
     [grpo]
     prompts_per_step = 8
@@ -40,6 +41,7 @@ from pathlib import Path
 
 from epilora_rl.grpo import GrpoLoss
 from epilora_rl.model import PROJECTIONS
+from epilora_rl.tasks import ANSWER_FORMATS
 
 ENGINE_MODES = ("matched", "w8a8", "bf16")
 
@@ -73,6 +75,7 @@ class LoraConfig:
 class TaskConfig:
     name: str = "basic_arithmetic"
     options: dict = field(default_factory=dict)  # the task's own settings (reasoning-gym's)
+    answer: str = "first_line"  # where the answer is read: epilora_rl.tasks.ANSWER_FORMATS
     eval_size: int = 64  # held-out prompts, greedy, before and after training
 
 
@@ -193,6 +196,8 @@ def validate(c: RunConfig) -> None:
                          "compare samples of one prompt)")
     if c.lora.rank > 128:
         raise ValueError(f"[lora] rank = {c.lora.rank}: ranks up to 128 are served")
+    if c.task.answer not in ANSWER_FORMATS:
+        raise ValueError(f"[task] answer = {c.task.answer!r}: one of {ANSWER_FORMATS}")
     unknown = set(c.lora.target_modules) - set(PROJECTIONS)
     if unknown or not c.lora.target_modules:
         raise ValueError(f"[lora] target_modules {list(c.lora.target_modules)}: a non-empty "

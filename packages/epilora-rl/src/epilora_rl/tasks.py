@@ -1,16 +1,22 @@
 """Tasks with a verifiable reward: prompts, and a score for each completion.
 
 `basic_arithmetic` and every other reasoning-gym dataset (`reasoning_gym.create_dataset`): the
-completion's first line is the answer, scored by the dataset's own `score_answer` (1 for the
-exact answer). `even_tokens`: the share of completion tokens with even ids, a signal any model
-can learn in a few steps, for smoke tests of the loop (no reasoning in it).
+answer is read from the completion's first line, whole (`answer = "first_line"`) or its last
+number (`"last_number"`: "2 + 5 = 7" answers 7, as small models write sums), and scored by the
+dataset's own `score_answer` (1 for the exact answer). `even_tokens`: the share of completion
+tokens with even ids, a signal any model can learn in a few steps, for smoke tests of the loop
+(no reasoning in it).
 
 Prompt i of a task is the same for every run with the same seed: a run's data position is
 all it needs to resume.
 """
 
+import re
 from dataclasses import dataclass
 from typing import Protocol
+
+ANSWER_FORMATS = ("first_line", "last_number")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 @dataclass(frozen=True)
@@ -30,10 +36,13 @@ class ReasoningGymTask:
     """A reasoning-gym dataset; index i below `eval_offset` is training data, the rest held out
     (another seed's draws)."""
 
-    def __init__(self, name: str, tokenizer, *, seed: int, options: dict | None = None):
+    def __init__(self, name: str, tokenizer, *, seed: int, options: dict | None = None,
+                 answer: str = "first_line"):
         import reasoning_gym
 
-        self.name, self.tokenizer, self.seed = name, tokenizer, seed
+        if answer not in ANSWER_FORMATS:
+            raise ValueError(f"answer = {answer!r}: one of {ANSWER_FORMATS}")
+        self.name, self.tokenizer, self.seed, self.answer = name, tokenizer, seed, answer
         self._make = lambda s: reasoning_gym.create_dataset(name, seed=s, size=100_000,
                                                             **(options or {}))
         self._train, self._eval = self._make(seed), self._make(seed + 1_000_003)
@@ -53,6 +62,9 @@ class ReasoningGymTask:
     def reward(self, completion_text: str, completion_ids: list[int], prompt: Prompt) -> float:
         lines = completion_text.strip().splitlines()
         answer = lines[0].strip() if lines else ""
+        if self.answer == "last_number":
+            numbers = _NUMBER.findall(answer)
+            answer = numbers[-1] if numbers else ""
         return float(self._train.score_answer(answer, prompt.entry))
 
 
@@ -73,7 +85,8 @@ class EvenTokensTask:
         return sum(1 for t in completion_ids if t % 2 == 0) / len(completion_ids)
 
 
-def make_task(name: str, tokenizer, *, seed: int, options: dict | None = None) -> Task:
+def make_task(name: str, tokenizer, *, seed: int, options: dict | None = None,
+              answer: str = "first_line") -> Task:
     if name == "even_tokens":
         return EvenTokensTask(tokenizer, seed=seed, options=options)
-    return ReasoningGymTask(name, tokenizer, seed=seed, options=options)
+    return ReasoningGymTask(name, tokenizer, seed=seed, options=options, answer=answer)

@@ -69,7 +69,7 @@ class GrpoRun:
         self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=o.lr, betas=o.betas,
                                            weight_decay=o.weight_decay)
         self.task = task or make_task(config.task.name, self.tokenizer, seed=config.run.seed,
-                                      options=config.task.options)
+                                      options=config.task.options, answer=config.task.answer)
         self.loss = config.loss()
         self.step, self.records, self.evals = 0, [], {}
         if state is not None:
