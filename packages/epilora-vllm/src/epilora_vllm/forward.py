@@ -114,16 +114,17 @@ class EpiloraForward:
         # count past the tokens made K1 zero rows of h beyond its end: memory corruption seen on
         # the H200). The mapping and sorted indices are slices of persistent tensors (made once
         # by the profiling run, before any capture); the counts are filled per call, a kernel
-        # each, with no host sync, so the batch is the same inside CUDA graphs.
+        # each, with no host sync, so the batch is the same inside CUDA graphs. `fill_` of a
+        # slice: `counts[0] = n` copies a CPU scalar tensor, which graph capture refuses.
         if self._no_adapter is None or self._no_adapter.num_tokens < tokens:
             size = max(tokens, 1)
             self._no_adapter = ek.AdapterBatch.from_token_mapping(
                 torch.full((size,), -1, dtype=torch.int32, device=device), self.lora.max_loras)
         full = self._no_adapter
         counts = torch.zeros_like(full.num_tokens_per_lora)
-        counts[0] = tokens
+        counts[:1].fill_(tokens)
         start = torch.full_like(full.lora_token_start, tokens)
-        start[0] = 0
+        start[:1].fill_(0)
         return ek.AdapterBatch(full.token_lora_mapping[:tokens],
                                full.sorted_token_indices[:tokens], full.lora_ids, counts, start)
 
