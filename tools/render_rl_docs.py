@@ -70,76 +70,103 @@ def _interval(row: dict | None) -> str:
     return f"{row['value']:.3f} [{low:.3f}, {high:.3f}]"
 
 
-def accuracy_section(meta: dict, rows: list, plot_name: str | None) -> list[str]:
+def _cells(rows: list) -> dict:
+    """{(part, system): {metric[-phase]: row}}, systems in ROLLOUT_SYSTEMS order."""
     cells: dict = {}
-    for r in rows:
+    for r in sorted(rows, key=lambda r: ROLLOUT_SYSTEMS.index(r["system"])):
         key = r["metric"] + (f"-{r['phase']}" if "phase" in r else "")
-        cells.setdefault(r["system"], {})[key] = r
-    systems = [s for s in ROLLOUT_SYSTEMS if s in cells]
-    first = next(iter(rows))
-    together = first["jobs"] > 1
-    lines = [
-        f"## GRPO on SmolLM2-135M-Instruct: {', '.join(systems)}", "",
-        f"{meta['gpu']}, torch {meta['torch']}, commit `{meta['git_sha'][:10]}`, "
-        f"{meta['date']}; `{meta['command']}` (the script's docstring says what each system "
-        f"is). Task `{first['task']}` (two-term sums and differences below 100), "
-        f"{first['steps']} steps of {first['prompts_per_step']} prompts x {first['group_size']} "
-        "samples. *Accuracy*: greedy, on held-out prompts, the mean over seeds with a 95% "
-        "interval (t over seeds; Wilson over the prompts for one seed). *Mismatch*: the "
-        "per-token KL (k3) of the engine's sampled tokens to the trainer's log-probabilities, "
-        "the mean over every step and seed. *Reward*: training reward over the last "
-        f"{cells[systems[0]]['reward']['last_steps']} steps. *Step*: median seconds "
-        "per step after the first (rollouts, update, publish). "
-        + (f"The {first['jobs']} runs shared the GPU at once: their step times include each "
-           "other's load." if together else "The runs went one after another."), "",
-        "| system | seeds | accuracy before | accuracy after | mismatch (KL/token) | reward | "
-        "step, s | peak, GiB |", "|---|---|---|---|---|---|---|---|"]
-    for s in systems:
-        c = cells[s]
+        cells.setdefault((r["part"], r["system"]), {})[key] = r
+    return cells
+
+
+def _table(cells: dict, parts: dict) -> list[str]:
+    lines = ["| system | run | seeds | accuracy before | accuracy after | mismatch (KL/token) | "
+             "reward | step, s | peak, GiB |", "|---|---|---|---|---|---|---|---|---|"]
+    for (part, system), c in cells.items():
         kl = c.get("kl_per_token")
-        cols = [s, str(len(next(iter(c.values()))["seeds"])),
+        cols = [system, f"`{parts[part]['git_sha'][:7]}`, {next(iter(c.values()))['jobs']} "
+                "at once", str(len(next(iter(c.values()))["seeds"])),
                 _interval(c.get("accuracy-before")), _interval(c.get("accuracy-after")),
                 f"{kl['value']:.2e}" if kl else "-",
                 f"{c['reward']['value']:.3f}" if "reward" in c else "-",
                 f"{c['step_s']['value']:.2f}" if "step_s" in c else "-",
                 f"{c['peak_gpu_gib']['value']:.1f}" if "peak_gpu_gib" in c else "-"]
         lines.append("| " + " | ".join(cols) + " |")
+    return lines + [""]
+
+
+def accuracy_section(parts: dict, rows: list) -> list[str]:
+    """The SmolLM2 runs: the accuracy runs (several at once on the GPU), then the runs made one
+    at a time beside TRL."""
+    together = [r for r in rows if r["jobs"] > 1]
+    alone = [r for r in rows if r["jobs"] == 1]
+    first = rows[0]
+    lines = [
+        "## GRPO on SmolLM2-135M-Instruct", "",
+        f"`benchmarks/rl_accuracy.py` (its docstring says what each system is); task "
+        f"`{first['task']}`, two-term sums and differences below 100, the answer the first "
+        f"line's last number; each step {first['prompts_per_step']} prompts x "
+        f"{first['group_size']} samples, rank-16 adapters on every projection. *Accuracy*: "
+        "greedy, on 256 held-out prompts, the mean over seeds with a 95% interval (Student's t "
+        "over seeds; Wilson over the prompts for one seed). *Mismatch*: the per-token KL (k3) "
+        "of the engine's sampled tokens to the trainer's log-probabilities, the mean over every "
+        "step and seed. *Reward*: training reward over the last 5 steps. *Step*: median seconds "
+        "per step after the first (rollouts, update, publish). *Peak*: torch's allocator, the "
+        "engine's KV cache included. Runs, their commands and notes:", ""]
+    for meta in parts.values():
+        note = f" ({meta['note']})" if "note" in meta else ""
+        lines.append(f"- `{meta['git_sha'][:7]}`, {meta['date']}: `{meta['command']}`{note}")
     lines.append("")
-    kl = {s: cells[s]["kl_per_token"]["value"] for s in systems if "kl_per_token" in cells[s]}
-    if "bf16" in kl and "matched" in kl:
-        ratio = kl["matched"] / kl["bf16"]
-        verdict = "met" if ratio <= TARGET_MATCHED_KL else "missed"
-        text = (f"Matched's mismatch is {ratio:.2f}x the bf16 pair's (target: at most "
-                f"{TARGET_MATCHED_KL}x, {verdict})")
-        if "w8a8-tis" in kl:
-            text += f"; W8A8's is {kl['w8a8-tis'] / kl['bf16']:.1f}x the bf16 pair's"
-        lines += [text + ".", ""]
-    if plot_name:
-        lines += [f"![training reward and mismatch per step]({plot_name})", ""]
+    if together:
+        steps = together[0]["steps"]
+        lines += [f"### Accuracy and mismatch per rollout mode ({steps} steps)", "",
+                  "Several runs shared the GPU at once (the *run* column): their step times "
+                  "include each other's load.", ""]
+        lines += _table(_cells(together), parts)
+        kl = {r["system"]: r["value"] for r in together if r["metric"] == "kl_per_token"}
+        if "bf16" in kl and "matched" in kl:
+            ratio = kl["matched"] / kl["bf16"]
+            verdict = "met" if ratio <= TARGET_MATCHED_KL else "missed"
+            text = (f"Matched's mismatch is {ratio:.2f}x the bf16 pair's (target: at most "
+                    f"{TARGET_MATCHED_KL}x, {verdict})")
+            if "w8a8-tis" in kl:
+                text += f"; W8A8's is {kl['w8a8-tis'] / kl['bf16']:.1f}x the bf16 pair's"
+            lines += [text + ".", ""]
+    if alone:
+        steps = alone[0]["steps"]
+        lines += [f"### Beside TRL's GRPOTrainer, one run at a time ({steps} steps)", "",
+                  "The same prompts in the same order, reward, GRPO settings and vLLM memory "
+                  "share; TRL trains a bf16 copy with PEFT and pushes the merged weights to its "
+                  "colocated vLLM before each rollout, ours trains on the matched engine's own "
+                  "FP8 weights and publishes the adapter alone.", ""]
+        lines += _table(_cells(alone), parts)
+    lines += ["![training reward and mismatch per step](rl.png)", ""]
     return lines
 
 
 def plot(rows: list, path: Path) -> None:
-    """Reward (mean over seeds) and mismatch per step, one line per system."""
+    """Reward and mismatch per step of the accuracy runs (means over seeds), and the reward of
+    the runs beside TRL."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
-    for r in rows:
-        if r["metric"] not in ("reward", "kl_per_token"):
-            continue
-        curve = [statistics.mean(v) for v in zip(*r["per_step"], strict=False)]
-        ax = left if r["metric"] == "reward" else right
-        ax.plot(range(1, len(curve) + 1), curve, label=r["system"])
-    left.set_title("training reward (mean over seeds)")
-    right.set_title("engine-trainer KL per token")
-    right.set_yscale("log")
-    for ax in (left, right):
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    panels = [(axes[0], "reward", True, "training reward, accuracy runs (mean over seeds)"),
+              (axes[1], "kl_per_token", True, "engine-trainer KL per token"),
+              (axes[2], "reward", False, "training reward, beside TRL")]
+    for ax, metric, together, title in panels:
+        for r in rows:
+            if r["metric"] == metric and (r["jobs"] > 1) == together:
+                curve = [statistics.mean(v) for v in zip(*r["per_step"], strict=True)]
+                ax.plot(range(1, len(curve) + 1), curve, label=r["system"],
+                        color=f"C{ROLLOUT_SYSTEMS.index(r['system'])}")  # one colour a system
+        ax.set_title(title, fontsize=9)
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
+    axes[1].set_yscale("log")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -153,20 +180,16 @@ def main() -> None:
                                             "gpu_kernels.sh rl-memory rl-accuracy`).", ""]))
         return
     data = json.loads(SOURCE.read_text())
+    parts = data["meta"]["parts"]
     lines = header
-    plotted = False
-    for part, meta in data["meta"]["parts"].items():
-        rows = [r for r in data["rows"] if r["part"] == part]
+    for part, meta in parts.items():
         if part.endswith("-memory"):
-            lines += memory_section(meta, rows)
-        else:
-            # One plot: the part with the most systems (the accuracy runs').
-            first = not plotted and any(r["system"] == "matched" for r in rows) and \
-                len({r["system"] for r in rows}) >= 2
-            lines += accuracy_section(meta, rows, PLOT.name if first else None)
-            if first:
-                plot(rows, PLOT)
-                plotted = True
+            lines += memory_section(meta, [r for r in data["rows"] if r["part"] == part])
+    rollouts = [r for r in data["rows"] if r["system"] in ROLLOUT_SYSTEMS]
+    if rollouts:
+        lines += accuracy_section({p: m for p, m in parts.items()
+                                   if any(r["part"] == p for r in rollouts)}, rollouts)
+        plot(rollouts, PLOT)
     PAGE.write_text("\n".join(lines))
 
 
