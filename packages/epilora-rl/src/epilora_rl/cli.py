@@ -22,12 +22,25 @@ def summary_table(records: list[dict], evals: dict) -> str:
     return "\n".join(lines)
 
 
-def _writer(out_dir):
+def _writer(out_dir, records: list[dict]):
+    """TensorBoard's writer, holding every finished step's record (None without tensorboard).
+    A resumed run purges what an earlier process wrote and writes the records again, so the
+    events equal steps.jsonl whenever the earlier process was killed."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # tensorboard is optional
         return None
-    return SummaryWriter(str(out_dir / "tensorboard"))
+    writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=1 if records else None)
+    for record in records:
+        _log(writer, record)
+    return writer
+
+
+def _log(writer, record: dict) -> None:
+    for key, value in record.items():
+        if isinstance(value, float) and not math.isnan(value):
+            writer.add_scalar(key, value, record["step"])
+    writer.flush()
 
 
 def train(config_path: str) -> int:
@@ -47,7 +60,7 @@ def train(config_path: str) -> int:
         print(f"resuming {config.run.out_dir} after step {run.step}")
     if "before" not in run.evals:
         run.evaluate("before")
-    writer = _writer(run.out_dir)
+    writer = _writer(run.out_dir, run.records)
     bar = tqdm(total=config.run.steps, initial=run.step, desc="GRPO", unit="step")
     while run.step < config.run.steps:
         record = run.train_step()
@@ -55,10 +68,10 @@ def train(config_path: str) -> int:
         bar.set_postfix(reward=f"{record['reward']:.3f}", acc=f"{record['accuracy']:.2f}",
                         kl=f"{record['kl_per_token']:.1e}")
         if writer is not None:
-            for key, value in record.items():
-                if isinstance(value, float) and not math.isnan(value):
-                    writer.add_scalar(key, value, record["step"])
+            _log(writer, record)
     bar.close()
+    if writer is not None:
+        writer.close()
     run.evaluate("after")
     print(summary_table(run.records, run.evals))
     return 0

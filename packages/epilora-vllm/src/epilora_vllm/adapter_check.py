@@ -1,0 +1,114 @@
+"""An adapter checked before the engine loads it, so that a bad one is refused with its reason
+(HTTP 400 through the server) and never reaches a worker.
+
+`check_adapter(path, hf_config, max_lora_rank)` raises `BadAdapter` for: no adapter_config.json
+or one that is not JSON, a rank above the engine's `max_lora_rank`, a weights file that is
+truncated or not safetensors, NaN or Inf in a tensor, and a tensor whose shape does not fit
+the served model (an adapter made for another base model). A path that is not a local
+directory (a hub id, a resolver's name) is left to vLLM.
+
+`refuse_bad_adapters` is the same check as an ASGI middleware of vLLM's OpenAI server, its
+extension point for that (`vllm serve ... --middleware
+epilora_vllm.adapter_check.refuse_bad_adapters`): a `POST /v1/load_lora_adapter` with a bad
+adapter is answered 400 in vLLM's error format, every other request passes through untouched.
+"""
+
+import json
+import re
+from pathlib import Path
+
+WEIGHTS = "adapter_model.safetensors"
+_MODULE = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$")
+
+
+class BadAdapter(ValueError):
+    """The adapter cannot be served; the message says why."""
+
+
+def projection_shapes(hf_config) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of each projection of a Llama/Qwen-style decoder layer."""
+    hidden = hf_config.hidden_size
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    inter = hf_config.intermediate_size
+    return {"q_proj": (heads * head_dim, hidden), "k_proj": (kv_heads * head_dim, hidden),
+            "v_proj": (kv_heads * head_dim, hidden), "o_proj": (hidden, heads * head_dim),
+            "gate_proj": (inter, hidden), "up_proj": (inter, hidden),
+            "down_proj": (hidden, inter)}
+
+
+def check_adapter(path, hf_config, max_lora_rank: int) -> None:
+    """Raise `BadAdapter` if the PEFT adapter in directory `path` cannot serve this model."""
+    path = Path(path)
+    if not path.is_dir():
+        return  # not ours to judge: vLLM resolves it (or says it found nothing)
+    config_file = path / "adapter_config.json"
+    if not config_file.is_file():
+        raise BadAdapter(f"{path}: no adapter_config.json")
+    try:
+        config = json.loads(config_file.read_text())
+        rank = int(config["r"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise BadAdapter(f"{config_file}: not a PEFT LoRA config ({e})") from None
+    if rank > max_lora_rank:
+        raise BadAdapter(f"{path}: rank {rank} is above the engine's max_lora_rank "
+                         f"{max_lora_rank}")
+    weights = path / WEIGHTS
+    if not weights.is_file():
+        return  # .bin or .pt weights: vLLM's loader checks those
+    _check_weights(weights, rank, hf_config)
+
+
+def _check_weights(weights: Path, rank: int, hf_config) -> None:
+    import torch
+    from safetensors import safe_open
+
+    shapes = projection_shapes(hf_config)
+    layers = hf_config.num_hidden_layers
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                tensor = f.get_tensor(name)
+                if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                    raise BadAdapter(f"{weights}: {name} holds NaN or Inf")
+                match = _MODULE.search(name)
+                if match is None:
+                    continue  # embeddings, lm_head, biases: vLLM's own checks
+                layer, module, side = int(match[1]), match[2], match[3]
+                if layer >= layers or module not in shapes:
+                    raise BadAdapter(f"{weights}: {name} names no layer of this model "
+                                     f"({layers} layers)")
+                out, inp = shapes[module]
+                expected = (rank, inp) if side == "A" else (out, rank)
+                if tuple(tensor.shape) != expected:
+                    raise BadAdapter(
+                        f"{weights}: {name} has shape {tuple(tensor.shape)}, this model's "
+                        f"{module} at rank {rank} needs {expected} (an adapter for another "
+                        "base model?)")
+    except BadAdapter:
+        raise
+    except Exception as e:  # safetensors' errors: truncated, not safetensors at all
+        raise BadAdapter(f"{weights}: not a readable safetensors file ({e})") from None
+
+
+async def refuse_bad_adapters(request, call_next):
+    """vLLM server middleware: `/v1/load_lora_adapter` with a bad adapter gets a 400."""
+    if request.method == "POST" and request.url.path.endswith("/v1/load_lora_adapter"):
+        try:
+            body = json.loads(await request.body() or b"{}")
+        except ValueError:
+            body = {}  # vLLM answers a malformed request itself
+        config = getattr(request.app.state, "vllm_config", None)
+        path = body.get("lora_path") if isinstance(body, dict) else None
+        if config is not None and config.lora_config is not None and isinstance(path, str):
+            try:
+                check_adapter(path, config.model_config.hf_config,
+                              config.lora_config.max_lora_rank)
+            except BadAdapter as e:
+                from fastapi.responses import JSONResponse
+
+                return JSONResponse(status_code=400, content={"error": {
+                    "message": str(e), "type": "BadRequestError", "param": "lora_path",
+                    "code": 400}})
+    return await call_next(request)
