@@ -24,16 +24,16 @@ def make_checkpoints(root):
     return {"bf16": bf16, "fp8": fp8, "adapters": adapters}
 
 
-def engine(model_dir, **kwargs):
-    """An engine in this process (the tests reach into its model), tiny KV cache."""
+def engine(model_dir, *, lora: bool = True, **kwargs):
+    """An engine in this process (the tests reach into its model), tiny KV cache; with LoRA
+    (two slots of rank 8) unless `lora` is false."""
     from vllm import LLM
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-
-    return LLM(str(model_dir), skip_tokenizer_init=True, enable_lora=True, max_loras=2,
-               max_lora_rank=8, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256,
-               dtype="bfloat16", seed=0, kv_cache_memory_bytes=1 << 26,
-               **kwargs)
+    adapters = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8} if lora else {}
+    return LLM(str(model_dir), skip_tokenizer_init=True, max_model_len=256, max_num_seqs=8,
+               max_num_batched_tokens=256, dtype="bfloat16", seed=0,
+               kv_cache_memory_bytes=1 << 26, **adapters, **kwargs)
 
 
 def model_of(llm):

@@ -93,6 +93,23 @@ def test_adapters_change_the_answers_and_answers_repeat(served, checkpoints):
     assert len({tuple(t) for t in by_adapter}) == 3, by_adapter
 
 
+def test_a_request_without_an_adapter_gets_the_tokens_of_an_engine_without_lora(served,
+                                                                               checkpoints):
+    # vLLM issue 49063: stock vLLM's no-adapter requests do not always match. Alone, and in
+    # batches mixed with adapter requests (their tokens go through the plugin's kernels).
+    llm = served["llm"]
+    plain = engine(checkpoints["fp8"], lora=False, enforce_eager=True)
+    try:
+        no_lora = generate(plain, [(p, None) for p in PROMPTS])
+    finally:
+        del plain
+    assert generate(llm, [(p, None) for p in PROMPTS]) == no_lora
+    mixed = [(PROMPTS[0], request(checkpoints, 1)), (PROMPTS[1], None),
+             (PROMPTS[2], request(checkpoints, 2)), (PROMPTS[0], None), (PROMPTS[2], None)]
+    tokens = generate(llm, mixed)
+    assert [tokens[i] for i in (1, 3, 4)] == [no_lora[1], no_lora[0], no_lora[2]]
+
+
 def test_an_adapter_with_nan_weights_spoils_only_its_own_tenants_answers(served, checkpoints,
                                                                           tmp_path):
     # An engine used from Python loads it (the server's middleware, epilora_vllm.adapter_check,
