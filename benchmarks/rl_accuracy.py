@@ -29,6 +29,7 @@ import datetime
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -76,7 +77,9 @@ def interval(values: list[float], n_eval: int) -> tuple[float, float]:
     if len(values) == 1:
         return wilson(values[0] * n_eval, n_eval)
     mean, sd = statistics.mean(values), statistics.stdev(values)
-    half = T_975.get(len(values) - 1, 1.96) * sd / math.sqrt(len(values))
+    if len(values) - 1 not in T_975:
+        raise ValueError(f"{len(values)} seeds: T_975 holds t for up to {max(T_975) + 1}")
+    half = T_975[len(values) - 1] * sd / math.sqrt(len(values))
     return (mean - half, mean + half)
 
 
@@ -223,6 +226,7 @@ def trl_worker(args) -> None:
 # -- rows -------------------------------------------------------------------------------------
 
 def step_seconds(record: dict) -> float:
+    # Records from before epilora-rl kept step_s: rollouts and update only (no publish, files).
     return record.get("step_s", record.get("generate_s", 0) + record.get("train_s", 0))
 
 
@@ -243,6 +247,8 @@ def rows_of(system: str, results: dict[int, dict], args) -> list[dict]:
                          "n": len(values), "seeds": seeds, "samples": values,
                          "eval_size": args.eval_size})
     per_seed = {s: results[s]["records"] for s in seeds}
+    if not all(per_seed.values()):  # a run without step records: only its evaluations
+        return rows
     if system != "trl":
         kl = [statistics.mean(r["kl_per_token"] for r in per_seed[s]) for s in seeds]
         rows.append({**base, "metric": "kl_per_token", "value": statistics.mean(kl),
@@ -312,6 +318,8 @@ def main() -> None:
     def one(run):
         system, seed = run
         name = f"rl-{MODEL}-{system}-seed{seed}-{args.steps}steps-jobs{args.jobs}"
+        # A fresh run: an out_dir left by an earlier call would be resumed, not measured.
+        shutil.rmtree(Path(args.runs) / name, ignore_errors=True)
         cmd = [sys.executable, __file__, "--worker", "--system", system, "--seed", str(seed),
                "--run-dir", str(Path(args.runs) / name), *shared]
         begin = time.perf_counter()

@@ -84,8 +84,9 @@ def _table(cells: dict, parts: dict) -> list[str]:
              "reward | step, s | peak, GiB |", "|---|---|---|---|---|---|---|---|---|"]
     for (part, system), c in cells.items():
         kl = c.get("kl_per_token")
+        seeds = max(len(r.get("seeds", [])) for r in c.values())
         cols = [system, f"`{parts[part]['git_sha'][:7]}`, {next(iter(c.values()))['jobs']} "
-                "at once", str(len(next(iter(c.values()))["seeds"])),
+                "at once", str(seeds),
                 _interval(c.get("accuracy-before")), _interval(c.get("accuracy-after")),
                 f"{kl['value']:.2e}" if kl else "-",
                 f"{c['reward']['value']:.3f}" if "reward" in c else "-",
@@ -101,17 +102,26 @@ def accuracy_section(parts: dict, rows: list) -> list[str]:
     together = [r for r in rows if r["jobs"] > 1]
     alone = [r for r in rows if r["jobs"] == 1]
     first = rows[0]
+    eval_size = next(r["eval_size"] for r in rows if "eval_size" in r)
+    last = next(r["last_steps"] for r in rows if "last_steps" in r)
     lines = [
         "## GRPO on SmolLM2-135M-Instruct", "",
         f"`benchmarks/rl_accuracy.py` (its docstring says what each system is); task "
         f"`{first['task']}`, two-term sums and differences below 100, the answer the first "
         f"line's last number; each step {first['prompts_per_step']} prompts x "
-        f"{first['group_size']} samples, rank-16 adapters on every projection. *Accuracy*: "
-        "greedy, on 256 held-out prompts, the mean over seeds with a 95% interval (Student's t "
-        "over seeds; Wilson over the prompts for one seed). *Mismatch*: the per-token KL (k3) "
-        "of the engine's sampled tokens to the trainer's log-probabilities, the mean over every "
-        "step and seed. *Reward*: training reward over the last 5 steps. *Step*: median seconds "
-        "per step after the first (rollouts, update, publish). *Peak*: torch's allocator, the "
+        f"{first['group_size']} samples, rank-{first['rank']} adapters on every projection. "
+        f"*Accuracy*: greedy, on {eval_size} held-out prompts, the mean over seeds with a 95% "
+        "interval: Student's t over the seeds, or Wilson over the prompts for one seed. In the "
+        "runs below, seed s's prompts were seed 0's shifted by s (reasoning-gym seeds item i "
+        "with seed + i; epilora-rl now spaces run seeds apart): their t intervals measure the "
+        "training's randomness on nearly one held-out set, and leave out that set's own "
+        "sampling error, which is about as wide as the one-seed Wilson intervals. *Mismatch*: "
+        "the per-token KL (k3) of the engine's sampled tokens to the trainer's "
+        "log-probabilities, the mean over every step and seed. *Reward*: training reward over "
+        f"the last {last} steps. *Step*: median seconds per step after the first; ours here "
+        "are rollouts and update (generate_s + train_s: publishing the adapter and writing the "
+        "step's files are left out; epilora-rl now records the whole step as step_s), TRL's "
+        "its whole optimizer step, weight sync included. *Peak*: torch's allocator, the "
         "engine's KV cache included. Runs, their commands and notes:", ""]
     for meta in parts.values():
         note = f" ({meta['note']})" if "note" in meta else ""
@@ -123,7 +133,12 @@ def accuracy_section(parts: dict, rows: list) -> list[str]:
                   "Several runs shared the GPU at once (the *run* column): their step times "
                   "include each other's load.", ""]
         lines += _table(_cells(together), parts)
-        kl = {r["system"]: r["value"] for r in together if r["metric"] == "kl_per_token"}
+        kl = {}
+        for r in together:
+            if r["metric"] == "kl_per_token":
+                if r["system"] in kl:
+                    raise SystemExit(f"{r['system']}: mismatch rows in more than one part")
+                kl[r["system"]] = r["value"]
         if "bf16" in kl and "matched" in kl:
             ratio = kl["matched"] / kl["bf16"]
             verdict = "met" if ratio <= TARGET_MATCHED_KL else "missed"
@@ -138,7 +153,11 @@ def accuracy_section(parts: dict, rows: list) -> list[str]:
                   "The same prompts in the same order, reward, GRPO settings and vLLM memory "
                   "share; TRL trains a bf16 copy with PEFT and pushes the merged weights to its "
                   "colocated vLLM before each rollout, ours trains on the matched engine's own "
-                  "FP8 weights and publishes the adapter alone.", ""]
+                  "FP8 weights and publishes the adapter alone. One seed each: the reward over "
+                  "a few steps of one run is noisy (the accuracy runs' seeds differ by as "
+                  "much), and at 135M parameters both peaks are mostly the same vLLM memory "
+                  "share, so neither column compares the systems; the memory comparison is the "
+                  "Qwen3-8B one above. Where our step's time goes is not measured.", ""]
         lines += _table(_cells(alone), parts)
     lines += ["![training reward and mismatch per step](rl.png)", ""]
     return lines
@@ -159,7 +178,7 @@ def plot(rows: list, path: Path) -> None:
     for ax, metric, together, title in panels:
         for r in rows:
             if r["metric"] == metric and (r["jobs"] > 1) == together:
-                curve = [statistics.mean(v) for v in zip(*r["per_step"], strict=True)]
+                curve = [statistics.mean(v) for v in zip(*r["per_step"], strict=False)]
                 ax.plot(range(1, len(curve) + 1), curve, label=r["system"],
                         color=f"C{ROLLOUT_SYSTEMS.index(r['system'])}")  # one colour a system
         ax.set_title(title, fontsize=9)
@@ -180,6 +199,9 @@ def main() -> None:
                                             "gpu_kernels.sh rl-memory rl-accuracy`).", ""]))
         return
     data = json.loads(SOURCE.read_text())
+    if "parts" not in data["meta"]:
+        raise SystemExit(f"{SOURCE}: no parts (written by epilora_testing.results."
+                         "update_results)")
     parts = data["meta"]["parts"]
     lines = header
     for part, meta in parts.items():

@@ -29,7 +29,7 @@
 #   plugin-tests the plugin's GPU tests (nox -s gpu-sm90 -- packages/epilora-vllm) TESTS_TIMEOUT
 #   rl-tests the trainer's GPU tests (nox -s gpu-sm90 -- packages/epilora-rl)   TESTS_TIMEOUT
 #   rl-memory benchmarks/rl_memory.py $RL_MEMORY_ARGS -> $OUT/rl.json (the committed file's
-#           other parts kept), logs in $OUT/rl-logs/                        SERVING_TIMEOUT
+#           and earlier RL steps' parts kept), logs in $OUT/rl-logs/        SERVING_TIMEOUT
 #   rl-accuracy benchmarks/rl_accuracy.py $RL_ACCURACY_ARGS on SmolLM2 (bf16, from the GGUF
 #           and wheels that tools/device/stage_rl.sh stages in .stage/) -> $OUT/rl.json as
 #           rl-memory, logs in $OUT/rl-logs/                                   RL_TIMEOUT
@@ -68,6 +68,11 @@ tune() {
     && cp "$OUT/NVIDIA_H200.json" "$EPILORA_SITE/epilora_kernels/configs/"
   return "$rc"
 }
+# The RL steps' result file: one working copy for the call, seeded from the committed file, so
+# a second RL step adds its part to the first's (each step's $OUT is tarred and removed).
+RL_JSON=/tmp/epilora-rl-results.json
+rl_results() { [ -f "$RL_JSON" ] || cp benchmarks/results/h200/rl.json "$RL_JSON"; }
+rm -f "$RL_JSON"
 for step in "$@"; do
   case "$step" in
     use:*) name="${step#use:}"; dir=".device/variants/${name//[\/~^]/-}"
@@ -116,11 +121,12 @@ for step in "$@"; do
     rl-tests) timeout "${TESTS_TIMEOUT:-240}" python3 -m nox -s gpu-sm90 -- \
                 packages/epilora-rl --junitxml="$OUT/gpu-sm90-rl-junit.xml" 2>&1 \
                 | tee "$OUT/gpu-sm90-rl.log" ;;
-    rl-memory) [ -f "$OUT/rl.json" ] || cp benchmarks/results/h200/rl.json "$OUT/rl.json"
+    rl-memory) rl_results
                timeout "${SERVING_TIMEOUT:-540}" python3 benchmarks/rl_memory.py \
-                 --out "$OUT/rl.json" --git-sha "$sha" --logs "$OUT/rl-logs" \
-                 ${RL_MEMORY_ARGS:-} 2>&1 | tee "$OUT/rl-memory.log" ;;
-    rl-accuracy) [ -f "$OUT/rl.json" ] || cp benchmarks/results/h200/rl.json "$OUT/rl.json"
+                 --out "$RL_JSON" --git-sha "$sha" --logs "$OUT/rl-logs" \
+                 ${RL_MEMORY_ARGS:-} 2>&1 | tee "$OUT/rl-memory.log"
+               cp "$RL_JSON" "$OUT/rl.json" ;;
+    rl-accuracy) rl_results
                  (cd .stage/smollm2 && cat part-aa part-ab > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf \
                     && cd /tmp && sha256sum -c "$OLDPWD/SHA256SUMS") || exit 1
                  python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -130,10 +136,11 @@ for step in "$@"; do
                  # The checkpoint in its own process: vLLM forks its engine (DESIGN.md section 2).
                  EPILORA_CACHE=/tmp/epilora-cache timeout 300 python3 -c "import sys;
 sys.path.insert(0, 'tools'); from quantize_model_demo import write_bf16_checkpoint as w;
-w('/tmp/smollm2-bf16')" 2>&1 | tail -3
+w('/tmp/smollm2-bf16')" 2>&1 | tail -3 || exit 1
                  timeout "${RL_TIMEOUT:-570}" python3 benchmarks/rl_accuracy.py \
-                   --model-dir /tmp/smollm2-bf16 --out "$OUT/rl.json" --git-sha "$sha" \
-                   --logs "$OUT/rl-logs" ${RL_ACCURACY_ARGS:-} 2>&1 | tee "$OUT/rl-accuracy.log" ;;
+                   --model-dir /tmp/smollm2-bf16 --out "$RL_JSON" --git-sha "$sha" \
+                   --logs "$OUT/rl-logs" ${RL_ACCURACY_ARGS:-} 2>&1 | tee "$OUT/rl-accuracy.log"
+                 cp "$RL_JSON" "$OUT/rl.json" ;;
     serving) timeout "${SERVING_TIMEOUT:-540}" python3 benchmarks/serving.py \
                --out "$OUT/serving.json" --git-sha "$sha" --logs "$OUT/serving-logs" \
                ${SERVING_ARGS:-} 2>&1 | tee "$OUT/serving.log" ;;

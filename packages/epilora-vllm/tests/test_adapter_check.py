@@ -29,3 +29,35 @@ def test_each_bad_adapter_is_refused_with_its_reason(kind, base, tmp_path):
     path, reason = bad_adapter(kind, tmp_path / kind, base_dir, config)
     with pytest.raises(BadAdapter, match=reason):
         check_adapter(path, config, MAX_RANK)
+
+
+def test_good_adapters_of_other_layouts_are_not_refused(base, tmp_path):
+    # Names the check does not know (a fused projection, a vision tower's layers, PEFT's
+    # adapter name), a lower per-module rank, and a model whose config nests its text model.
+    import torch
+    from adapter_cases import RANK
+
+    base_dir, config = base
+    zeros = torch.zeros(RANK, config.hidden_size, dtype=torch.bfloat16)
+    extra = {"base_model.model.model.layers.0.self_attn.qkv_proj.lora_A.weight": zeros,
+             "base_model.model.vision_tower.encoder.layers.0.self_attn.q_proj.lora_A.weight":
+                 torch.zeros(RANK, 7, dtype=torch.bfloat16),
+             "base_model.model.model.layers.1.mlp.up_proj.lora_A.default.weight": zeros.clone()}
+    check_adapter(good_adapter(tmp_path / "layouts", base_dir, overrides=extra), config,
+                  MAX_RANK)
+    low = {"base_model.model.model.layers.0.mlp.down_proj.lora_A.weight":
+           torch.zeros(2, config.intermediate_size, dtype=torch.bfloat16),
+           "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight":
+           torch.zeros(config.hidden_size, 2, dtype=torch.bfloat16)}
+    path = good_adapter(tmp_path / "pattern", base_dir, overrides=low)
+    adapter = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**adapter,
+                                                          "rank_pattern": {"down_proj": 2}}))
+    check_adapter(path, config, MAX_RANK)
+    nested = SimpleNamespace(text_config=config, model_type="llava")
+    check_adapter(good_adapter(tmp_path / "nested", base_dir), nested, MAX_RANK)
+    with pytest.raises(BadAdapter, match="another base model"):  # still checked when nested
+        wide = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
+                torch.zeros(RANK, config.hidden_size * 2, dtype=torch.bfloat16)}
+        check_adapter(good_adapter(tmp_path / "wide", base_dir, overrides=wide), nested,
+                      MAX_RANK)

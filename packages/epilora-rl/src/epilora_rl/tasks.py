@@ -43,9 +43,13 @@ class ReasoningGymTask:
         if answer not in ANSWER_FORMATS:
             raise ValueError(f"answer = {answer!r}: one of {ANSWER_FORMATS}")
         self.name, self.tokenizer, self.seed, self.answer = name, tokenizer, seed, answer
-        self._make = lambda s: reasoning_gym.create_dataset(name, seed=s, size=100_000,
+        size = 100_000
+        self._make = lambda s: reasoning_gym.create_dataset(name, seed=s, size=size,
                                                             **(options or {}))
-        self._train, self._eval = self._make(seed), self._make(seed + 1_000_003)
+        # reasoning-gym draws item i of seed s from Random(s + i): seeds spaced wider than two
+        # datasets give every run seed its own training and held-out prompts.
+        base = seed * (2 * size + 3)
+        self._train, self._eval = self._make(base), self._make(base + size + 1)
 
     def prompt(self, index: int, *, held_out: bool = False) -> Prompt:
         data = self._eval if held_out else self._train

@@ -90,7 +90,7 @@ class GrpoRun:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         prompts = [self.task.prompt(s * g.prompts_per_step + i) for i in range(g.prompts_per_step)]
-        begin = time.perf_counter()
+        begin = step_begin = time.perf_counter()
         groups = generate(self.llm, self.tokenizer, [p.text for p in prompts], self.request,
                           n=g.group_size, max_tokens=g.max_completion_tokens,
                           temperature=g.temperature, seed=c.run.seed * 1_000_003 + s * 1009)
@@ -140,6 +140,8 @@ class GrpoRun:
                   "accuracy": float((rewards == 1).float().mean()),
                   "kl_per_token": kl_sum / max(tokens, 1), "tokens": tokens,
                   "grad_norm": float(grad_norm), "generate_s": generate_s, "train_s": train_s,
+                  # the whole step: rollouts, rewards, update, publish and the step's files
+                  "step_s": time.perf_counter() - step_begin,
                   "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                   "kv_released_gib": released}
         self.records.append(record)

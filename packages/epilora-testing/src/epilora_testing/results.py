@@ -23,6 +23,8 @@ def update_results(path, *, part: str, meta: dict, rows: list) -> None:
 
     path = Path(path)
     old = json.loads(path.read_text()) if path.exists() else {"meta": {}, "rows": []}
+    if any("part" not in r for r in old["rows"]):
+        raise ValueError(f"{path}: rows without a part (a file not written by update_results)")
     parts = {k: v for k, v in old["meta"].get("parts", {}).items() if k != part}
     kept = [r for r in old["rows"] if r.get("part") != part and r.get("part") in parts]
     parts[part] = meta

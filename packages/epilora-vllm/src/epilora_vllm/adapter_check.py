@@ -18,15 +18,22 @@ import re
 from pathlib import Path
 
 WEIGHTS = "adapter_model.safetensors"
-_MODULE = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$")
+# A decoder layer's projection of the language model (not a vision tower's `encoder.layers`),
+# with or without PEFT's adapter name before `.weight`.
+_MODULE = re.compile(r"(?:^|\.)(?:model|language_model)\.layers\.(\d+)\.(?:self_attn|mlp)\."
+                     r"(\w+_proj)\.lora_([AB])(?:\.\w+)?\.weight$")
 
 
 class BadAdapter(ValueError):
     """The adapter cannot be served; the message says why."""
 
 
-def projection_shapes(hf_config) -> dict[str, tuple[int, int]]:
-    """(out_features, in_features) of each projection of a Llama/Qwen-style decoder layer."""
+def projection_shapes(hf_config) -> dict[str, tuple[int, int]] | None:
+    """(out_features, in_features) of each projection of a Llama/Qwen-style decoder layer; None
+    where the config does not say (other layouts: their shapes are left to vLLM)."""
+    needed = ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers")
+    if not all(isinstance(getattr(hf_config, k, None), int) for k in needed):
+        return None
     hidden = hf_config.hidden_size
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
@@ -49,23 +56,27 @@ def check_adapter(path, hf_config, max_lora_rank: int) -> None:
     try:
         config = json.loads(config_file.read_text())
         rank = int(config["r"])
-    except (ValueError, KeyError, TypeError) as e:
+        pattern = {k: int(v) for k, v in (config.get("rank_pattern") or {}).items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise BadAdapter(f"{config_file}: not a PEFT LoRA config ({e})") from None
-    if rank > max_lora_rank:
-        raise BadAdapter(f"{path}: rank {rank} is above the engine's max_lora_rank "
+    highest = max([rank, *pattern.values()])
+    if highest > max_lora_rank:
+        raise BadAdapter(f"{path}: rank {highest} is above the engine's max_lora_rank "
                          f"{max_lora_rank}")
     weights = path / WEIGHTS
     if not weights.is_file():
         return  # .bin or .pt weights: vLLM's loader checks those
-    _check_weights(weights, rank, hf_config)
+    # With a rank_pattern, a module's rank is its own: only the other dimension is checked.
+    _check_weights(weights, None if pattern else rank, hf_config)
 
 
-def _check_weights(weights: Path, rank: int, hf_config) -> None:
+def _check_weights(weights: Path, rank: int | None, hf_config) -> None:
     import torch
     from safetensors import safe_open
 
-    shapes = projection_shapes(hf_config)
-    layers = hf_config.num_hidden_layers
+    shapes = projection_shapes(getattr(hf_config, "text_config", None) or hf_config)
+    layers = getattr(getattr(hf_config, "text_config", None) or hf_config,
+                     "num_hidden_layers", None)
     try:
         with safe_open(str(weights), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
@@ -73,14 +84,17 @@ def _check_weights(weights: Path, rank: int, hf_config) -> None:
                 if tensor.is_floating_point() and not torch.isfinite(tensor).all():
                     raise BadAdapter(f"{weights}: {name} holds NaN or Inf")
                 match = _MODULE.search(name)
-                if match is None:
-                    continue  # embeddings, lm_head, biases: vLLM's own checks
+                if match is None or shapes is None:
+                    continue  # embeddings, lm_head, biases, other layouts: vLLM's own checks
                 layer, module, side = int(match[1]), match[2], match[3]
-                if layer >= layers or module not in shapes:
+                if layer >= layers:
                     raise BadAdapter(f"{weights}: {name} names no layer of this model "
                                      f"({layers} layers)")
+                if module not in shapes:
+                    continue  # fused or other projections (Phi-3's qkv_proj, MLA's): vLLM's
                 out, inp = shapes[module]
-                expected = (rank, inp) if side == "A" else (out, rank)
+                r = tensor.shape[0] if side == "A" else tensor.shape[-1]
+                expected = (rank or r, inp) if side == "A" else (out, rank or r)
                 if tuple(tensor.shape) != expected:
                     raise BadAdapter(
                         f"{weights}: {name} has shape {tuple(tensor.shape)}, this model's "
@@ -92,9 +106,21 @@ def _check_weights(weights: Path, rank: int, hf_config) -> None:
         raise BadAdapter(f"{weights}: not a readable safetensors file ({e})") from None
 
 
+def _authorized(request) -> bool:
+    # This middleware runs outside vLLM's API-key check: look at an adapter only for a caller
+    # vLLM would let through (others get vLLM's 401, their path untouched).
+    import os
+
+    args = getattr(request.app.state, "args", None)
+    keys = [k for k in [getattr(args, "api_key", None), os.environ.get("VLLM_API_KEY")] if k]
+    keys = [k for key in keys for k in ([key] if isinstance(key, str) else key)]
+    return not keys or request.headers.get("authorization") in {f"Bearer {k}" for k in keys}
+
+
 async def refuse_bad_adapters(request, call_next):
     """vLLM server middleware: `/v1/load_lora_adapter` with a bad adapter gets a 400."""
-    if request.method == "POST" and request.url.path.endswith("/v1/load_lora_adapter"):
+    if (request.method == "POST" and request.url.path.endswith("/v1/load_lora_adapter")
+            and _authorized(request)):
         try:
             body = json.loads(await request.body() or b"{}")
         except ValueError:
@@ -102,9 +128,11 @@ async def refuse_bad_adapters(request, call_next):
         config = getattr(request.app.state, "vllm_config", None)
         path = body.get("lora_path") if isinstance(body, dict) else None
         if config is not None and config.lora_config is not None and isinstance(path, str):
-            try:
-                check_adapter(path, config.model_config.hf_config,
-                              config.lora_config.max_lora_rank)
+            from starlette.concurrency import run_in_threadpool
+
+            try:  # reading the weights off the event loop: other requests go on
+                await run_in_threadpool(check_adapter, path, config.model_config.hf_config,
+                                        config.lora_config.max_lora_rank)
             except BadAdapter as e:
                 from fastapi.responses import JSONResponse
 
