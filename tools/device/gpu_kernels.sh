@@ -33,6 +33,10 @@
 #   rl-accuracy benchmarks/rl_accuracy.py $RL_ACCURACY_ARGS on SmolLM2 (bf16, from the GGUF
 #           and wheels that tools/device/stage_rl.sh stages in .stage/) -> $OUT/rl.json as
 #           rl-memory, logs in $OUT/rl-logs/                                   RL_TIMEOUT
+#   equivalence the serving demo (tools/serve_demo.py) on the GPU, then
+#           benchmarks/equivalence.py $EQUIVALENCE_ARGS on its checkpoints and adapters
+#           -> $OUT/equivalence.json, engine logs in $OUT/equivalence-logs/ (SmolLM2 and the
+#           wheels staged as for rl-accuracy)                            EQUIVALENCE_TIMEOUT
 #   serving benchmarks/serving.py $SERVING_ARGS -> $OUT/serving.json, engine logs in
 #           $OUT/serving-logs/                                                  SERVING_TIMEOUT
 #   engine-kernels dev/engine_kernels.py $ENGINE_KERNELS_ARGS: one engine decode step's kernels
@@ -73,6 +77,17 @@ tune() {
 RL_JSON=/tmp/epilora-rl-results.json
 rl_results() { [ -f "$RL_JSON" ] || cp benchmarks/results/h200/rl.json "$RL_JSON"; }
 rm -f "$RL_JSON"
+# SmolLM2's GGUF (sha256-checked) in the demos' cache, /tmp/epilora-cache, and the staged
+# wheels installed: from what tools/device/stage_rl.sh staged in .stage/.
+smollm2() {
+  [ -f /tmp/epilora-cache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] && return 0
+  (cd .stage/smollm2 && cat part-aa part-ab > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf \
+     && cd /tmp && sha256sum -c "$OLDPWD/SHA256SUMS") || return 1
+  python3 -m pip install -q --no-index --no-deps --no-compile \
+    --target "$EPILORA_SITE" .stage/wheels/*.whl || return 1
+  mkdir -p /tmp/epilora-cache/smollm2 \
+    && mv /tmp/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/epilora-cache/smollm2/
+}
 for step in "$@"; do
   case "$step" in
     use:*) name="${step#use:}"; dir=".device/variants/${name//[\/~^]/-}"
@@ -127,12 +142,7 @@ for step in "$@"; do
                  ${RL_MEMORY_ARGS:-} 2>&1 | tee "$OUT/rl-memory.log"
                cp "$RL_JSON" "$OUT/rl.json" ;;
     rl-accuracy) rl_results
-                 (cd .stage/smollm2 && cat part-aa part-ab > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf \
-                    && cd /tmp && sha256sum -c "$OLDPWD/SHA256SUMS") || exit 1
-                 python3 -m pip install -q --no-index --no-deps --no-compile \
-                   --target "$EPILORA_SITE" .stage/wheels/*.whl || exit 1
-                 mkdir -p /tmp/epilora-cache/smollm2 && mv /tmp/SmolLM2-135M-Instruct.Q4_1.gguf \
-                   /tmp/epilora-cache/smollm2/
+                 smollm2 || exit 1
                  # The checkpoint in its own process: vLLM forks its engine (DESIGN.md section 2).
                  EPILORA_CACHE=/tmp/epilora-cache timeout 300 python3 -c "import sys;
 sys.path.insert(0, 'tools'); from quantize_model_demo import write_bf16_checkpoint as w;
@@ -141,6 +151,14 @@ w('/tmp/smollm2-bf16')" 2>&1 | tail -3 || exit 1
                    --model-dir /tmp/smollm2-bf16 --out "$RL_JSON" --git-sha "$sha" \
                    --logs "$OUT/rl-logs" ${RL_ACCURACY_ARGS:-} 2>&1 | tee "$OUT/rl-accuracy.log"
                  cp "$RL_JSON" "$OUT/rl.json" ;;
+    equivalence) smollm2 || exit 1
+                 # The serving demo on the GPU: it makes the checkpoints and the four adapters.
+                 EPILORA_CACHE=/tmp/epilora-cache timeout 420 python3 tools/serve_demo.py \
+                   2>&1 | tee "$OUT/serve-demo.log"
+                 timeout "${EQUIVALENCE_TIMEOUT:-400}" python3 benchmarks/equivalence.py \
+                   --root /tmp/epilora-cache/serve-demo --out "$OUT/equivalence.json" \
+                   --git-sha "$sha" --logs "$OUT/equivalence-logs" ${EQUIVALENCE_ARGS:-} 2>&1 \
+                   | tee "$OUT/equivalence.log" ;;
     serving) timeout "${SERVING_TIMEOUT:-540}" python3 benchmarks/serving.py \
                --out "$OUT/serving.json" --git-sha "$sha" --logs "$OUT/serving-logs" \
                ${SERVING_ARGS:-} 2>&1 | tee "$OUT/serving.log" ;;

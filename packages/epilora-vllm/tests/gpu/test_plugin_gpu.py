@@ -44,3 +44,33 @@ def test_in_cuda_graphs_adapters_change_answers_and_a_mixed_batch_equals_single_
                   for i in (None, 1, 2)]
     assert len({tuple(t) for t in by_adapter}) == 3, by_adapter
     torch.cuda.synchronize()
+
+
+@pytest.fixture(scope="module")
+def sleepy(checkpoints, graphed):
+    """The FP8 engine with the plugin under vLLM's sleep mode (CUDA graphs on)."""
+    del graphed  # after the graphed engine
+    llm = engine(checkpoints["fp8"], enable_sleep_mode=True)
+    requests = [(p, request(checkpoints, i)) for p, i in zip(PROMPTS, (1, 2, None),
+                                                             strict=True)]
+    return llm, requests, generate(llm, requests)
+
+
+def test_sleep_level_1_then_wake_up_gives_every_tenant_the_same_answers(sleepy):
+    llm, requests, before = sleepy
+    llm.sleep(level=1)  # weights and adapters offloaded to the CPU, the KV cache discarded
+    llm.wake_up()
+    assert generate(llm, requests) == before
+
+
+def test_sleep_level_2_then_wake_up_reload_and_readded_adapters_give_the_same_answers(sleepy):
+    """Level 2 discards the weights and vLLM's adapter buffers (the plugin's counters stay
+    resident): after waking, the weights are reloaded and the adapters removed so that the next
+    request loads them again, as stock vLLM needs too."""
+    llm, requests, before = sleepy
+    llm.sleep(level=2)
+    llm.wake_up()
+    llm.collective_rpc("reload_weights")
+    for lora_id in sorted(llm.llm_engine.list_loras()):
+        llm.llm_engine.remove_lora(lora_id)
+    assert generate(llm, requests) == before

@@ -1,0 +1,173 @@
+"""Greedy outputs of vLLM with the plugin against stock vLLM's LoRA path on real weights:
+SmolLM2-135M-Instruct on an FP8 base, the serving demo's four tenants' adapters (PEFT-trained,
+rank 8, every projection), 16 questions in one batch (question i for tenant i mod 4), 64
+greedy tokens each.
+
+Systems, each engine in its own process: `epilora` (the plugin, vLLM's default torch.compile
+and CUDA graphs), `epilora-eager` (the plugin, `enforce_eager`), and stock vLLM's LoRA path
+(the plugin off) in its own configurations: `vllm-default`, `vllm-dual-stream`
+(VLLM_LORA_ENABLE_DUAL_STREAM=1) and `vllm-eager`. Bases: `fp8-online` (the bf16 checkpoint
+with `quantization="fp8"`) and `fp8-checkpoint` (llm-compressor's FP8-dynamic format, written
+by `epilora-fp8-checkpoint`). Rows: for every base and pair of systems, on how many of the 16
+requests their tokens are identical, and the first differing position of each other request.
+
+Run `tools/serve_demo.py` first (it makes the checkpoints and adapters under `--root`):
+
+    python3 benchmarks/equivalence.py --root ~/.cache/epilora/serve-demo \
+        --out results/h200/equivalence.json
+"""
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from serving import results_of, run_worker  # noqa: I001 (the serving benchmark's)
+
+from epilora_testing.results import results_text
+
+SYSTEMS = ("epilora", "epilora-eager", "vllm-default", "vllm-dual-stream", "vllm-eager")
+BASES = ("fp8-online", "fp8-checkpoint")
+TENANTS = ("pirate", "french", "robot", "cowboy")  # tools/serve_demo.py's, in its order
+QUESTIONS = [
+    "What is the capital of Italy?", "What is the largest planet?",
+    "How many days are in a week?", "What do bees make?", "What is the boiling point of water?",
+    "Who painted the Mona Lisa?", "What is the tallest animal?", "How many continents are there?",
+    "What gas do plants breathe in?", "What is the opposite of hot?",
+    "What language is spoken in Brazil?", "How many hours are in a day?",
+    "What is frozen water called?", "Which planet is closest to the sun?",
+    "What is the color of grass?", "How many wheels does a bicycle have?"]
+TOKENS = 64
+# Stock's LoRA path against which the plugin is judged (the issue: at least 14 of 16 equal).
+REFERENCE = "vllm-default"
+
+
+def system_env(system: str) -> dict:
+    env = {"EPILORA_VLLM_DISABLE": "0" if system.startswith("epilora") else "1",
+           "VLLM_LORA_ENABLE_DUAL_STREAM": "1" if system == "vllm-dual-stream" else "0"}
+    return {**os.environ, **env}
+
+
+def worker(args) -> None:
+    """One engine: the 16 requests in one batch; print their tokens as a JSON line."""
+    import torch
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm import __version__ as vllm_version_string
+    from vllm.lora.request import LoRARequest
+
+    root = Path(args.root)
+    tokenizer = AutoTokenizer.from_pretrained(root / "bf16")
+    model = {"fp8-online": {"model": str(root / "bf16"), "quantization": "fp8"},
+             "fp8-checkpoint": {"model": str(root / "fp8")}}[args.base]
+    # A fixed KV cache (no memory profiling): the engines of a run share the GPU.
+    llm = LLM(**model, enable_lora=True, max_loras=len(TENANTS), max_lora_rank=8,
+              max_model_len=1024, max_num_seqs=16, dtype="bfloat16", seed=0,
+              kv_cache_memory_bytes=2 << 30, enforce_eager=args.system.endswith("-eager"))
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                             add_generation_prompt=True) for q in QUESTIONS]
+    lora = [LoRARequest(t, i + 1, str(root / t)) for i, t in enumerate(TENANTS)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=TOKENS, temperature=0.0),
+                        lora_request=[lora[i % len(lora)] for i in range(len(prompts))],
+                        use_tqdm=False)
+    print("RESULT " + json.dumps({
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "texts": [o.outputs[0].text for o in outs], "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__, "vllm": vllm_version_string}), flush=True)
+
+
+def first_difference(a: list, b: list) -> int | None:
+    """The first position where two token lists differ (a length counts), None if equal."""
+    if a == b:
+        return None
+    pairs = enumerate(zip(a, b, strict=False))
+    return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
+
+
+def pair_rows(base: str, tokens: dict) -> list:
+    """For every pair of systems that finished: how many requests' tokens are identical, and
+    where each other request's first differ."""
+    rows = []
+    for a, b in itertools.combinations([s for s in SYSTEMS if s in tokens], 2):
+        where = [first_difference(x, y) for x, y in zip(tokens[a], tokens[b], strict=True)]
+        rows.append({"bench": "equivalence", "model": "smollm2-135m", "base": base,
+                     "system": a, "against": b, "metric": "same_greedy_outputs",
+                     "value": sum(w is None for w in where), "n": len(where),
+                     "first_difference": where, "tokens": TOKENS, "adapters": len(TENANTS)})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", required=True, help="tools/serve_demo.py's work folder")
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--bases", nargs="+", default=list(BASES), choices=BASES)
+    parser.add_argument("--jobs", type=int, default=5, help="engines at once on the GPU")
+    parser.add_argument("--timeout", type=int, default=400, help="seconds per engine")
+    parser.add_argument("--logs", default="/tmp/epilora-equivalence")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--git-sha", default=None)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--system", help=argparse.SUPPRESS)
+    parser.add_argument("--base", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    for tenant in TENANTS:
+        if not (Path(args.root) / tenant / "adapter_config.json").exists():
+            sys.exit(f"{args.root}/{tenant}: no adapter (run tools/serve_demo.py first)")
+    logs = Path(args.logs)
+    logs.mkdir(parents=True, exist_ok=True)
+    cases = list(itertools.product(args.bases, args.systems))
+
+    def run(case):
+        base, system = case
+        cmd = [sys.executable, __file__, "--worker", "--root", args.root, "--system", system,
+               "--base", base]
+        log, ok = run_worker(cmd, env=system_env(system), timeout=args.timeout)
+        (logs / f"equivalence-{base}-{system}.log").write_text(log)
+        results = results_of(log)
+        print(f"{base} {system}: {'done' if ok and results else 'FAILED'}", flush=True)
+        return case, (results[0] if ok and results else None)
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        results = dict(pool.map(run, cases))
+    rows, env = [], {}
+    for base in args.bases:
+        tokens = {s: results[(base, s)]["tokens"] for s in args.systems if results[(base, s)]}
+        rows += pair_rows(base, tokens)
+        for s in args.systems:
+            if results[(base, s)]:
+                env = {k: results[(base, s)][k] for k in ("gpu", "torch", "vllm")}
+                rows.append({"bench": "equivalence", "model": "smollm2-135m", "base": base,
+                             "system": s, "metric": "texts",
+                             "value": len(results[(base, s)]["texts"]),
+                             "texts": results[(base, s)]["texts"]})
+    for r in rows:
+        if r["metric"] == "same_greedy_outputs":
+            print(f"{r['base']:15} {r['system']:16} vs {r['against']:16} "
+                  f"{r['value']:2} of {r['n']}")
+    if args.out:
+        sha = args.git_sha or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                             text=True).stdout.strip()
+        meta = {"git_sha": sha or "unknown",
+                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                **env, "command": "python3 benchmarks/equivalence.py " + " ".join(
+                    f"--{k} {' '.join(v)}" for k, v in (("systems", args.systems),
+                                                         ("bases", args.bases))),
+                "questions": QUESTIONS, "tenants": list(TENANTS), "reference": REFERENCE}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(results_text(meta, rows))
+    failed = [f"{b} {s}" for (b, s), r in results.items() if r is None]
+    if failed:
+        sys.exit("failed: " + ", ".join(failed) + f" (logs in {logs})")
+    return None
+
+
+if __name__ == "__main__":
+    main()
