@@ -29,6 +29,7 @@ import datetime
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -181,13 +182,19 @@ def tenants32(args) -> None:
 
 
 def run_worker(cmd: list[str], *, timeout: int, env: dict | None = None) -> tuple[str, bool]:
-    """One engine's worker process: its stdout and stderr, and whether it exited 0 in time
-    (a timed-out worker's output so far)."""
+    """One engine's worker process: its stdout and stderr, and whether it exited 0 in time (a
+    timed-out worker's output so far). The worker runs in its own process group, killed whole
+    on a timeout: vLLM's engine core is a child process that would otherwise live on and hold
+    the GPU's memory."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        return proc.stdout + proc.stderr, proc.returncode == 0
-    except subprocess.TimeoutExpired as e:
-        return (e.stdout or b"").decode() + (e.stderr or b"").decode(), False
+        out, _ = proc.communicate(timeout=timeout)
+        return out, proc.returncode == 0
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return out, False
 
 
 def results_of(log: str) -> list[dict]:
