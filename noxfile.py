@@ -80,6 +80,7 @@ def docs(session: nox.Session) -> None:
     session.run("python", "tools/render_decode_docs.py")
     session.run("python", "tools/render_layer_models_docs.py")
     session.run("python", "tools/render_serving_docs.py")
+    session.run("python", "tools/render_equivalence_docs.py")
     session.run("python", "tools/render_rl_docs.py")
     session.run("mkdocs", "build", "--strict", "--site-dir", "site")
 

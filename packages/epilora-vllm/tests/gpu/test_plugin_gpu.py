@@ -63,6 +63,10 @@ def test_sleep_level_1_then_wake_up_gives_every_tenant_the_same_answers(sleepy):
     assert generate(llm, requests) == before
 
 
+@pytest.mark.xfail(raises=ValueError, strict=True, reason=(
+    "vLLM 0.26 cannot reload weights into a model with LoRA: reload_weights looks for "
+    "'embed_tokens.weight' where vLLM's own VocabParallelEmbeddingWithLoRA holds "
+    "'embed_tokens.base_layer.weight' (stock vLLM alike); this fails loudly when it is fixed"))
 def test_sleep_level_2_then_wake_up_reload_and_readded_adapters_give_the_same_answers(sleepy):
     """Level 2 discards the weights and vLLM's adapter buffers (the plugin's counters stay
     resident): after waking, the weights are reloaded and the adapters removed so that the next
