@@ -74,9 +74,9 @@ def _check_weights(weights: Path, rank: int | None, hf_config) -> None:
     import torch
     from safetensors import safe_open
 
-    shapes = projection_shapes(getattr(hf_config, "text_config", None) or hf_config)
-    layers = getattr(getattr(hf_config, "text_config", None) or hf_config,
-                     "num_hidden_layers", None)
+    text_config = getattr(hf_config, "text_config", None) or hf_config  # a VLM's decoder
+    shapes = projection_shapes(text_config)
+    layers = getattr(text_config, "num_hidden_layers", None)
     try:
         with safe_open(str(weights), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
