@@ -6,10 +6,12 @@ greedy tokens each.
 Systems, each engine in its own process: `epilora` (the plugin, vLLM's default torch.compile
 and CUDA graphs), `epilora-eager` (the plugin, `enforce_eager`), and stock vLLM's LoRA path
 (the plugin off) in its own configurations: `vllm-default`, `vllm-dual-stream`
-(VLLM_LORA_ENABLE_DUAL_STREAM=1) and `vllm-eager`. Bases: `fp8-online` (the bf16 checkpoint
-with `quantization="fp8"`) and `fp8-checkpoint` (llm-compressor's FP8-dynamic format, written
-by `epilora-fp8-checkpoint`). Rows: for every base and pair of systems, on how many of the 16
-requests their tokens are identical, and the first differing position of each other request.
+(VLLM_LORA_ENABLE_DUAL_STREAM=1) and `vllm-eager`; `vllm-default-again` is `vllm-default` run
+again, the floor of run-to-run differences (vLLM's split-K shrink adds with atomics). Bases:
+`fp8-online` (the bf16 checkpoint with `quantization="fp8"`) and `fp8-checkpoint`
+(llm-compressor's FP8-dynamic format, written by `epilora-fp8-checkpoint`). Rows: for every
+base and pair of systems, on how many of the 16 requests their tokens are identical, and the
+first differing position of each other request.
 
 Run `tools/serve_demo.py` first (it makes the checkpoints and adapters under `--root`):
 
@@ -21,17 +23,23 @@ import argparse
 import datetime
 import itertools
 import json
-import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from serving import results_of, run_worker  # noqa: I001 (the serving benchmark's)
+from serving import (  # noqa: I001 (the serving benchmark's)
+    environment,
+    kill_workers_on_term,
+    results_of,
+    run_worker,
+    system_env,
+)
 
 from epilora_testing.results import results_text
 
-SYSTEMS = ("epilora", "epilora-eager", "vllm-default", "vllm-dual-stream", "vllm-eager")
+SYSTEMS = ("epilora", "epilora-eager", "vllm-default", "vllm-default-again", "vllm-dual-stream",
+           "vllm-eager")
 BASES = ("fp8-online", "fp8-checkpoint")
 TENANTS = ("pirate", "french", "robot", "cowboy")  # tools/serve_demo.py's, in its order
 QUESTIONS = [
@@ -47,18 +55,10 @@ TOKENS = 64
 REFERENCE = "vllm-default"
 
 
-def system_env(system: str) -> dict:
-    env = {"EPILORA_VLLM_DISABLE": "0" if system.startswith("epilora") else "1",
-           "VLLM_LORA_ENABLE_DUAL_STREAM": "1" if system == "vllm-dual-stream" else "0"}
-    return {**os.environ, **env}
-
-
 def worker(args) -> None:
     """One engine: the 16 requests in one batch; print their tokens as a JSON line."""
-    import torch
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
-    from vllm import __version__ as vllm_version_string
     from vllm.lora.request import LoRARequest
 
     root = Path(args.root)
@@ -77,8 +77,7 @@ def worker(args) -> None:
                         use_tqdm=False)
     print("RESULT " + json.dumps({
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
-        "texts": [o.outputs[0].text for o in outs], "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__, "vllm": vllm_version_string}), flush=True)
+        "texts": [o.outputs[0].text for o in outs], **environment()}), flush=True)
 
 
 def first_difference(a: list, b: list) -> int | None:
@@ -118,6 +117,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(args)
+    kill_workers_on_term()
     for tenant in TENANTS:
         if not (Path(args.root) / tenant / "adapter_config.json").exists():
             sys.exit(f"{args.root}/{tenant}: no adapter (run tools/serve_demo.py first)")

@@ -31,17 +31,18 @@ def main() -> None:
         f"defines the systems and bases). SmolLM2-135M-Instruct's weights, the serving demo's "
         f"{len(meta['tenants'])} PEFT-trained adapters ({', '.join(meta['tenants'])}), "
         f"{len(meta['questions'])} questions in one batch (question i for tenant i mod "
-        f"{len(meta['tenants'])}), 64 greedy tokens. A cell: on how many requests the two "
-        "systems' tokens are identical; in brackets, the first differing token position of "
-        "each other request.", ""]
+        f"{len(meta['tenants'])}), 64 greedy tokens. *identical*: on how many requests the two "
+        "systems' tokens are identical; *first difference*: for each other request, its index "
+        "and the first token position where the two differ.", ""]
     for base in dict.fromkeys(r["base"] for r in rows):
         pairs = [r for r in rows if r["base"] == base and r["metric"] == "same_greedy_outputs"]
-        lines += [f"## {base}", "", "| system | against | identical | first difference at |",
+        lines += [f"## {base}", "",
+                  "| system | against | identical | first difference (request: token) |",
                   "|---|---|---|---|"]
         for r in pairs:
-            where = sorted(w for w in r["first_difference"] if w is not None)
+            where = [f"{i}: {w}" for i, w in enumerate(r["first_difference"]) if w is not None]
             lines.append(f"| {r['system']} | {r['against']} | {r['value']} of {r['n']} | "
-                         f"{', '.join(map(str, where)) or '-'} |")
+                         f"{', '.join(where) or '-'} |")
         ours = [r for r in pairs if r["system"].startswith("epilora")
                 and r["against"] == reference]
         lines.append("")

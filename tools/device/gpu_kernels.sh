@@ -155,7 +155,8 @@ w('/tmp/smollm2-bf16')" 2>&1 | tail -3 || exit 1
                  # The serving demo on the GPU: it makes the checkpoints and the four adapters.
                  EPILORA_CACHE=/tmp/epilora-cache timeout 420 python3 tools/serve_demo.py \
                    2>&1 | tee "$OUT/serve-demo.log"
-                 timeout "${EQUIVALENCE_TIMEOUT:-400}" python3 benchmarks/equivalence.py \
+                 [ "${PIPESTATUS[0]}" = 0 ] || { echo "the serving demo failed"; exit 1; }
+                 timeout "${EQUIVALENCE_TIMEOUT:-480}" python3 benchmarks/equivalence.py \
                    --root /tmp/epilora-cache/serve-demo --out "$OUT/equivalence.json" \
                    --git-sha "$sha" --logs "$OUT/equivalence-logs" ${EQUIVALENCE_ARGS:-} 2>&1 \
                    | tee "$OUT/equivalence.log" ;;

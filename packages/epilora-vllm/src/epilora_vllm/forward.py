@@ -48,10 +48,15 @@ def _size_workspace(device: torch.device, lora: ek.LoraWeights) -> None:
     # "weights" memory pool while the model loads (torch's use_mem_pool is per thread), and
     # sleep(level=2) discards that pool's contents. Counters woken with garbage would make the
     # decode path's K2 wait for rows that never come; outside the pool they stay resident.
+    def allocate() -> ek.Workspace:
+        workspace = ek.Workspace.for_batches(
+            device, max_tokens=bounds[0], max_out_features=bounds[1], max_rank=bounds[2],
+            max_loras=bounds[3])
+        torch.cuda.synchronize(device)  # zeroed before any other stream's kernel reads it
+        return workspace
+
     with ThreadPoolExecutor(1) as thread:
-        workspace = thread.submit(
-            ek.Workspace.for_batches, device, max_tokens=bounds[0],
-            max_out_features=bounds[1], max_rank=bounds[2], max_loras=bounds[3]).result()
+        workspace = thread.submit(allocate).result()
     ek.set_default_workspace(workspace)
     _workspaces[device] = bounds
 

@@ -48,12 +48,30 @@ def test_in_cuda_graphs_adapters_change_answers_and_a_mixed_batch_equals_single_
 
 @pytest.fixture(scope="module")
 def sleepy(checkpoints, graphed):
-    """The FP8 engine with the plugin under vLLM's sleep mode (CUDA graphs on)."""
+    """The FP8 engine with the plugin under vLLM's sleep mode (CUDA graphs on), its kernels'
+    workspace allocated afresh while it loads (an earlier engine's would otherwise serve)."""
+    from epilora_vllm import forward
+
     del graphed  # after the graphed engine
+    forward._workspaces.clear()  # the plugin's record of the sized workspace, process-wide
     llm = engine(checkpoints["fp8"], enable_sleep_mode=True)
     requests = [(p, request(checkpoints, i)) for p, i in zip(PROMPTS, (1, 2, None),
                                                              strict=True)]
     return llm, requests, generate(llm, requests)
+
+
+def test_the_kernels_counters_lie_outside_the_sleep_mode_pool(sleepy):
+    """Level 2 discards the pool's contents; counters there would wake with garbage."""
+    from vllm.device_allocator.cumem import CuMemAllocator
+
+    import epilora_kernels as ek
+
+    pool = CuMemAllocator.get_instance().pointer_to_data
+    assert pool, "the engine allocated nothing in the sleep-mode pool: not under sleep mode"
+    counters = ek.default_workspace(torch.device("cuda")).counters(0).data_ptr()
+    inside = [(ptr, data.handle[1]) for ptr, data in pool.items()
+              if ptr <= counters < ptr + data.handle[1]]
+    assert not inside, f"counters at {counters:#x} in pool allocations {inside}"
 
 
 def test_sleep_level_1_then_wake_up_gives_every_tenant_the_same_answers(sleepy):
