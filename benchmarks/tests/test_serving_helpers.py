@@ -63,3 +63,33 @@ def test_a_tenants32_log_gives_throughput_and_graph_capture_rows_under_its_scena
     assert {r["commit"] for r in rows} == {"0123abc"}
     assert tenants["start_s"]["command"] == "python3 benchmarks/serving.py --scenarios tenants32"
     assert {r["scenario"] for r in rows if r["system"] == "epilora"} == {"tpot1"}
+
+
+def test_an_online_log_gives_median_tpot_and_p99_ttft_per_rate_and_the_page_judges_them(
+        tmp_path, monkeypatch):
+    def rates(tpot, ttft):
+        return {str(rate): {"completed": 60, "failed": 0, "median_tpot_ms": tpot * rate,
+                            "p99_ttft_ms": ttft, "median_ttft_ms": ttft / 2,
+                            "output_throughput": 1000.0} for rate in (2.0, 4.0)}
+
+    run = tmp_path / "0123abc"
+    run.mkdir()
+    for system, tpot, ttft in (("epilora", 8.0, 100.0), ("vllm-default", 10.0, 95.0)):
+        result = {"start_s": 200.0, "rates": rates(tpot, ttft), "gpu": "NVIDIA H200",
+                  "torch": "2.11.0", "vllm": "0.26.0"}
+        (run / SERVING["log_name"]("qwen3-8b", "online", system)).write_text(
+            f"COMMAND python3 benchmarks/serving.py --scenarios online\n"
+            f"RESULT {json.dumps(result)}\n")
+    rows = SERVING["collect"]([run])
+    tpot = {(r["system"], r["request_rate"]): r["value"] for r in rows
+            if r["metric"] == "median_tpot_ms"}
+    assert tpot == {("epilora", 2.0): 16.0, ("epilora", 4.0): 32.0,
+                    ("vllm-default", 2.0): 20.0, ("vllm-default", 4.0): 40.0}
+    assert {r["scenario"] for r in rows} == {"online"}
+
+    render = runpy.run_path(str(Path(__file__).parents[2] / "tools/render_serving_docs.py"))
+    lines = "\n".join(render["online_lines"](rows))
+    assert "4 requests/s, median TPOT against vllm-default: **0.800x** (target at most " \
+           "0.85x: met)" in lines
+    assert "2 requests/s, p99 TTFT against vllm-default: **1.053x** (target at most 1.1x: " \
+           "met)" in lines
