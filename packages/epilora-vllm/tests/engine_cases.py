@@ -138,3 +138,47 @@ def assert_every_call_matches_the_files(served, checkpoints, name: str) -> None:
         assert err < 1e-2, f"{name}: relative error {err:.2e} over {x.shape[0]} tokens"
         with_adapter += int((mapping >= 0).sum())
     assert with_adapter > 0
+
+
+def TP_REQUESTS(lora):  # noqa: N802 (a constant of the adapters given)
+    """PROMPTS with adapter 1, adapter 2 and none, then the first again without its adapter."""
+    return [*zip(PROMPTS, (*lora, None), strict=True), (PROMPTS[0], None)]
+
+
+def main() -> None:
+    """An engine across worker processes (`--tp` ranks; the tests' in-process engines cannot
+    be): each of TP_REQUESTS teacher-forced, the
+    log-probability of each of its tokens after the first, into `--out` as JSON."""
+    import argparse
+    import json
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", type=int, required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--adapters", nargs=2, required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    llm = LLM(args.model, skip_tokenizer_init=True, max_model_len=256, max_num_seqs=8,
+              max_num_batched_tokens=256, dtype="bfloat16", seed=0,
+              kv_cache_memory_bytes=1 << 26, enable_lora=True, max_loras=2, max_lora_rank=8,
+              tensor_parallel_size=args.tp, enforce_eager=True)
+    lora = [LoRARequest(f"tenant-{i}", i, path) for i, path in enumerate(args.adapters, 1)]
+    # One request a call: vLLM 0.26's LoRA logits processor fails on prompt logprobs of a
+    # batch of several prompts (with or without the plugin).
+    outs = [llm.generate([TokensPrompt(prompt_token_ids=p)],
+                         SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
+                         lora_request=[r], use_tqdm=False)[0]
+            for p, r in TP_REQUESTS(lora)]
+    logprobs = [[step[token].logprob for step, token in zip(o.prompt_logprobs[1:], prompt[1:],
+                                                             strict=True)]
+                for o, (prompt, _) in zip(outs, TP_REQUESTS(lora), strict=True)]
+    with open(args.out, "w") as f:
+        json.dump(logprobs, f)
+
+
+if __name__ == "__main__":  # vLLM's workers are spawned: they import this file as __main__'s
+    main()

@@ -72,8 +72,6 @@ def refusal(source_layer: torch.nn.Module, lora_config) -> str | None:
              RowParallelLinear)
     if type(source_layer) not in tuple(maybe_get_oot_by_class(c) for c in exact):
         return f"{type(source_layer).__name__} is a subclass with its own forward"
-    if getattr(source_layer, "tp_size", 1) > 1:
-        return "tensor parallelism is not served yet"
     if lora_config.fully_sharded_loras:
         return "fully_sharded_loras is not served"
     dtype = getattr(getattr(get_current_vllm_config(), "model_config", None), "dtype", None)
