@@ -20,10 +20,8 @@ Run `tools/serve_demo.py` first (it makes the checkpoints and adapters under `--
 """
 
 import argparse
-import datetime
 import itertools
 import json
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,6 +30,7 @@ from serving import (  # noqa: I001 (the serving benchmark's)
     environment,
     kill_workers_on_term,
     results_of,
+    run_meta,
     run_worker,
     system_env,
 )
@@ -153,14 +152,10 @@ def main() -> None:
             print(f"{r['base']:15} {r['system']:16} vs {r['against']:16} "
                   f"{r['value']:2} of {r['n']}")
     if args.out:
-        sha = args.git_sha or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                             text=True).stdout.strip()
-        meta = {"git_sha": sha or "unknown",
-                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                **env, "command": "python3 benchmarks/equivalence.py " + " ".join(
-                    f"--{k} {' '.join(v)}" for k, v in (("systems", args.systems),
-                                                         ("bases", args.bases))),
-                "questions": QUESTIONS, "tenants": list(TENANTS), "reference": REFERENCE}
+        command = " ".join(["python3 benchmarks/equivalence.py", "--systems", *args.systems,
+                            "--bases", *args.bases])
+        meta = {**run_meta(args.git_sha), **env, "command": command, "questions": QUESTIONS,
+                "tenants": list(TENANTS), "reference": REFERENCE}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(results_text(meta, rows))
     failed = [f"{b} {s}" for (b, s), r in results.items() if r is None]

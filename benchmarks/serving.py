@@ -78,15 +78,16 @@ TENANTS, TENANT_FILES = 32, 8  # tenants32: adapter ids (slots) and distinct ada
 REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS = 256, 512, 256  # tenants32's batch
 
 
-def prepare_model(model: str, root: Path, adapters: int) -> tuple[Path, list[Path]]:
+def prepare_model(model: str, root: Path, adapters: int, *,
+                  tokenizer: bool = False) -> tuple[Path, list[Path]]:
     """The dummy model's config and `adapters` random rank-64 adapters of its shapes (PEFT
-    format, bf16)."""
+    format, bf16); with `tokenizer`, a word-level one of its vocabulary (the online client's)."""
     from epilora_testing.tiny_models import write_lora_adapter
 
     model_dir = root / model
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(CONFIGS[model]))
-    if not (model_dir / "tokenizer.json").exists():  # for the online scenario's client
+    if tokenizer and not (model_dir / "tokenizer.json").exists():
         from epilora_testing.tiny_models import write_word_tokenizer
 
         write_word_tokenizer(model_dir, vocab_size=CONFIGS[model]["vocab_size"])
@@ -434,7 +435,8 @@ def main() -> None:
     failures, rows = [], []
     for model in args.models:
         files = 1 if args.scenarios == ["tpot1"] else TENANT_FILES
-        model_dir, adapters = prepare_model(model, work, files)
+        model_dir, adapters = prepare_model(model, work, files,
+                                            tokenizer="online" in args.scenarios)
         for scenario in args.scenarios:
             for system in args.systems:
                 log_path = logs / log_name(model, scenario, system)
@@ -481,6 +483,14 @@ def _command() -> str:
     return " ".join(["python3", "benchmarks/serving.py", *words])
 
 
+def run_meta(git_sha: str | None) -> dict:
+    """A result file's commit (`git_sha`, else this checkout's HEAD) and date."""
+    sha = git_sha or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                    text=True).stdout.strip()
+    return {"git_sha": sha or "unknown",
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+
+
 def write(args, rows) -> None:
     """The result file; its GPU and versions are the engines' own (each worker reports them),
     so the file can be made from logs on a machine without a GPU (`--collect`)."""
@@ -488,11 +498,7 @@ def write(args, rows) -> None:
     for key in ("gpu", "torch", "vllm"):
         values = {row.pop("_" + key) for row in rows if "_" + key in row}
         env[key] = values.pop() if len(values) == 1 else sorted(map(str, values)) or None
-    sha = args.git_sha or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                         text=True).stdout.strip()
-    meta = {"git_sha": sha or "unknown",
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            **env, "command": _command()}
+    meta = {**run_meta(args.git_sha), **env, "command": _command()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(results_text(meta, rows))
 

@@ -129,7 +129,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="engine-kernels-"))
     serving.CONFIGS[args.model] = {**serving.CONFIGS[args.model],
                                    "num_hidden_layers": args.layers}
-    model_dir, adapter = serving.prepare_model(args.model, work)
+    model_dir, (adapter,) = serving.prepare_model(args.model, work, 1)
     out, results = Path(args.out), []
     for name in args.systems:
         system, extra = SYSTEMS[name]
