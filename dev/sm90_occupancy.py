@@ -36,7 +36,7 @@ import triton
 from epilora_testing.results import results_text
 
 ROOT = Path(__file__).parents[1]
-SMS, REGS_PER_SM, SMEM_PER_SM, MAX_BLOCKS, MAX_THREADS = 132, 65536, 228 * 1024, 32, 2048
+SMS = 132
 
 
 def ptxas_usage(ptx: str) -> tuple[int, int]:
@@ -49,12 +49,6 @@ def ptxas_usage(ptx: str) -> tuple[int, int]:
                                 capture_output=True, text=True, check=True).stderr
     return (int(re.search(r"Used (\d+) registers", report).group(1)),
             int(re.search(r"(\d+) bytes spill stores", report).group(1)))
-
-
-def blocks_per_sm(regs: int, shared: int, warps: int) -> int:
-    per_warp = -(-regs * 32 // 256) * 256
-    return min(REGS_PER_SM // (per_warp * warps), SMEM_PER_SM // (shared + 1024), MAX_BLOCKS,
-               MAX_THREADS // (32 * warps))
 
 
 def main() -> None:
@@ -76,6 +70,7 @@ def main() -> None:
 
     import epilora_kernels as ek
     from epilora_kernels import _tiling
+    from epilora_kernels._tiling import blocks_per_sm
     from epilora_kernels.batch import AdapterBatch, LoraWeights
     from epilora_kernels.launch import select_config
 

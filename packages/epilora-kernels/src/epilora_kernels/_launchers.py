@@ -4,8 +4,12 @@ callers (`epilora_kernels.fused`); here only the buffers, the grid and the compi
 A pointer a launch does not use is passed as `unused` (any tensor of the device, never read or
 written: its flag compiles the access out)."""
 
+import math
+
 import torch
 import triton
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from epilora_kernels import _env, _tiling
@@ -127,6 +131,34 @@ def _w_operand(support: DeviceSupport, weight: torch.Tensor, cfg: LaunchConfig):
     return weight
 
 
+def _k2_arguments(support: DeviceSupport, mode: int, a, a_desc, a_scale, weight, w_operand,
+                  weight_scale, y, h, lora: LoraWeights, batch: AdapterBatch, cfg: LaunchConfig,
+                  split: int, partial, counters, ready, trace, *, traced: bool, pdl: bool,
+                  wait_codes: bool, warm_l2: int, wait_k1_first: bool, a_sorted: bool) -> dict:
+    # K2's arguments with adapters, by name: what launch_k2 launches and k2_blocks_per_sm
+    # compiles (there with MockTensors for the buffers not yet made).
+    t, n = y.shape
+    _, b, off1, off2 = _slices(lora)
+    return dict(
+        a_ptr=a, a_desc=a_desc, a_scale_ptr=a_scale, w_ptr=weight, w_desc=w_operand,
+        w_scale_ptr=weight_scale, y_ptr=y, h_ptr=h, b0_ptr=b[0], b1_ptr=b[1], b2_ptr=b[2],
+        sorted_ptr=batch.sorted_token_indices, lora_ids_ptr=batch.lora_ids,
+        start_ptr=batch.lora_token_start, partial_ptr=partial, counter_ptr=counters,
+        ready_ptr=ready, trace_ptr=trace,
+        T=t, N=n, K=lora.in_features, R=lora.max_rank, NUM_ENTRIES=batch.num_entries,
+        stride_a=a.stride()[0], stride_y=y.stride()[0], N_OFF1=off1, N_OFF2=off2,
+        MODE=mode, HAS_LORA=True, NUM_SLICES=len(lora.output_slices), H_PLANES=h.shape[0],
+        SPLIT_K=split, ENTRIES_BLOCK=triton.next_power_of_2(batch.num_entries),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=cfg.block_r,
+        INTERPRETER=_env.triton_interpreter(), USE_PDL=pdl,
+        WAIT_CODES=wait_codes, WARM_L2=warm_l2 if wait_codes else 0, TRACE=traced,
+        B_IN_REGS=_tiling.b_in_registers(cfg), R_CHUNK=_tiling.epilogue_rank_chunk(cfg),
+        W_TMA=w_operand is not weight, WAIT_K1_FIRST=wait_k1_first and pdl, A_TMA=a_sorted,
+        W_SCALE_PER_CHANNEL=mode != EXPAND and weight_scale.numel() > 1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+    )
+
+
 def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scale, weight,
               weight_scale, y, h, lora: LoraWeights, batch: AdapterBatch, cfg: LaunchConfig, *,
               pdl: bool = False, wait_codes: bool = False, warm_l2: int = 0,
@@ -134,32 +166,79 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
               a_sorted: bool = False):
     """K2 with the adapters' epilogue into `y` (MODE EXPAND: y is also its input)."""
     t, n = y.shape
-    _, b, off1, off2 = _slices(lora)
     _tiling.check_gemm_config(cfg, lora)
     grid, partial, counters = _gemm_buffers(workspace, mode, t, n, cfg, y.device)
     w_operand = _w_operand(support, weight, cfg)
     pdl = use_pdl(support, pdl)
-    _lora_gemm_kernel[grid](
-        a_ptr=a, a_desc=TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
-        if a_sorted else a, a_scale_ptr=a_scale, w_ptr=weight, w_desc=w_operand,
-        w_scale_ptr=weight_scale, y_ptr=y, h_ptr=h, b0_ptr=b[0], b1_ptr=b[1], b2_ptr=b[2],
-        sorted_ptr=batch.sorted_token_indices, lora_ids_ptr=batch.lora_ids,
-        start_ptr=batch.lora_token_start, partial_ptr=y if partial is None else partial,
-        counter_ptr=counters[TILES:], ready_ptr=counters,
-        trace_ptr=trace_arg(trace, counters, grid[0] * grid[1] * grid[2]),
-        T=t, N=n, K=lora.in_features, R=lora.max_rank, NUM_ENTRIES=batch.num_entries,
-        stride_a=a.stride(0), stride_y=y.stride(0), N_OFF1=off1, N_OFF2=off2,
-        MODE=mode, HAS_LORA=True, NUM_SLICES=len(lora.output_slices), H_PLANES=h.shape[0],
-        SPLIT_K=grid[2], ENTRIES_BLOCK=triton.next_power_of_2(batch.num_entries),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=cfg.block_r,
-        INTERPRETER=_env.triton_interpreter(), USE_PDL=pdl,
-        WAIT_CODES=wait_codes, WARM_L2=warm_l2 if wait_codes else 0, TRACE=trace is not None,
-        B_IN_REGS=_tiling.b_in_registers(cfg), R_CHUNK=_tiling.epilogue_rank_chunk(cfg),
-        W_TMA=w_operand is not weight, WAIT_K1_FIRST=wait_k1_first and pdl, A_TMA=a_sorted,
-        W_SCALE_PER_CHANNEL=mode != EXPAND and weight_scale.numel() > 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
-    )
+    a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]) if a_sorted else a
+    _lora_gemm_kernel[grid](**_k2_arguments(
+        support, mode, a, a_desc, a_scale, weight, w_operand, weight_scale, y, h, lora, batch,
+        cfg, grid[2], y if partial is None else partial, counters[TILES:], counters,
+        trace_arg(trace, counters, grid[0] * grid[1] * grid[2]), traced=trace is not None,
+        pdl=pdl,
+        wait_codes=wait_codes, warm_l2=warm_l2, wait_k1_first=wait_k1_first,
+        a_sorted=a_sorted))
     return y
+
+
+def k2_blocks_per_sm(support: DeviceSupport, mode: int, a_dtype: torch.dtype, weight,
+                     weight_scale, h_dtype: torch.dtype, lora: LoraWeights, batch: AdapterBatch,
+                     cfg: LaunchConfig, *, pdl: bool, wait_codes: bool, warm_l2: int,
+                     wait_k1_first: bool) -> int:
+    """How many of K2's blocks (as launch_k2 would launch it with `cfg`, its weight read by
+    pointer loads) one SM of the device holds at once: compiled (Triton's caches keep it),
+    never launched; its registers and shared memory against the SM's."""
+    from triton.runtime.jit import MockTensor
+
+    t, k, n = batch.num_tokens, lora.in_features, lora.out_features
+    a = MockTensor(a_dtype, [t, k])
+    y = MockTensor(torch.bfloat16, [t, n])
+    h = MockTensor(h_dtype, [1, len(lora.output_slices), t, lora.max_rank])
+    split = _tiling.gemm_grid(mode, t, n, cfg)[2]
+    partial = MockTensor(torch.float32) if split > 1 else y
+    counters = MockTensor(torch.int32)
+    pdl = use_pdl(support, pdl)
+    kernel = _lora_gemm_kernel.warmup(grid=(1,), **_k2_arguments(
+        support, mode, a, a, MockTensor(torch.float32), weight, weight, weight_scale, y, h,
+        lora, batch, cfg, split, partial, counters, counters, counters, traced=False, pdl=pdl,
+        wait_codes=wait_codes, warm_l2=warm_l2, wait_k1_first=wait_k1_first, a_sorted=False))
+    kernel._init_handles()  # loads it: the registers are known from here
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return _tiling.blocks_per_sm(kernel.n_regs, kernel.metadata.shared, cfg.num_warps,
+                                 props.regs_per_multiprocessor,
+                                 props.shared_memory_per_multiprocessor,
+                                 props.max_threads_per_multi_processor)
+
+
+# fit_k2_waves's choices, per case: compiled and measured once a process.
+_FITTED: dict = {}
+
+
+def fit_k2_waves(support: DeviceSupport, mode: int, a_dtype: torch.dtype, weight,
+                 weight_scale, h_dtype: torch.dtype, lora: LoraWeights, batch: AdapterBatch,
+                 cfg: LaunchConfig, *, pdl: bool, wait_codes: bool, warm_l2: int,
+                 wait_k1_first: bool) -> LaunchConfig:
+    """`cfg`, or the K2 tiles around it whose grid fills the device's waves best
+    (`_tiling.fit_waves`), each candidate's blocks per SM from its compiled kernel."""
+    t, n, k = batch.num_tokens, lora.out_features, lora.in_features
+    key = (weight.device, mode, a_dtype, h_dtype, t, batch.num_entries, k, lora.output_slices,
+           lora.max_rank, weight_scale.numel() > 1, cfg, pdl, wait_codes, warm_l2,
+           wait_k1_first)
+    if key not in _FITTED:
+        def measure(candidate: LaunchConfig) -> tuple[int, int] | None:
+            try:
+                per_sm = k2_blocks_per_sm(
+                    support, mode, a_dtype, weight, weight_scale, h_dtype, lora, batch,
+                    candidate, pdl=pdl, wait_codes=wait_codes, warm_l2=warm_l2,
+                    wait_k1_first=wait_k1_first)
+            except (CompilationError, OutOfResources):
+                return None  # a candidate that does not compile or fit is no candidate
+            return math.prod(_tiling.gemm_grid(mode, t, n, candidate)), per_sm
+
+        sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
+        _FITTED[key] = _tiling.fit_waves(cfg, _tiling.wave_candidates(cfg, k, lora.output_slices),
+                                         measure, sms)
+    return _FITTED[key]
 
 
 def launch_gemm_only(support: DeviceSupport, workspace: Workspace, a, a_scale, weight,

@@ -2,12 +2,22 @@
 counts, and the compile-time choices that follow from its tiles (TMA, where B is held, rank
 steps). Pure host arithmetic: nothing here launches or allocates."""
 
+import dataclasses
+import math
+from collections.abc import Callable
+
 import triton
 
 from epilora_kernels import _env
 from epilora_kernels.arch import DeviceSupport
 from epilora_kernels.batch import AdapterBatch, LoraWeights
-from epilora_kernels.launch import LaunchConfig, select_config, table_device
+from epilora_kernels.launch import (
+    LaunchConfig,
+    fit_slices,
+    select_config,
+    table_device,
+    tuned_exactly,
+)
 
 
 def shape_config(support: DeviceSupport, op: str, tokens: int, n: int, k: int, rank: int,
@@ -40,6 +50,90 @@ def one_slot(batch: AdapterBatch) -> bool:
 def gemm_config(support: DeviceSupport, batch: AdapterBatch, lora: LoraWeights,
                 given: LaunchConfig | None) -> LaunchConfig:
     return config(support, "lora_gemm", batch.num_tokens, lora, given, one_slot(batch))
+
+
+def gemm_tuned_exactly(support: DeviceSupport, batch: AdapterBatch, lora: LoraWeights) -> bool:
+    """Whether K2's settings for this batch come from an entry tuned on this very shape (the
+    shipped table or the tuner's cache), not from a nearer shape's entry or the heuristic."""
+    if support.interpreter or not _env.launch_tables():
+        return False
+    device = table_device(support.name, support.arch) or support.name
+    return tuned_exactly(device, "lora_gemm", lora.out_features, lora.in_features,
+                         lora.max_rank, one_slot(batch), cache_device=support.name)
+
+
+def blocks_per_sm(registers: int, shared: int, warps: int, sm_registers: int = 65536,
+                  sm_shared: int = 228 * 1024, sm_threads: int = 2048) -> int:
+    """Blocks of a kernel one SM holds at once (defaults: an sm_90 SM): registers are allocated
+    per warp in units of 256, each block reserves 1 KB of shared memory, at most 32 blocks."""
+    per_warp = -(-registers * 32 // 256) * 256
+    return min(sm_registers // (per_warp * warps), sm_shared // (shared + 1024), 32,
+               sm_threads // (32 * warps))
+
+
+# Wave fitting (K2 at the decode token counts, 16- and 32-row tiles). A decode K2 streams its
+# weights; its programs all take about as long, so a grid one program past what the SMs hold at
+# once runs a second wave of stragglers: Llama-3.1-8B's gate_up (28672 x 4096) in 64-wide tiles
+# is 448 programs, and holding the rank-64 adapter's slice of B in registers (146 registers)
+# leaves room for 3 blocks an SM, 396 at once: its decode K2 took 53 us against 44 without the
+# adapter (dev/decode_projections.py on the H200; dev/sm90_occupancy.py for the registers).
+# Qwen3-8B's gate_up, on which the table was tuned, is 384 programs: it just fits.
+WAVE_BLOCK_N = (32, 64, 128)
+WAVE_SPLIT_K = (1, 2)
+WAVE_STAGES = (3,)
+
+
+def wave_candidates(cfg: LaunchConfig, k: int, slices: tuple[int, ...]) -> list[LaunchConfig]:
+    """`cfg` first, then its tiles with N tiles of 32, 64 or 128, the K loop whole or split in
+    two, in its own number of stages or 3 (only where a tile stays within one slice and each split
+    keeps at least one K tile)."""
+    out = [cfg]
+    for block_n in WAVE_BLOCK_N:
+        if fit_slices(block_n, slices) != block_n:
+            continue
+        for split_k in WAVE_SPLIT_K:
+            if k < split_k * cfg.block_k:
+                continue
+            for stages in sorted({cfg.num_stages, *WAVE_STAGES}):
+                out.append(dataclasses.replace(cfg, block_n=block_n, split_k=split_k,
+                                               num_stages=stages))
+    return list(dict.fromkeys(out))
+
+
+def wave_efficiency(programs: int, blocks_per_sm: int, sms: int) -> float:
+    """The fraction of the waves' room a grid fills: 1 when it fits in one wave on every SM's
+    share (at least one program an SM, at most what the SMs hold at once), else its programs
+    over the room of the waves it needs (a last wave of few programs idles most SMs)."""
+    if blocks_per_sm < 1 or programs < 1:
+        return 0.0
+    room = blocks_per_sm * sms
+    if programs <= room:
+        return min(1.0, programs / sms)
+    return programs / (math.ceil(programs / room) * room)
+
+
+# A setting in use fills at least this much of its waves: left alone.
+WAVE_EFFICIENCY_OK = 0.9
+
+
+def fit_waves(cfg: LaunchConfig, candidates: list[LaunchConfig],
+              measure: Callable[[LaunchConfig], tuple[int, int] | None],
+              sms: int) -> LaunchConfig:
+    """The setting whose grid fills its waves best: `cfg` itself where it fills
+    WAVE_EFFICIENCY_OK of them, else the candidate of the highest `wave_efficiency` (ties: the
+    K loop unsplit, then the deeper pipeline, then the first listed). `measure(c)`: c's
+    (programs, blocks per SM), or None where c does not compile or fit."""
+    scores = {}
+    for index, candidate in enumerate(candidates):
+        measured = measure(candidate)
+        if measured is None:
+            continue
+        efficiency = wave_efficiency(*measured, sms)
+        if candidate == cfg and efficiency >= WAVE_EFFICIENCY_OK:
+            return cfg
+        scores[candidate] = (round(efficiency, 2), -candidate.split_k, candidate.num_stages,
+                             -index)
+    return max(scores, key=scores.get) if scores else cfg
 
 
 def check_gemm_config(cfg: LaunchConfig, lora: LoraWeights) -> None:

@@ -224,6 +224,35 @@ def fused_lora_w8a16_linear(
                    workspace=workspace)
 
 
+def _settings(support, mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
+              decode, quantize, pdl, counted, warm_l2, wait_k1_first):
+    # K1's and K2's launch settings: given, else the table's or the heuristic's; K2's at the
+    # decode token counts (16- and 32-row tiles) then fitted to the device's waves unless tuned
+    # on this very shape (`_launchers.fit_k2_waves`, which loads the compiled candidates on the
+    # weight's device).
+    t = x.shape[0]
+    op1 = "decode_shrink" if decode else "quantize_shrink" if quantize else "shrink"
+    cfg1 = _tiling.config(support, op1, t, lora, k1_config, one_slot=_tiling.one_slot(batch))
+    cfg2 = _tiling.gemm_config(support, batch, lora, k2_config)
+    if (k2_config is None and not support.interpreter and weight.is_cuda
+            and cfg2.block_m <= 32 and not _tiling.gemm_tuned_exactly(support, batch, lora)):
+        cfg2 = _launchers.fit_k2_waves(
+            support, mode, torch.float8_e4m3fn if mode == FP8 else x.dtype, weight,
+            weight_scale, torch.float32, lora, batch, cfg2, pdl=_launchers.use_pdl(support, pdl),
+            wait_codes=counted, warm_l2=warm_l2, wait_k1_first=wait_k1_first)
+    return cfg1, cfg2
+
+
+def decode_settings(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    lora: LoraWeights, batch: AdapterBatch) -> tuple[LaunchConfig, LaunchConfig]:
+    """The launch settings (K1's, K2's) `decode_lora_fp8_linear` takes for this case when given
+    none (the tuner starts from them)."""
+    support = _support(x, "decode")
+    return _settings(support, FP8, x, weight, weight_scale, lora, batch, None, None,
+                     decode=True, quantize=True, pdl=True, counted=True,
+                     warm_l2=DECODE_WARM_L2, wait_k1_first=False)
+
+
 def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
             decode=False, pdl=False, warm_l2=DECODE_WARM_L2, traces=(None, None),
             wait_k1_first=False, workspace=None, x_quantized=None):
@@ -247,9 +276,11 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
                                f"{support.arch}: use fused_lora_fp8_linear or pdl=False")
     workspace = _workspace(workspace, x.device)
     t = x.shape[0]
-    op1 = "decode_shrink" if decode else "quantize_shrink" if quantize else "shrink"
-    cfg1 = _tiling.config(support, op1, t, lora, k1_config, one_slot=_tiling.one_slot(batch))
-    cfg2 = _tiling.gemm_config(support, batch, lora, k2_config)
+    # Only a quantizing K1 counts rows: a K2 waiting for a count nobody makes would spin forever.
+    counted = pdl and quantize and not wait_k1_first
+    cfg1, cfg2 = _settings(support, mode, x, weight, weight_scale, lora, batch, k1_config,
+                           k2_config, decode=decode, quantize=quantize, pdl=pdl,
+                           counted=counted, warm_l2=warm_l2, wait_k1_first=wait_k1_first)
     # Everything K2 needs is checked and sized before K1 launches: a K2 that failed after it
     # would leave K1's count of quantized rows set, and a counter buffer grown between the
     # launches would put a fill kernel between K1 and its dependent and free K1's counters
@@ -258,8 +289,6 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
     workspace.counters(max(_tiling.k1_tiles(t, lora, batch, cfg1),
                            _tiling.k2_tiles(mode, t, lora.out_features, cfg2)))
     y = torch.empty(t, lora.out_features, dtype=torch.bfloat16, device=x.device)
-    # Only a quantizing K1 counts rows: a K2 waiting for a count nobody makes would spin forever.
-    counted = pdl and quantize and not wait_k1_first
     # K1 writes its codes in adapter order where K2 reads them by TMA (K1 allocates them
     # [T, K] contiguous: rows 16-byte aligned when K is a multiple of 16).
     a_sorted = quantize and _tiling.w_tma(support, weight, cfg2) and x.shape[1] % 16 == 0

@@ -231,6 +231,20 @@ def table_config(device_name: str, op: str, tokens: int, n: int, k: int,
     return None if table is None else table_entry(table, op, tokens, n, k, rank, cover, one_slot)
 
 
+def tuned_exactly(device_name: str, op: str, n: int, k: int, rank: int | None = None,
+                  one_slot: bool = False, cache_device: str | None = None) -> bool:
+    """Whether the table (with the tuner's cache over it) has entries of `op` for N x K itself,
+    plain or at the rank's keys `table_config` would read, rather than lending a nearer
+    shape's."""
+    table = _load_table(device_name, cache_device)
+    if table is None:
+        return False
+    keys = [shape_key(n, k)]
+    if rank is not None:
+        keys += [shape_key(n, k, rank)] + ([shape_key(n, k, rank, True)] if one_slot else [])
+    return any(table.get(op, {}).get(key) for key in keys)
+
+
 # How far a tuned shape may be from an untuned one and still lend it its entries: within this
 # factor in N and in K (Llama-3.1-8B's gate_up 28672 x 4096 takes Qwen3-8B's 24576 x 4096;
 # Qwen2.5-7B's 4608 x 3584 qkv the 4096 x 4096 o's).

@@ -32,6 +32,7 @@ from epilora_kernels.launch import LaunchConfig, fit_slices, rank_block, shape_k
 
 DECODE_BUCKETS = (1, 4, 8, 16, 32)
 MARGIN = 0.01  # a candidate must beat the settings in use by more than this fraction
+SHARED_BYTES = 227 * 1024  # an sm_90 block's shared memory at most: larger pipelines never run
 
 
 def cache_path(device_name: str) -> Path:
@@ -74,14 +75,16 @@ def read_cache(device_name: str) -> dict | None:
 
 
 def k2_candidates(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...]) -> list:
-    """K2 settings around `cfg`: N tiles of 32 and 64, K tiles of 256 and 512, the K loop split
-    in 1 or 2, 3 or 5 stages (a tile must not straddle two slices)."""
+    """K2 settings around `cfg`: N tiles of 32, 64 and 128, K tiles of 256 and 512, the K loop
+    split in 1 or 2, 3 or 5 stages (a tile must not straddle two slices)."""
     out = []
-    for block_n in (32, 64):
+    for block_n in (32, 64, 128):
         for block_k in (256, 512):
             for split_k in (1, 2):
                 for stages in (3, 5):
-                    if k // split_k < block_k:
+                    # each split at least one K tile; the stages within an SM's shared memory
+                    if (k // split_k < block_k
+                            or stages * (cfg.block_m + block_n) * block_k > SHARED_BYTES):
                         continue
                     out.append(dataclasses.replace(cfg, block_n=fit_slices(block_n, slices),
                                                    block_k=block_k, split_k=split_k,
@@ -256,7 +259,9 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
                     workspace.reset()
                     return float("inf")
 
-            k1, k2 = _baseline(support, k, slices, t, rank, one_slot)
+            # What runs without this cell tuned: the table's or heuristic's settings, K2's
+            # fitted to the waves.
+            k1, k2 = fused.decode_settings(x, weight, scale, lora, batch)
             before = best = run(k1, k2)
             chosen = (k1, k2)
             for cand in k2_candidates(k2, n, k, slices):
