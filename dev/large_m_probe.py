@@ -1,0 +1,125 @@
+"""GPU: where the large-batch (prefill) paths' time goes, kernel by kernel, per projection.
+
+For one model's four projections at prefill token counts, one rank-64 adapter: vLLM's per-token
+quant and CUTLASS apart; our K2 without adapters (`fp8_gemm`) in the launchers' settings and in
+larger tiles; the hybrid path's shrink and expand (ours and vLLM's Punica kernels); and two
+bandwidth floors, a bf16 read-modify-write of the output (what an expand after a vendor GEMM
+must move at least) and a read of the activations (what a shrink must). Each kernel alone in a
+CUDA graph, L2 flushed, median. Every token count runs in a process of its own under a time
+limit, and each kernel is named before it first runs, so a kernel that hangs costs one case and
+says which it was.
+
+    source tools/device/setup.sh
+    python3 dev/large_m_probe.py --out $OUT/large_m_probe.json
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from layer import adapter_inputs, l2_flush_buffer, make_layer, time_graphs  # noqa: E402
+from models import MODELS  # noqa: E402
+
+import epilora_kernels as ek  # noqa: E402
+from epilora_kernels.launch import LaunchConfig  # noqa: E402
+
+# (block_m, block_n, block_k, warps, stages) of K2 without adapters
+GEMM_TILES = [(128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (128, 128, 128, 4, 4),
+              (64, 256, 128, 4, 4)]
+
+
+def kernels(x, weight, scale, lora, batch, meta, buf):
+    from vllm import _custom_ops as ops
+    from vllm.lora.ops.triton_ops import lora_expand, lora_shrink
+
+    codes, x_scale = ops.scaled_fp8_quant(x, None, use_per_token_if_dynamic=True)
+    y = ops.cutlass_scaled_mm(codes, weight.t(), x_scale, scale, torch.bfloat16)
+    h = ek.lora_shrink(x, lora, batch)
+    fns = {
+        "vllm-quant": lambda: ops.scaled_fp8_quant(x, None, use_per_token_if_dynamic=True),
+        "cutlass-mm": lambda: ops.cutlass_scaled_mm(codes, weight.t(), x_scale, scale,
+                                                    torch.bfloat16),
+        "y-rmw": lambda: y.mul_(1.0),
+        "x-read": lambda: x.amax(),
+        "ek-shrink": lambda: ek.lora_shrink(x, lora, batch),
+        "ek-expand": lambda: ek.lora_expand(y, h, lora, batch),
+        "vllm-shrink": lambda: lora_shrink(x, list(lora.lora_a), buf, *meta, 1.0),
+        "vllm-expand": lambda: lora_expand(buf, list(lora.lora_b), y, *meta, offset_start=0,
+                                           add_inputs=True),
+        "ek-gemm": lambda: ek.fp8_gemm(codes, x_scale, weight, scale),
+    }
+    for bm, bn, bk, warps, stages in GEMM_TILES:
+        cfg = LaunchConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
+                           num_stages=stages)
+        fns[f"ek-gemm-{bm}x{bn}x{bk}w{warps}s{stages}"] = (
+            lambda cfg=cfg: ek.fp8_gemm(codes, x_scale, weight, scale, config=cfg))
+    reference = y.float().clone()
+    return fns, reference
+
+
+def run_case(model: str, tokens: int, reps: int) -> list[dict]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    projections = MODELS[model]
+    layer = make_layer(1, 64, gen, projections)
+    batch, xs, bufs = adapter_inputs(tokens, 64, 1, gen, projections)
+    meta = batch.vllm_meta_args()
+    flush = l2_flush_buffer()
+    rows = []
+    for name, (weight, scale, lora) in layer.items():
+        fns, reference = kernels(xs[name], weight, scale, lora, batch, meta, bufs[name])
+        good = {}
+        for key, fn in fns.items():
+            print(f"# {model} {name} {tokens} {key}: first run", flush=True)
+            try:
+                out = fn()
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - a probe: report and go on
+                print(f"# {key} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            if key.startswith("ek-gemm"):
+                err = ((out.float() - reference).norm() / reference.norm()).item()
+                if err > 1e-2:
+                    print(f"# {key} WRONG: relative error {err:.3g}", flush=True)
+                    continue
+            good[key] = fn
+        for key, us in time_graphs(good, reps, flush).items():
+            rows.append({"model": model, "projection": name, "tokens": tokens, "kernel": key,
+                         "us": round(us, 2)})
+            print(f"{model:12s} {name:8s} {tokens:5d} {key:28s} {us:8.1f}", flush=True)
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--model", default="qwen3-8b", choices=tuple(MODELS))
+    parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 4096])
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--case-timeout", type=float, default=120.0)
+    parser.add_argument("--case", type=int, help=argparse.SUPPRESS)  # one case, in-process
+    args = parser.parse_args()
+    if args.case is not None:
+        Path(args.out).write_text(json.dumps(run_case(args.model, args.case, args.reps)))
+        return
+    rows = []
+    for tokens in args.tokens:
+        part = Path(f"{args.out}.{tokens}")
+        try:
+            subprocess.run([sys.executable, __file__, "--out", str(part), "--model", args.model,
+                            "--reps", str(args.reps), "--case", str(tokens)],
+                           timeout=args.case_timeout, check=False)
+        except subprocess.TimeoutExpired:
+            print(f"# {tokens} tokens: past {args.case_timeout} s, stopped", flush=True)
+        if part.is_file():
+            rows += json.loads(part.read_text())
+            part.unlink()
+        Path(args.out).write_text(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
