@@ -117,9 +117,11 @@ def render() -> None:
              "`epilora_kernels.lora_linear` with the shipped launch table (tuned on Qwen3-8B's "
              "shapes; other shapes take their nearest tuned shape's entries within a factor of "
              "two)" + (f" overlaid by the tuner's cache of the same call (`{meta['launch_cache']}`"
-                       ")" if meta.get("launch_cache") else "") +
+                       ")" if meta.get("launch_cache") else ", no tuner's cache") +
              "; `epilora-heuristic` the same with no table and no cache "
-             "(EPILORA_LAUNCH_TABLES=0).", "",
+             "(EPILORA_LAUNCH_TABLES=0). In both, from commit f94436b on, K2's settings at "
+             "1-32 tokens that were not tuned on the very shape are fitted to the GPU's waves "
+             "(docs/kernels.md, \"Wave fitting\").", "",
              "Targets: one adapter at 1-16 tokens, rank 64 at most +5% and ranks 16/128 at "
              "most +10%; 8 adapters of rank 16 at 8-32 tokens at most +15%; every other cell "
              f"from 32 tokens at most {VLLM_FRACTION} of vLLM's added time; the heuristic at "

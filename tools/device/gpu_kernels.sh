@@ -11,8 +11,10 @@
 #           -> $OUT/NVIDIA_H200.json, used by the later steps as tune's          TUNE_TIMEOUT
 #   layer   benchmarks/layer.py $LAYER_ARGS -> $OUT/layer.json                     LAYER_TIMEOUT
 #   tune-decode benchmarks/tune_decode.py $TUNE_DECODE_ARGS: the library's tuner on the models'
-#           shapes -> $OUT/tune_decode.json; its cache goes to $EPILORA_CACHE_DIR (set it, e.g.
-#           env:EPILORA_CACHE_DIR=$OUT/cache, for the later steps to use it)  TUNE_TIMEOUT
+#           shapes -> $OUT/tune_decode.json; its cache goes to $EPILORA_CACHE_DIR (default
+#           ~/.cache/epilora/kernels), where the later steps of the call read it, and a copy to
+#           $OUT/tune-cache/ (not the cache itself under $OUT: each step's files there are tarred
+#           away when it ends, so a later step would find none)          TUNE_TIMEOUT
 #   models  benchmarks/layer.py over the three models' shapes (MODELS_ARGS: the default is the
 #           issue's grid of setups, tokens and systems) -> $OUT/layer_models.json LAYER_TIMEOUT
 #   decode  benchmarks/decode.py -> $OUT/decode.json                               DECODE_TIMEOUT
@@ -114,7 +116,12 @@ for step in "$@"; do
              | tee "$OUT/layer.log" ;;
     tune-decode) timeout "${TUNE_TIMEOUT:-420}" python3 benchmarks/tune_decode.py \
                    --out "$OUT/tune_decode.json" --git-sha "$sha" ${TUNE_DECODE_ARGS:-} 2>&1 \
-                   | tee "$OUT/tune_decode.log" ;;
+                   | tee "$OUT/tune_decode.log"
+                 tune_rc=${PIPESTATUS[0]}
+                 mkdir -p "$OUT/tune-cache" && python3 -c "import torch, shutil
+from epilora_kernels.tuner import cache_path
+shutil.copy(cache_path(torch.cuda.get_device_name()), '$OUT/tune-cache/')"
+                 (exit "$tune_rc") ;;  # the step's status: the tuner's
     models) jobs_for layer
             timeout "${LAYER_TIMEOUT:-300}" python3 benchmarks/layer.py \
               --out "$OUT/layer_models.json" --git-sha "$sha" --jobs "$jobs" \
