@@ -122,8 +122,11 @@ def _problem(tokens: int, k: int, slices: tuple[int, ...], rank: int, slots: int
     return x, weight, scale, lora, batch
 
 
-def _timer(reps: int, flush: torch.Tensor):
-    """Median us of one call of `fn` in a CUDA graph, the L2 flushed before every replay."""
+def graph_timer(reps: int, flush: torch.Tensor):
+    """`time_us(fn)`: the median microseconds of one call of `fn`, captured in a CUDA graph
+    (after one eager call, on a side stream) and replayed `reps` times, `flush` zeroed before
+    every replay (the L2 flushed when it is larger than the L2). Engines time their candidate
+    paths with it too (epilora-vllm's timed dispatch)."""
 
     def time_us(fn) -> float:
         stream = torch.cuda.Stream()
@@ -219,7 +222,8 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
     support = device_support()
     device = torch.device("cuda") if not support.interpreter else torch.device("cpu")
     if time_us is None:
-        time_us = _timer(reps, torch.empty(256 * 2**20, dtype=torch.uint8, device=device))
+        time_us = graph_timer(reps, torch.empty(256 * 2**20, dtype=torch.uint8,
+                                                device=device))
     workspace = Workspace.for_batches(device, max_tokens=max(tokens),
                                       max_out_features=max(sum(s) for _, s in
                                                            projections.values()),

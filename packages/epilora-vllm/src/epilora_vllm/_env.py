@@ -36,3 +36,24 @@ def vllm_quantizes() -> bool:
     if value not in ("kernels", "vllm"):
         raise ValueError(f"EPILORA_VLLM_QUANTIZE={value!r}: expected 'kernels' or 'vllm'")
     return value == "vllm"
+
+
+def dispatch() -> str:
+    """EPILORA_VLLM_DISPATCH=rule|timed: how a batch's path is chosen where EPILORA_VLLM_PATH
+    names none. `rule` (default): the kernels' `choose_path` (thresholds on the batch's size).
+    `timed`: the fastest of the kernels' paths and vLLM's own LoRA kernels, timed per projection
+    shape and token bucket on the layer's own weights and batch the first time one is seen
+    outside a CUDA-graph capture (vLLM's warm-up runs before capturing), and kept on disk
+    (`epilora_vllm.dispatch`)."""
+    value = os.environ.get("EPILORA_VLLM_DISPATCH", "rule")
+    if value not in ("rule", "timed"):
+        raise ValueError(f"EPILORA_VLLM_DISPATCH={value!r}: expected 'rule' or 'timed'")
+    return value
+
+
+def cache_dir() -> str:
+    """EPILORA_CACHE_DIR (as epilora-kernels reads it): the timed dispatch's choices go to its
+    `vllm/` folder (default: $XDG_CACHE_HOME/epilora, else ~/.cache/epilora, then `vllm/`)."""
+    root = os.environ.get("EPILORA_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "epilora")
+    return os.path.join(root, "vllm")

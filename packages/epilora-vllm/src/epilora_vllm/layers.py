@@ -122,7 +122,8 @@ class _Epilora:
     def create_lora_weights(self, max_loras, lora_config, model_config=None) -> None:
         super().create_lora_weights(max_loras, lora_config, model_config)
         self.epilora.adapters_created(matched=_env.matched(), path=_env.path(),
-                                      vllm_quantizes=_env.vllm_quantizes())
+                                      vllm_quantizes=_env.vllm_quantizes(),
+                                      timed=_env.dispatch() == "timed")
         key_compiled_graphs(self.epilora.mode.vllm_quantizes)
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
