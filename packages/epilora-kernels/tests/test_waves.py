@@ -114,3 +114,12 @@ def test_tuned_exactly_tells_a_shapes_own_entries_from_a_nearer_shapes(tmp_path,
         assert launch.table_config("Fake GPU", "lora_gemm", 1, 4608, 4096) is not None
     finally:
         launch.clear_table_cache()
+
+
+def test_fit_waves_keeps_the_setting_in_use_where_nothing_fills_the_waves_better():
+    # Every candidate fills 600 / (3 x 264) = 0.76 of its waves: the setting in use stays,
+    # though an unsplit, deeper candidate would win the other ties.
+    cands = _tiling.wave_candidates(dataclasses.replace(DECODE_K2, split_k=2), 4096,
+                                    (12288, 12288))
+    assert _tiling.fit_waves(cands[0], cands, lambda cfg: (600, 2), SMS) == cands[0]
+    assert cands[0].split_k == 2

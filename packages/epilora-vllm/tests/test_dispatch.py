@@ -1,7 +1,7 @@
 """The timed dispatch (EPILORA_VLLM_DISPATCH=timed) without a GPU: buckets, the choice of the
 fastest candidate with a stand-in timer, the file that makes a later start time nothing,
-failures and captures, and the layer's side (candidates built only when timing, a choice
-remembered). What it chooses on the H200 is measured there (tests/gpu)."""
+failures, captures and buckets it may not time, and the layer's side (candidates built only when
+timing, a choice remembered). What it chooses on the H200 is measured there (tests/gpu)."""
 
 import json
 import logging
@@ -13,7 +13,7 @@ import torch
 from epilora_vllm import _env, dispatch
 from epilora_vllm.forward import EpiloraForward
 
-CASE = dispatch.Case(4096, (4096, 1024, 1024), 64, 4, False, True, 16)
+CASE = dispatch.Case(4096, (4096, 1024, 1024), 64, 4, False, False, False, 16)
 
 
 def test_buckets_are_powers_of_two_at_or_above_the_batch():
@@ -23,16 +23,20 @@ def test_buckets_are_powers_of_two_at_or_above_the_batch():
         dispatch.bucket(0)
 
 
+def test_start_buckets_are_the_graph_sizes_and_the_profiling_run():
+    assert dispatch.start_buckets([1, 2, 4, 8, 16, 24, 32, 512], 8192) == {
+        1, 2, 4, 8, 16, 32, 512, 8192}
+    assert dispatch.start_buckets([], 2048) == {2048}  # enforce_eager: no graphs
+
+
 def test_case_keys_tell_every_field_apart():
-    fields = [dispatch.Case(4096, (4096, 1024, 1024), 64, 4, False, True, 16),
-              dispatch.Case(4096, (4096, 1024, 1024), 64, 4, False, True, 32),
-              dispatch.Case(4096, (4096, 1024, 1024), 64, 4, False, False, 16),
-              dispatch.Case(4096, (4096, 1024, 1024), 64, 4, True, True, 16),
-              dispatch.Case(4096, (4096, 1024, 1024), 64, 8, False, True, 16),
-              dispatch.Case(4096, (4096, 1024, 1024), 128, 4, False, True, 16),
-              dispatch.Case(4096, (4096, 2048), 64, 4, False, True, 16),
-              dispatch.Case(2048, (4096, 1024, 1024), 64, 4, False, True, 16)]
-    assert len({case.key() for case in fields}) == len(fields)
+    base = dict(in_features=4096, output_slices=(4096, 1024, 1024), max_rank=64, max_loras=4,
+                per_channel=False, vllm_quantizes=False, dual_stream=False, tokens=16)
+    changes = dict(in_features=2048, output_slices=(4096, 2048), max_rank=128, max_loras=8,
+                   per_channel=True, vllm_quantizes=True, dual_stream=True, tokens=32)
+    cases = [dispatch.Case(**base)] + [dispatch.Case(**{**base, field: value})
+                                       for field, value in changes.items()]
+    assert len({case.key() for case in cases}) == len(cases)
 
 
 def _timer(times):
@@ -101,9 +105,23 @@ def test_nothing_ran_or_a_capture_gives_the_fallback_and_records_nothing(tmp_pat
     timed = dispatch.TimedDispatch(path, broken)
     assert timed.choose(CASE, _candidates(("fused",)), "hybrid") == ("hybrid", False)
     assert not path.exists()
+    # A bucket the engine does not run while it starts: never timed (serving does not stop).
+    serving = dispatch.TimedDispatch(path, lambda run: pytest.fail("timed while serving"))
+    assert serving.choose(CASE, _never, "fused", may_time=False) == ("fused", False)
     monkeypatch.setattr(dispatch, "_capturing", lambda: True)
     capturing = dispatch.TimedDispatch(path, lambda run: pytest.fail("timed in a capture"))
     assert capturing.choose(CASE, _never, "decode") == ("decode", False)
+
+
+def test_a_file_that_cannot_be_written_keeps_the_choice_in_memory(tmp_path, caplog):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    time_us, _ = _timer({"fused": 2.0, "vllm": 3.0})
+    timed = dispatch.TimedDispatch(blocker / "c.json", time_us)
+    with caplog.at_level(logging.WARNING, logger="vllm.epilora_vllm"):
+        assert timed.choose(CASE, _candidates(("fused", "vllm")), "hybrid") == ("fused", True)
+    assert "cannot write" in caplog.text
+    assert timed.choose(CASE, _never, "hybrid") == ("fused", True)
 
 
 def test_unknown_candidates_and_bad_files_are_refused(tmp_path):
@@ -153,6 +171,8 @@ class _Layer(_Between, _VllmLayer):  # ours: vLLM's class third in the MRO, as i
 
 
 def test_the_layer_asks_once_per_bucket_and_runs_the_choice(monkeypatch):
+    import epilora_kernels as ek
+
     layer = _Layer()
     layer.applied = []
     weight = torch.zeros(8, 4, dtype=torch.float8_e4m3fn)
@@ -161,12 +181,18 @@ def test_the_layer_asks_once_per_bucket_and_runs_the_choice(monkeypatch):
     layer.base_layer = None
     forward = EpiloraForward(layer)
     forward.lora = SimpleNamespace(in_features=4, output_slices=(8,), max_rank=16, max_loras=1)
+    forward._start_buckets = frozenset({4})
+    # The kernels' paths refused (as on a CPU without the interpreter): vLLM's alone.
+    monkeypatch.setattr(ek, "supports", lambda path, **kw: False)
     asked = []
 
     class Fake:
-        def choose(self, case, candidates, fallback):
+        def choose(self, case, candidates, fallback, may_time):
+            if not may_time:
+                asked.append((case.tokens, may_time))
+                return fallback, False
             runs = candidates()
-            asked.append((case.tokens, case.several_slots, sorted(runs), fallback))
+            asked.append((case.tokens, sorted(runs), fallback))
             runs["vllm"]()  # a candidate is a call of that path on this batch
             return "vllm", True
 
@@ -175,7 +201,11 @@ def test_the_layer_asks_once_per_bucket_and_runs_the_choice(monkeypatch):
     for tokens in (3, 4, 3):
         x = torch.zeros(tokens, 4)
         assert forward._timed_path(x, None, None, batch, fallback="fused") == "vllm"
-    # Buckets 4 and 4: asked once. On the CPU no kernel path is supported: vLLM's alone.
-    assert asked == [(4, False, ["vllm"], "fused")]
+    # 3 and 4 tokens share bucket 4: asked once, its choice remembered.
+    assert asked == [(4, ["vllm"], "fused")]
     assert layer.applied == [3]
+    # Bucket 8 is not run while the engine starts: the rule's path, asked again next time.
+    for _ in range(2):
+        assert forward._timed_path(torch.zeros(5, 4), None, None, batch, "fused") == "fused"
+    assert asked[1:] == [(8, False), (8, False)]
     assert forward._run("vllm", torch.zeros(5, 4), None, None, batch).shape[0] == 5

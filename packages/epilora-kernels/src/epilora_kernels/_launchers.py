@@ -9,7 +9,8 @@ import math
 import torch
 import triton
 from triton.compiler.errors import CompilationError
-from triton.runtime.errors import OutOfResources
+from triton.runtime.errors import OutOfResources, PTXASError
+from triton.runtime.jit import MockTensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from epilora_kernels import _env, _tiling
@@ -181,6 +182,15 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
     return y
 
 
+class _TileCounters(MockTensor):
+    # launch_k2's tile counters, `counters[TILES:]`: 8 bytes past a 16-byte aligned buffer, which
+    # Triton's launcher specializes as unaligned; the mock says so, so that the kernel compiled
+    # here is the one the launch then runs (no second compile).
+    @staticmethod
+    def data_ptr():
+        return TILES * 4
+
+
 def k2_blocks_per_sm(support: DeviceSupport, mode: int, a_dtype: torch.dtype, weight,
                      weight_scale, h_dtype: torch.dtype, lora: LoraWeights, batch: AdapterBatch,
                      cfg: LaunchConfig, *, pdl: bool, wait_codes: bool, warm_l2: int,
@@ -188,20 +198,19 @@ def k2_blocks_per_sm(support: DeviceSupport, mode: int, a_dtype: torch.dtype, we
     """How many of K2's blocks (as launch_k2 would launch it with `cfg`, its weight read by
     pointer loads) one SM of the device holds at once: compiled (Triton's caches keep it),
     never launched; its registers and shared memory against the SM's."""
-    from triton.runtime.jit import MockTensor
-
     t, k, n = batch.num_tokens, lora.in_features, lora.out_features
     a = MockTensor(a_dtype, [t, k])
     y = MockTensor(torch.bfloat16, [t, n])
     h = MockTensor(h_dtype, [1, len(lora.output_slices), t, lora.max_rank])
     split = _tiling.gemm_grid(mode, t, n, cfg)[2]
     partial = MockTensor(torch.float32) if split > 1 else y
-    counters = MockTensor(torch.int32)
+    ready = MockTensor(torch.int32)
     pdl = use_pdl(support, pdl)
     kernel = _lora_gemm_kernel.warmup(grid=(1,), **_k2_arguments(
         support, mode, a, a, MockTensor(torch.float32), weight, weight, weight_scale, y, h,
-        lora, batch, cfg, split, partial, counters, counters, counters, traced=False, pdl=pdl,
-        wait_codes=wait_codes, warm_l2=warm_l2, wait_k1_first=wait_k1_first, a_sorted=False))
+        lora, batch, cfg, split, partial, _TileCounters(torch.int32), ready, ready,
+        traced=False, pdl=pdl, wait_codes=wait_codes, warm_l2=warm_l2,
+        wait_k1_first=wait_k1_first, a_sorted=False))
     kernel._init_handles()  # loads it: the registers are known from here
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     return _tiling.blocks_per_sm(kernel.n_regs, kernel.metadata.shared, cfg.num_warps,
@@ -231,7 +240,7 @@ def fit_k2_waves(support: DeviceSupport, mode: int, a_dtype: torch.dtype, weight
                     support, mode, a_dtype, weight, weight_scale, h_dtype, lora, batch,
                     candidate, pdl=pdl, wait_codes=wait_codes, warm_l2=warm_l2,
                     wait_k1_first=wait_k1_first)
-            except (CompilationError, OutOfResources):
+            except (CompilationError, OutOfResources, PTXASError):
                 return None  # a candidate that does not compile or fit is no candidate
             return math.prod(_tiling.gemm_grid(mode, t, n, candidate)), per_sm
 

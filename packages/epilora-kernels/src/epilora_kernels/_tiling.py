@@ -120,9 +120,9 @@ def fit_waves(cfg: LaunchConfig, candidates: list[LaunchConfig],
               measure: Callable[[LaunchConfig], tuple[int, int] | None],
               sms: int) -> LaunchConfig:
     """The setting whose grid fills its waves best: `cfg` itself where it fills
-    WAVE_EFFICIENCY_OK of them, else the candidate of the highest `wave_efficiency` (ties: the
-    K loop unsplit, then the deeper pipeline, then the first listed). `measure(c)`: c's
-    (programs, blocks per SM), or None where c does not compile or fit."""
+    WAVE_EFFICIENCY_OK of them, else the candidate of the highest `wave_efficiency` (ties: `cfg`
+    itself, then the K loop unsplit, then the deeper pipeline, then the first listed).
+    `measure(c)`: c's (programs, blocks per SM), or None where c does not compile or fit."""
     scores = {}
     for index, candidate in enumerate(candidates):
         measured = measure(candidate)
@@ -131,8 +131,8 @@ def fit_waves(cfg: LaunchConfig, candidates: list[LaunchConfig],
         efficiency = wave_efficiency(*measured, sms)
         if candidate == cfg and efficiency >= WAVE_EFFICIENCY_OK:
             return cfg
-        scores[candidate] = (round(efficiency, 2), -candidate.split_k, candidate.num_stages,
-                             -index)
+        scores[candidate] = (round(efficiency, 2), candidate == cfg, -candidate.split_k,
+                             candidate.num_stages, -index)
     return max(scores, key=scores.get) if scores else cfg
 
 

@@ -42,8 +42,8 @@ def dispatch() -> str:
     """EPILORA_VLLM_DISPATCH=rule|timed: how a batch's path is chosen where EPILORA_VLLM_PATH
     names none. `rule` (default): the kernels' `choose_path` (thresholds on the batch's size).
     `timed`: the fastest of the kernels' paths and vLLM's own LoRA kernels, timed per projection
-    shape and token bucket on the layer's own weights and batch the first time one is seen
-    outside a CUDA-graph capture (vLLM's warm-up runs before capturing), and kept on disk
+    shape and token bucket on the layer's own weights and batch while the engine starts (vLLM's
+    profiling run and its warm-up runs before capturing), and kept on disk
     (`epilora_vllm.dispatch`)."""
     value = os.environ.get("EPILORA_VLLM_DISPATCH", "rule")
     if value not in ("rule", "timed"):
@@ -57,3 +57,11 @@ def cache_dir() -> str:
     root = os.environ.get("EPILORA_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "epilora")
     return os.path.join(root, "vllm")
+
+
+def vllm_dual_stream() -> bool:
+    """vLLM's own VLLM_LORA_ENABLE_DUAL_STREAM, as vLLM reads it (`vllm.envs`): whether its LoRA
+    path runs the shrink on a second stream (the timed dispatch's choices depend on it)."""
+    from vllm import envs
+
+    return bool(envs.VLLM_LORA_ENABLE_DUAL_STREAM)

@@ -3,16 +3,15 @@ fastest of the kernels' paths (decode, fused, hybrid) and vLLM's own LoRA kernel
 FP8 GEMM, then its Punica shrink and expand), timed on the layer's own weights and batch, each in
 a CUDA graph replayed (`epilora_kernels.tuner.graph_timer`).
 
-A case is timed the first time it is seen outside a CUDA-graph capture: in an engine start,
-vLLM's profiling run and the eager warm-up run it makes before capturing each graph size. Inside
-a capture, and while a case cannot be timed, the kernels' rule (`choose_path`) answers. The
+Only the token buckets an engine runs while it starts are timed (`start_buckets`: vLLM's
+profiling run, and the eager warm-up run it makes before capturing each graph size), the first
+time one is seen outside a CUDA-graph capture; inside a capture, and for any other bucket not yet
+in the file, the kernels' rule (`choose_path`) answers, so serving never stops to time. The
 choices are kept in a JSON file per GPU and versions (`cache_path`), written after each new
 choice, so a later start times nothing. Each choice is logged with every candidate's time.
 
 Buckets: the token count rounded up to a power of two (a batch of 24 tokens takes the 32-token
-bucket's path), so an engine serving prompts of every length times a shape at most once per
-power of two. Batches of one adapter slot and of several are cases apart (the kernels compile
-another K2 epilogue for several).
+bucket's path).
 """
 
 import json
@@ -41,23 +40,32 @@ def bucket(tokens: int) -> int:
     return 1 << (tokens - 1).bit_length()
 
 
+def start_buckets(capture_sizes, max_batched_tokens: int) -> frozenset[int]:
+    """The buckets of the batches vLLM runs eagerly while it starts: each CUDA-graph size
+    (warmed up before its capture) and the profiling run's (`max_num_batched_tokens`)."""
+    return frozenset(bucket(size) for size in (*capture_sizes, max_batched_tokens) if size > 0)
+
+
 @dataclass(frozen=True)
 class Case:
-    """What a choice is made for: a projection's shape and adapter buffers, and a batch kind."""
+    """What a choice is made for: a projection's shape and adapter buffers, the engine's modes
+    that change a candidate's time, and a token bucket."""
 
     in_features: int
     output_slices: tuple[int, ...]
     max_rank: int
-    max_loras: int
+    max_loras: int  # K2's epilogue for one slot is another kernel than for several
     per_channel: bool  # one weight scale per output channel
-    several_slots: bool  # the batch's tokens meet more than one adapter slot
+    vllm_quantizes: bool  # EPILORA_VLLM_QUANTIZE=vllm (the quantization outside the op)
+    dual_stream: bool  # vLLM's dual-stream LoRA (its own path's speed)
     tokens: int  # the bucket
 
     def key(self) -> str:
         slices = "+".join(str(w) for w in self.output_slices)
+        modes = "".join(("/vllm-quant" if self.vllm_quantizes else "",
+                         "/dual-stream" if self.dual_stream else ""))
         return (f"{slices}x{self.in_features}/r{self.max_rank}/l{self.max_loras}/"
-                f"{'channel' if self.per_channel else 'tensor'}/"
-                f"{'several' if self.several_slots else 'one'}/t{self.tokens}")
+                f"{'channel' if self.per_channel else 'tensor'}{modes}/t{self.tokens}")
 
 
 def cache_path(device_name: str) -> Path:
@@ -87,6 +95,7 @@ class TimedDispatch:
     def __init__(self, path: Path, time_us: Callable[[Callable], float] | None = None) -> None:
         self.path = Path(path)
         self._time_us = time_us
+        self._unwritable = False
         self.choices: dict[str, dict] = {}
         if self.path.is_file():
             try:
@@ -101,16 +110,16 @@ class TimedDispatch:
             self.choices = data
 
     def choose(self, case: Case, candidates: Callable[[], dict[str, Callable[[], object]]],
-               fallback: str) -> tuple[str, bool]:
+               fallback: str, may_time: bool = True) -> tuple[str, bool]:
         """(the path for `case`, whether it is the dispatch's choice): the recorded choice, else
-        the fastest of `candidates()` (name -> a call of that path on the batch at hand, asked
-        for only when timing) timed now, else (inside a CUDA-graph capture, or no candidate
-        ran) `fallback`, not a choice. A candidate that raises is left out, its reason logged
-        and kept in the file."""
+        with `may_time` the fastest of `candidates()` (name -> a call of that path on the batch
+        at hand, asked for only when timing) timed now, else (not `may_time`, inside a
+        CUDA-graph capture, or no candidate ran) `fallback`, not a choice. A candidate that
+        raises is left out, its reason logged and kept in the file."""
         key = case.key()
         if key in self.choices:
             return self.choices[key]["path"], True
-        if _capturing():
+        if not may_time or _capturing():
             return fallback, False
         runs = candidates()
         time_us = self._timer() if runs else None
@@ -143,11 +152,19 @@ class TimedDispatch:
         return self._time_us
 
     def _save(self) -> None:
-        # Atomically: a start killed mid-write leaves the previous file.
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(self.choices, indent=1, sort_keys=True))
-        tmp.replace(self.path)
+        # Atomically: a start killed mid-write leaves the previous file. A file that cannot be
+        # written (a read-only cache directory) costs the next start its timing, not this
+        # engine its step: said once, the choices kept in memory.
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(self.choices, indent=1, sort_keys=True))
+            tmp.replace(self.path)
+        except OSError as e:
+            if not self._unwritable:
+                logger.warning("epilora dispatch: cannot write %s (%s): the choices stay in "
+                               "this process only", self.path, e)
+            self._unwritable = True
 
 
 _dispatchers: dict = {}  # device index -> its TimedDispatch

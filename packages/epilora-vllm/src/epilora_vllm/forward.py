@@ -21,7 +21,7 @@ import torch
 import epilora_kernels as ek
 from epilora_kernels import reference
 from epilora_quant import Fp8Arithmetic
-from epilora_vllm import dispatch
+from epilora_vllm import _env, dispatch
 
 
 @dataclass
@@ -72,7 +72,8 @@ class EpiloraForward:
         self.lora: ek.LoraWeights | None = None
         self.mode = _Mode(matched=False, path=None)
         self._no_adapter: ek.AdapterBatch | None = None
-        self._timed: dict[tuple[int, bool], str] = {}  # (token bucket, several slots) -> path
+        self._timed: dict[int, str] = {}  # token bucket -> the timed dispatch's path
+        self._start_buckets: frozenset[int] = frozenset()  # the buckets it may time
 
     def adapters_created(self, *, matched: bool, path: str | None,
                          vllm_quantizes: bool = False, timed: bool = False) -> None:
@@ -88,6 +89,13 @@ class EpiloraForward:
         self.mode = _Mode(matched=matched, path="w8a16" if matched else path,
                           vllm_quantizes=vllm_quantizes and not matched,
                           timed=timed and not matched)
+        if self.mode.timed:
+            from vllm.config import get_current_vllm_config
+
+            config = get_current_vllm_config()
+            self._start_buckets = dispatch.start_buckets(
+                config.compilation_config.cudagraph_capture_sizes or (),
+                config.scheduler_config.max_num_batched_tokens)
 
     def __call__(self, x: torch.Tensor, codes: torch.Tensor | None,
                  scales: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
@@ -214,17 +222,18 @@ class EpiloraForward:
     def _timed_path(self, x: torch.Tensor, quantized, bias: torch.Tensor | None,
                     batch: ek.AdapterBatch, fallback: str) -> str:
         # EPILORA_VLLM_DISPATCH=timed: the fastest candidate for this shape and token bucket
-        # (epilora_vllm.dispatch), each candidate a call of _run on this very batch; once
-        # chosen, remembered here (the step's Python stays as short as the rule's).
+        # (epilora_vllm.dispatch), each candidate a call of _run on this very batch, timed only
+        # for the buckets vLLM runs while it starts; once chosen, remembered here (the step's
+        # Python stays as short as the rule's).
         tokens = x.shape[0]
-        several = batch.num_entries > 2
-        memo = (dispatch.bucket(tokens), several)
-        if memo in self._timed:
-            return self._timed[memo]
+        bucket = dispatch.bucket(tokens)
+        if bucket in self._timed:
+            return self._timed[bucket]
         weight, scale = self._weights()
         lora = self.lora
         case = dispatch.Case(lora.in_features, tuple(lora.output_slices), lora.max_rank,
-                             lora.max_loras, scale.numel() > 1, several, memo[0])
+                             lora.max_loras, scale.numel() > 1, self.mode.vllm_quantizes,
+                             _env.vllm_dual_stream(), bucket)
 
         def candidates() -> dict:
             names = [name for name in dispatch.CANDIDATES
@@ -238,7 +247,8 @@ class EpiloraForward:
             return {name: (lambda name=name: self._run(name, x, quantized, bias, batch))
                     for name in names}
 
-        path, chosen = dispatch.for_device(x.device).choose(case, candidates, fallback)
+        path, chosen = dispatch.for_device(x.device).choose(
+            case, candidates, fallback, may_time=bucket in self._start_buckets)
         if chosen:
-            self._timed[memo] = path
+            self._timed[bucket] = path
         return path
