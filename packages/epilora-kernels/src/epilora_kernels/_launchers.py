@@ -132,10 +132,10 @@ def _w_operand(support: DeviceSupport, weight: torch.Tensor, cfg: LaunchConfig):
     return weight
 
 
-def _k2_arguments(support: DeviceSupport, mode: int, a, a_desc, a_scale, weight, w_operand,
-                  weight_scale, y, h, lora: LoraWeights, batch: AdapterBatch, cfg: LaunchConfig,
-                  split: int, partial, counters, ready, trace, *, traced: bool, pdl: bool,
-                  wait_codes: bool, warm_l2: int, wait_k1_first: bool, a_sorted: bool) -> dict:
+def _k2_arguments(mode: int, *, a, a_desc, a_scale, weight, w_operand, weight_scale, y, h,
+                  lora: LoraWeights, batch: AdapterBatch, cfg: LaunchConfig, split: int,
+                  partial, counters, ready, trace, traced: bool, pdl: bool, wait_codes: bool,
+                  warm_l2: int, wait_k1_first: bool, a_sorted: bool) -> dict:
     # K2's arguments with adapters, by name: what launch_k2 launches and k2_blocks_per_sm
     # compiles (there with MockTensors for the buffers not yet made).
     t, n = y.shape
@@ -173,12 +173,12 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
     pdl = use_pdl(support, pdl)
     a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]) if a_sorted else a
     _lora_gemm_kernel[grid](**_k2_arguments(
-        support, mode, a, a_desc, a_scale, weight, w_operand, weight_scale, y, h, lora, batch,
-        cfg, grid[2], y if partial is None else partial, counters[TILES:], counters,
-        trace_arg(trace, counters, grid[0] * grid[1] * grid[2]), traced=trace is not None,
-        pdl=pdl,
-        wait_codes=wait_codes, warm_l2=warm_l2, wait_k1_first=wait_k1_first,
-        a_sorted=a_sorted))
+        mode, a=a, a_desc=a_desc, a_scale=a_scale, weight=weight, w_operand=w_operand,
+        weight_scale=weight_scale, y=y, h=h, lora=lora, batch=batch, cfg=cfg, split=grid[2],
+        partial=y if partial is None else partial, counters=counters[TILES:], ready=counters,
+        trace=trace_arg(trace, counters, grid[0] * grid[1] * grid[2]),
+        traced=trace is not None, pdl=pdl, wait_codes=wait_codes, warm_l2=warm_l2,
+        wait_k1_first=wait_k1_first, a_sorted=a_sorted))
     return y
 
 
@@ -207,12 +207,13 @@ def k2_blocks_per_sm(support: DeviceSupport, mode: int, a_dtype: torch.dtype, we
     ready = MockTensor(torch.int32)
     pdl = use_pdl(support, pdl)
     kernel = _lora_gemm_kernel.warmup(grid=(1,), **_k2_arguments(
-        support, mode, a, a, MockTensor(torch.float32), weight, weight, weight_scale, y, h,
-        lora, batch, cfg, split, partial, _TileCounters(torch.int32), ready, ready,
-        traced=False, pdl=pdl, wait_codes=wait_codes, warm_l2=warm_l2,
+        mode, a=a, a_desc=a, a_scale=MockTensor(torch.float32), weight=weight,
+        w_operand=weight, weight_scale=weight_scale, y=y, h=h, lora=lora, batch=batch, cfg=cfg,
+        split=split, partial=partial, counters=_TileCounters(torch.int32), ready=ready,
+        trace=ready, traced=False, pdl=pdl, wait_codes=wait_codes, warm_l2=warm_l2,
         wait_k1_first=wait_k1_first, a_sorted=False))
     kernel._init_handles()  # loads it: the registers are known from here
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    props = torch.cuda.get_device_properties(weight.device)
     return _tiling.blocks_per_sm(kernel.n_regs, kernel.metadata.shared, cfg.num_warps,
                                  props.regs_per_multiprocessor,
                                  props.shared_memory_per_multiprocessor,
