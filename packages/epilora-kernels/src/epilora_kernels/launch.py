@@ -182,9 +182,11 @@ def write_table(table: dict, path) -> None:
 ARCH_TABLES = {"sm90": "NVIDIA H200"}
 
 
+@functools.cache
 def table_device(device_name: str, arch: str | None = None) -> str | None:
     """The device whose shipped table serves `device_name`: its own, else its architecture's
-    (`ARCH_TABLES`), else None (the heuristic)."""
+    (`ARCH_TABLES`), else None (the heuristic). Asked on every launch: the package's files are
+    looked up once a process."""
     for name in (device_name, ARCH_TABLES.get(arch or "")):
         if name and resources.files("epilora_kernels").joinpath(
                 "configs", table_name(name)).is_file():
@@ -217,6 +219,7 @@ def _load_table(device_name: str, cache_device: str | None = None) -> dict | Non
 def clear_table_cache() -> None:
     """Forget the tables read so far (after the tuner wrote its cache)."""
     _load_table.cache_clear()
+    table_device.cache_clear()
 
 
 def table_config(device_name: str, op: str, tokens: int, n: int, k: int,
@@ -239,10 +242,17 @@ def tuned_exactly(device_name: str, op: str, n: int, k: int, rank: int | None = 
     table = _load_table(device_name, cache_device)
     if table is None:
         return False
-    keys = [shape_key(n, k)]
-    if rank is not None:
-        keys += [shape_key(n, k, rank)] + ([shape_key(n, k, rank, True)] if one_slot else [])
-    return any(table.get(op, {}).get(key) for key in keys)
+    return any(table.get(op, {}).get(f"{n}x{k}{suffix}")
+               for suffix in _key_suffixes(rank, one_slot))
+
+
+def _key_suffixes(rank: int | None, one_slot: bool) -> list[str]:
+    # The shape-key suffixes a lookup at `rank` (one slot or not) reads: plain, the rank tile's,
+    # its one-slot entries.
+    if rank is None:
+        return [""]
+    return ["", f"@r{rank_block(rank)}"] + ([f"@r{rank_block(rank)}{ONE_SLOT}"]
+                                            if one_slot else [])
 
 
 # How far a tuned shape may be from an untuned one and still lend it its entries: within this
@@ -281,10 +291,7 @@ def table_entry(table: dict, op: str, tokens: int, n: int, k: int, rank: int | N
     """`table_config`'s lookup in a given table; a shape the table lacks takes the entries of
     its nearest tuned shape (`nearest_shape`), if any."""
     shapes = table.get(op, {})
-    suffixes = [""]
-    if rank is not None:
-        suffixes += [f"@r{rank_block(rank)}"] + ([f"@r{rank_block(rank)}{ONE_SLOT}"]
-                                                if one_slot else [])
+    suffixes = _key_suffixes(rank, one_slot)
     # The nearest shape with entries this lookup may use (a shape tuned only for other ranks or
     # one slot does not hide a farther one that serves it) and a bucket at or above the batch:
     # a shape the tuner cached at the decode buckets only does not give a prefill batch its
