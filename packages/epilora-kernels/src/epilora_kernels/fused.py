@@ -135,9 +135,10 @@ def lora_fp8_gemm(
     _checks.check_h(h, lora, t)
     support = _support(codes, "fused")
     y = torch.empty(t, lora.out_features, dtype=torch.bfloat16, device=codes.device)
+    cfg = _k2_config(support, FP8, codes.dtype, weight, weight_scale, lora, batch, config,
+                     pdl=pdl)
     return _launchers.launch_k2(support, _workspace(workspace, codes.device), FP8, codes,
-                                scales, weight, weight_scale, y, h, lora, batch,
-                                _tiling.gemm_config(support, batch, lora, config), pdl=pdl)
+                                scales, weight, weight_scale, y, h, lora, batch, cfg, pdl=pdl)
 
 
 def lora_w8a16_gemm(
@@ -151,9 +152,10 @@ def lora_w8a16_gemm(
     _checks.check_h(h, lora, x.shape[0])
     support = _support(x, "w8a16")
     y = torch.empty(x.shape[0], lora.out_features, dtype=torch.bfloat16, device=x.device)
+    cfg = _k2_config(support, W8A16, x.dtype, weight, weight_scale, lora, batch, config,
+                     pdl=False)
     return _launchers.launch_k2(support, _workspace(workspace, x.device), W8A16, x,
-                                weight_scale, weight, weight_scale, y, h, lora, batch,
-                                _tiling.gemm_config(support, batch, lora, config))
+                                weight_scale, weight, weight_scale, y, h, lora, batch, cfg)
 
 
 def lora_expand(
@@ -226,21 +228,32 @@ def fused_lora_w8a16_linear(
 
 def _settings(support, mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
               decode, quantize, pdl, counted, warm_l2, wait_k1_first):
-    # K1's and K2's launch settings: given, else the table's or the heuristic's; K2's at the
-    # decode token counts (16- and 32-row tiles) then fitted to the device's waves unless tuned
-    # on this very shape (`_launchers.fit_k2_waves`, which loads the compiled candidates on the
-    # weight's device).
+    # K1's and K2's launch settings: given, else the table's or the heuristic's (K2's fitted to
+    # the device's waves: `_k2_config`).
     t = x.shape[0]
     op1 = "decode_shrink" if decode else "quantize_shrink" if quantize else "shrink"
     cfg1 = _tiling.config(support, op1, t, lora, k1_config, one_slot=_tiling.one_slot(batch))
-    cfg2 = _tiling.gemm_config(support, batch, lora, k2_config)
-    if (k2_config is None and not support.interpreter and weight.is_cuda
-            and cfg2.block_m <= 32 and not _tiling.gemm_tuned_exactly(support, batch, lora)):
-        cfg2 = _launchers.fit_k2_waves(
-            support, mode, torch.float8_e4m3fn if mode == FP8 else x.dtype, weight,
-            weight_scale, torch.float32, lora, batch, cfg2, pdl=_launchers.use_pdl(support, pdl),
-            wait_codes=counted, warm_l2=warm_l2, wait_k1_first=wait_k1_first)
+    cfg2 = _k2_config(support, mode, torch.float8_e4m3fn if mode == FP8 else x.dtype, weight,
+                      weight_scale, lora, batch, k2_config, pdl=pdl, wait_codes=counted,
+                      warm_l2=warm_l2, wait_k1_first=wait_k1_first)
     return cfg1, cfg2
+
+
+def _k2_config(support, mode, a_dtype, weight, weight_scale, lora, batch, given, *, pdl,
+               wait_codes=False, warm_l2=0, wait_k1_first=False):
+    # K2's settings: given, else the table's or the heuristic's; at the decode token counts
+    # (16- and 32-row tiles) then fitted to the device's waves unless tuned on this very shape
+    # (`_launchers.fit_k2_waves`, which loads the compiled candidates, in the variant that will
+    # launch, on the weight's device). Every path that launches K2 asks here, so K2 alone and
+    # inside a fused call take the same tiles and give the same bits.
+    cfg = _tiling.gemm_config(support, batch, lora, given)
+    if (given is None and not support.interpreter and weight.is_cuda and cfg.block_m <= 32
+            and not _tiling.gemm_tuned_exactly(support, batch, lora)):
+        cfg = _launchers.fit_k2_waves(
+            support, mode, a_dtype, weight, weight_scale, torch.float32, lora, batch, cfg,
+            pdl=_launchers.use_pdl(support, pdl), wait_codes=wait_codes, warm_l2=warm_l2,
+            wait_k1_first=wait_k1_first)
+    return cfg
 
 
 def decode_settings(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -48,6 +48,43 @@ def test_in_cuda_graphs_adapters_change_answers_and_a_mixed_batch_equals_single_
     torch.cuda.synchronize()
 
 
+# Before the sleep-mode tests: level 2's failed reload (below, an expected failure) leaves
+# vLLM's process-wide rotary-embedding cache (get_rope's) holding meta tensors, which a later
+# engine in this process would reuse.
+def test_timed_dispatch_chooses_per_shape_and_bucket_then_a_later_start_times_nothing(
+        checkpoints, tmp_path, monkeypatch):
+    # EPILORA_VLLM_DISPATCH=timed in vLLM's default configuration: the warm-up runs before each
+    # graph size is captured time the candidates (the kernels' paths and vLLM's own), and the
+    # file holds a choice per projection shape and token bucket; adapters change the engine's
+    # answers. A second engine reads the file, times nothing and answers the same (the same
+    # paths: a batch of another bucket may take another path, so singles need not equal a
+    # mixed batch bit for bit here).
+    from epilora_vllm import dispatch
+
+    monkeypatch.setenv("EPILORA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("EPILORA_VLLM_DISPATCH", "timed")
+    dispatch._dispatchers.clear()
+    llm = engine(checkpoints["fp8"])
+    files = list((tmp_path / "vllm").glob("dispatch__*.json"))
+    assert len(files) == 1
+    choices = json.loads(files[0].read_text())
+    shapes = {key.split("/")[0] for key in choices}
+    assert len(shapes) == 4, shapes  # the tiny model's qkv, o, gate_up and down
+    assert all(set(c["us"]) >= {"fused", "hybrid", "vllm"} for c in choices.values())
+    requests = [(p, request(checkpoints, i)) for p, i in zip(PROMPTS, (1, 2, None),
+                                                             strict=True)]
+    mixed = generate(llm, requests)
+    by_adapter = [generate(llm, [(PROMPTS[0], request(checkpoints, i))])[0]
+                  for i in (None, 1, 2)]
+    assert len({tuple(t) for t in by_adapter}) == 3, by_adapter
+    del llm
+    dispatch._dispatchers.clear()
+    monkeypatch.setattr(dispatch.TimedDispatch, "_timer",
+                        lambda self: pytest.fail("a later start timed a case again"))
+    again = engine(checkpoints["fp8"])
+    assert generate(again, requests) == mixed
+
+
 @pytest.fixture(scope="module")
 def sleepy(checkpoints, graphed):
     """The FP8 engine with the plugin under vLLM's sleep mode (CUDA graphs on), its kernels'
@@ -98,37 +135,3 @@ def test_sleep_level_2_then_wake_up_reload_and_readded_adapters_give_the_same_an
     for lora_id in sorted(llm.llm_engine.list_loras()):
         llm.llm_engine.remove_lora(lora_id)
     assert generate(llm, requests) == before
-
-
-def test_timed_dispatch_chooses_per_shape_and_bucket_then_a_later_start_times_nothing(
-        checkpoints, tmp_path, monkeypatch):
-    # EPILORA_VLLM_DISPATCH=timed in vLLM's default configuration: the warm-up runs before each
-    # graph size is captured time the candidates (the kernels' paths and vLLM's own), and the
-    # file holds a choice per projection shape and token bucket; adapters change the engine's
-    # answers. A second engine reads the file, times nothing and answers the same (the same
-    # paths: a batch of another bucket may take another path, so singles need not equal a
-    # mixed batch bit for bit here).
-    from epilora_vllm import dispatch
-
-    monkeypatch.setenv("EPILORA_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("EPILORA_VLLM_DISPATCH", "timed")
-    dispatch._dispatchers.clear()
-    llm = engine(checkpoints["fp8"])
-    files = list((tmp_path / "vllm").glob("dispatch__*.json"))
-    assert len(files) == 1
-    choices = json.loads(files[0].read_text())
-    shapes = {key.split("/")[0] for key in choices}
-    assert len(shapes) == 4, shapes  # the tiny model's qkv, o, gate_up and down
-    assert all(set(c["us"]) >= {"fused", "hybrid", "vllm"} for c in choices.values())
-    requests = [(p, request(checkpoints, i)) for p, i in zip(PROMPTS, (1, 2, None),
-                                                             strict=True)]
-    mixed = generate(llm, requests)
-    by_adapter = [generate(llm, [(PROMPTS[0], request(checkpoints, i))])[0]
-                  for i in (None, 1, 2)]
-    assert len({tuple(t) for t in by_adapter}) == 3, by_adapter
-    del llm
-    dispatch._dispatchers.clear()
-    monkeypatch.setattr(dispatch.TimedDispatch, "_timer",
-                        lambda self: pytest.fail("a later start timed a case again"))
-    again = engine(checkpoints["fp8"])
-    assert generate(again, requests) == mixed
