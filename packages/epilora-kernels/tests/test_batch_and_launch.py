@@ -52,6 +52,31 @@ def test_launch_config_validation_and_heuristic():
         heuristic_config("gemm", 1, 64, 64, 16)
 
 
+def test_prefill_k2_takes_prefill_tiles_unless_a_bucket_covers_the_batch(tmp_path, monkeypatch):
+    from epilora_kernels import launch
+
+    prefill = launch.PREFILL_MIN_TOKENS + 1
+    k2 = heuristic_config("lora_gemm", prefill, 6144, 4096, 64, (4096, 1024, 1024))
+    assert (k2.block_m, k2.block_n, k2.block_k, k2.num_warps) == (128, 256, 128, 8), k2
+    # a slice boundary that 256 does not divide narrows the tile, never straddled
+    assert heuristic_config("lora_gemm", prefill, 768, 4096, 64, (640, 128)).block_n == 128
+    assert heuristic_config("lora_gemm", launch.PREFILL_MIN_TOKENS, 6144, 4096, 64).block_m == 64
+    table = {"lora_gemm": {"64x32": {"256": {"block_m": 64, "block_n": 32}}}}
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "Test_GPU.json").write_text(json.dumps(table))
+    monkeypatch.setattr(launch.resources, "files", lambda _pkg: tmp_path)
+    launch._load_table.cache_clear()
+    # the 256-token bucket serves 256 tokens and is not stretched to 257
+    assert launch.select_config("Test GPU", "lora_gemm", 256, 64, 32, 16).block_n == 32
+    assert (launch.select_config("Test GPU", "lora_gemm", prefill, 64, 32, 16)
+            == heuristic_config("lora_gemm", prefill, 64, 32, 16))
+    table["lora_gemm"]["64x32"]["4096"] = {"block_m": 128, "block_n": 16}
+    (tmp_path / "configs" / "Test_GPU.json").write_text(json.dumps(table))
+    launch._load_table.cache_clear()
+    assert launch.select_config("Test GPU", "lora_gemm", prefill, 64, 32, 16).block_n == 16
+    launch._load_table.cache_clear()
+
+
 def test_table_schema_is_checked():
     good = {"_meta": {"device": "NVIDIA H200"},
             "lora_gemm": {"6144x4096": {"16": {"block_m": 16, "block_n": 32}}}}

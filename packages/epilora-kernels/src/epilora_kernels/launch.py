@@ -23,6 +23,10 @@ from importlib import resources
 # K1 quantizing (the fused path), K1's shrink alone for the hybrid path and for the decode path
 # (tuned apart: K2 overlaps the decode path's shrink, not the others), and K2.
 OPS = ("quantize_shrink", "shrink", "decode_shrink", "lora_gemm")
+# K2 beyond this many tokens takes the heuristic's prefill tiles unless a table bucket covers
+# the batch: the tuned buckets end at 256, whose 64-row tiles stretched to prefill batches were
+# 1.5x slower than the prefill tiles (select_config).
+PREFILL_MIN_TOKENS = 256
 # `decode_shrink` buckets cover up to this many tokens (benchmarks/tune.py). Beyond, the decode
 # path's K1 takes a `decode_shrink` entry only from a bucket at or above the batch
 # (benchmarks/tune_layer.py writes them, few programs that leave room for K2 beside them), else
@@ -101,6 +105,13 @@ def heuristic_config(
     # where they still give two programs per SM (gate_up), in 3 stages, else 32-wide in 5; and
     # the K loop split in two where K is at least twice N (down), so its few columns still
     # spread over every SM.
+    if tokens > PREFILL_MIN_TOKENS:
+        # Prefill: K2 is compute-bound; CUTLASS's own tiles. Without adapters, 128x256x128
+        # tiles in 8 warps and 3 stages came within 4% of vLLM's CUTLASS at 2048 and 4096 tokens
+        # on Qwen3-8B's four projections, where the 256-token entries (64-row tiles) stretched
+        # took 1.5x (dev/large_m_probe.py at f4e3310; docs/kernels.md, "Prefill").
+        return LaunchConfig(block_m=128, block_n=fit_slices(256, slices), block_k=128,
+                            block_r=block_r, split_k=1, num_warps=8, num_stages=3)
     split_k = 1
     if tokens <= 32:
         block_k = 256
@@ -319,9 +330,11 @@ def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int,
     None: the heuristic). K2's table entries are tuned at one rank; its epilogue holds a whole
     adapter's rank in one tile, so their `block_r` becomes the rank's. The decode path's K1
     beyond the decode buckets (`decode_shrink`, more than DECODE_SHRINK_MAX_TOKENS tokens) takes
-    the fused path's settings unless a `decode_shrink` bucket covers the batch. `one_slot`: the
-    batch has one adapter slot (its one-slot entries first, `table_config`). `cache_device`: the
-    device whose tuner cache overlays `device_name`'s table (default: that device)."""
+    the fused path's settings unless a `decode_shrink` bucket covers the batch; K2 beyond
+    PREFILL_MIN_TOKENS takes the heuristic's prefill tiles unless a bucket covers the batch.
+    `one_slot`: the batch has one adapter slot (its one-slot entries first, `table_config`).
+    `cache_device`: the device whose tuner cache overlays `device_name`'s table (default: that
+    device)."""
     if op == "decode_shrink" and tokens > DECODE_SHRINK_MAX_TOKENS:
         tuned = None if device_name is None else table_config(
             device_name, op, tokens, n, k, rank, cover=True, one_slot=one_slot,
@@ -329,8 +342,10 @@ def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int,
         if tuned is not None:
             return tuned
         op = "quantize_shrink"
+    cover = op == "lora_gemm" and tokens > PREFILL_MIN_TOKENS
     tuned = None if device_name is None else table_config(
-        device_name, op, tokens, n, k, rank, one_slot=one_slot, cache_device=cache_device)
+        device_name, op, tokens, n, k, rank, cover=cover, one_slot=one_slot,
+        cache_device=cache_device)
     if tuned is None:
         return heuristic_config(op, tokens, n, k, rank, slices)
     if op != "lora_gemm":

@@ -104,12 +104,14 @@ K2_GPU = {
     "prefill-tma": ek.LaunchConfig(block_m=64, block_n=64, block_k=128, block_r=64),
     "wide-tma": ek.LaunchConfig(block_m=128, block_n=128, block_k=128, block_r=64,
                                 num_warps=8),
+    "prefill": ek.LaunchConfig(block_m=128, block_n=128, block_k=128, block_r=64,
+                               num_warps=8, num_stages=3),
 }
 
 
 @pytest.mark.parametrize("cfg", K2_GPU)
 @pytest.mark.parametrize("mapping", ["one_adapter", "mixed_with_base", "one_token_each"])
-@pytest.mark.parametrize("tokens", [3, 40, 200])
+@pytest.mark.parametrize("tokens", [3, 40, 200, 300])
 def test_k2_bitwise_on_integer_operands_and_every_rows_delta(tokens, mapping, cfg):
     # Rank 16 over K = 64: every output an integer below 256 in magnitude, exact in bf16, so
     # y - (y without adapters) is each row's delta exactly.

@@ -22,6 +22,7 @@ SHAPES = [  # (tokens, K, output slices, rank, max_loras): qkv-, gate_up- and o-
     (37, 1024, (512,), 128, 2),
     (256, 1024, (512, 128, 128), 8, 8),
     (32, 1024, (256,), 64, 32),  # 32 adapters, one token each with "one_token_each"
+    (300, 1024, (512, 256, 256), 64, 8),  # K2 in prefill tiles (128x256), rank in steps
 ]
 BF16_TOL = 1e-2
 
