@@ -1,13 +1,13 @@
-"""GPU: where the large-batch (prefill) paths' time goes, kernel by kernel, per projection.
+"""GPU: where the fused path's time goes at prefill sizes, kernel by kernel, per projection.
 
 For one model's four projections at prefill token counts, one rank-64 adapter: vLLM's per-token
-quant and CUTLASS apart; our K2 without adapters (`fp8_gemm`) in the launchers' settings and in
-larger tiles; the hybrid path's shrink and expand (ours and vLLM's Punica kernels); and two
-bandwidth floors, a bf16 read-modify-write of the output (what an expand after a vendor GEMM
-must move at least) and a read of the activations (what a shrink must). Each kernel alone in a
-CUDA graph, L2 flushed, median. Every token count runs in a process of its own under a time
-limit, and each kernel is named before it first runs, so a kernel that hangs costs one case and
-says which it was.
+quant and CUTLASS apart; our quantizer alone; K1 (quantize + shrink) in its launchers' settings
+and in other tiles; K2 without the adapter (`fp8_gemm`) and with it (`lora_fp8_gemm`, its
+epilogue adding h B^T); and the fused path whole. Each kernel alone in a CUDA graph, L2 flushed,
+median. Every token count runs in a process of its own under a time limit, and each kernel is
+named before it first runs, so a kernel that hangs costs one case and says which it was.
+(At f4e3310 this probe timed K2's tiles and the hybrid path's kernels instead; its findings are
+in docs/kernels.md, "Prefill".)
 
     source tools/device/setup.sh
     python3 dev/large_m_probe.py --out $OUT/large_m_probe.json
@@ -28,50 +28,44 @@ from models import MODELS  # noqa: E402
 import epilora_kernels as ek  # noqa: E402
 from epilora_kernels.launch import LaunchConfig  # noqa: E402
 
-# (block_m, block_n, block_k, warps, stages) of K2 without adapters
-GEMM_TILES = [(128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (128, 128, 128, 4, 4),
-              (64, 256, 128, 4, 4)]
+# K1's tiles: (block_m, block_r, block_k, split_k, warps, stages)
+K1_TILES = [(16, 32, 128, 8, 4, 2), (16, 64, 128, 8, 4, 2), (32, 64, 128, 8, 4, 3),
+            (64, 64, 128, 4, 4, 3), (64, 64, 128, 8, 4, 3), (64, 64, 256, 2, 4, 3),
+            (128, 64, 128, 4, 8, 3), (64, 32, 128, 4, 4, 3)]
 
 
-def kernels(x, weight, scale, lora, batch, meta, buf):
+def kernels(x, weight, scale, lora, batch):
     from vllm import _custom_ops as ops
-    from vllm.lora.ops.triton_ops import lora_expand, lora_shrink
 
     codes, x_scale = ops.scaled_fp8_quant(x, None, use_per_token_if_dynamic=True)
-    y = ops.cutlass_scaled_mm(codes, weight.t(), x_scale, scale, torch.bfloat16)
-    h = ek.lora_shrink(x, lora, batch)
+    _, _, h = ek.quantize_and_shrink(x, lora, batch)
     fns = {
         "vllm-quant": lambda: ops.scaled_fp8_quant(x, None, use_per_token_if_dynamic=True),
         "cutlass-mm": lambda: ops.cutlass_scaled_mm(codes, weight.t(), x_scale, scale,
                                                     torch.bfloat16),
-        "y-rmw": lambda: y.mul_(1.0),
-        "x-read": lambda: x.amax(),
-        "ek-shrink": lambda: ek.lora_shrink(x, lora, batch),
-        "ek-expand": lambda: ek.lora_expand(y, h, lora, batch),
-        "vllm-shrink": lambda: lora_shrink(x, list(lora.lora_a), buf, *meta, 1.0),
-        "vllm-expand": lambda: lora_expand(buf, list(lora.lora_b), y, *meta, offset_start=0,
-                                           add_inputs=True),
+        "ek-quant": lambda: ek.quantize(x),
+        "ek-k1": lambda: ek.quantize_and_shrink(x, lora, batch),
         "ek-gemm": lambda: ek.fp8_gemm(codes, x_scale, weight, scale),
+        "ek-k2-lora": lambda: ek.lora_fp8_gemm(codes, x_scale, weight, scale, h, lora, batch),
+        "ek-fused": lambda: ek.fused_lora_fp8_linear(x, weight, scale, lora, batch),
     }
-    for bm, bn, bk, warps, stages in GEMM_TILES:
-        cfg = LaunchConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
+    for bm, br, bk, split, warps, stages in K1_TILES:
+        cfg = LaunchConfig(block_m=bm, block_r=br, block_k=bk, split_k=split, num_warps=warps,
                            num_stages=stages)
-        fns[f"ek-gemm-{bm}x{bn}x{bk}w{warps}s{stages}"] = (
-            lambda cfg=cfg: ek.fp8_gemm(codes, x_scale, weight, scale, config=cfg))
-    reference = y.float().clone()
-    return fns, reference
+        fns[f"ek-k1-{bm}r{br}k{bk}s{split}w{warps}p{stages}"] = (
+            lambda cfg=cfg: ek.quantize_and_shrink(x, lora, batch, config=cfg))
+    return fns, h.float().clone()
 
 
 def run_case(model: str, tokens: int, reps: int) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     projections = MODELS[model]
     layer = make_layer(1, 64, gen, projections)
-    batch, xs, bufs = adapter_inputs(tokens, 64, 1, gen, projections)
-    meta = batch.vllm_meta_args()
+    batch, xs, _ = adapter_inputs(tokens, 64, 1, gen, projections)
     flush = l2_flush_buffer()
     rows = []
     for name, (weight, scale, lora) in layer.items():
-        fns, reference = kernels(xs[name], weight, scale, lora, batch, meta, bufs[name])
+        fns, reference = kernels(xs[name], weight, scale, lora, batch)
         good = {}
         for key, fn in fns.items():
             print(f"# {model} {name} {tokens} {key}: first run", flush=True)
@@ -81,8 +75,8 @@ def run_case(model: str, tokens: int, reps: int) -> list[dict]:
             except Exception as e:  # noqa: BLE001 - a probe: report and go on
                 print(f"# {key} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
-            if key.startswith("ek-gemm"):
-                err = ((out.float() - reference).norm() / reference.norm()).item()
+            if key.startswith("ek-k1-"):  # h against the launchers' settings' h
+                err = ((out[2].float() - reference).norm() / reference.norm()).item()
                 if err > 1e-2:
                     print(f"# {key} WRONG: relative error {err:.3g}", flush=True)
                     continue

@@ -32,7 +32,7 @@ def test_every_public_name_is_importable_and_listed():
 @pytest.mark.parametrize(("support", "tokens", "slots", "want"), [
     (SM90, 1, 1, "decode"), (SM90, 64, 1, "decode"), (SM90, 65, 1, "fused"),
     (SM90, 8, 32, "decode"), (SM90, 16, 32, "fused"), (SM90, 512, 8, "fused"),
-    (SM90, 513, 1, "hybrid"), (SM90, 4096, 32, "hybrid"), (SM89, 1, 1, "fused"),
+    (SM90, 513, 1, "fused"), (SM90, 4096, 32, "fused"), (SM89, 1, 1, "fused"),
     (INTERPRETER, 4, 2, "decode")])
 def test_choose_path(support, tokens, slots, want):
     batch = ek.AdapterBatch.from_token_mapping(
@@ -149,8 +149,9 @@ def test_the_hybrid_path_refuses_unaligned_shapes_and_the_dispatcher_takes_fused
     assert not verdict and "multiples of 16" in verdict.reason
     assert ek.supports("fused", output_slices=(1000,), **case)
     x, weight, w_scale, lora, batch = make_problem(12, 600, 64, (40,), 8, 2, "one_adapter")
-    assert ek.choose_path(600, batch, INTERPRETER) == "hybrid"
-    y = ek.lora_linear(x, weight, w_scale, lora, batch)  # N = 40: fused instead
+    with pytest.raises(ek.UnsupportedError, match="multiples of 16"):
+        ek.lora_linear(x, weight, w_scale, lora, batch, path="hybrid")
+    y = ek.lora_linear(x, weight, w_scale, lora, batch)  # N = 40: the fused path serves it
     assert_bitwise_equal(y, ek.fused_lora_fp8_linear(x, weight, w_scale, lora, batch),
                          name="dispatcher on an unaligned shape")
 

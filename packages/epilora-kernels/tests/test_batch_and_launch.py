@@ -58,6 +58,11 @@ def test_prefill_k2_takes_prefill_tiles_unless_a_bucket_covers_the_batch(tmp_pat
     prefill = launch.PREFILL_MIN_TOKENS + 1
     k2 = heuristic_config("lora_gemm", prefill, 6144, 4096, 64, (4096, 1024, 1024))
     assert (k2.block_m, k2.block_n, k2.block_k, k2.num_warps) == (128, 256, 128, 8), k2
+    # 512 x 4096 in 128 x 256 tiles is 64 programs, half a wave of 132 SMs: 128-wide tiles
+    assert heuristic_config("lora_gemm", 512, 4096, 4096, 64).block_n == 128
+    assert heuristic_config("lora_gemm", 2048, 4096, 4096, 64).block_n == 256
+    k1 = heuristic_config("quantize_shrink", prefill, 6144, 4096, 64)
+    assert (k1.block_m, k1.block_r, k1.split_k) == (64, 32, 4), k1
     # a slice boundary that 256 does not divide narrows the tile, never straddled
     assert heuristic_config("lora_gemm", prefill, 768, 4096, 64, (640, 128)).block_n == 128
     assert heuristic_config("lora_gemm", launch.PREFILL_MIN_TOKENS, 6144, 4096, 64).block_m == 64
@@ -121,9 +126,12 @@ def test_decode_k1_beyond_its_buckets_takes_the_fused_settings_unless_covered(tm
     # rank 64: no decode bucket covers 33 tokens, so not the 32-token entry stretched
     assert launch.select_config("Test GPU", "decode_shrink", max_t + 1, 64, 32, 64).split_k == 4
     assert launch.table_config("Test GPU", "decode_shrink", 999, 64, 32, cover=True) is None
-    # rank 128: its 256-token bucket covers 33-256 tokens, and none covers more
+    # rank 128: its 256-token bucket covers 33-256 tokens, and none covers more: beyond, the
+    # fused path's, where the heuristic's prefill tiles replace the 256-token entry stretched
     assert launch.select_config("Test GPU", "decode_shrink", max_t + 1, 64, 32, 128).split_k == 2
-    assert launch.select_config("Test GPU", "decode_shrink", 257, 64, 32, 128).split_k == 4
+    assert launch.select_config("Test GPU", "decode_shrink", 256, 64, 32, 128).split_k == 2
+    assert (launch.select_config("Test GPU", "decode_shrink", 257, 64, 32, 128)
+            == launch.heuristic_config("quantize_shrink", 257, 64, 32, 128))
     # no table: the heuristic's fused settings
     assert (launch.select_config(None, "decode_shrink", max_t + 1, 64, 32, 64)
             == launch.heuristic_config("quantize_shrink", max_t + 1, 64, 32, 64))

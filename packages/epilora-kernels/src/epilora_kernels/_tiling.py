@@ -3,7 +3,6 @@ counts, and the compile-time choices that follow from its tiles (TMA, where B is
 steps). Pure host arithmetic: nothing here launches or allocates."""
 
 import dataclasses
-import math
 from collections.abc import Callable
 
 import triton
@@ -17,6 +16,7 @@ from epilora_kernels.launch import (
     select_config,
     table_device,
     tuned_exactly,
+    wave_efficiency,
 )
 
 
@@ -98,18 +98,6 @@ def wave_candidates(cfg: LaunchConfig, k: int, slices: tuple[int, ...]) -> list[
                 out.append(dataclasses.replace(cfg, block_n=block_n, split_k=split_k,
                                                num_stages=stages))
     return list(dict.fromkeys(out))
-
-
-def wave_efficiency(programs: int, blocks_per_sm: int, sms: int) -> float:
-    """The fraction of the waves' room a grid fills: 1 when it fits in one wave on every SM's
-    share (at least one program an SM, at most what the SMs hold at once), else its programs
-    over the room of the waves it needs (a last wave of few programs idles most SMs)."""
-    if blocks_per_sm < 1 or programs < 1:
-        return 0.0
-    room = blocks_per_sm * sms
-    if programs <= room:
-        return min(1.0, programs / sms)
-    return programs / (math.ceil(programs / room) * room)
 
 
 # A setting in use fills at least this much of its waves: left alone.

@@ -23,13 +23,13 @@ MAX_RANK = 128  # the largest rank tile K2's epilogue was compiled and tested wi
 SLICE_ALIGN = 16  # output slices start on a multiple of the narrowest K2 tile
 
 # choose_path's thresholds, from the layer benchmark on Qwen3-8B's shapes only (benchmarks/
-# layer.py; layer.json of f715d55 up to 256 tokens, and the 1024- and 4096-token cases of an
-# exploratory run at 815af52): the decode path was the fastest at 1-64 tokens with one adapter
-# slot and at 1-8 tokens with 32; the fused path at 128-256; the hybrid path (CUTLASS, then our
-# shrink and expand) at 1024 and 4096 with one adapter and with eight. 512 lies between.
+# layer.py; layer.json of f715d55 up to 256 tokens): the decode path was the fastest at 1-64
+# tokens with one adapter slot and at 1-8 tokens with 32; the fused path beyond. At 512-4096
+# tokens, with K1 and K2 in their prefill tiles, the fused path beat the hybrid path (CUTLASS,
+# then our shrink and expand) in 35 of 36 cases on the three models' shapes and lost one by 2%
+# (layer runs at 5c4e33e; docs/kernels.md, "Prefill").
 DECODE_MAX_TOKENS_ONE_SLOT = 64
 DECODE_MAX_TOKENS = 8
-FUSED_MAX_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -88,14 +88,14 @@ def supports(path: str, *, in_features: int, output_slices: tuple[int, ...], max
 
 def choose_path(tokens: int, batch: AdapterBatch, support: DeviceSupport) -> str:
     """The path `lora_linear` takes without one given: the decode path for small batches where
-    PDL exists (more tokens with one adapter slot, whose K2 epilogue is cheapest), the fused
-    path up to FUSED_MAX_TOKENS, the hybrid path beyond (the vendor GEMM is faster than our K2
-    at large M, more than the expand's re-read of its output costs)."""
+    PDL exists (more tokens with one adapter slot, whose K2 epilogue is cheapest), else the
+    fused path. The hybrid path is for callers that choose it (an engine timing its own GEMM
+    against ours)."""
     if support.pdl or support.interpreter:
         limit = DECODE_MAX_TOKENS_ONE_SLOT if batch.num_entries <= 2 else DECODE_MAX_TOKENS
         if tokens <= limit:
             return "decode"
-    return "fused" if tokens <= FUSED_MAX_TOKENS else "hybrid"
+    return "fused"
 
 
 BaseGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -153,8 +153,6 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
 
     if path is None:
         path = choose_path(x.shape[0], batch, support)
-        if path == "hybrid" and not verdict(path):
-            path = "fused"  # a shape the vendor GEMM refuses: our K2 has no such bound
     ok = verdict(path)
     if not ok:
         raise UnsupportedError(f"{path} path: {ok.reason}")

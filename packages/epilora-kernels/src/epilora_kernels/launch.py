@@ -23,9 +23,9 @@ from importlib import resources
 # K1 quantizing (the fused path), K1's shrink alone for the hybrid path and for the decode path
 # (tuned apart: K2 overlaps the decode path's shrink, not the others), and K2.
 OPS = ("quantize_shrink", "shrink", "decode_shrink", "lora_gemm")
-# K2 beyond this many tokens takes the heuristic's prefill tiles unless a table bucket covers
-# the batch: the tuned buckets end at 256, whose 64-row tiles stretched to prefill batches were
-# 1.5x slower than the prefill tiles (select_config).
+# Beyond this many tokens K1 and K2 take the heuristic's prefill tiles unless a table bucket
+# covers the batch: the tuned buckets end at 256, whose tiles stretched to prefill batches were
+# up to 1.5x slower than the prefill tiles (select_config).
 PREFILL_MIN_TOKENS = 256
 # `decode_shrink` buckets cover up to this many tokens (benchmarks/tune.py). Beyond, the decode
 # path's K1 takes a `decode_shrink` entry only from a bucket at or above the batch
@@ -96,6 +96,14 @@ def heuristic_config(
             return LaunchConfig(block_m=block_m, block_n=64, block_k=256 if tokens <= 16 else 128,
                                 block_r=block_r, split_k=max(1, min(16, k // 256)),
                                 num_warps=4, num_stages=2)
+        if tokens > PREFILL_MIN_TOKENS:
+            # Prefill: every row tile reads its adapter's A again, so 64-row tiles read a
+            # quarter of the 16-row tiles' A. 64 x 32 tiles split 4 in 3 stages: K1 on
+            # Qwen3-8B's four shapes (rank 64) 172 -> 141 us at 2048 tokens and 313 -> 258 at
+            # 4096, the fastest of eight tilings there and within 4 us of the fastest at 512
+            # (dev/large_m_probe.py at 5c4e33e; docs/kernels.md, "Prefill").
+            return LaunchConfig(block_m=64, block_n=64, block_k=128, block_r=min(block_r, 32),
+                                split_k=max(1, min(4, k // 512)), num_warps=4, num_stages=3)
         return LaunchConfig(block_m=16, block_n=64, block_k=128, block_r=min(block_r, 32),
                             split_k=max(1, min(8, k // 512)), num_warps=4, num_stages=2)
     # Decode is bandwidth-bound: narrow N tiles give every SM weights to stream (N=4096 in
@@ -106,12 +114,20 @@ def heuristic_config(
     # the K loop split in two where K is at least twice N (down), so its few columns still
     # spread over every SM.
     if tokens > PREFILL_MIN_TOKENS:
-        # Prefill: K2 is compute-bound; CUTLASS's own tiles. Without adapters, 128x256x128
-        # tiles in 8 warps and 3 stages came within 4% of vLLM's CUTLASS at 2048 and 4096 tokens
-        # on Qwen3-8B's four projections, where the 256-token entries (64-row tiles) stretched
-        # took 1.5x (dev/large_m_probe.py at f4e3310; docs/kernels.md, "Prefill").
-        return LaunchConfig(block_m=128, block_n=fit_slices(256, slices), block_k=128,
-                            block_r=block_r, split_k=1, num_warps=8, num_stages=3)
+        # Prefill: K2 is compute-bound. Without adapters, 128 x 256 x 128 tiles in 8 warps and
+        # 3 stages came within 4% of vLLM's CUTLASS at 2048 and 4096 tokens on Qwen3-8B's four
+        # projections, where the 256-token entries (64-row tiles) stretched took 1.5x; at 512
+        # tokens 128 x 128 x 128 tiles in 4 stages were faster (dev/large_m_probe.py at
+        # f4e3310; docs/kernels.md, "Prefill"). Either holds one block per SM: the wider tile
+        # unless the narrower fills the SMs' waves clearly better (a 512 x 4096 output is 64
+        # wide tiles, under half of one wave).
+        wide = fit_slices(256, slices)
+        cfg = LaunchConfig(block_m=128, block_n=wide, block_k=128, block_r=block_r,
+                           num_warps=8, num_stages=3)
+        narrow = dataclasses.replace(cfg, block_n=min(wide, 128), num_stages=4)
+        waves = {c: wave_efficiency(-(-tokens // 128) * -(-n // c.block_n), 1, H200_SMS)
+                 for c in (cfg, narrow)}
+        return narrow if waves[narrow] > waves[cfg] + 0.1 else cfg
     split_k = 1
     if tokens <= 32:
         block_k = 256
@@ -125,6 +141,18 @@ def heuristic_config(
 
 
 H200_SMS = 132  # the heuristic's programs-per-SM rules (H100 SXM has 132 too)
+
+
+def wave_efficiency(programs: int, blocks_per_sm: int, sms: int) -> float:
+    """The fraction of the waves' room a grid fills: 1 when it fits in one wave on every SM's
+    share (at least one program an SM, at most what the SMs hold at once), else its programs
+    over the room of the waves it needs (a last wave of few programs idles most SMs)."""
+    if blocks_per_sm < 1 or programs < 1:
+        return 0.0
+    room = blocks_per_sm * sms
+    if programs <= room:
+        return min(1.0, programs / sms)
+    return programs / (math.ceil(programs / room) * room)
 
 
 def fit_slices(block_n: int, slices: tuple[int, ...]) -> int:
@@ -330,8 +358,9 @@ def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int,
     None: the heuristic). K2's table entries are tuned at one rank; its epilogue holds a whole
     adapter's rank in one tile, so their `block_r` becomes the rank's. The decode path's K1
     beyond the decode buckets (`decode_shrink`, more than DECODE_SHRINK_MAX_TOKENS tokens) takes
-    the fused path's settings unless a `decode_shrink` bucket covers the batch; K2 beyond
-    PREFILL_MIN_TOKENS takes the heuristic's prefill tiles unless a bucket covers the batch.
+    the fused path's settings unless a `decode_shrink` bucket covers the batch; beyond
+    PREFILL_MIN_TOKENS every op takes the heuristic's prefill tiles unless a bucket covers the
+    batch.
     `one_slot`: the batch has one adapter slot (its one-slot entries first, `table_config`).
     `cache_device`: the device whose tuner cache overlays `device_name`'s table (default: that
     device)."""
@@ -342,7 +371,7 @@ def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int,
         if tuned is not None:
             return tuned
         op = "quantize_shrink"
-    cover = op == "lora_gemm" and tokens > PREFILL_MIN_TOKENS
+    cover = tokens > PREFILL_MIN_TOKENS
     tuned = None if device_name is None else table_config(
         device_name, op, tokens, n, k, rank, cover=cover, one_slot=one_slot,
         cache_device=cache_device)
