@@ -14,6 +14,10 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   platformdirs filelock attrs packaging==25.0 \
   pytest-xdist==3.8.0 execnet==2.1.2  # the GPU tests in processes (gpu_kernels.sh TESTS_JOBS)
 rm -rf .device/dist && uv build --all-packages -q -o .device/dist --wheel
+# vLLM 0.26.0's LoRA layer tests (its sdist's tests/lora, ~100 KB unpacked), which the plugin's
+# GPU tests run on FP8 bases (packages/epilora-vllm/tests/vllm_suite.py; setup.sh points there).
+EPILORA_VLLM_TESTS=.device/vllm-tests .venv/bin/python -c \
+  "import sys; sys.path.insert(0, 'packages/epilora-vllm/tests'); import vllm_suite" >/dev/null
 rm -rf .device/variants
 for ref in ${VARIANTS:-}; do
   dir=".device/variants/${ref//[\/~^]/-}" tree="$(mktemp -d)"

@@ -6,3 +6,5 @@ python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target "
 # Our packages after vLLM's bundle on the path, so nothing of ours shadows vLLM's dependencies.
 export PYTHONPATH="$PYTHONPATH:$EPILORA_SITE" OUT="${OUT:-out}"
 mkdir -p "$OUT"
+# vLLM's LoRA layer tests for the plugin's GPU tests (prepare.sh; the GPU machine has no network)
+export EPILORA_VLLM_TESTS="$PWD/.device/vllm-tests"

@@ -1,0 +1,44 @@
+"""vLLM 0.26.0's LoRA layer tests on FP8 bases, with the plugin's classes (`vllm_suite`).
+
+On a GPU (marked `gpu`, so run by the GPU session) the kernels compute, over vLLM's whole grid
+for the classes the plugin serves: 1-4 adapters among 8 slots (vLLM's own fixture skips its
+decode stage on CUDA, where its kernels are the same for both stages). On CPU the plugin
+computes through the kernels' torch references and vLLM's reference, its FP8 layer, through
+torch's CPU `_scaled_mm` (0.2 s a call at 4096 x 4096; vLLM's tests call it once per request),
+so a subset: two adapters' batches (a token given the other tenant's adapter fails) with
+prefill and decode metadata for the single-slice layers, one adapter's for the packed ones."""
+
+import pytest
+from vllm_suite import (  # noqa: F401 - the fixtures vLLM's tests take
+    SUITE_FIXTURES,
+    clean_cache_reset_device,
+    cleanup_fixture,
+    default_vllm_config,
+    dist_init,
+    fp8,
+    reset_default_device,
+    should_do_global_cleanup_after_test,
+    skip_cuda_with_stage_false,
+    vt,
+)
+
+ON_GPU = vt.DEVICES != ["cpu"]
+pytestmark = [pytest.mark.vllm, *([pytest.mark.gpu] if ON_GPU else [])]
+
+
+@pytest.mark.usefixtures(*SUITE_FIXTURES)
+@pytest.mark.parametrize("num_loras", [1, 2, 4] if ON_GPU else [2])
+@pytest.mark.parametrize("orientation", ["row", "column"])
+@pytest.mark.parametrize("device", vt.DEVICES)
+@pytest.mark.parametrize("stage", vt.STAGES)
+def test_linear_parallel(num_loras, orientation, device, stage):
+    vt.test_linear_parallel(None, None, num_loras, orientation, False, device, stage)
+
+
+@pytest.mark.usefixtures(*SUITE_FIXTURES)
+@pytest.mark.parametrize("num_loras", [1, 2, 4] if ON_GPU else [1])
+@pytest.mark.parametrize("repeats", [1, 2, 3])
+@pytest.mark.parametrize("device", vt.DEVICES)
+@pytest.mark.parametrize("stage", vt.STAGES if ON_GPU else [True])
+def test_column_parallel_packed(num_loras, repeats, device, stage):
+    vt.test_column_parallel_packed(None, None, num_loras, repeats, False, device, stage)

