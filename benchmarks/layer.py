@@ -5,8 +5,9 @@ Systems, side by side in one run on one GPU (names as in DESIGN.md section 6):
 * `cutlass`: vLLM's per-token activation quant (CUDA kernel) + `cutlass_scaled_mm`, no adapter;
 * `epilora-gemm`: our quantizer + our FP8 GEMM (K2 without adapter), against `cutlass`;
 * `vllm-default`: the same + vLLM's Punica `lora_shrink` / `lora_expand` at their defaults;
-* `epilora`: `epilora_kernels.lora_linear`, the dispatcher, with the shipped launch table (its
-  hybrid path on vLLM's quant + CUTLASS, as the plugin passes them);
+* `epilora`: `epilora_kernels.lora_linear`, the dispatcher, with the shipped launch table (vLLM's
+  quant + CUTLASS as the base GEMM of its hybrid path, as the plugin passes them, though the
+  dispatcher takes the decode or fused path);
 * `epilora-heuristic`: the dispatcher with every launch setting from the heuristic
   (EPILORA_LAUNCH_TABLES=0: no table);
 * `epilora-fused`: our K1 (quant + shrink) + K2 (FP8 GEMM with the up-projection in its epilogue);
@@ -103,7 +104,7 @@ def run_layer(system: str, xs: dict, layer: dict, batch: AdapterBatch, meta: tup
     for name, (weight, scale, lora) in layer.items():
         x = xs[name]
         if system in ("epilora", "epilora-heuristic"):
-            # The dispatcher as the plugin calls it: its hybrid path on vLLM's quant + CUTLASS.
+            # The dispatcher as the plugin calls it (vLLM's quant + CUTLASS for a hybrid path).
             if system == "epilora-heuristic":  # the same with no launch table
                 os.environ["EPILORA_LAUNCH_TABLES"] = "0"
             try:

@@ -8,3 +8,5 @@ export PYTHONPATH="$PYTHONPATH:$EPILORA_SITE" OUT="${OUT:-out}"
 mkdir -p "$OUT"
 # vLLM's LoRA layer tests for the plugin's GPU tests (prepare.sh; the GPU machine has no network)
 export EPILORA_VLLM_TESTS="$PWD/.device/vllm-tests"
+[ -f "$EPILORA_VLLM_TESTS/tests/lora/test_layers.py" ] \
+  || echo "setup.sh: no $EPILORA_VLLM_TESTS (run tools/device/prepare.sh): the plugin's GPU tests will not collect" >&2

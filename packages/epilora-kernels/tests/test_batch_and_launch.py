@@ -63,6 +63,23 @@ def test_prefill_k2_takes_prefill_tiles_unless_a_bucket_covers_the_batch(tmp_pat
     assert heuristic_config("lora_gemm", 2048, 4096, 4096, 64).block_n == 256
     k1 = heuristic_config("quantize_shrink", prefill, 6144, 4096, 64)
     assert (k1.block_m, k1.block_r, k1.split_k) == (64, 32, 4), k1
+    # sm_89's blocks get 99 KB of shared memory: no prefill tiles there
+    from epilora_kernels import _launchers, _tiling, fused
+    from epilora_kernels.arch import INTERPRETER, DeviceSupport
+    l40s = DeviceSupport("NVIDIA L40S", (8, 9), fp8_mma=True, pdl=False, tma=False,
+                         interpreter=False)
+    assert _tiling.shape_config(l40s, "lora_gemm", 2048, 6144, 4096, 64, ()).block_m == 64
+    assert _tiling.shape_config(INTERPRETER, "lora_gemm", 2048, 6144, 4096, 64, ()).block_m == 128
+    # W8A16's bf16 operands would overflow the wide tile's shared memory: 128-wide, 3 stages
+    weight = torch.zeros(512, 64, dtype=torch.float8_e4m3fn)
+    lora = LoraWeights((torch.zeros(2, 1, 16, 64, dtype=torch.bfloat16),),
+                       (torch.zeros(2, 1, 512, 16, dtype=torch.bfloat16),), (512,))
+    batch = AdapterBatch.from_token_mapping(torch.zeros(prefill, dtype=torch.int32), 2)
+    fp8, w8a16 = (fused._k2_config(INTERPRETER, mode, dtype, weight, torch.ones(1), lora,
+                                   batch, None, pdl=False)
+                  for mode, dtype in ((_launchers.FP8, torch.float8_e4m3fn),
+                                      (_launchers.W8A16, torch.bfloat16)))
+    assert (fp8.block_n, w8a16.block_n, w8a16.num_stages) == (256, 128, 3), (fp8, w8a16)
     # a slice boundary that 256 does not divide narrows the tile, never straddled
     assert heuristic_config("lora_gemm", prefill, 768, 4096, 64, (640, 128)).block_n == 128
     assert heuristic_config("lora_gemm", launch.PREFILL_MIN_TOKENS, 6144, 4096, 64).block_m == 64

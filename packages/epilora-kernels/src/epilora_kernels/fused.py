@@ -24,6 +24,8 @@ with an fp32 scale, one element (per-tensor) or one per output channel (`[N]` or
 llm-compressor's FP8-dynamic checkpoints); activations `[T, K]` bf16.
 """
 
+import dataclasses
+
 import torch
 
 from epilora_kernels import _checks, _launchers, _tiling
@@ -245,8 +247,14 @@ def _k2_config(support, mode, a_dtype, weight, weight_scale, lora, batch, given,
     # (16- and 32-row tiles) then fitted to the device's waves unless tuned on this very shape
     # (`_launchers.fit_k2_waves`, which loads the compiled candidates, in the variant that will
     # launch, on the weight's device). Every path that launches K2 asks here, so K2 alone and
-    # inside a fused call take the same tiles and give the same bits.
+    # inside a fused call take the same tiles and give the same bits (the same compiled variant
+    # is fitted up to 32 tokens, where the fused call launches without PDL; beyond, only a
+    # tuner entry of 16- or 32-row tiles could be fitted differently).
     cfg = _tiling.gemm_config(support, batch, lora, given)
+    if given is None and mode == W8A16 and cfg.block_m >= 128 and cfg.block_n > 128:
+        # The prefill tile is sized for FP8 operands; W8A16's bf16 activations and the widened
+        # weight would take ~256 KB of shared memory in it. 128-wide in 3 stages: ~176 KB.
+        cfg = dataclasses.replace(cfg, block_n=128, num_stages=3)
     if (given is None and not support.interpreter and weight.is_cuda and cfg.block_m <= 32
             and not _tiling.gemm_tuned_exactly(support, batch, lora)):
         cfg = _launchers.fit_k2_waves(

@@ -67,12 +67,15 @@ def rank_block(rank: int) -> int:
 
 
 def heuristic_config(
-    op: str, tokens: int, n: int, k: int, rank: int, slices: tuple[int, ...] = ()
+    op: str, tokens: int, n: int, k: int, rank: int, slices: tuple[int, ...] = (),
+    large_tiles: bool = True,
 ) -> LaunchConfig:
     """Settings that are correct for any shape and reasonable for decode and prefill.
 
     `slices`: the output slice widths; a GEMM tile must not straddle two slices, so block_n is
-    the largest power of two (16..128) dividing every slice boundary.
+    the largest power of two (16..256) dividing every slice boundary. `large_tiles`: the
+    device's blocks may take sm_90's 227 KB of shared memory (K2's prefill tiles need ~150 KB;
+    sm_89 has 99 KB).
     """
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
@@ -113,7 +116,7 @@ def heuristic_config(
     # where they still give two programs per SM (gate_up), in 3 stages, else 32-wide in 5; and
     # the K loop split in two where K is at least twice N (down), so its few columns still
     # spread over every SM.
-    if tokens > PREFILL_MIN_TOKENS:
+    if tokens > PREFILL_MIN_TOKENS and large_tiles:
         # Prefill: K2 is compute-bound. Without adapters, 128 x 256 x 128 tiles in 8 warps and
         # 3 stages came within 4% of vLLM's CUTLASS at 2048 and 4096 tokens on Qwen3-8B's four
         # projections, where the 256-token entries (64-row tiles) stretched took 1.5x; at 512
@@ -353,7 +356,7 @@ def table_entry(table: dict, op: str, tokens: int, n: int, k: int, rank: int | N
 
 def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int, rank: int,
                   slices: tuple[int, ...] = (), one_slot: bool = False,
-                  cache_device: str | None = None) -> LaunchConfig:
+                  cache_device: str | None = None, large_tiles: bool = True) -> LaunchConfig:
     """The launchers' choice: the device's tuned entry, else the heuristic (`device_name`
     None: the heuristic). K2's table entries are tuned at one rank; its epilogue holds a whole
     adapter's rank in one tile, so their `block_r` becomes the rank's. The decode path's K1
@@ -363,7 +366,7 @@ def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int,
     batch.
     `one_slot`: the batch has one adapter slot (its one-slot entries first, `table_config`).
     `cache_device`: the device whose tuner cache overlays `device_name`'s table (default: that
-    device)."""
+    device). `large_tiles`: as for `heuristic_config`."""
     if op == "decode_shrink" and tokens > DECODE_SHRINK_MAX_TOKENS:
         tuned = None if device_name is None else table_config(
             device_name, op, tokens, n, k, rank, cover=True, one_slot=one_slot,
@@ -376,7 +379,7 @@ def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int,
         device_name, op, tokens, n, k, rank, cover=cover, one_slot=one_slot,
         cache_device=cache_device)
     if tuned is None:
-        return heuristic_config(op, tokens, n, k, rank, slices)
+        return heuristic_config(op, tokens, n, k, rank, slices, large_tiles)
     if op != "lora_gemm":
         return tuned
     # K2 holds the whole rank in its epilogue; a nearest shape's tiles may not fit the slices.
