@@ -146,14 +146,11 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     leaves them to its `base_gemm`, the W8A16 path refuses them)."""
     _checks.check_activations(x)  # the path checks the rest
     support = device_support(x.device)
-    def verdict(path: str) -> Support:
-        return supports(path, in_features=lora.in_features, output_slices=lora.output_slices,
-                        max_rank=lora.max_rank, device=x.device, weight_dtype=weight.dtype,
-                        weight_scale_numel=weight_scale.numel())
-
     if path is None:
         path = choose_path(x.shape[0], batch, support)
-    ok = verdict(path)
+    ok = supports(path, in_features=lora.in_features, output_slices=lora.output_slices,
+                  max_rank=lora.max_rank, device=x.device, weight_dtype=weight.dtype,
+                  weight_scale_numel=weight_scale.numel())
     if not ok:
         raise UnsupportedError(f"{path} path: {ok.reason}")
     if x.shape[0] == 0:  # no program to launch, so no path's checks

@@ -109,13 +109,6 @@ def heuristic_config(
                                 split_k=max(1, min(4, k // 512)), num_warps=4, num_stages=3)
         return LaunchConfig(block_m=16, block_n=64, block_k=128, block_r=min(block_r, 32),
                             split_k=max(1, min(8, k // 512)), num_warps=4, num_stages=2)
-    # Decode is bandwidth-bound: narrow N tiles give every SM weights to stream (N=4096 in
-    # 128-wide tiles is 32 programs for 132 SMs; in 32-wide tiles, 128). The rules below are
-    # what the H200 table's tuned decode entries on Qwen3-8B's four shapes have in common
-    # (configs/NVIDIA_H200.json, lora_gemm at 1-32 tokens): 256-deep K tiles; 64-wide N tiles
-    # where they still give two programs per SM (gate_up), in 3 stages, else 32-wide in 5; and
-    # the K loop split in two where K is at least twice N (down), so its few columns still
-    # spread over every SM.
     if tokens > PREFILL_MIN_TOKENS and large_tiles:
         # Prefill: K2 is compute-bound. Without adapters, 128 x 256 x 128 tiles in 8 warps and
         # 3 stages came within 4% of vLLM's CUTLASS at 2048 and 4096 tokens on Qwen3-8B's four
@@ -131,6 +124,13 @@ def heuristic_config(
         waves = {c: wave_efficiency(-(-tokens // 128) * -(-n // c.block_n), 1, H200_SMS)
                  for c in (cfg, narrow)}
         return narrow if waves[narrow] > waves[cfg] + 0.1 else cfg
+    # Decode is bandwidth-bound: narrow N tiles give every SM weights to stream (N=4096 in
+    # 128-wide tiles is 32 programs for 132 SMs; in 32-wide tiles, 128). The rules below are
+    # what the H200 table's tuned decode entries on Qwen3-8B's four shapes have in common
+    # (configs/NVIDIA_H200.json, lora_gemm at 1-32 tokens): 256-deep K tiles; 64-wide N tiles
+    # where they still give two programs per SM (gate_up), in 3 stages, else 32-wide in 5; and
+    # the K loop split in two where K is at least twice N (down), so its few columns still
+    # spread over every SM.
     split_k = 1
     if tokens <= 32:
         block_k = 256
