@@ -10,7 +10,13 @@ from epilora_kernels.arch import INTERPRETER, DeviceSupport
 from epilora_quant import Fp8Arithmetic
 from epilora_testing import assert_bitwise_equal
 
-from kernel_cases import fp64_reference, make_problem, pad_batch, relative_error
+from kernel_cases import (
+    fp64_reference,
+    make_integer_problem,
+    make_problem,
+    pad_batch,
+    relative_error,
+)
 
 BF16_TOL = 1e-2
 SM90 = DeviceSupport("NVIDIA H200", (9, 0), fp8_mma=True, pdl=True, tma=True, interpreter=False)
@@ -277,3 +283,62 @@ def test_activations_quantized_by_the_caller_give_the_bits_of_the_paths_own(path
                        x_quantized=(given[0][:8], given[1][:8]))
     with pytest.raises(ValueError, match="x_quantized is for the FP8 paths"):
         ek.lora_linear(x, weight, w_scale, lora, batch, path="w8a16", x_quantized=given)
+
+
+def _codes_with_exact_dequantization(seed, t, k):
+    # Integer codes in [-2, 2] and power-of-two scales: x = codes * scales is exact in bf16, so
+    # a shrink of the codes and one of x form the same fp32 sums.
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-2, 3, (t, k), generator=gen).float().to(torch.float8_e4m3fn)
+    scales = 2.0 ** torch.randint(-4, 3, (t, 1), generator=gen).float()
+    return codes, scales, (codes.float() * scales).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_shrink_of_the_callers_codes_is_the_shrink_of_their_values_bitwise(split_k):
+    _, _, _, _, _, _, lora, batch = make_integer_problem(13, 9, 64, (32, 16), 16, 3,
+                                                         "mixed_with_base")
+    codes, scales, x = _codes_with_exact_dequantization(13, 9, 64)
+    cfg = ek.LaunchConfig(block_m=16, block_n=16, block_k=32, block_r=16, split_k=split_k)
+    h = ek.lora_shrink(codes, lora, batch, x_scales=scales, config=cfg)
+    assert_bitwise_equal(h, reference.lora_shrink(codes, lora, batch, x_scales=scales),
+                         name="h of codes")
+    assert_bitwise_equal(h, ek.lora_shrink(x, lora, batch, config=cfg), name="h of x")
+    with pytest.raises(ValueError, match="scales must be contiguous fp32"):
+        ek.lora_shrink(codes, lora, batch, x_scales=scales.double())
+
+
+@pytest.mark.parametrize("tokens", [9, 40])  # decode buckets; beyond them (fused: PDL)
+@pytest.mark.parametrize("path", ["decode", "fused", None])
+def test_paths_given_only_codes_shrink_the_codes(path, tokens):
+    # An engine whose compiler fused the quantization into the RMSNorm has no bf16 x: x=None
+    # and the codes make h too. Equal to the paths given x = codes * scales (the same sums).
+    _, _, _, weight, w_scale, _, lora, batch = make_integer_problem(
+        14, tokens, 64, (32, 16, 16), 16, 3, "mixed_with_base")
+    codes, scales, x = _codes_with_exact_dequantization(14, tokens, 64)
+    y = ek.lora_linear(None, weight, w_scale, lora, batch, path=path,
+                       x_quantized=(codes, scales))
+    assert_bitwise_equal(y, ek.lora_linear(x, weight, w_scale, lora, batch, path=path,
+                                           x_quantized=(codes, scales)), name=f"{path}")
+    want = reference.fused_lora_fp8_linear(None, weight, w_scale, lora, batch,
+                                           x_quantized=(codes, scales))
+    assert relative_error(y, want) < BF16_TOL
+    with pytest.raises(ValueError, match="give x_quantized"):
+        ek.lora_linear(None, weight, w_scale, lora, batch, path=path)
+
+
+def test_codes_only_is_refused_where_bf16_activations_are_needed():
+    _, _, _, weight, w_scale, _, lora, batch = make_integer_problem(
+        15, 5, 64, (32,), 8, 2, "mixed_with_base")
+    codes, scales, _ = _codes_with_exact_dequantization(15, 5, 64)
+    for path in ("hybrid", "w8a16"):
+        with pytest.raises(ValueError, match=f"the {path} path computes on bf16 activations"):
+            ek.lora_linear(None, weight, w_scale, lora, batch, path=path,
+                           x_quantized=(codes, scales))
+    with pytest.raises(ValueError, match="the decode path needs x_quantized"):
+        ek.decode_lora_fp8_linear(None, weight, w_scale, lora, batch)
+    with pytest.raises(ValueError, match="codes must be float8_e4m3fn"):
+        ek.fused_lora_fp8_linear(None, weight, w_scale, lora, batch,
+                                 x_quantized=(codes.float(), scales))
+    with pytest.raises(ValueError, match="x is None"):
+        reference.fused_lora_fp8_linear(None, weight, w_scale, lora, batch)

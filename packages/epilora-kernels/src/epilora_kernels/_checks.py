@@ -52,6 +52,17 @@ def check_lora(lora: LoraWeights, features: int | None, device: torch.device) ->
 
 def check_inputs(x: torch.Tensor, lora: LoraWeights, batch: AdapterBatch) -> None:
     check_activations(x)
+    _check_rows(x, lora, batch)
+
+
+def check_quantized_inputs(codes: torch.Tensor, scales: torch.Tensor, lora: LoraWeights,
+                           batch: AdapterBatch) -> None:
+    """`check_inputs` for activations given only as per-token codes and scales."""
+    check_codes(codes, scales, codes.shape[-1])
+    _check_rows(codes, lora, batch)
+
+
+def _check_rows(x: torch.Tensor, lora: LoraWeights, batch: AdapterBatch) -> None:
     check_lora(lora, x.shape[1], x.device)
     check_batch(batch, x.shape[0], x.device)
     if batch.max_loras != lora.max_loras:

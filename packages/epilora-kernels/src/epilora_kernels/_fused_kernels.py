@@ -225,8 +225,11 @@ def _quantize_shrink_kernel(
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     QUANT_BLOCK: tl.constexpr, INTERPRETER: tl.constexpr, ENTRIES_BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr = False, TRACE: tl.constexpr = False,
-    H_BF16: tl.constexpr = False,
+    H_BF16: tl.constexpr = False, X_CODES: tl.constexpr = False,
 ):
+    # X_CODES: x is the caller's per-token FP8 codes (scales at `scales_ptr`), not bf16: the
+    # shrink widens them to bf16 (exact) and scales each row's sum, h = s_t * (q_t A^T), so an
+    # engine need not keep the bf16 activations its compiler fused into the quantization.
     _stamp(trace_ptr, 0, TRACE)
     if USE_PDL:
         # The decode path: let the GEMM launched after us (our programmatic dependent) start
@@ -309,6 +312,8 @@ def _quantize_shrink_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         xt = tl.load(x_ptr + tok[:, None] * stride_x + k[None, :],
                      mask=row_mask[:, None] & (k[None, :] < K), other=0.0)
+        if X_CODES:
+            xt = xt.to(tl.bfloat16)
         at = tl.load(a_base + r[:, None] * K + k[None, :],
                      mask=(r[:, None] < R) & (k[None, :] < K), other=0.0)
         if INTERPRETER:
@@ -331,6 +336,8 @@ def _quantize_shrink_kernel(
         if not last:
             _stamp(trace_ptr, 1, TRACE)
             return
+    if X_CODES:  # once, on the summed rows: the same bits at every split
+        acc = acc * tl.load(scales_ptr + tok, mask=row_mask, other=0.0)[:, None]
     tl.store(h_tile, acc.to(h_ptr.dtype.element_ty), mask=h_mask)
     _stamp(trace_ptr, 1, TRACE)
 

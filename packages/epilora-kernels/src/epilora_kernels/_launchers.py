@@ -58,8 +58,12 @@ def _slices(lora: LoraWeights) -> tuple[list, list, int, int]:
 def launch_k1(support: DeviceSupport, workspace: Workspace, x, lora: LoraWeights,
               batch: AdapterBatch, cfg: LaunchConfig, *, quantize: bool, pdl: bool = False,
               signal_codes: bool = False, trace: torch.Tensor | None = None,
-              codes_sorted: bool = False, h_dtype: torch.dtype = torch.float32):
-    """K1: `(codes, scales, h)` (codes and scales None without `quantize`)."""
+              codes_sorted: bool = False, h_dtype: torch.dtype = torch.float32,
+              x_scales: torch.Tensor | None = None):
+    """K1: `(codes, scales, h)` (codes and scales None without `quantize`). With `x_scales`,
+    x is per-token FP8 codes and those their scales: the shrink reads them (no quantizing)."""
+    if x_scales is not None and quantize:
+        raise ValueError("K1 quantizes bf16 activations: codes (x_scales given) need none")
     t, k = x.shape
     s_count, rank = len(lora.output_slices), lora.max_rank
     # Split-K partials in fp32 planes, which K1 sums into h [1, S, T, R] of `h_dtype`: fp32 h
@@ -76,7 +80,8 @@ def launch_k1(support: DeviceSupport, workspace: Workspace, x, lora: LoraWeights
     grid = ((t if quantize else 0) + _tiling.shrink_programs(t, lora, batch, cfg),)
     _quantize_shrink_kernel[grid](
         x_ptr=x, codes_ptr=partials if codes is None else codes,
-        scales_ptr=partials if scales is None else scales, h_ptr=h, partial_ptr=partials,
+        scales_ptr=scales if quantize else partials if x_scales is None else x_scales,
+        h_ptr=h, partial_ptr=partials,
         a0_ptr=a[0], a1_ptr=a[1], a2_ptr=a[2],
         sorted_ptr=batch.sorted_token_indices, lora_ids_ptr=batch.lora_ids,
         counts_ptr=batch.num_tokens_per_lora, start_ptr=batch.lora_token_start,
@@ -90,7 +95,7 @@ def launch_k1(support: DeviceSupport, workspace: Workspace, x, lora: LoraWeights
         INTERPRETER=_env.triton_interpreter(),
         ENTRIES_BLOCK=triton.next_power_of_2(batch.num_entries),
         USE_PDL=use_pdl(support, pdl), TRACE=trace is not None,
-        H_BF16=h_dtype == torch.bfloat16,
+        H_BF16=h_dtype == torch.bfloat16, X_CODES=x_scales is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return codes, scales, h

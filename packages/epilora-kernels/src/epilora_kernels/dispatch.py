@@ -128,7 +128,7 @@ def hybrid_lora_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
     return fused.lora_expand(y, h, lora, batch, workspace=workspace)
 
 
-def lora_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def lora_linear(x: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor,
                 lora: LoraWeights, batch: AdapterBatch, *, path: str | None = None,
                 workspace: Workspace | None = None,
                 base_gemm: BaseGemm | None = None,
@@ -143,19 +143,34 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     the choice depends on shapes only, so the call can be captured in a CUDA graph (with a
     `workspace` sized before capture). `x_quantized`: x's per-token codes and scales, made by
     the caller (the decode and fused paths then skip their own quantization; the hybrid path
-    leaves them to its `base_gemm`, the W8A16 path refuses them)."""
-    _checks.check_activations(x)  # the path checks the rest
-    support = device_support(x.device)
+    leaves them to its `base_gemm`, the W8A16 path refuses them). x may be None where
+    `x_quantized` is given, on the decode and fused paths: their shrink then reads the codes,
+    `h = s_t (q_t A^T)`."""
+    if x is None:
+        if x_quantized is None:
+            raise ValueError("x is None: give x_quantized, the codes the paths then read")
+        rows = x_quantized[0]
+        _checks.check_codes(*x_quantized, lora.in_features)
+    else:
+        rows = x
+        _checks.check_activations(x)  # the path checks the rest
+    support = device_support(rows.device)
     if path is None:
-        path = choose_path(x.shape[0], batch, support)
+        path = choose_path(rows.shape[0], batch, support)
+    if x is None and path not in ("decode", "fused"):
+        raise ValueError(f"the {path} path computes on bf16 activations: x is None (codes "
+                         "only) is for the decode and fused paths")
     ok = supports(path, in_features=lora.in_features, output_slices=lora.output_slices,
-                  max_rank=lora.max_rank, device=x.device, weight_dtype=weight.dtype,
+                  max_rank=lora.max_rank, device=rows.device, weight_dtype=weight.dtype,
                   weight_scale_numel=weight_scale.numel())
     if not ok:
         raise UnsupportedError(f"{path} path: {ok.reason}")
-    if x.shape[0] == 0:  # no program to launch, so no path's checks
-        _checks.check_inputs(x, lora, batch)
-        return x.new_empty((0, lora.out_features))
+    if rows.shape[0] == 0:  # no program to launch, so no path's checks
+        if x is None:
+            _checks.check_quantized_inputs(*x_quantized, lora, batch)
+        else:
+            _checks.check_inputs(x, lora, batch)
+        return torch.empty((0, lora.out_features), dtype=torch.bfloat16, device=rows.device)
     if path == "decode":
         return fused.decode_lora_fp8_linear(x, weight, weight_scale, lora, batch,
                                             workspace=workspace, x_quantized=x_quantized)

@@ -83,14 +83,20 @@ def quantize_and_shrink(
 
 def lora_shrink(
     x: torch.Tensor, lora: LoraWeights, batch: AdapterBatch, *,
-    config: LaunchConfig | None = None, workspace: Workspace | None = None,
+    x_scales: torch.Tensor | None = None, config: LaunchConfig | None = None,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
-    """The hybrid path's shrink: `h [1, S, T, R]` fp32, `x A_slot^T` per token and slice."""
-    _checks.check_inputs(x, lora, batch)
+    """The hybrid path's shrink: `h [1, S, T, R]` fp32, `x A_slot^T` per token and slice.
+    With `x_scales` ([T, 1] fp32), x is per-token FP8 codes: `x_scales * (codes A_slot^T)`, the
+    codes widened to bf16 (exact)."""
+    if x_scales is None:
+        _checks.check_inputs(x, lora, batch)
+    else:
+        _checks.check_quantized_inputs(x, x_scales, lora, batch)
     support = device_support(x.device)
     cfg = _tiling.config(support, "shrink", x.shape[0], lora, config)
     return _launchers.launch_k1(support, _workspace(workspace, x.device), x, lora, batch, cfg,
-                                quantize=False)[2]
+                                quantize=False, x_scales=x_scales)[2]
 
 
 def fp8_gemm(
@@ -179,7 +185,7 @@ def lora_expand(
 
 
 def decode_lora_fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, lora: LoraWeights,
+    x: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor, lora: LoraWeights,
     batch: AdapterBatch, *, k1_config: LaunchConfig | None = None,
     k2_config: LaunchConfig | None = None, pdl: bool = True,
     workspace: Workspace | None = None, x_quantized: Quantized | None = None,
@@ -195,13 +201,15 @@ def decode_lora_fp8_linear(
     `x_quantized`: `(codes [T, K] fp8, scales [T, 1] fp32)`, x already quantized per token by
     the caller (an engine whose compiler fuses the quantization into the kernel before, as
     vLLM's fuses it into RMSNorm): K1 then only shrinks, and K2 reads those codes from the
-    start, waiting only for h before its epilogue."""
+    start, waiting only for h before its epilogue. With x None the shrink reads the codes too,
+    `h = s_t (q_t A^T)`: the caller need not keep bf16 activations (vLLM's compiler fuses the
+    quantization into the RMSNorm only when nothing else reads the RMSNorm's output)."""
     return _linear(FP8, x, weight, weight_scale, lora, batch, k1_config, k2_config,
                    decode=True, pdl=pdl, workspace=workspace, x_quantized=x_quantized)
 
 
 def fused_lora_fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, lora: LoraWeights,
+    x: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor, lora: LoraWeights,
     batch: AdapterBatch, *, k1_config: LaunchConfig | None = None,
     k2_config: LaunchConfig | None = None, pdl: bool = True,
     workspace: Workspace | None = None, x_quantized: Quantized | None = None,
@@ -213,8 +221,10 @@ def fused_lora_fp8_linear(
     `decode_lora_fp8_linear`."""
     # Only beyond the decode path's token counts: at 16-32 tokens PDL made the fused layer
     # slower (layer.json of a1a405a against 80936cc's).
+    rows = x if x is not None else x_quantized[0] if x_quantized is not None else None
+    tokens = 0 if rows is None else rows.shape[0]  # no rows: _linear says what is missing
     return _linear(FP8, x, weight, weight_scale, lora, batch, k1_config, k2_config,
-                   pdl=pdl and x.shape[0] > DECODE_SHRINK_MAX_TOKENS, wait_k1_first=True,
+                   pdl=pdl and tokens > DECODE_SHRINK_MAX_TOKENS, wait_k1_first=True,
                    workspace=workspace, x_quantized=x_quantized)
 
 
@@ -281,10 +291,18 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
     # `decode`: the decode path's launch settings. With `pdl` K2 is launched as K1's
     # programmatic dependent, waiting for K1's count of quantized rows before its K loop, or
     # with `wait_k1_first` (the fused path) for all of K1.
-    _checks.check_inputs(x, lora, batch)
-    _checks.check_weight(weight, weight_scale, lora.in_features, lora.out_features, x.device)
     path = "decode" if decode else "fused" if mode == FP8 else "w8a16"
-    if x_quantized is not None:
+    shrink_codes = x is None  # the shrink reads the caller's codes (x_quantized)
+    if shrink_codes:
+        if x_quantized is None or mode != FP8:
+            raise ValueError(f"x is None: the {path} path needs x_quantized, the codes and "
+                             "scales its shrink and GEMM read")
+        _checks.check_quantized_inputs(*x_quantized, lora, batch)
+        x = x_quantized[0]  # the rows' count, device and features from here on
+    else:
+        _checks.check_inputs(x, lora, batch)
+    _checks.check_weight(weight, weight_scale, lora.in_features, lora.out_features, x.device)
+    if x_quantized is not None and not shrink_codes:
         codes, scales = x_quantized
         _checks.check_codes(codes, scales, x.shape[1])
         if codes.shape[0] != x.shape[0]:
@@ -321,7 +339,8 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
     codes, scales, h = _launchers.launch_k1(support, workspace, x, lora, batch, cfg1,
                                             quantize=quantize, pdl=pdl,
                                             signal_codes=counted, trace=traces[0],
-                                            codes_sorted=a_sorted, h_dtype=h_dtype)
+                                            codes_sorted=a_sorted, h_dtype=h_dtype,
+                                            x_scales=x_quantized[1] if shrink_codes else None)
     a, a_scale = ((codes, scales) if quantize else x_quantized if mode == FP8
                   else (x, weight_scale))
     try:

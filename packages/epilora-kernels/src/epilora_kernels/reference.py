@@ -37,14 +37,17 @@ def _slot_rows(batch: AdapterBatch) -> list[tuple[int, torch.Tensor]]:
     return out
 
 
-def lora_shrink(x: torch.Tensor, lora: LoraWeights, batch: AdapterBatch) -> torch.Tensor:
-    """h = x A_slot^T per token and slice: `[1, S, T, R]` fp32 (one split-K partial)."""
+def lora_shrink(x: torch.Tensor, lora: LoraWeights, batch: AdapterBatch, *,
+                x_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """h = x A_slot^T per token and slice: `[1, S, T, R]` fp32 (one split-K partial). With
+    `x_scales` ([T, 1] fp32), x is per-token FP8 codes: h = x_scales * (codes A_slot^T)."""
     t = x.shape[0]
     h = torch.zeros(1, len(lora.output_slices), t, lora.max_rank, dtype=torch.float32,
                     device=x.device)
     for slot, rows in _slot_rows(batch):
         for s, a in enumerate(lora.lora_a):
-            h[0, s, rows] = x[rows].float() @ a[slot, 0].float().T
+            acc = x[rows].float() @ a[slot, 0].float().T
+            h[0, s, rows] = acc if x_scales is None else acc * x_scales[rows].float()
     return h
 
 
@@ -110,7 +113,7 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, lora: LoraWeights, batch: Adap
 
 
 def fused_lora_fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | None,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     lora: LoraWeights,
@@ -120,10 +123,14 @@ def fused_lora_fp8_linear(
     x_quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The fused path: K1 then K2 (with `x_quantized`, the caller's codes and scales: the shrink
-    alone, then K2 on them)."""
+    alone, of x, or of the codes where x is None, then K2 on them)."""
     if x_quantized is not None:
-        return lora_fp8_gemm(*x_quantized, weight, weight_scale, lora_shrink(x, lora, batch),
-                             lora, batch)
+        codes, scales = x_quantized
+        h = (lora_shrink(codes, lora, batch, x_scales=scales) if x is None
+             else lora_shrink(x, lora, batch))
+        return lora_fp8_gemm(codes, scales, weight, weight_scale, h, lora, batch)
+    if x is None:
+        raise ValueError("x is None: give x_quantized, the codes the shrink and the GEMM read")
     codes, scales, h = quantize_and_shrink(x, lora, batch, arithmetic=arithmetic)
     return lora_fp8_gemm(codes, scales, weight, weight_scale, h, lora, batch)
 
@@ -140,7 +147,7 @@ def fused_lora_w8a16_linear(
 
 
 def decode_lora_fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | None,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     lora: LoraWeights,

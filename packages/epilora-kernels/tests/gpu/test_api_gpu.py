@@ -82,6 +82,34 @@ def test_activations_quantized_by_the_caller(path, tokens):
     assert relative_error(y, want) < BF16_TOL
 
 
+@pytest.mark.parametrize("path", ["decode", "fused"])
+@pytest.mark.parametrize("tokens", [1, 8, 40, 64, 300])
+def test_codes_alone_make_h_in_eager_and_in_a_graph(path, tokens):
+    # x=None: the shrink reads the caller's codes (an engine that keeps no bf16 x). Integer
+    # codes and power-of-two scales make x = codes * scales exact in bf16, so the same call
+    # given that x forms the same sums: equal bit for bit, eager and replayed in a CUDA graph.
+    _, _, _, weight, w_scale, _, lora, batch = make_integer_problem(
+        16, tokens, 4096, (4096, 1024, 1024), 64, 4, "mixed_with_base", device=CUDA)
+    gen = torch.Generator().manual_seed(16)
+    codes = torch.randint(-2, 3, (tokens, 4096), generator=gen).float()
+    scales = 2.0 ** torch.randint(-4, 3, (tokens, 1), generator=gen).float()
+    x = (codes * scales).to(torch.bfloat16).to(CUDA)
+    given = (codes.to(torch.float8_e4m3fn).to(CUDA), scales.to(CUDA))
+    y = ek.lora_linear(None, weight, w_scale, lora, batch, path=path, x_quantized=given)
+    assert_bitwise_equal(y, ek.lora_linear(x, weight, w_scale, lora, batch, path=path,
+                                           x_quantized=given), name="codes vs x")
+    want = reference.fused_lora_fp8_linear(None, weight, w_scale, lora, batch,
+                                           x_quantized=given)
+    assert relative_error(y, want) < BF16_TOL
+    workspace = ek.Workspace.for_batches(CUDA, max_tokens=tokens, max_out_features=6144,
+                                         max_rank=64, max_loras=4)
+    graph, out = capture(lambda: ek.lora_linear(None, weight, w_scale, lora, batch, path=path,
+                                                x_quantized=given, workspace=workspace))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_bitwise_equal(out, y, name="graph replay")
+
+
 @pytest.mark.parametrize("path", ek.PATHS)
 @pytest.mark.parametrize("tokens", [4, 300])
 def test_per_channel_weight_scales_on_every_path(path, tokens):
