@@ -94,10 +94,11 @@ FUSED = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"
          "down_proj": ("mlp.down_proj",)}
 
 
-def expected(checkpoints, name, x, mapping, slots, *, w8a16=False):
+def expected(checkpoints, name, x, mapping, slots, *, w8a16=False, shrink_codes=False):
     """float64: the FP8 base on per-token FP8 activations (epilora-quant, vLLM's CPU
     arithmetic), or with `w8a16` on the bf16 activations themselves (the matched mode), plus
-    each token's adapter straight from its PEFT files (alpha / r scaling)."""
+    each token's adapter straight from its PEFT files (alpha / r scaling), on the bf16
+    activations or with `shrink_codes` on the FP8 ones (EPILORA_VLLM_QUANTIZE=codes)."""
     weights = load_file(checkpoints["fp8"] / "model.safetensors")
     if w8a16:
         xq = x.double()
@@ -120,7 +121,8 @@ def expected(checkpoints, name, x, mapping, slots, *, w8a16=False):
         for module in FUSED[name]:
             prefix = f"base_model.model.model.layers.0.{module}"
             a, b = tensors[prefix + ".lora_A.weight"], tensors[prefix + ".lora_B.weight"]
-            delta.append(x[token].double() @ a.double().T @ b.double().T
+            delta.append((xq if shrink_codes else x.double())[token] @ a.double().T
+                         @ b.double().T
                          * (config["lora_alpha"] / config["r"]))
         y[token] += torch.cat(delta)
     return y
@@ -129,11 +131,14 @@ def expected(checkpoints, name, x, mapping, slots, *, w8a16=False):
 
 
 def assert_every_call_matches_the_files(served, checkpoints, name: str) -> None:
-    """Every recorded call of layer 0's `name` within 1e-2 (relative) of `expected`, and some
-    of its tokens with an adapter (the mixed batch's adapter tokens reached the layer)."""
+    """Every recorded call of layer 0's `name` within 1e-2 (relative) of `expected` in the
+    layer's quantization mode, and some of its tokens with an adapter (the mixed batch's adapter
+    tokens reached the layer)."""
     with_adapter = 0
+    shrink_codes = served["projections"][name].epilora.mode.shrink_codes
     for x, y, mapping, slots in served["calls"][name]:
-        want = expected(checkpoints, name, x.cpu(), mapping.cpu(), slots)
+        want = expected(checkpoints, name, x.cpu(), mapping.cpu(), slots,
+                        shrink_codes=shrink_codes)
         err = ((y.cpu().double() - want).norm() / want.norm()).item()
         assert err < 1e-2, f"{name}: relative error {err:.2e} over {x.shape[0]} tokens"
         with_adapter += int((mapping >= 0).sum())

@@ -31,11 +31,11 @@ def test_start_buckets_are_the_graph_sizes_and_the_profiling_run():
 
 def test_case_keys_tell_every_field_apart():
     base = dict(in_features=4096, output_slices=(4096, 1024, 1024), max_rank=64, max_loras=4,
-                per_channel=False, vllm_quantizes=False, dual_stream=False, tokens=16)
+                per_channel=False, quantize="kernels", dual_stream=False, tokens=16)
     changes = dict(in_features=2048, output_slices=(4096, 2048), max_rank=128, max_loras=8,
-                   per_channel=True, vllm_quantizes=True, dual_stream=True, tokens=32)
-    cases = [dispatch.Case(**base)] + [dispatch.Case(**{**base, field: value})
-                                       for field, value in changes.items()]
+                   per_channel=True, quantize="vllm", dual_stream=True, tokens=32)
+    cases = [dispatch.Case(**base), dispatch.Case(**{**base, "quantize": "codes"})] + [
+        dispatch.Case(**{**base, field: value}) for field, value in changes.items()]
     assert len({case.key() for case in cases}) == len(cases)
 
 

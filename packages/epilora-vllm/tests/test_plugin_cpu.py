@@ -51,8 +51,8 @@ def test_register_is_idempotent_and_can_be_turned_off(monkeypatch):
 
 
 def test_the_compile_cache_key_tells_the_plugins_graphs_apart():
-    # vLLM keys compiled graphs on VllmConfig.compute_hash(): with the plugin off, in the
-    # kernels' quantization and in vLLM's, three different keys.
+    # vLLM keys compiled graphs on VllmConfig.compute_hash(): with the plugin off and in each
+    # of its quantization modes, four different keys.
     from vllm.config import VllmConfig, set_current_vllm_config
 
     from epilora_vllm.layers import key_compiled_graphs
@@ -60,11 +60,11 @@ def test_the_compile_cache_key_tells_the_plugins_graphs_apart():
     config = VllmConfig()
     hashes = [config.compute_hash()]
     with set_current_vllm_config(config):
-        for vllm_quantizes in (False, True):
-            key_compiled_graphs(vllm_quantizes)
+        for quantize in ("kernels", "vllm", "codes"):
+            key_compiled_graphs(quantize)
             hashes.append(config.compute_hash())
-    assert len(set(hashes)) == 3, hashes
-    assert config.additional_config["epilora_vllm"]["vllm_quantizes"] is True
+    assert len(set(hashes)) == 4, hashes
+    assert config.additional_config["epilora_vllm"]["quantize"] == "codes"
 
 
 def test_the_plugin_serves_every_fp8_projection(served):
@@ -75,7 +75,7 @@ def test_the_plugin_serves_every_fp8_projection(served):
                      "down_proj": "EpiloraRowParallelLinearWithLoRA"}
     assert all(calls for calls in served["calls"].values())
     config = served["llm"].llm_engine.vllm_config
-    assert config.additional_config["epilora_vllm"]["vllm_quantizes"] is False
+    assert config.additional_config["epilora_vllm"]["quantize"] == "codes"
 
 
 @pytest.mark.parametrize("name", list(FUSED))
@@ -129,6 +129,38 @@ def test_an_adapter_with_nan_weights_spoils_only_its_own_tenants_answers(served,
     (alone,) = generate(llm, [good])
     mixed = generate(llm, [(PROMPTS[2], LoRARequest("nan", 9, str(poisoned))), good])
     assert mixed[1] == alone
+
+
+def test_each_quantization_mode_computes_its_own_arithmetic(checkpoints, served):
+    # The default, EPILORA_VLLM_QUANTIZE=codes: the shrink reads the FP8 codes. `kernels`: it
+    # reads the bf16 activations, stock vLLM's LoRA arithmetic. Each mode's calls are nearer
+    # their own expectation than the other's (the tiny adapters are large: the activations'
+    # rounding moves their delta by a few percent of the output).
+    import os
+
+    def errors(calls, name):
+        out = []
+        for x, y, mapping, slots in calls:
+            if (mapping >= 0).any():
+                out.append([((y.double() - want).norm() / want.norm()).item() for want in (
+                    expected(checkpoints, name, x, mapping, slots, shrink_codes=codes)
+                    for codes in (True, False))])
+        return out
+
+    codes_errors = errors(served["calls"]["qkv_proj"], "qkv_proj")
+    assert served["projections"]["qkv_proj"].epilora.mode.quantize == "codes"
+    del served  # one engine at a time in this process
+    os.environ["EPILORA_VLLM_QUANTIZE"] = "kernels"
+    try:
+        kernels = serve_and_record(checkpoints, enforce_eager=True)
+    finally:
+        del os.environ["EPILORA_VLLM_QUANTIZE"]
+    for name in FUSED:
+        assert_every_call_matches_the_files(kernels, checkpoints, name)
+    kernels_errors = errors(kernels["calls"]["qkv_proj"], "qkv_proj")
+    assert codes_errors and kernels_errors
+    assert all(own < other for own, other in codes_errors), codes_errors
+    assert all(own < other for other, own in kernels_errors), kernels_errors
 
 
 def test_the_matched_mode_computes_w8a16_with_and_without_adapters(checkpoints, served):

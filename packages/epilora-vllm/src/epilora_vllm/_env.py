@@ -25,17 +25,27 @@ def path() -> str | None:
     return os.environ.get("EPILORA_VLLM_PATH") or None
 
 
-def vllm_quantizes() -> bool:
-    """EPILORA_VLLM_QUANTIZE=vllm: vLLM's own per-token quantization (the layer's QuantFP8)
-    runs before the op and the kernels take its codes; default `kernels`: the kernels' K1
-    quantizes. On Qwen3-8B's shapes (H200, batch 1) `vllm` made a request without an adapter
-    as fast as in an engine without LoRA and a request with one slower (the commit that added
-    this says by how much): vLLM's compiler fuses the quantization into the RMSNorm before
-    only when nothing else reads the RMSNorm's output, and the shrink does."""
-    value = os.environ.get("EPILORA_VLLM_QUANTIZE", "kernels")
-    if value not in ("kernels", "vllm"):
-        raise ValueError(f"EPILORA_VLLM_QUANTIZE={value!r}: expected 'kernels' or 'vllm'")
-    return value == "vllm"
+QUANTIZE_MODES = ("codes", "vllm", "kernels")
+
+
+def quantize() -> str:
+    """EPILORA_VLLM_QUANTIZE: who quantizes a served layer's activations on the GPU, and what
+    the adapters' shrink reads.
+
+    * `codes` (default): vLLM's own per-token quantization (the layer's QuantFP8) runs before
+      the op, which takes its codes and scales only; the shrink reads the codes too,
+      `h = s_t (q_t A^T)`. Nothing but the quantization reads the bf16 activations, so vLLM's
+      compiler fuses it into the RMSNorm or SiLU before, as without LoRA.
+    * `vllm`: vLLM quantizes as in `codes`; the shrink reads the bf16 activations (stock
+      vLLM's LoRA arithmetic), which keeps the RMSNorm's bf16 output alive: vLLM's compiler
+      then makes the quantization a kernel of its own.
+    * `kernels`: the kernels' K1 quantizes the bf16 activations (bit for bit as vLLM) and
+      shrinks them.
+    """
+    value = os.environ.get("EPILORA_VLLM_QUANTIZE", "codes")
+    if value not in QUANTIZE_MODES:
+        raise ValueError(f"EPILORA_VLLM_QUANTIZE={value!r}: expected one of {QUANTIZE_MODES}")
+    return value
 
 
 def dispatch() -> str:

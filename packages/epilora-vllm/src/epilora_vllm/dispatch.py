@@ -56,13 +56,15 @@ class Case:
     max_rank: int
     max_loras: int  # K2's epilogue for one slot is another kernel than for several
     per_channel: bool  # one weight scale per output channel
-    vllm_quantizes: bool  # EPILORA_VLLM_QUANTIZE=vllm (the quantization outside the op)
+    quantize: str  # EPILORA_VLLM_QUANTIZE (where the activations are quantized and shrunk)
     dual_stream: bool  # vLLM's dual-stream LoRA (its own path's speed)
     tokens: int  # the bucket
 
     def key(self) -> str:
         slices = "+".join(str(w) for w in self.output_slices)
-        modes = "".join(("/vllm-quant" if self.vllm_quantizes else "",
+        quantize = {"kernels": "", "vllm": "/vllm-quant"}.get(self.quantize,
+                                                             f"/{self.quantize}")
+        modes = "".join((quantize,
                          "/dual-stream" if self.dual_stream else ""))
         return (f"{slices}x{self.in_features}/r{self.max_rank}/l{self.max_loras}/"
                 f"{'channel' if self.per_channel else 'tensor'}{modes}/t{self.tokens}")

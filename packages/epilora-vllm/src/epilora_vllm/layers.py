@@ -47,16 +47,17 @@ def _log_once(key: tuple, message: str, *args) -> None:
         logger.info(message, *args)
 
 
-def key_compiled_graphs(vllm_quantizes: bool) -> None:
+def key_compiled_graphs(quantize: str) -> None:
     """Put what the plugin changes in the traced graph into the current VllmConfig's
     `additional_config`, which vLLM hashes into its torch.compile cache key: our environment is
     not in that key, so without this an engine would load a graph compiled with the plugin in
-    another mode (EPILORA_VLLM_QUANTIZE puts vLLM's QuantFP8 in the graph or not) or, from its
+    another mode (EPILORA_VLLM_QUANTIZE puts vLLM's QuantFP8 in the graph or not, and the op's
+    inputs differ) or, from its
     AOT cache, with the plugin where it is now off."""
     from importlib.metadata import version
 
     config = get_current_vllm_config()
-    key = {"version": version("epilora-vllm"), "vllm_quantizes": vllm_quantizes}
+    key = {"version": version("epilora-vllm"), "quantize": quantize}
     if isinstance(config.additional_config, dict):
         config.additional_config["epilora_vllm"] = key
     else:  # another plugin's hashable object: vLLM hashes it, we cannot add to it
@@ -122,15 +123,29 @@ class _Epilora:
     def create_lora_weights(self, max_loras, lora_config, model_config=None) -> None:
         super().create_lora_weights(max_loras, lora_config, model_config)
         self.epilora.adapters_created(matched=_env.matched(), path=_env.path(),
-                                      vllm_quantizes=_env.vllm_quantizes(),
+                                      quantize=_env.quantize(),
                                       timed=_env.dispatch() == "timed")
-        key_compiled_graphs(self.epilora.mode.vllm_quantizes)
+        key_compiled_graphs(self.epilora.mode.quantize)
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         codes = scales = None
-        if x.is_cuda and self.epilora.mode.vllm_quantizes:
-            # vLLM's own per-token quantization, outside the op (EPILORA_VLLM_QUANTIZE=vllm):
-            # the kernels' K1 then only shrinks.
+        mode = self.epilora.mode
+        if mode.shrink_codes:
+            # The op takes the codes alone: nothing else reads x, so vLLM's compiler fuses vLLM's
+            # quantization into the kernel that made x (RMSNorm, SiLU), as without LoRA. (On a
+            # CPU, where vLLM's FP8 quantization is a stub, epilora-quant's in vLLM's CPU
+            # arithmetic.)
+            x2 = x.reshape(-1, x.shape[-1])
+            codes, scales = (self._base.quantize(self.base_layer, x2) if x.is_cuda
+                             else self.epilora.quantize_on_cpu(x2))
+            out = sum(self.output_slices)
+            y = (torch.ops.epilora_vllm.lora_linear_codes(self.epilora_name, out, codes, scales,
+                                                          bias)
+                 if is_forward_context_available() else self.epilora(None, codes, scales, bias))
+            return y.reshape(*x.shape[:-1], out)
+        if x.is_cuda and mode.vllm_quantizes:
+            # vLLM's own per-token quantization, outside the op (EPILORA_VLLM_QUANTIZE=vllm): the
+            # kernels' K1 then only shrinks.
             codes, scales = self._base.quantize(self.base_layer, x.reshape(-1, x.shape[-1]))
         if not is_forward_context_available():  # e.g. a call outside a model step
             return self.epilora(x, codes, scales, bias)

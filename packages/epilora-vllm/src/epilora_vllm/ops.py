@@ -1,6 +1,9 @@
 """`torch.ops.epilora_vllm.lora_linear(layer_name, output_size, x, codes, scales, bias)`: one
 projection of a layer the plugin serves (`codes`, `scales`: x as vLLM quantized it, or None),
-as one custom op (registered when this module is imported, which `register` does).
+as one custom op (registered when this module is imported, which `register` does);
+`lora_linear_codes(layer_name, output_size, codes, scales, bias)` the same from the codes alone
+(EPILORA_VLLM_QUANTIZE=codes: the bf16 activations never reach the op, so the compiled graph
+need not keep them).
 
 The op finds its layer by name in vLLM's forward context, as vLLM's dual-stream LoRA op does
 (a layer registers itself in `static_forward_context` when it is built), so its module state
@@ -28,5 +31,19 @@ def lora_linear_fake(layer_name: str, output_size: int, x: torch.Tensor,
     return x.new_empty((*x.shape[:-1], output_size))
 
 
+def lora_linear_codes(layer_name: str, output_size: int, codes: torch.Tensor,
+                      scales: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    layer = get_forward_context().no_compile_layers[layer_name]
+    return layer.epilora(None, codes, scales, bias)
+
+
+def lora_linear_codes_fake(layer_name: str, output_size: int, codes: torch.Tensor,
+                           scales: torch.Tensor, bias: torch.Tensor | None = None
+                           ) -> torch.Tensor:
+    return codes.new_empty((codes.shape[0], output_size), dtype=torch.bfloat16)
+
+
 direct_register_custom_op(op_name="lora_linear", op_func=lora_linear, fake_impl=lora_linear_fake,
                           target_lib=_LIBRARY)
+direct_register_custom_op(op_name="lora_linear_codes", op_func=lora_linear_codes,
+                          fake_impl=lora_linear_codes_fake, target_lib=_LIBRARY)
