@@ -225,7 +225,8 @@ class EpiloraForward:
         if quantized is None:
             return self._vendor(x, bias)
         layer = self.layer
-        return layer._base.vendor_gemm(layer.base_layer, *quantized, bias, x.dtype)
+        # bf16: the only dtype the plugin serves (layers.refusal)
+        return layer._base.vendor_gemm(layer.base_layer, *quantized, bias, torch.bfloat16)
 
     def _on_gpu(self, x: torch.Tensor | None, quantized,
                 bias: torch.Tensor | None) -> torch.Tensor:
