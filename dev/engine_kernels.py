@@ -31,6 +31,7 @@ SYSTEMS = {
     "no-lora": ("no-lora", {}),
     "epilora": ("epilora", {}),
     "epilora-vllm-quant": ("epilora", {"EPILORA_VLLM_QUANTIZE": "vllm"}),
+    "epilora-kernels-quant": ("epilora", {"EPILORA_VLLM_QUANTIZE": "kernels"}),
     "vllm-dual-stream": ("vllm-dual-stream", {}),
 }
 
