@@ -128,14 +128,17 @@ def main() -> None:
     lines = header + [
         f"{meta['gpu']}, torch {meta['torch']}, vLLM {meta['vllm']}; made by "
         "`benchmarks/serving.py` (its docstring defines every system and scenario). Every "
-        "engine runs in its own process, the engines of one table in one run (its commit and "
-        "command are above the table); dummy weights of the model's shapes, "
+        "engine runs in its own process; a table's engines ran in the runs named above it "
+        "(commit and command; each run one device call, so one machine); dummy weights of the "
+        "model's shapes, "
         "`quantization=\"fp8\"`, vLLM's default torch.compile and CUDA graphs, random rank-64 "
         "adapters. *TPOT*: time per output token at batch 1, median of the runs (ms); *base "
         "request*: a request without an adapter in the same LoRA engine; *output tokens/s*: "
         "median of the runs; *start*: `LLM(...)` until ready, cold caches (s); *graph "
         "capture*: vLLM's log line. Engine logs in `benchmarks/results/h200/serving-logs/`, "
-        "one folder per run.", ""]
+        "one folder per run. The plugin runs in its defaults at the run's commit: its "
+        "quantization mode (`EPILORA_VLLM_QUANTIZE`, [the plugin's page](../plugin.md)) is "
+        "`codes` from commit 5eddee3 on, `kernels` before.", ""]
     for model, scenarios in cells.items():
         lines += [f"## {model}", ""]
         for scenario in (s for s in SCENARIO_TITLES if s in scenarios):

@@ -104,8 +104,8 @@ class _Epilora:
             _log_once((kind, why), "epilora: %s layers keep vLLM's %s: %s", kind, parent, why)
             return False
         method = type(source_layer.quant_method).__name__
-        _log_once((kind, method), "epilora: serving %s layers (%s) with the fused kernels",
-                  kind, method)
+        _log_once((kind, method), "epilora: serving %s layers (%s) with the fused kernels "
+                  "(EPILORA_VLLM_QUANTIZE=%s)", kind, method, _env.quantize())
         return True
 
     def __init__(self, base_layer) -> None:

@@ -58,11 +58,14 @@ def test_timed_dispatch_chooses_per_shape_and_bucket_then_a_later_start_times_no
     # file holds a choice per projection shape and token bucket; adapters change the engine's
     # answers. A second engine reads the file, times nothing and answers the same (the same
     # paths: a batch of another bucket may take another path, so singles need not equal a
-    # mixed batch bit for bit here).
+    # mixed batch bit for bit here). In EPILORA_VLLM_QUANTIZE=vllm, where every candidate can
+    # run (in the default codes mode the hybrid path and vLLM's kernels, which read the bf16
+    # activations, are no candidates).
     from epilora_vllm import dispatch
 
     monkeypatch.setenv("EPILORA_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("EPILORA_VLLM_DISPATCH", "timed")
+    monkeypatch.setenv("EPILORA_VLLM_QUANTIZE", "vllm")
     dispatch._dispatchers.clear()
     llm = engine(checkpoints["fp8"])
     files = list((tmp_path / "vllm").glob("dispatch__*.json"))
