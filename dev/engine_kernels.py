@@ -115,7 +115,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--systems", nargs="+", default=["no-lora", "epilora"],
                         choices=list(SYSTEMS))
-    parser.add_argument("--timeout", type=int, default=300, help="seconds per engine")
+    parser.add_argument("--timeout", type=int, default=300,
+                        help="seconds per engine (4 layers of an 8B model took over 120 s)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--name", help=argparse.SUPPRESS)

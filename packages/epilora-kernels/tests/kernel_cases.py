@@ -126,3 +126,21 @@ def pad_batch(x, batch, padded_tokens, garbage=1 << 20):
     return x, AdapterBatch(torch.cat([batch.token_lora_mapping, stale]),
                            torch.cat([batch.sorted_token_indices, stale]), batch.lora_ids,
                            batch.num_tokens_per_lora, batch.lora_token_start)
+
+
+def vllm_layout_batch(mapping: torch.Tensor, max_loras: int) -> AdapterBatch:
+    """The batch as vLLM 0.26's `LoRAKernelMeta.prepare_tensors` lays it out: entries sized for
+    every slot (`max_loras + 1`), the active ones first in ascending id (-1 first when present),
+    the rest -1 with zero counts and zero starts (not the running end: `lora_token_start` is not
+    monotonic past the active entries)."""
+    ids = torch.full((max_loras + 1,), -1, dtype=torch.int32)
+    counts = torch.zeros(max_loras + 1, dtype=torch.int32)
+    start = torch.zeros(max_loras + 2, dtype=torch.int32)
+    active, active_counts = torch.unique(mapping.cpu(), sorted=True, return_counts=True)
+    ids[: active.numel()] = active
+    counts[: active.numel()] = active_counts.to(torch.int32)
+    start[1: 1 + active.numel()] = torch.cumsum(active_counts, 0).to(torch.int32)
+    order = torch.sort(mapping.cpu(), stable=True).indices.to(torch.int32)
+    device = mapping.device
+    return AdapterBatch(mapping.to(torch.int32), order.to(device), ids.to(device),
+                        counts.to(device), start.to(device))
