@@ -13,7 +13,7 @@ import torch
 from epilora_vllm import _env, dispatch
 from epilora_vllm.forward import EpiloraForward
 
-CASE = dispatch.Case(4096, (4096, 1024, 1024), 64, 4, False, False, False, 16)
+CASE = dispatch.Case(4096, (4096, 1024, 1024), 64, 4, False, "kernels", False, 16)
 
 
 def test_buckets_are_powers_of_two_at_or_above_the_batch():
@@ -209,3 +209,67 @@ def test_the_layer_asks_once_per_bucket_and_runs_the_choice(monkeypatch):
         assert forward._timed_path(torch.zeros(5, 4), None, None, batch, "fused") == "fused"
     assert asked[1:] == [(8, False), (8, False)]
     assert forward._run("vllm", torch.zeros(5, 4), None, None, batch).shape[0] == 5
+
+
+def test_with_the_codes_alone_only_the_paths_that_take_codes_are_candidates(monkeypatch):
+    # EPILORA_VLLM_QUANTIZE=codes: the op has no bf16 x, so the hybrid path and vLLM's own
+    # kernels (which read it) are no candidates; the decode and fused paths are.
+    import epilora_kernels as ek
+
+    layer = _Layer()
+    weight = torch.zeros(8, 4, dtype=torch.float8_e4m3fn)
+    layer._base = SimpleNamespace(weight=lambda base: weight,
+                                  scale=lambda base: torch.ones(1))
+    layer.base_layer = None
+    forward = EpiloraForward(layer)
+    forward.lora = SimpleNamespace(in_features=4, output_slices=(8,), max_rank=16, max_loras=1)
+    forward._start_buckets = frozenset({4})
+    monkeypatch.setattr(ek, "supports", lambda path, **kw: True)
+    seen = []
+
+    class Fake:
+        def choose(self, case, candidates, fallback, may_time):
+            seen.append((case.quantize, sorted(candidates())))
+            return fallback, True
+
+    monkeypatch.setattr(dispatch, "for_device", lambda device: Fake())
+    forward.mode.quantize = "codes"
+    codes = (torch.zeros(3, 4, dtype=torch.float8_e4m3fn), torch.ones(3, 1))
+    batch = SimpleNamespace(num_entries=2)
+    assert forward._timed_path(None, codes, None, batch, fallback="decode") == "decode"
+    forward._timed.clear()
+    forward.mode.quantize = "vllm"
+    forward._timed_path(torch.zeros(3, 4), codes, None, batch, fallback="decode")
+    assert seen == [("codes", ["decode", "fused"]),
+                    ("vllm", ["decode", "fused", "hybrid", "vllm"])]
+
+
+def test_the_quantization_mode_is_read_and_checked_and_bounds_the_paths(monkeypatch):
+    monkeypatch.delenv("EPILORA_VLLM_QUANTIZE", raising=False)
+    assert _env.quantize() == "codes"
+    monkeypatch.setenv("EPILORA_VLLM_QUANTIZE", "both")
+    with pytest.raises(ValueError, match="'both'"):
+        _env.quantize()
+    layer = SimpleNamespace(lora_a_stacked=[torch.zeros(2, 1, 8, 64, dtype=torch.bfloat16)],
+                            lora_b_stacked=[torch.zeros(2, 1, 32, 8, dtype=torch.bfloat16)],
+                            output_slices=(32,), device=torch.device("cpu"))
+    forward = EpiloraForward(layer)
+    for path in ("hybrid", "w8a16"):
+        with pytest.raises(ValueError, match=f"EPILORA_VLLM_PATH={path}: with "):
+            forward.adapters_created(matched=False, path=path, quantize="codes")
+    forward.adapters_created(matched=False, path="hybrid", quantize="vllm")
+    assert forward.mode.vllm_quantizes and not forward.mode.shrink_codes
+    forward.adapters_created(matched=False, path="decode", quantize="codes")
+    assert forward.mode.shrink_codes
+    forward.adapters_created(matched=True, path=None, quantize="codes")  # bf16 activations
+    assert forward.mode.quantize == "kernels" and forward.mode.path == "w8a16"
+
+
+def test_cpu_codes_give_a_row_with_nan_or_inf_a_nan_scale_and_leave_the_others():
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    x[1, 5] = float("inf")
+    codes, scales = EpiloraForward.quantize_on_cpu(x)
+    assert torch.isnan(scales[1]).all() and torch.isfinite(scales[[0, 2]]).all()
+    alone, alone_scales = EpiloraForward.quantize_on_cpu(x[[0, 2]])
+    assert torch.equal(codes[[0, 2]].view(torch.uint8), alone.view(torch.uint8))
+    assert torch.equal(scales[[0, 2]], alone_scales)
