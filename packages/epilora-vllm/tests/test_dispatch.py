@@ -170,9 +170,8 @@ class _Layer(_Between, _VllmLayer):  # ours: vLLM's class third in the MRO, as i
     pass
 
 
-def test_the_layer_asks_once_per_bucket_and_runs_the_choice(monkeypatch):
-    import epilora_kernels as ek
-
+def _timed_forward() -> EpiloraForward:
+    # A layer's forward with an 8 x 4 FP8 weight and one rank-16 slot, which may time bucket 4.
     layer = _Layer()
     layer.applied = []
     weight = torch.zeros(8, 4, dtype=torch.float8_e4m3fn)
@@ -182,6 +181,14 @@ def test_the_layer_asks_once_per_bucket_and_runs_the_choice(monkeypatch):
     forward = EpiloraForward(layer)
     forward.lora = SimpleNamespace(in_features=4, output_slices=(8,), max_rank=16, max_loras=1)
     forward._start_buckets = frozenset({4})
+    return forward
+
+
+def test_the_layer_asks_once_per_bucket_and_runs_the_choice(monkeypatch):
+    import epilora_kernels as ek
+
+    forward = _timed_forward()
+    layer = forward.layer
     # The kernels' paths refused (as on a CPU without the interpreter): vLLM's alone.
     monkeypatch.setattr(ek, "supports", lambda path, **kw: False)
     asked = []
@@ -216,14 +223,7 @@ def test_with_the_codes_alone_only_the_paths_that_take_codes_are_candidates(monk
     # kernels (which read it) are no candidates; the decode and fused paths are.
     import epilora_kernels as ek
 
-    layer = _Layer()
-    weight = torch.zeros(8, 4, dtype=torch.float8_e4m3fn)
-    layer._base = SimpleNamespace(weight=lambda base: weight,
-                                  scale=lambda base: torch.ones(1))
-    layer.base_layer = None
-    forward = EpiloraForward(layer)
-    forward.lora = SimpleNamespace(in_features=4, output_slices=(8,), max_rank=16, max_loras=1)
-    forward._start_buckets = frozenset({4})
+    forward = _timed_forward()
     monkeypatch.setattr(ek, "supports", lambda path, **kw: True)
     seen = []
 
