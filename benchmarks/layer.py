@@ -13,6 +13,11 @@ Systems, side by side in one run on one GPU (names as in DESIGN.md section 6):
 * `epilora-fused`: our K1 (quant + shrink) + K2 (FP8 GEMM with the up-projection in its epilogue);
 * `epilora-decode`: the decode path (K1, then K2 as its PDL dependent, overlapping the shrink);
 * `epilora-hybrid`: vLLM's quant + CUTLASS, then our shrink and expand.
+* `cutlass-codes`, `epilora-codes`: the layer as an engine whose compiler fused the per-token
+  quantization into the kernel before each projection runs it (vLLM's, without LoRA and with
+  the plugin's default `EPILORA_VLLM_QUANTIZE=codes`): the codes are made outside the timed
+  graph, then CUTLASS on them, or `lora_linear` given the codes alone (x=None; the shrink reads
+  the codes).
 
 Models (`--models`, benchmarks/models.py): qwen3-8b (the default), llama3.1-8b, qwen2.5-7b.
 Each system's whole layer (qkv, o, gate_up, down) is captured in one CUDA graph; the graphs of
@@ -56,8 +61,8 @@ TOKENS = (1, 4, 8, 16, 32, 64, 128, 256)
 SETUPS = ((1, 16), (1, 64), (1, 128), (32, 64))  # (adapters, rank)
 SYSTEMS = ("cutlass", "epilora-gemm", "vllm-default", "epilora-fused", "epilora-decode",
            "epilora-hybrid")
-ALL_SYSTEMS = (*SYSTEMS, "epilora", "epilora-heuristic")
-NO_ADAPTER = ("cutlass", "epilora-gemm")  # timed once per model and token count
+ALL_SYSTEMS = (*SYSTEMS, "epilora", "epilora-heuristic", "cutlass-codes", "epilora-codes")
+NO_ADAPTER = ("cutlass", "epilora-gemm", "cutlass-codes")  # once per model and token count
 
 
 def make_layer(num_adapters: int, rank: int, gen: torch.Generator,
@@ -98,11 +103,19 @@ def vllm_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) ->
     return ops.cutlass_scaled_mm(codes, weight.t(), x_scale, scale, torch.bfloat16)
 
 
-def run_layer(system: str, xs: dict, layer: dict, batch: AdapterBatch, meta: tuple, bufs: dict):
+def run_layer(system: str, xs: dict, layer: dict, batch: AdapterBatch, meta: tuple, bufs: dict,
+              codes: dict):
+    from vllm import _custom_ops as ops
     from vllm.lora.ops.triton_ops import lora_expand, lora_shrink
 
     for name, (weight, scale, lora) in layer.items():
         x = xs[name]
+        if system == "cutlass-codes":  # the quantization fused elsewhere: CUTLASS alone
+            ops.cutlass_scaled_mm(*codes[name], weight.t(), scale, torch.bfloat16)
+            continue
+        if system == "epilora-codes":  # the plugin's codes mode: the codes alone
+            ek.lora_linear(None, weight, scale, lora, batch, x_quantized=codes[name])
+            continue
         if system in ("epilora", "epilora-heuristic"):
             # The dispatcher as the plugin calls it (vLLM's quant + CUTLASS for a hybrid path).
             if system == "epilora-heuristic":  # the same with no launch table
@@ -249,9 +262,10 @@ def main() -> None:
             for tokens in tokens_list:
                 batch, xs, bufs = adapter_inputs(tokens, rank, num_adapters, gen, projections)
                 meta = batch.vllm_meta_args()
+                codes = {name: ek.quantize(x) for name, x in xs.items()}  # vLLM's, bit for bit
                 # The no-adapter GEMMs do not depend on the adapters: with the first setup only.
                 runs = {system: functools.partial(run_layer, system, xs, layer, batch, meta,
-                                                  bufs)
+                                                  bufs, codes)
                         for system in args.systems
                         if system not in NO_ADAPTER or (num_adapters, rank) == setups[0]}
                 if args.compile_only:
