@@ -131,13 +131,24 @@ def test_an_adapter_with_nan_weights_spoils_only_its_own_tenants_answers(served,
     assert mixed[1] == alone
 
 
+def _serve_eagerly_with(checkpoints, **env):
+    """serve_and_record (eager) with the plugin's environment variables `env` set while the
+    engine is built, then unset."""
+    import os
+
+    os.environ.update(env)
+    try:
+        return serve_and_record(checkpoints, enforce_eager=True)
+    finally:
+        for name in env:
+            del os.environ[name]
+
+
 def test_each_quantization_mode_computes_its_own_arithmetic(checkpoints, served):
     # The default, EPILORA_VLLM_QUANTIZE=codes: the shrink reads the FP8 codes. `kernels`: it
     # reads the bf16 activations, stock vLLM's LoRA arithmetic. Each mode's calls are nearer
     # their own expectation than the other's (the tiny adapters are large: the activations'
     # rounding moves their delta by a few percent of the output).
-    import os
-
     def errors(calls, name):
         out = []
         for x, y, mapping, slots in calls:
@@ -150,11 +161,7 @@ def test_each_quantization_mode_computes_its_own_arithmetic(checkpoints, served)
     codes_errors = errors(served["calls"]["qkv_proj"], "qkv_proj")
     assert served["projections"]["qkv_proj"].epilora.mode.quantize == "codes"
     del served  # one engine at a time in this process
-    os.environ["EPILORA_VLLM_QUANTIZE"] = "kernels"
-    try:
-        kernels = serve_and_record(checkpoints, enforce_eager=True)
-    finally:
-        del os.environ["EPILORA_VLLM_QUANTIZE"]
+    kernels = _serve_eagerly_with(checkpoints, EPILORA_VLLM_QUANTIZE="kernels")
     for name in FUSED:
         assert_every_call_matches_the_files(kernels, checkpoints, name)
     kernels_errors = errors(kernels["calls"]["qkv_proj"], "qkv_proj")
@@ -167,14 +174,8 @@ def test_the_matched_mode_computes_w8a16_with_and_without_adapters(checkpoints, 
     # EPILORA_VLLM_MATCHED=1: bf16 activations against the FP8 weights (the RL trainer's
     # arithmetic). Its calls match the W8A16 float64 expectation more closely than the W8A8 one
     # can (no activation rounding), and steps without adapters compute it too.
-    import os
-
     del served  # one engine at a time in this process
-    os.environ["EPILORA_VLLM_MATCHED"] = "1"
-    try:
-        matched = serve_and_record(checkpoints, enforce_eager=True)
-    finally:
-        del os.environ["EPILORA_VLLM_MATCHED"]
+    matched = _serve_eagerly_with(checkpoints, EPILORA_VLLM_MATCHED="1")
     assert matched["projections"]["qkv_proj"].epilora.mode.path == "w8a16"
     down = matched["projections"]["down_proj"]
     alone = []  # a request without an adapter, alone: steps without any adapter
