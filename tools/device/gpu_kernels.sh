@@ -28,8 +28,8 @@
 #           into $OUT/NAME/ (/, ~ and ^ as dashes: the call brings back no name with ~), e.g.
 #           `use:main layer use:next/x layer` times two branches in one call; the benchmark
 #           scripts and tests stay the working tree's
-#   plugin-tests the plugin's GPU tests (nox -s gpu-sm90 -- packages/epilora-vllm; 176 s at
-#           4040590, before vLLM's layer tests joined them)              TESTS_TIMEOUT (360)
+#   plugin-tests the plugin's GPU tests (nox -s gpu-sm90 -- ${PLUGIN_TESTS_ARGS:-packages/
+#           epilora-vllm}, e.g. one test file; 194 s at 100f24c)         TESTS_TIMEOUT (360)
 #   rl-tests the trainer's GPU tests (nox -s gpu-sm90 -- packages/epilora-rl)   TESTS_TIMEOUT
 #   rl-memory benchmarks/rl_memory.py $RL_MEMORY_ARGS -> $OUT/rl.json (the committed file's
 #           and earlier RL steps' parts kept), logs in $OUT/rl-logs/        SERVING_TIMEOUT
@@ -139,7 +139,7 @@ shutil.copy(cache_path(torch.cuda.get_device_name()), '$OUT/tune-cache/')"
                 --out "$OUT/decode_timeline.json" --git-sha "$sha" ${TIMELINE_ARGS:-} 2>&1 \
                 | tee "$OUT/decode_timeline.log" ;;
     plugin-tests) timeout "${TESTS_TIMEOUT:-360}" python3 -m nox -s gpu-sm90 -- \
-                    packages/epilora-vllm --junitxml="$OUT/gpu-sm90-vllm-junit.xml" 2>&1 \
+                    ${PLUGIN_TESTS_ARGS:-packages/epilora-vllm} --junitxml="$OUT/gpu-sm90-vllm-junit.xml" 2>&1 \
                     | tee "$OUT/gpu-sm90-vllm.log" ;;
     rl-tests) timeout "${TESTS_TIMEOUT:-240}" python3 -m nox -s gpu-sm90 -- \
                 packages/epilora-rl --junitxml="$OUT/gpu-sm90-rl-junit.xml" 2>&1 \
