@@ -111,7 +111,8 @@ def run_layer(system: str, xs: dict, layer: dict, batch: AdapterBatch, meta: tup
     for name, (weight, scale, lora) in layer.items():
         x = xs[name]
         if system == "cutlass-codes":  # the quantization fused elsewhere: CUTLASS alone
-            ops.cutlass_scaled_mm(*codes[name], weight.t(), scale, torch.bfloat16)
+            q, q_scales = codes[name]
+            ops.cutlass_scaled_mm(q, weight.t(), q_scales, scale, torch.bfloat16)
             continue
         if system == "epilora-codes":  # the plugin's codes mode: the codes alone
             ek.lora_linear(None, weight, scale, lora, batch, x_quantized=codes[name])

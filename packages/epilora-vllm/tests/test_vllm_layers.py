@@ -27,20 +27,42 @@ from vllm_suite import (  # noqa: F401 - the fixtures vLLM's tests take
 ON_GPU = vt.DEVICES != ["cpu"]
 pytestmark = [pytest.mark.vllm, *([pytest.mark.gpu] if ON_GPU else [])]
 
+# vLLM's expected base is its own FP8 layer, one request (one token) at a time: on the H200
+# CUTLASS with FP8 fast accumulation (vLLM's sm_90 FP8 kernels all take the FP8FastAccum
+# schedule: wgmma sums FP8 products in reduced precision), which on vLLM's all-positive U(0, 1)
+# weights and activations comes out ~7% below the exact sum at K = 4096. The plugin's GEMM
+# agrees with it from 33 tokens on (K2's 64-row tiles: wgmma, the same accumulation) and not
+# below: the 32 tokens of vLLM's one-adapter case run in 32-row tiles, whose mma.sync
+# accumulates in fp32, exactly (tests/gpu/test_api_gpu.py of epilora-kernels measures each
+# row's adapter on this case, from the same launch's own base). With signed weights the two
+# accumulations agree within vLLM's tolerance, so every case runs both ways.
+FAST_ACCUMULATION = pytest.mark.xfail(
+    ON_GPU, strict=True, reason="vLLM's reference base (CUTLASS, FP8 fast accumulation) is ~7% "
+    "below the exact sum on all-positive operands; ours, in 32-row tiles, is exact")
+WEIGHTS = ["vllm", "signed"] if ON_GPU else ["vllm"]
+
+
+def _cases(*counts):
+    # (adapters, weights): vLLM's counts with its weights, then with signed ones (GPU); one
+    # adapter with vLLM's weights is expected to fail on the H200.
+    return [pytest.param(count, weights, id=f"{weights}-{count}", marks=FAST_ACCUMULATION
+                         if ON_GPU and count == 1 and weights == "vllm" else ())
+            for weights in WEIGHTS for count in counts]
+
 
 @pytest.mark.usefixtures(*SUITE_FIXTURES)
-@pytest.mark.parametrize("num_loras", [1, 2, 4] if ON_GPU else [2])
+@pytest.mark.parametrize(("num_loras", "weights"), _cases(1, 2, 4) if ON_GPU else _cases(2))
 @pytest.mark.parametrize("orientation", ["row", "column"])
 @pytest.mark.parametrize("device", vt.DEVICES)
 @pytest.mark.parametrize("stage", vt.STAGES)
-def test_linear_parallel(num_loras, orientation, device, stage):
+def test_linear_parallel(num_loras, weights, orientation, device, stage):
     vt.test_linear_parallel(None, None, num_loras, orientation, False, device, stage)
 
 
 @pytest.mark.usefixtures(*SUITE_FIXTURES)
-@pytest.mark.parametrize("num_loras", [1, 2, 4] if ON_GPU else [1])
+@pytest.mark.parametrize(("num_loras", "weights"), _cases(1, 2, 4) if ON_GPU else _cases(1))
 @pytest.mark.parametrize("repeats", [1, 2, 3])
 @pytest.mark.parametrize("device", vt.DEVICES)
 @pytest.mark.parametrize("stage", vt.STAGES if ON_GPU else [True])
-def test_column_parallel_packed(num_loras, repeats, device, stage):
+def test_column_parallel_packed(num_loras, weights, repeats, device, stage):
     vt.test_column_parallel_packed(None, None, num_loras, repeats, False, device, stage)

@@ -149,13 +149,14 @@ def _fp8_linear(cls):
     return build
 
 
-def _served(lora_cls):
-    """`lora_cls(linear)` once the test's random bf16 weight is quantized into the base's FP8
-    parameter (vLLM's per-channel arithmetic) and vLLM has processed it as after loading."""
+def _served(lora_cls, weight_offset: float = 0.0):
+    """`lora_cls(linear)` once the test's random bf16 weight (plus `weight_offset`) is
+    quantized into the base's FP8 parameter (vLLM's per-channel arithmetic) and vLLM has
+    processed it as after loading."""
     from epilora_quant import quantize_fp8_weight_per_channel
 
     def wrap(linear):
-        codes, scales = quantize_fp8_weight_per_channel(linear.weight.data)
+        codes, scales = quantize_fp8_weight_per_channel(linear.weight.data + weight_offset)
         linear.fp8_weight.data.copy_(codes)
         linear.weight_scale.data.copy_(scales.reshape(linear.weight_scale.shape))
         linear.weight = linear.fp8_weight
@@ -166,8 +167,9 @@ def _served(lora_cls):
     return wrap
 
 
-def fp8_suite(vt, monkeypatch):
-    """Rebind vLLM's test module `vt` to FP8 bases, the plugin's classes and bf16."""
+def fp8_suite(vt, monkeypatch, weight_offset: float = 0.0):
+    """Rebind vLLM's test module `vt` to FP8 bases, the plugin's classes and bf16; the bases'
+    weights are the test's plus `weight_offset` (`signed_weights`)."""
     from vllm.config.lora import LoRAConfig
 
     from epilora_vllm import layers
@@ -178,7 +180,7 @@ def fp8_suite(vt, monkeypatch):
         monkeypatch.setattr(vt, name, _fp8_linear(getattr(vt, name)))
     for ours in layers.LAYER_CLASSES:
         vllms = ours.__mro__[2].__name__  # the vLLM class it replaces (after _Epilora)
-        monkeypatch.setattr(vt, vllms, _served(ours))
+        monkeypatch.setattr(vt, vllms, _served(ours, weight_offset))
     monkeypatch.setattr(vt, "LoRAConfig", lambda **kw: LoRAConfig(
         **{**kw, "lora_dtype": torch.bfloat16}))
     inputs = vt.create_random_inputs
@@ -243,8 +245,12 @@ def default_vllm_config():
 
 
 @pytest.fixture
-def fp8(monkeypatch):
-    fp8_suite(vt, monkeypatch)
+def fp8(monkeypatch, request):
+    # `signed_weights` (a test's parameter): the bases' weights drawn from U(-0.5, 0.5) instead
+    # of vLLM's U(0, 1), so the FP8 GEMMs' products are not all positive.
+    callspec = getattr(request.node, "callspec", None)
+    signed = callspec is not None and callspec.params.get("weights") == "signed"
+    fp8_suite(vt, monkeypatch, weight_offset=-0.5 if signed else 0.0)
 
 
 # Every test runs inside these; vLLM's test functions take the first two as arguments, unused.
