@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call for epilora-kernels on the H200, into $OUT: the steps named as arguments, in
 # order, each under its own timeout (seconds, from the environment):
-#   tests   the kernel GPU tests (nox -s gpu-sm90 -- packages/epilora-kernels), in
-#           $TESTS_JOBS (4) processes                                             TESTS_TIMEOUT
+#   tests   the kernel GPU tests (nox -s gpu-sm90 -- ${KERNEL_TESTS_ARGS:-packages/
+#           epilora-kernels}), in $TESTS_JOBS (4) processes                       TESTS_TIMEOUT
 #   tune    benchmarks/tune.py $TUNE_ARGS -> $OUT/NVIDIA_H200.json, which the later steps of the
 #           call then use (installed into the package); copy it to epilora_kernels/configs/ to
 #           keep it                                                                 TUNE_TIMEOUT
@@ -107,7 +107,7 @@ for step in "$@"; do
            workers=(); (( ${TESTS_JOBS:-4} > 0 )) && python3 -c "import xdist" 2>/dev/null \
              && workers=(-n "${TESTS_JOBS:-4}")
            timeout "${TESTS_TIMEOUT:-240}" python3 -m nox -s gpu-sm90 -- \
-             packages/epilora-kernels "${workers[@]}" \
+             ${KERNEL_TESTS_ARGS:-packages/epilora-kernels} "${workers[@]}" \
              --junitxml="$OUT/gpu-sm90-kernels-junit.xml" 2>&1 | tee "$OUT/gpu-sm90-kernels.log" ;;
     tune) compiled=(); tune tune ${TUNE_ARGS:-} ;;
     tune-layer) compiled=(); tune tune_layer ${TUNE_LAYER_ARGS:-} ;;

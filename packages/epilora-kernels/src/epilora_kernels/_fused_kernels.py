@@ -343,9 +343,61 @@ def _quantize_shrink_kernel(
 
 
 @triton.jit
+def _shrink_chunk(i, a_ptr, stride_a, la0_ptr, la1_ptr, la2_ptr, hp_ptr, lora_ids_ptr,
+                  start_ptr, z_first, z_last, pos, tok, rows, T, K, R,
+                  NUM_SLICES: tl.constexpr, SHRINK_SPLITS: tl.constexpr,
+                  SHRINK_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                  INTERPRETER: tl.constexpr):
+    # One K chunk of the shrink in K2 (SHRINK): `q_t A_slot^T` over the codes' columns
+    # [i * SHRINK_CHUNK, ...) for the tile's tokens, each adapter segment's rows with its slot's
+    # A, each slice's partial stored in plane i of `hp` [S, T, SHRINK_SPLITS, R] (the planes of
+    # one token and slice contiguous, so that one program sums them with a few tile loads).
+    kk = i * SHRINK_CHUNK + tl.arange(0, SHRINK_CHUNK)
+    r = tl.arange(0, BLOCK_R)
+    xs = tl.load(a_ptr + tok[:, None].to(tl.int64) * stride_a + kk[None, :],
+                 mask=rows[:, None] & (kk[None, :] < K), other=0.0).to(tl.bfloat16)
+    for s in tl.static_range(NUM_SLICES):
+        part = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        for z in range(z_first, z_last + 1):
+            slot = tl.load(lora_ids_ptr + z)
+            in_seg = (pos >= tl.load(start_ptr + z)) & (pos < tl.load(start_ptr + z + 1))
+            a_base = _pick(s, la0_ptr, la1_ptr, la2_ptr) + slot.to(tl.int64) * R * K
+            at = tl.load(a_base + r[:, None] * K + kk[None, :],
+                         mask=(r[:, None] < R) & (kk[None, :] < K) & (slot >= 0), other=0.0)
+            xz = tl.where(in_seg[:, None], xs, tl.zeros_like(xs))
+            if INTERPRETER:
+                part += tl.dot(xz.to(tl.float32), tl.trans(at.to(tl.float32)))
+            else:
+                part = tl.dot(xz, tl.trans(at), part)
+        plane = hp_ptr + (((s * T + tok[:, None]) * SHRINK_SPLITS + i).to(tl.int64) * R
+                          + r[None, :])
+        tl.store(plane, part, mask=rows[:, None] & (r[None, :] < R))
+
+
+@triton.jit
+def _sum_shrink(hp_ptr, h_ptr, a_scale_ptr, T, R, NUM_SLICES: tl.constexpr,
+                SHRINK_SPLITS: tl.constexpr, BLOCK_R: tl.constexpr):
+    # h [S, T, R] fp32 = each token's scale times its planes summed in a fixed order (16-plane
+    # blocks, each block's tree sum, blocks in order): the same bits whoever sums.
+    r = tl.arange(0, BLOCK_R)
+    for s in tl.static_range(NUM_SLICES):
+        for t in range(T):
+            total = tl.zeros([BLOCK_R], dtype=tl.float32)
+            for block in tl.static_range(0, SHRINK_SPLITS, 16):
+                i = block + tl.arange(0, 16)
+                tile = tl.load(hp_ptr + (((s * T + t) * SHRINK_SPLITS + i[:, None]).to(tl.int64)
+                                         * R + r[None, :]),
+                               mask=(i[:, None] < SHRINK_SPLITS) & (r[None, :] < R), other=0.0,
+                               cache_modifier=".cg")
+                total += tl.sum(tile, axis=0)
+            total = total * tl.load(a_scale_ptr + t)
+            tl.store(h_ptr + ((s * T + t) * R + r).to(tl.int64), total, mask=r < R)
+
+
+@triton.jit
 def _lora_gemm_kernel(
     a_ptr, a_desc, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, y_ptr, h_ptr,
-    b0_ptr, b1_ptr, b2_ptr,
+    b0_ptr, b1_ptr, b2_ptr, la0_ptr, la1_ptr, la2_ptr, hp_ptr,
     sorted_ptr, lora_ids_ptr, start_ptr, partial_ptr, counter_ptr, ready_ptr, trace_ptr,
     T, N, K, R, NUM_ENTRIES,
     stride_a, stride_y, N_OFF1, N_OFF2,
@@ -357,6 +409,8 @@ def _lora_gemm_kernel(
     B_IN_REGS: tl.constexpr = True, R_CHUNK: tl.constexpr = 0,  # 0: the whole rank at once
     W_TMA: tl.constexpr = False, WAIT_K1_FIRST: tl.constexpr = False,
     A_TMA: tl.constexpr = False, W_SCALE_PER_CHANNEL: tl.constexpr = False,
+    SHRINK: tl.constexpr = False, SHRINK_SPLITS: tl.constexpr = 1,
+    SHRINK_CHUNK: tl.constexpr = 32,
 ):
     _stamp(trace_ptr, 0, TRACE)
     pid_m = tl.program_id(0)
@@ -414,6 +468,35 @@ def _lora_gemm_kernel(
                 warm_b = tl.where((n < slice_end)[:, None] & n_mask[:, None]
                                   & (lines[None, :] < R) & (first_slot >= 0), warm_b, b_base)
                 _prefetch_l2(warm_b)
+
+    if SHRINK:
+        # The decode path in one kernel (the caller's codes, one row tile: the caller
+        # checks): the first SHRINK_SPLITS programs shrink one K chunk each, before
+        # their K loop; the last of them to finish sums the chunks into h and raises the flag
+        # every program waits for before its epilogue. A cooperative launch keeps all programs
+        # resident, so none waits on one that cannot start.
+        if INTERPRETER:  # programs run one after another there: each makes all of h
+            for i in tl.static_range(SHRINK_SPLITS):
+                _shrink_chunk(i, a_ptr, stride_a, la0_ptr, la1_ptr, la2_ptr, hp_ptr,
+                              lora_ids_ptr, start_ptr, z_first, z_last, pos, tok, pos_mask, T,
+                              K, R, NUM_SLICES, SHRINK_SPLITS, SHRINK_CHUNK, BLOCK_M, BLOCK_R,
+                              INTERPRETER)
+            _sum_shrink(hp_ptr, h_ptr, a_scale_ptr, T, R, NUM_SLICES, SHRINK_SPLITS, BLOCK_R)
+        else:
+            q = (tl.program_id(2) * tl.num_programs(1) + pid_n) * tl.num_programs(0) + pid_m
+            if q < SHRINK_SPLITS:
+                _shrink_chunk(q, a_ptr, stride_a, la0_ptr, la1_ptr, la2_ptr, hp_ptr,
+                              lora_ids_ptr, start_ptr, z_first, z_last, pos, tok, pos_mask, T,
+                              K, R, NUM_SLICES, SHRINK_SPLITS, SHRINK_CHUNK, BLOCK_M, BLOCK_R,
+                              INTERPRETER)
+                tl.debug_barrier()  # every thread's partial is written before the count moves
+                arrivals = counter_ptr + tl.num_programs(0) * tl.num_programs(1)  # after K2's
+                if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == SHRINK_SPLITS - 1:
+                    _sum_shrink(hp_ptr, h_ptr, a_scale_ptr, T, R, NUM_SLICES, SHRINK_SPLITS,
+                                BLOCK_R)
+                    tl.debug_barrier()  # h is written before the flag rises
+                    tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")
+                    tl.atomic_xchg(ready_ptr, 1, sem="release", scope="gpu")
 
     if SPLIT_K == 1:
         k_begin = 0
@@ -477,6 +560,14 @@ def _lora_gemm_kernel(
         # hit one address before its K loop; the H200 showed no difference either way,
         # results/h200/decode_v3_count_after_spin.json). Atomics: no plain store may precede
         # gdc_wait, and none is needed.
+        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        if tl.atomic_add(ready_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
+            tl.atomic_xchg(ready_ptr, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(ready_ptr + 1, 0, sem="relaxed", scope="gpu")
+    if SHRINK and not INTERPRETER:
+        # h from the shrinking programs (above); the last program past here lowers the flag.
+        while tl.atomic_add(ready_ptr, 0, sem="acquire", scope="gpu") == 0:
+            pass
         programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
         if tl.atomic_add(ready_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
             tl.atomic_xchg(ready_ptr, 0, sem="relaxed", scope="gpu")

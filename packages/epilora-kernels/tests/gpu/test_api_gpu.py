@@ -325,3 +325,66 @@ def test_one_active_slot_of_eight_gives_every_row_its_adapter(tokens, operands):
     got_delta, want_delta = y.double() - y_base.double(), want.double() - ref_base
     row_err = (got_delta - want_delta).norm(dim=1) / want_delta.norm(dim=1)
     assert float(row_err.max()) < 2e-2, row_err
+
+
+def _integer_codes(seed, tokens, k):
+    # Integer codes and power-of-two scales: every sum the kernels form is exact.
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-2, 3, (tokens, k), generator=gen).float()
+    scales = 2.0 ** torch.randint(-4, 3, (tokens, 1), generator=gen).float()
+    return codes.to(torch.float8_e4m3fn).to(CUDA), scales.to(CUDA)
+
+
+@pytest.mark.parametrize(("k", "slices"), [(4096, (4096,)), (4096, (4096, 1024, 1024)),
+                                           (4096, (12288, 12288)), (12288, (4096,))])
+@pytest.mark.parametrize("tokens", [1, 4, 16])
+def test_one_kernel_decode_gives_the_two_kernels_bits_in_eager_and_in_a_graph(k, slices,
+                                                                               tokens):
+    # Qwen3-8B's projections (o, qkv, gate_up, down) given the codes alone: K2 shrinks them
+    # itself where its grid is resident at once (a cooperative launch), else the two kernels
+    # run. Integer operands: the same bits as K1 + K2 either way, eager and replayed in a CUDA
+    # graph, and the counters at rest after each.
+    _, _, _, weight, w_scale, _, lora, batch = make_integer_problem(
+        18, tokens, k, slices, 64, 4, "mixed_with_base", device=CUDA)
+    given = _integer_codes(18, tokens, k)
+    two = ek.decode_lora_fp8_linear(None, weight, w_scale, lora, batch, x_quantized=given,
+                                    one_kernel=False)
+    one = ek.decode_lora_fp8_linear(None, weight, w_scale, lora, batch, x_quantized=given)
+    assert_bitwise_equal(one, two, name="default vs K1 + K2")
+    if (k, slices) == (4096, (4096,)):  # o_proj's grid fits the H200 at once
+        assert_bitwise_equal(ek.decode_lora_fp8_linear(
+            None, weight, w_scale, lora, batch, x_quantized=given, one_kernel=True), two,
+            name="one kernel vs K1 + K2")
+    workspace = ek.Workspace.for_batches(CUDA, max_tokens=tokens, max_out_features=sum(slices),
+                                         max_rank=64, max_loras=4)
+    graph, out = capture(lambda: ek.decode_lora_fp8_linear(
+        None, weight, w_scale, lora, batch, x_quantized=given, workspace=workspace))
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert_bitwise_equal(out, two, name="graph replay")
+    assert workspace.is_clean() and ek.default_workspace(CUDA).is_clean()
+
+
+def test_one_kernel_decode_under_thousands_of_back_to_back_launches():
+    # The shrinking programs' hand-off (partials, a count, one sum, a flag every program waits
+    # on, reset by the last) run 2000 times back to back over varied batches (1-16 tokens,
+    # mixed slots), each compared bit for bit with K1 + K2 run afterwards.
+    k, n = 4096, 4096
+    _, _, _, weight, w_scale, _, lora, _ = make_integer_problem(
+        19, 16, k, (n,), 64, 4, "mixed_with_base", device=CUDA)
+    gen = torch.Generator().manual_seed(19)
+    cases = []
+    for i in range(2000):
+        tokens = int(torch.randint(1, 17, (1,), generator=gen))
+        mapping = torch.randint(-1, 4, (tokens,), generator=gen, dtype=torch.int32)
+        cases.append((ek.AdapterBatch.from_token_mapping(mapping.to(CUDA), 4),
+                      _integer_codes(1000 + i, tokens, k)))
+    outs = [ek.decode_lora_fp8_linear(None, weight, w_scale, lora, batch, x_quantized=given,
+                                      one_kernel=True) for batch, given in cases]
+    torch.cuda.synchronize()
+    for i, ((batch, given), out) in enumerate(zip(cases, outs, strict=True)):
+        want = ek.decode_lora_fp8_linear(None, weight, w_scale, lora, batch, x_quantized=given,
+                                         one_kernel=False)
+        assert_bitwise_equal(out, want, name=f"launch {i}")
+    assert ek.default_workspace(CUDA).is_clean()
