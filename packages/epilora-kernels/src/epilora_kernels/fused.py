@@ -190,7 +190,7 @@ def decode_lora_fp8_linear(
     batch: AdapterBatch, *, k1_config: LaunchConfig | None = None,
     k2_config: LaunchConfig | None = None, pdl: bool = True,
     workspace: Workspace | None = None, x_quantized: Quantized | None = None,
-    one_kernel: bool | None = None,
+    one_kernel: bool = False,
 ) -> torch.Tensor:
     """The decode path: K1 (quantize + shrink), and K2 launched as K1's programmatic dependent
     while K1 runs. K2 waits for K1's quantizing programs (their count of finished rows, a spin
@@ -207,12 +207,13 @@ def decode_lora_fp8_linear(
     `h = s_t (q_t A^T)`: the caller need not keep bf16 activations (vLLM's compiler fuses the
     quantization into the RMSNorm only when nothing else reads the RMSNorm's output).
 
-    `one_kernel`: with the codes alone, K2 makes h itself and K1 is not launched: its first
-    programs each shrink a chunk of K before their K loop, and every program waits for the
-    sum only before its epilogue (a cooperative launch: every program resident). Under K2's
-    weight stream, K1's own shrink finished only with it (dev/engine_kernels.py: an engine
-    step at batch 1). None (default): where it applies (the tokens in one of K2's row tiles,
-    its grid resident at once), else the two kernels; True: it or an error."""
+    `one_kernel=True` (experimental; the codes alone, the tokens in one of K2's row tiles, its
+    grid resident at once, else a ValueError saying which): K2 makes h itself and K1 is not
+    launched: its first programs each shrink a chunk of K before their K loop, the last of
+    them sums the chunks, and every program waits for the sum before its epilogue (a
+    cooperative launch keeps every program resident). Correct (the same bits as K1 + K2 on
+    integer operands, 2000 launches back to back), but slower on the H200: docs/kernels.md,
+    "The decode path in one kernel"."""
     return _linear(FP8, x, weight, weight_scale, lora, batch, k1_config, k2_config,
                    decode=True, pdl=pdl, workspace=workspace, x_quantized=x_quantized,
                    one_kernel=one_kernel)
@@ -322,7 +323,7 @@ _RESIDENT: dict = {}  # _one_kernel_refusal's blocks per SM, per case
 
 def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
             decode=False, pdl=False, warm_l2=DECODE_WARM_L2, traces=(None, None),
-            wait_k1_first=False, workspace=None, x_quantized=None, one_kernel=None):
+            wait_k1_first=False, workspace=None, x_quantized=None, one_kernel=False):
     # MODE FP8: K1 (quantize + shrink) then K2; MODE W8A16: the shrink then the W8A16 K2.
     # `decode`: the decode path's launch settings. With `pdl` K2 is launched as K1's
     # programmatic dependent, waiting for K1's count of quantized rows before its K loop, or
@@ -361,18 +362,17 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
     # launches would put a fill kernel between K1 and its dependent and free K1's counters
     # while K1 runs.
     _tiling.check_gemm_config(cfg2, lora)
-    if one_kernel is not False:
+    if one_kernel:
         refusal = ("the one-kernel decode takes the codes alone (x None)"
                    if not (decode and shrink_codes) or traces != (None, None) else
                    _one_kernel_refusal(support, weight, weight_scale, lora, batch, cfg2))
-        if one_kernel and refusal:
+        if refusal:
             raise ValueError(f"one_kernel=True: {refusal}")
-        if not refusal:
-            h = torch.empty(1, len(lora.output_slices), t, lora.max_rank, dtype=torch.float32,
-                            device=x.device)
-            y = torch.empty(t, lora.out_features, dtype=torch.bfloat16, device=x.device)
-            return _launchers.launch_k2(support, workspace, FP8, *x_quantized, weight,
-                                        weight_scale, y, h, lora, batch, cfg2, shrink=True)
+        h = torch.empty(1, len(lora.output_slices), t, lora.max_rank, dtype=torch.float32,
+                        device=x.device)
+        y = torch.empty(t, lora.out_features, dtype=torch.bfloat16, device=x.device)
+        return _launchers.launch_k2(support, workspace, FP8, *x_quantized, weight, weight_scale,
+                                    y, h, lora, batch, cfg2, shrink=True)
     workspace.counters(max(_tiling.k1_tiles(t, lora, batch, cfg1),
                            _tiling.k2_tiles(mode, t, lora.out_features, cfg2)))
     y = torch.empty(t, lora.out_features, dtype=torch.bfloat16, device=x.device)

@@ -340,25 +340,28 @@ def _integer_codes(seed, tokens, k):
 @pytest.mark.parametrize("tokens", [1, 4, 16])
 def test_one_kernel_decode_gives_the_two_kernels_bits_in_eager_and_in_a_graph(k, slices,
                                                                                tokens):
-    # Qwen3-8B's projections (o, qkv, gate_up, down) given the codes alone: K2 shrinks them
-    # itself where its grid is resident at once (a cooperative launch), else the two kernels
-    # run. Integer operands: the same bits as K1 + K2 either way, eager and replayed in a CUDA
-    # graph, and the counters at rest after each.
+    # Qwen3-8B's projections (o, qkv, gate_up, down) given the codes alone, K2 shrinking them
+    # itself (one_kernel=True, a cooperative launch), where its grid is resident at once (o's
+    # must be; the others may be refused, with the reason). Integer operands: the same bits as
+    # K1 + K2, eager and replayed in a CUDA graph, and the counters at rest after each.
     _, _, _, weight, w_scale, _, lora, batch = make_integer_problem(
         18, tokens, k, slices, 64, 4, "mixed_with_base", device=CUDA)
     given = _integer_codes(18, tokens, k)
-    two = ek.decode_lora_fp8_linear(None, weight, w_scale, lora, batch, x_quantized=given,
-                                    one_kernel=False)
-    one = ek.decode_lora_fp8_linear(None, weight, w_scale, lora, batch, x_quantized=given)
-    assert_bitwise_equal(one, two, name="default vs K1 + K2")
-    if (k, slices) == (4096, (4096,)):  # o_proj's grid fits the H200 at once
-        assert_bitwise_equal(ek.decode_lora_fp8_linear(
-            None, weight, w_scale, lora, batch, x_quantized=given, one_kernel=True), two,
-            name="one kernel vs K1 + K2")
+    two = ek.decode_lora_fp8_linear(None, weight, w_scale, lora, batch, x_quantized=given)
+
+    def one(workspace=None):
+        return ek.decode_lora_fp8_linear(None, weight, w_scale, lora, batch, x_quantized=given,
+                                         one_kernel=True, workspace=workspace)
+
+    try:
+        assert_bitwise_equal(one(), two, name="one kernel vs K1 + K2")
+    except ValueError as refusal:
+        assert (k, slices) != (4096, (4096,)), refusal
+        assert "do not fit on the device at once" in str(refusal), refusal
+        return
     workspace = ek.Workspace.for_batches(CUDA, max_tokens=tokens, max_out_features=sum(slices),
                                          max_rank=64, max_loras=4)
-    graph, out = capture(lambda: ek.decode_lora_fp8_linear(
-        None, weight, w_scale, lora, batch, x_quantized=given, workspace=workspace))
+    graph, out = capture(lambda: one(workspace))
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
