@@ -376,22 +376,27 @@ def _shrink_chunk(i, a_ptr, stride_a, la0_ptr, la1_ptr, la2_ptr, hp_ptr, lora_id
 
 @triton.jit
 def _sum_shrink(hp_ptr, h_ptr, a_scale_ptr, T, R, NUM_SLICES: tl.constexpr,
-                SHRINK_SPLITS: tl.constexpr, BLOCK_R: tl.constexpr):
-    # h [S, T, R] fp32 = each token's scale times its planes summed in a fixed order (16-plane
-    # blocks, each block's tree sum, blocks in order): the same bits whoever sums.
+                SHRINK_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    # h [S, T, R] fp32 = each token's scale times its planes summed in a fixed order (4-plane
+    # blocks of every token at once, each block's tree sum, blocks in order): the same bits
+    # whoever sums. Tokens are rows 0..T-1 (T <= BLOCK_M: the caller checks).
+    t = tl.arange(0, BLOCK_M)
+    i = tl.arange(0, 4)
     r = tl.arange(0, BLOCK_R)
+    rows = t < T
+    scale = tl.load(a_scale_ptr + t, mask=rows, other=0.0)
     for s in tl.static_range(NUM_SLICES):
-        for t in range(T):
-            total = tl.zeros([BLOCK_R], dtype=tl.float32)
-            for block in tl.static_range(0, SHRINK_SPLITS, 16):
-                i = block + tl.arange(0, 16)
-                tile = tl.load(hp_ptr + (((s * T + t) * SHRINK_SPLITS + i[:, None]).to(tl.int64)
-                                         * R + r[None, :]),
-                               mask=(i[:, None] < SHRINK_SPLITS) & (r[None, :] < R), other=0.0,
-                               cache_modifier=".cg")
-                total += tl.sum(tile, axis=0)
-            total = total * tl.load(a_scale_ptr + t)
-            tl.store(h_ptr + ((s * T + t) * R + r).to(tl.int64), total, mask=r < R)
+        total = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        for block in tl.static_range(0, SHRINK_SPLITS, 4):
+            plane = block + i
+            tile = tl.load(hp_ptr + (((s * T + t[:, None, None]) * SHRINK_SPLITS
+                                      + plane[None, :, None]).to(tl.int64) * R
+                                     + r[None, None, :]),
+                           mask=(rows[:, None, None] & (plane[None, :, None] < SHRINK_SPLITS)
+                                 & (r[None, None, :] < R)), other=0.0, cache_modifier=".cg")
+            total += tl.sum(tile, axis=1)
+        tl.store(h_ptr + ((s * T + t[:, None]) * R + r[None, :]).to(tl.int64),
+                 total * scale[:, None], mask=rows[:, None] & (r[None, :] < R))
 
 
 @triton.jit
@@ -471,32 +476,36 @@ def _lora_gemm_kernel(
 
     if SHRINK:
         # The decode path in one kernel (the caller's codes, one row tile: the caller
-        # checks): the first SHRINK_SPLITS programs shrink one K chunk each, before
-        # their K loop; the last of them to finish sums the chunks into h and raises the flag
-        # every program waits for before its epilogue. A cooperative launch keeps all programs
-        # resident, so none waits on one that cannot start.
-        if INTERPRETER:  # programs run one after another there: each makes all of h
-            for i in tl.static_range(SHRINK_SPLITS):
-                _shrink_chunk(i, a_ptr, stride_a, la0_ptr, la1_ptr, la2_ptr, hp_ptr,
-                              lora_ids_ptr, start_ptr, z_first, z_last, pos, tok, pos_mask, T,
-                              K, R, NUM_SLICES, SHRINK_SPLITS, SHRINK_CHUNK, BLOCK_M, BLOCK_R,
-                              INTERPRETER)
-            _sum_shrink(hp_ptr, h_ptr, a_scale_ptr, T, R, NUM_SLICES, SHRINK_SPLITS, BLOCK_R)
-        else:
-            q = (tl.program_id(2) * tl.num_programs(1) + pid_n) * tl.num_programs(0) + pid_m
-            if q < SHRINK_SPLITS:
-                _shrink_chunk(q, a_ptr, stride_a, la0_ptr, la1_ptr, la2_ptr, hp_ptr,
-                              lora_ids_ptr, start_ptr, z_first, z_last, pos, tok, pos_mask, T,
-                              K, R, NUM_SLICES, SHRINK_SPLITS, SHRINK_CHUNK, BLOCK_M, BLOCK_R,
-                              INTERPRETER)
-                tl.debug_barrier()  # every thread's partial is written before the count moves
-                arrivals = counter_ptr + tl.num_programs(0) * tl.num_programs(1)  # after K2's
-                if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == SHRINK_SPLITS - 1:
-                    _sum_shrink(hp_ptr, h_ptr, a_scale_ptr, T, R, NUM_SLICES, SHRINK_SPLITS,
-                                BLOCK_R)
-                    tl.debug_barrier()  # h is written before the flag rises
-                    tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")
-                    tl.atomic_xchg(ready_ptr, 1, sem="release", scope="gpu")
+        # checks). SHRINK_SPLITS programs past the GEMM's columns (pid_n >= N / BLOCK_N) only
+        # shrink, one K chunk each, so that no GEMM program's K loop waits behind a chunk; the
+        # last of them to finish sums the chunks into h and raises the flag every GEMM program
+        # waits for before its epilogue. A cooperative launch keeps all programs resident, so
+        # none waits on one that cannot start.
+        gemm_columns = tl.cdiv(N, BLOCK_N)
+        if INTERPRETER:  # programs run one after another there: each GEMM program makes h
+            if pid_n < gemm_columns:
+                for i in tl.static_range(SHRINK_SPLITS):
+                    _shrink_chunk(i, a_ptr, stride_a, la0_ptr, la1_ptr, la2_ptr, hp_ptr,
+                                  lora_ids_ptr, start_ptr, z_first, z_last, pos, tok, pos_mask,
+                                  T, K, R, NUM_SLICES, SHRINK_SPLITS, SHRINK_CHUNK, BLOCK_M,
+                                  BLOCK_R, INTERPRETER)
+                _sum_shrink(hp_ptr, h_ptr, a_scale_ptr, T, R, NUM_SLICES, SHRINK_SPLITS,
+                            BLOCK_M, BLOCK_R)
+        elif pid_n >= gemm_columns and pid_m == 0 and tl.program_id(2) == 0:
+            _shrink_chunk(pid_n - gemm_columns, a_ptr, stride_a, la0_ptr, la1_ptr, la2_ptr,
+                          hp_ptr, lora_ids_ptr, start_ptr, z_first, z_last, pos, tok,
+                          pos_mask, T, K, R, NUM_SLICES, SHRINK_SPLITS, SHRINK_CHUNK, BLOCK_M,
+                          BLOCK_R, INTERPRETER)
+            tl.debug_barrier()  # every thread's partial is written before the count moves
+            arrivals = counter_ptr + tl.num_programs(0) * gemm_columns  # after K2's tiles'
+            if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == SHRINK_SPLITS - 1:
+                _sum_shrink(hp_ptr, h_ptr, a_scale_ptr, T, R, NUM_SLICES, SHRINK_SPLITS,
+                            BLOCK_M, BLOCK_R)
+                tl.debug_barrier()  # h is written before the flag rises
+                tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(ready_ptr, 1, sem="release", scope="gpu")
+        if pid_n >= gemm_columns:
+            return
 
     if SPLIT_K == 1:
         k_begin = 0
@@ -565,10 +574,11 @@ def _lora_gemm_kernel(
             tl.atomic_xchg(ready_ptr, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(ready_ptr + 1, 0, sem="relaxed", scope="gpu")
     if SHRINK and not INTERPRETER:
-        # h from the shrinking programs (above); the last program past here lowers the flag.
+        # h from the shrinking programs (above); the last GEMM program past here lowers the
+        # flag.
         while tl.atomic_add(ready_ptr, 0, sem="acquire", scope="gpu") == 0:
             pass
-        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        programs = tl.num_programs(0) * tl.cdiv(N, BLOCK_N) * tl.num_programs(2)
         if tl.atomic_add(ready_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
             tl.atomic_xchg(ready_ptr, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(ready_ptr + 1, 0, sem="relaxed", scope="gpu")

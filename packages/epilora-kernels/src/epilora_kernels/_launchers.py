@@ -143,12 +143,21 @@ def _w_operand(support: DeviceSupport, weight: torch.Tensor, cfg: LaunchConfig):
     return weight
 
 
-def shrink_splits(k: int, programs: int) -> tuple[int, int]:
+SHRINK_PROGRAMS = 64  # at most: K2's own shrink programs (one of them sums their planes)
+
+
+def shrink_splits(k: int) -> tuple[int, int]:
     """K2's own shrink (`launch_k2(shrink=True)`): (chunks, chunk width) of K, one chunk per
-    program of the first `chunks`, at most 64 of them (one program sums them all) and at least
-    32 columns wide (the dot's K)."""
-    chunk = max(32, triton.next_power_of_2(-(-k // min(programs, 64))))
+    shrinking program, at most SHRINK_PROGRAMS of them and at least 32 columns wide (the dot's
+    K), a power of two."""
+    chunk = max(32, triton.next_power_of_2(-(-k // SHRINK_PROGRAMS)))
     return -(-k // chunk), chunk
+
+
+def shrink_grid(grid: tuple[int, int, int], k: int) -> tuple[int, int, int]:
+    """K2's grid with its own shrink: the GEMM's, with the shrinking programs as extra columns
+    (pid_n past the GEMM's; only those of pid_m = pid_k = 0 shrink)."""
+    return grid[0], grid[1] + shrink_splits(k)[0], grid[2]
 
 
 def _k2_arguments(mode: int, *, a, a_desc, a_scale, weight, w_operand, weight_scale, y, h,
@@ -206,9 +215,9 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
     a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]) if a_sorted else a
     planes = None
     if shrink:
-        chunks, _ = shrink_splits(lora.in_features, math.prod(grid))
-        planes = torch.empty(len(lora.output_slices), t, chunks, lora.max_rank,
-                             dtype=torch.float32, device=y.device)
+        planes = torch.empty(len(lora.output_slices), t, shrink_splits(lora.in_features)[0],
+                             lora.max_rank, dtype=torch.float32, device=y.device)
+        grid = shrink_grid(grid, lora.in_features)
     _lora_gemm_kernel[grid](**_k2_arguments(
         mode, a=a, a_desc=a_desc, a_scale=a_scale, weight=weight, w_operand=w_operand,
         weight_scale=weight_scale, y=y, h=h, lora=lora, batch=batch, cfg=cfg, split=grid[2],
@@ -244,8 +253,8 @@ def k2_blocks_per_sm(support: DeviceSupport, mode: int, a_dtype: torch.dtype, we
     ready = MockTensor(torch.int32)
     planes = None
     if shrink:
-        chunks, _ = shrink_splits(k, math.prod(grid))
-        planes = MockTensor(torch.float32, [len(lora.output_slices), t, chunks, lora.max_rank])
+        planes = MockTensor(torch.float32, [len(lora.output_slices), t, shrink_splits(k)[0],
+                                            lora.max_rank])
     pdl = use_pdl(support, pdl)
     kernel = _lora_gemm_kernel.warmup(grid=(1,), **_k2_arguments(
         mode, a=a, a_desc=a, a_scale=MockTensor(torch.float32), weight=weight,

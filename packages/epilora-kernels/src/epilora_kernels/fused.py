@@ -209,11 +209,11 @@ def decode_lora_fp8_linear(
 
     `one_kernel=True` (experimental; the codes alone, the tokens in one of K2's row tiles, its
     grid resident at once, else a ValueError saying which): K2 makes h itself and K1 is not
-    launched: its first programs each shrink a chunk of K before their K loop, the last of
-    them sums the chunks, and every program waits for the sum before its epilogue (a
-    cooperative launch keeps every program resident). Correct (the same bits as K1 + K2 on
-    integer operands, 2000 launches back to back), but slower on the H200: docs/kernels.md,
-    "The decode path in one kernel"."""
+    launched: extra programs past the GEMM's columns each shrink a chunk of K, the last of
+    them sums the chunks, and every GEMM program waits for the sum before its epilogue (a
+    cooperative launch keeps every program resident). A first version was correct on the H200
+    and slower than K1 + K2; this one has not run on a GPU: docs/kernels.md, "The decode path
+    in one kernel"."""
     return _linear(FP8, x, weight, weight_scale, lora, batch, k1_config, k2_config,
                    decode=True, pdl=pdl, workspace=workspace, x_quantized=x_quantized,
                    one_kernel=one_kernel)
@@ -303,7 +303,8 @@ def _one_kernel_refusal(support: DeviceSupport, weight, weight_scale, lora: Lora
         return f"{t} tokens are more than one of K2's row tiles ({cfg.block_m})"
     if support.interpreter:
         return ""
-    programs = math.prod(_tiling.gemm_grid(FP8, t, lora.out_features, cfg))
+    programs = math.prod(_launchers.shrink_grid(
+        _tiling.gemm_grid(FP8, t, lora.out_features, cfg), lora.in_features))
     sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
     key = (weight.device, t, lora.in_features, lora.output_slices, lora.max_rank,
            weight_scale.numel() > 1, cfg)
