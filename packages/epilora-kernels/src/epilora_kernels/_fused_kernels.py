@@ -352,23 +352,25 @@ def _shrink_chunk(i, a_ptr, stride_a, la0_ptr, la1_ptr, la2_ptr, hp_ptr, lora_id
     # [i * SHRINK_CHUNK, ...) for the tile's tokens, each adapter segment's rows with its slot's
     # A, each slice's partial stored in plane i of `hp` [S, T, SHRINK_SPLITS, R] (the planes of
     # one token and slice contiguous, so that one program sums them with a few tile loads).
-    kk = i * SHRINK_CHUNK + tl.arange(0, SHRINK_CHUNK)
     r = tl.arange(0, BLOCK_R)
-    xs = tl.load(a_ptr + tok[:, None].to(tl.int64) * stride_a + kk[None, :],
-                 mask=rows[:, None] & (kk[None, :] < K), other=0.0).to(tl.bfloat16)
     for s in tl.static_range(NUM_SLICES):
         part = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
         for z in range(z_first, z_last + 1):
             slot = tl.load(lora_ids_ptr + z)
             in_seg = (pos >= tl.load(start_ptr + z)) & (pos < tl.load(start_ptr + z + 1))
             a_base = _pick(s, la0_ptr, la1_ptr, la2_ptr) + slot.to(tl.int64) * R * K
-            at = tl.load(a_base + r[:, None] * K + kk[None, :],
-                         mask=(r[:, None] < R) & (kk[None, :] < K) & (slot >= 0), other=0.0)
-            xz = tl.where(in_seg[:, None], xs, tl.zeros_like(xs))
-            if INTERPRETER:
-                part += tl.dot(xz.to(tl.float32), tl.trans(at.to(tl.float32)))
-            else:
-                part = tl.dot(xz, tl.trans(at), part)
+            # 32 columns a step: the kernel's registers are this code's as much as the GEMM's
+            for step in range(0, SHRINK_CHUNK, 32):
+                kk = i * SHRINK_CHUNK + step + tl.arange(0, 32)
+                xs = tl.load(a_ptr + tok[:, None].to(tl.int64) * stride_a + kk[None, :],
+                             mask=rows[:, None] & in_seg[:, None] & (kk[None, :] < K),
+                             other=0.0).to(tl.bfloat16)
+                at = tl.load(a_base + r[:, None] * K + kk[None, :],
+                             mask=(r[:, None] < R) & (kk[None, :] < K) & (slot >= 0), other=0.0)
+                if INTERPRETER:
+                    part += tl.dot(xs.to(tl.float32), tl.trans(at.to(tl.float32)))
+                else:
+                    part = tl.dot(xs, tl.trans(at), part)
         plane = hp_ptr + (((s * T + tok[:, None]) * SHRINK_SPLITS + i).to(tl.int64) * R
                           + r[None, :])
         tl.store(plane, part, mask=rows[:, None] & (r[None, :] < R))
@@ -387,7 +389,7 @@ def _sum_shrink(hp_ptr, h_ptr, a_scale_ptr, T, R, NUM_SLICES: tl.constexpr,
     scale = tl.load(a_scale_ptr + t, mask=rows, other=0.0)
     for s in tl.static_range(NUM_SLICES):
         total = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-        for block in tl.static_range(0, SHRINK_SPLITS, 4):
+        for block in range(0, SHRINK_SPLITS, 4):
             plane = block + i
             tile = tl.load(hp_ptr + (((s * T + t[:, None, None]) * SHRINK_SPLITS
                                       + plane[None, :, None]).to(tl.int64) * R
@@ -476,7 +478,7 @@ def _lora_gemm_kernel(
 
     if SHRINK:
         # The decode path in one kernel (the caller's codes, one row tile: the caller
-        # checks). SHRINK_SPLITS programs past the GEMM's columns (pid_n >= N / BLOCK_N) only
+        # checks). SHRINK_SPLITS programs past the GEMM's columns (pid_n >= cdiv(N, BLOCK_N)) only
         # shrink, one K chunk each, so that no GEMM program's K loop waits behind a chunk; the
         # last of them to finish sums the chunks into h and raises the flag every GEMM program
         # waits for before its epilogue. A cooperative launch keeps all programs resident, so
@@ -589,11 +591,12 @@ def _lora_gemm_kernel(
         tl.extra.cuda.gdc_wait()
         _stamp(trace_ptr, 3, TRACE)
     if SPLIT_K > 1:
+        # The tile's counter by the GEMM's columns (SHRINK's programs are columns past them).
         plane = (tl.num_programs(0) * BLOCK_M).to(tl.int64) * N
         acc, last = _sum_splits(
             acc, partial_ptr + pos[:, None].to(tl.int64) * N + n[None, :], plane,
             n_mask[None, :], tl.program_id(2),
-            counter_ptr + pid_m * tl.num_programs(1) + pid_n, SPLIT_K)
+            counter_ptr + pid_m * tl.cdiv(N, BLOCK_N) + pid_n, SPLIT_K)
         if not last:
             _stamp(trace_ptr, 4, TRACE)
             return

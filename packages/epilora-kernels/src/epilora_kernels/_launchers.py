@@ -208,6 +208,8 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
     `h` [1, S, T, R] fp32, in a cooperative launch."""
     t, n = y.shape
     _tiling.check_gemm_config(cfg, lora)
+    if shrink and (mode != FP8 or t > cfg.block_m or pdl or wait_codes or wait_k1_first):
+        raise ValueError("K2's own shrink: FP8, one row tile, no K1 to wait for")
     grid, partial, counters = _gemm_buffers(workspace, mode, t, n, cfg, y.device,
                                             extra_counters=1 if shrink else 0)
     w_operand = _w_operand(support, weight, cfg)

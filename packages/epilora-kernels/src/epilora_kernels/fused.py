@@ -307,7 +307,7 @@ def _one_kernel_refusal(support: DeviceSupport, weight, weight_scale, lora: Lora
         _tiling.gemm_grid(FP8, t, lora.out_features, cfg), lora.in_features))
     sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
     key = (weight.device, t, lora.in_features, lora.output_slices, lora.max_rank,
-           weight_scale.numel() > 1, cfg)
+           batch.num_entries, weight_scale.numel() > 1, cfg)  # what the variant compiles on
     if key not in _RESIDENT:
         _RESIDENT[key] = _launchers.k2_blocks_per_sm(
             support, FP8, torch.float8_e4m3fn, weight, weight_scale, torch.float32, lora,
