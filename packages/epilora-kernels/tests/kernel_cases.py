@@ -67,6 +67,16 @@ def relative_error(got, want):
     return float((got.double() - want.double()).norm() / want.double().norm().clamp(min=1e-30))
 
 
+def exact_codes(seed, t, k, device="cpu"):
+    """Integer codes in [-2, 2] and power-of-two scales, `(codes, scales, x)`: x = codes *
+    scales is exact in bf16, so a shrink of the codes and one of x form the same fp32 sums."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-2, 3, (t, k), generator=gen).float().to(torch.float8_e4m3fn)
+    scales = 2.0 ** torch.randint(-4, 3, (t, 1), generator=gen).float()
+    x = (codes.float() * scales).to(torch.bfloat16)
+    return codes.to(device), scales.to(device), x.to(device)
+
+
 def make_integer_problem(seed, t, k, output_slices, rank, max_loras, mapping, device="cpu"):
     """Operands with small integer values, so that every fp32 sum K2 forms is exact and every
     output is an integer below 256 (exact in bf16): K2 must then equal its torch reference bit

@@ -11,6 +11,7 @@ from epilora_quant import Fp8Arithmetic
 from epilora_testing import assert_bitwise_equal
 
 from kernel_cases import (
+    exact_codes,
     fp64_reference,
     make_integer_problem,
     make_problem,
@@ -285,20 +286,11 @@ def test_activations_quantized_by_the_caller_give_the_bits_of_the_paths_own(path
         ek.lora_linear(x, weight, w_scale, lora, batch, path="w8a16", x_quantized=given)
 
 
-def _codes_with_exact_dequantization(seed, t, k):
-    # Integer codes in [-2, 2] and power-of-two scales: x = codes * scales is exact in bf16, so
-    # a shrink of the codes and one of x form the same fp32 sums.
-    gen = torch.Generator().manual_seed(seed)
-    codes = torch.randint(-2, 3, (t, k), generator=gen).float().to(torch.float8_e4m3fn)
-    scales = 2.0 ** torch.randint(-4, 3, (t, 1), generator=gen).float()
-    return codes, scales, (codes.float() * scales).to(torch.bfloat16)
-
-
 @pytest.mark.parametrize("split_k", [1, 3])
 def test_shrink_of_the_callers_codes_is_the_shrink_of_their_values_bitwise(split_k):
     _, _, _, _, _, _, lora, batch = make_integer_problem(13, 9, 64, (32, 16), 16, 3,
                                                          "mixed_with_base")
-    codes, scales, x = _codes_with_exact_dequantization(13, 9, 64)
+    codes, scales, x = exact_codes(13, 9, 64)
     cfg = ek.LaunchConfig(block_m=16, block_n=16, block_k=32, block_r=16, split_k=split_k)
     h = ek.lora_shrink(codes, lora, batch, x_scales=scales, config=cfg)
     assert_bitwise_equal(h, reference.lora_shrink(codes, lora, batch, x_scales=scales),
@@ -315,7 +307,7 @@ def test_paths_given_only_codes_shrink_the_codes(path, tokens):
     # and the codes make h too. Equal to the paths given x = codes * scales (the same sums).
     _, _, _, weight, w_scale, _, lora, batch = make_integer_problem(
         14, tokens, 64, (32, 16, 16), 16, 3, "mixed_with_base")
-    codes, scales, x = _codes_with_exact_dequantization(14, tokens, 64)
+    codes, scales, x = exact_codes(14, tokens, 64)
     y = ek.lora_linear(None, weight, w_scale, lora, batch, path=path,
                        x_quantized=(codes, scales))
     assert_bitwise_equal(y, ek.lora_linear(x, weight, w_scale, lora, batch, path=path,
@@ -335,7 +327,7 @@ def test_the_one_kernel_decode_gives_the_two_kernels_bits(tokens, k, slices):
     # a last chunk cut short), every row's own adapter (mixed slots, and tokens with none).
     _, _, _, weight, w_scale, _, lora, batch = make_integer_problem(
         16, tokens, k, slices, 16, 4, "mixed_with_base")
-    codes, scales, _ = _codes_with_exact_dequantization(16, tokens, k)
+    codes, scales, _ = exact_codes(16, tokens, k)
     one = ek.decode_lora_fp8_linear(None, weight, w_scale, lora, batch,
                                     x_quantized=(codes, scales), one_kernel=True)
     two = ek.decode_lora_fp8_linear(None, weight, w_scale, lora, batch,
@@ -350,7 +342,7 @@ def test_the_one_kernel_decode_gives_the_two_kernels_bits(tokens, k, slices):
 def test_the_one_kernel_decode_refuses_what_it_cannot_serve():
     x, _, _, weight, w_scale, _, lora, batch = make_integer_problem(
         17, 20, 64, (32,), 8, 2, "mixed_with_base")
-    codes, scales, _ = _codes_with_exact_dequantization(17, 20, 64)
+    codes, scales, _ = exact_codes(17, 20, 64)
     with pytest.raises(ValueError, match="one_kernel=True: the one-kernel decode takes the "
                                          "codes alone"):
         ek.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, one_kernel=True)
@@ -363,7 +355,7 @@ def test_the_one_kernel_decode_refuses_what_it_cannot_serve():
 def test_codes_only_is_refused_where_bf16_activations_are_needed():
     _, _, _, weight, w_scale, _, lora, batch = make_integer_problem(
         15, 5, 64, (32,), 8, 2, "mixed_with_base")
-    codes, scales, _ = _codes_with_exact_dequantization(15, 5, 64)
+    codes, scales, _ = exact_codes(15, 5, 64)
     for path in ("hybrid", "w8a16"):
         with pytest.raises(ValueError, match=f"the {path} path computes on bf16 activations"):
             ek.lora_linear(None, weight, w_scale, lora, batch, path=path,

@@ -169,7 +169,7 @@ def _served(lora_cls, weight_offset: float = 0.0):
 
 def fp8_suite(vt, monkeypatch, weight_offset: float = 0.0):
     """Rebind vLLM's test module `vt` to FP8 bases, the plugin's classes and bf16; the bases'
-    weights are the test's plus `weight_offset` (`signed_weights`)."""
+    weights are the test's plus `weight_offset` (the `fp8` fixture's signed weights)."""
     from vllm.config.lora import LoRAConfig
 
     from epilora_vllm import layers
@@ -246,7 +246,7 @@ def default_vllm_config():
 
 @pytest.fixture
 def fp8(monkeypatch, request):
-    # `signed_weights` (a test's parameter): the bases' weights drawn from U(-0.5, 0.5) instead
+    # A test's parameter `weights="signed"`: the bases' weights drawn from U(-0.5, 0.5) instead
     # of vLLM's U(0, 1), so the FP8 GEMMs' products are not all positive.
     callspec = getattr(request.node, "callspec", None)
     signed = callspec is not None and callspec.params.get("weights") == "signed"

@@ -343,6 +343,16 @@ def _quantize_shrink_kernel(
 
 
 @triton.jit
+def _pass_and_reset(ready_ptr, programs):
+    # Count this program past its wait (`ready_ptr + 1`); the last of `programs` zeroes the
+    # flag or count it waited on (`ready_ptr`) and the pass count: counters at rest for the
+    # next launch.
+    if tl.atomic_add(ready_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
+        tl.atomic_xchg(ready_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(ready_ptr + 1, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _shrink_chunk(i, a_ptr, stride_a, la0_ptr, la1_ptr, la2_ptr, hp_ptr, lora_ids_ptr,
                   start_ptr, z_first, z_last, pos, tok, rows, T, K, R,
                   NUM_SLICES: tl.constexpr, SHRINK_SPLITS: tl.constexpr,
@@ -571,19 +581,13 @@ def _lora_gemm_kernel(
         # hit one address before its K loop; the H200 showed no difference either way,
         # results/h200/decode_v3_count_after_spin.json). Atomics: no plain store may precede
         # gdc_wait, and none is needed.
-        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        if tl.atomic_add(ready_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
-            tl.atomic_xchg(ready_ptr, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(ready_ptr + 1, 0, sem="relaxed", scope="gpu")
+        _pass_and_reset(ready_ptr, tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2))
     if SHRINK and not INTERPRETER:
         # h from the shrinking programs (above); the last GEMM program past here lowers the
         # flag.
         while tl.atomic_add(ready_ptr, 0, sem="acquire", scope="gpu") == 0:
             pass
-        programs = tl.num_programs(0) * tl.cdiv(N, BLOCK_N) * tl.num_programs(2)
-        if tl.atomic_add(ready_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
-            tl.atomic_xchg(ready_ptr, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(ready_ptr + 1, 0, sem="relaxed", scope="gpu")
+        _pass_and_reset(ready_ptr, tl.num_programs(0) * tl.cdiv(N, BLOCK_N) * tl.num_programs(2))
     if USE_PDL:
         # Everything above read what existed before K1 started or what K1 counted as done
         # (WAIT_CODES); h is K1's. Unconditional, and before any global store (split-K

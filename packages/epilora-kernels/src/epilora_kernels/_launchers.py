@@ -125,7 +125,7 @@ def _gemm_buffers(workspace: Workspace, mode: int, t: int, n: int, cfg: LaunchCo
     """The grid, the split-K partials (None without split-K) and the counter buffer (with
     `extra_counters` after the split-K tiles' own)."""
     grid = _tiling.gemm_grid(mode, t, n, cfg)
-    tiles = _tiling.k2_tiles(mode, t, n, cfg) if grid[2] > 1 else 0
+    tiles = _tiling.k2_tiles(mode, t, n, cfg)
     if extra_counters:  # after every tile's place: the kernel finds them there
         tiles = grid[0] * grid[1] + extra_counters
     counters = workspace.counters(tiles)
@@ -171,15 +171,13 @@ def _k2_arguments(mode: int, *, a, a_desc, a_scale, weight, w_operand, weight_sc
     t, n = y.shape
     la, b, off1, off2 = _slices(lora)
     shrink = shrink_planes is not None
+    chunks, chunk = shrink_splits(lora.in_features) if shrink else (1, 32)
     return dict(
         a_ptr=a, a_desc=a_desc, a_scale_ptr=a_scale, w_ptr=weight, w_desc=w_operand,
         w_scale_ptr=weight_scale, y_ptr=y, h_ptr=h, b0_ptr=b[0], b1_ptr=b[1], b2_ptr=b[2],
         la0_ptr=la[0], la1_ptr=la[1], la2_ptr=la[2],
         hp_ptr=shrink_planes if shrink else h,
-        SHRINK=shrink, SHRINK_SPLITS=shrink_planes.shape[2] if shrink else 1,
-        SHRINK_CHUNK=max(32, triton.next_power_of_2(-(-lora.in_features
-                                                       // shrink_planes.shape[2])))
-        if shrink else 32,  # shrink_splits's width, from its count
+        SHRINK=shrink, SHRINK_SPLITS=chunks, SHRINK_CHUNK=chunk,
         launch_cooperative_grid=shrink and not _env.triton_interpreter(),
         sorted_ptr=batch.sorted_token_indices, lora_ids_ptr=batch.lora_ids,
         start_ptr=batch.lora_token_start, partial_ptr=partial, counter_ptr=counters,

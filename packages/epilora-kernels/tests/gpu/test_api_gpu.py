@@ -13,6 +13,7 @@ from epilora_testing import assert_bitwise_equal
 from epilora_testing.cuda_graphs import capture
 
 from kernel_cases import (
+    exact_codes,
     exact_lora_delta,
     make_integer_problem,
     make_problem,
@@ -91,11 +92,8 @@ def test_codes_alone_make_h_in_eager_and_in_a_graph(path, tokens):
     # given that x forms the same sums: equal bit for bit, eager and replayed in a CUDA graph.
     _, _, _, weight, w_scale, _, lora, batch = make_integer_problem(
         16, tokens, 4096, (4096, 1024, 1024), 64, 4, "mixed_with_base", device=CUDA)
-    gen = torch.Generator().manual_seed(16)
-    codes = torch.randint(-2, 3, (tokens, 4096), generator=gen).float()
-    scales = 2.0 ** torch.randint(-4, 3, (tokens, 1), generator=gen).float()
-    x = (codes * scales).to(torch.bfloat16).to(CUDA)
-    given = (codes.to(torch.float8_e4m3fn).to(CUDA), scales.to(CUDA))
+    codes, scales, x = exact_codes(16, tokens, 4096, device=CUDA)
+    given = (codes, scales)
     y = ek.lora_linear(None, weight, w_scale, lora, batch, path=path, x_quantized=given)
     assert_bitwise_equal(y, ek.lora_linear(x, weight, w_scale, lora, batch, path=path,
                                            x_quantized=given), name="codes vs x")
@@ -327,14 +325,6 @@ def test_one_active_slot_of_eight_gives_every_row_its_adapter(tokens, operands):
     assert float(row_err.max()) < 2e-2, row_err
 
 
-def _integer_codes(seed, tokens, k):
-    # Integer codes and power-of-two scales: every sum the kernels form is exact.
-    gen = torch.Generator().manual_seed(seed)
-    codes = torch.randint(-2, 3, (tokens, k), generator=gen).float()
-    scales = 2.0 ** torch.randint(-4, 3, (tokens, 1), generator=gen).float()
-    return codes.to(torch.float8_e4m3fn).to(CUDA), scales.to(CUDA)
-
-
 @pytest.mark.parametrize(("k", "slices"), [(4096, (4096,)), (4096, (4096, 1024, 1024)),
                                            (4096, (12288, 12288)), (12288, (4096,))])
 @pytest.mark.parametrize("tokens", [1, 4, 16])
@@ -346,7 +336,7 @@ def test_one_kernel_decode_gives_the_two_kernels_bits_in_eager_and_in_a_graph(k,
     # K1 + K2, eager and replayed in a CUDA graph, and the counters at rest after each.
     _, _, _, weight, w_scale, _, lora, batch = make_integer_problem(
         18, tokens, k, slices, 64, 4, "mixed_with_base", device=CUDA)
-    given = _integer_codes(18, tokens, k)
+    given = exact_codes(18, tokens, k, device=CUDA)[:2]
     two = ek.decode_lora_fp8_linear(None, weight, w_scale, lora, batch, x_quantized=given)
 
     def one(workspace=None):
@@ -382,7 +372,7 @@ def test_one_kernel_decode_under_thousands_of_back_to_back_launches():
         tokens = int(torch.randint(1, 17, (1,), generator=gen))
         mapping = torch.randint(-1, 4, (tokens,), generator=gen, dtype=torch.int32)
         cases.append((ek.AdapterBatch.from_token_mapping(mapping.to(CUDA), 4),
-                      _integer_codes(1000 + i, tokens, k)))
+                      exact_codes(1000 + i, tokens, k, device=CUDA)[:2]))
     outs = [ek.decode_lora_fp8_linear(None, weight, w_scale, lora, batch, x_quantized=given,
                                       one_kernel=True) for batch, given in cases]
     torch.cuda.synchronize()
