@@ -16,8 +16,11 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 rm -rf .device/dist && uv build --all-packages -q -o .device/dist --wheel
 # vLLM 0.26.0's LoRA layer tests (its sdist's tests/lora, ~100 KB unpacked), which the plugin's
 # GPU tests run on FP8 bases (packages/epilora-vllm/tests/vllm_suite.py; setup.sh points there).
-EPILORA_VLLM_TESTS=.device/vllm-tests .venv/bin/python -c \
-  "import sys; sys.path.insert(0, 'packages/epilora-vllm/tests'); import vllm_suite" >/dev/null
+# Fetched into the user's cache (vllm_suite.fetch), then copied: with EPILORA_VLLM_TESTS set,
+# fetch only reads, so a fresh machine would find nothing.
+suite="$(.venv/bin/python -c "import sys; sys.path.insert(0, 'packages/epilora-vllm/tests')
+import vllm_suite; print(vllm_suite.fetch())" | tail -n 1)"  # vLLM logs to stdout
+rm -rf .device/vllm-tests && cp -r "$suite" .device/vllm-tests
 rm -rf .device/variants
 for ref in ${VARIANTS:-}; do
   dir=".device/variants/${ref//[\/~^]/-}" tree="$(mktemp -d)"

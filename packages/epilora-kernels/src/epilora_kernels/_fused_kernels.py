@@ -432,6 +432,22 @@ def _lora_gemm_kernel(
     _stamp(trace_ptr, 0, TRACE)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    if SHRINK:
+        # The decode path in one kernel (the caller's codes, one row tile: the caller checks),
+        # on a grid (1, SHRINK_SPLITS + GEMM columns x SPLIT_K, 1): each program's work is its
+        # ticket, drawn when it starts. The first SHRINK_SPLITS tickets shrink a K chunk each,
+        # the rest are GEMM tiles whose epilogue waits for the shrink: a program that waits has
+        # a later ticket than every shrinking one, so it waits only on programs that started
+        # (the grid need not be resident at once). The last ticket drawn resets the dispenser.
+        gemm_columns = tl.cdiv(N, BLOCK_N)
+        tickets = counter_ptr + gemm_columns + 1  # past the tiles' counters and the arrivals
+        vid = tl.atomic_add(tickets, 1, sem="relaxed", scope="gpu")
+        if vid == tl.num_programs(1) - 1:
+            tl.atomic_xchg(tickets, 0, sem="relaxed", scope="gpu")
+        g = vid - SHRINK_SPLITS
+        pid_n = tl.where(g < 0, gemm_columns + vid, g % gemm_columns)
+        pid_k = tl.where(g < 0, 0, g // gemm_columns)
     pos = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pos_mask = pos < T
     if HAS_LORA:
@@ -487,36 +503,20 @@ def _lora_gemm_kernel(
                 _prefetch_l2(warm_b)
 
     if SHRINK:
-        # The decode path in one kernel (the caller's codes, one row tile: the caller
-        # checks). SHRINK_SPLITS programs past the GEMM's columns (pid_n >= cdiv(N, BLOCK_N)) only
-        # shrink, one K chunk each, so that no GEMM program's K loop waits behind a chunk; the
-        # last of them to finish sums the chunks into h and raises the flag every GEMM program
-        # waits for before its epilogue. A cooperative launch keeps all programs resident, so
-        # none waits on one that cannot start.
-        gemm_columns = tl.cdiv(N, BLOCK_N)
-        if INTERPRETER:  # programs run one after another there: each GEMM program makes h
-            if pid_n < gemm_columns:
-                for i in tl.static_range(SHRINK_SPLITS):
-                    _shrink_chunk(i, a_ptr, stride_a, la0_ptr, la1_ptr, la2_ptr, hp_ptr,
-                                  lora_ids_ptr, start_ptr, z_first, z_last, pos, tok, pos_mask,
-                                  T, K, R, NUM_SLICES, SHRINK_SPLITS, SHRINK_CHUNK, BLOCK_M,
-                                  BLOCK_R, INTERPRETER)
-                _sum_shrink(hp_ptr, h_ptr, a_scale_ptr, T, R, NUM_SLICES, SHRINK_SPLITS,
-                            BLOCK_M, BLOCK_R)
-        elif pid_n >= gemm_columns and pid_m == 0 and tl.program_id(2) == 0:
-            _shrink_chunk(pid_n - gemm_columns, a_ptr, stride_a, la0_ptr, la1_ptr, la2_ptr,
-                          hp_ptr, lora_ids_ptr, start_ptr, z_first, z_last, pos, tok,
-                          pos_mask, T, K, R, NUM_SLICES, SHRINK_SPLITS, SHRINK_CHUNK, BLOCK_M,
-                          BLOCK_R, INTERPRETER)
+        if pid_n >= gemm_columns:
+            # A shrinking ticket: its K chunk into its plane; the last of them to arrive sums the
+            # planes into h and raises the flag every GEMM program waits for before its epilogue.
+            _shrink_chunk(pid_n - gemm_columns, a_ptr, stride_a, la0_ptr, la1_ptr, la2_ptr, hp_ptr,
+                          lora_ids_ptr, start_ptr, z_first, z_last, pos, tok, pos_mask, T, K, R,
+                          NUM_SLICES, SHRINK_SPLITS, SHRINK_CHUNK, BLOCK_M, BLOCK_R, INTERPRETER)
             tl.debug_barrier()  # every thread's partial is written before the count moves
-            arrivals = counter_ptr + tl.num_programs(0) * gemm_columns  # after K2's tiles'
+            arrivals = counter_ptr + gemm_columns  # after K2's tiles' counters (one row tile)
             if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == SHRINK_SPLITS - 1:
-                _sum_shrink(hp_ptr, h_ptr, a_scale_ptr, T, R, NUM_SLICES, SHRINK_SPLITS,
-                            BLOCK_M, BLOCK_R)
+                _sum_shrink(hp_ptr, h_ptr, a_scale_ptr, T, R, NUM_SLICES, SHRINK_SPLITS, BLOCK_M,
+                            BLOCK_R)
                 tl.debug_barrier()  # h is written before the flag rises
                 tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")
                 tl.atomic_xchg(ready_ptr, 1, sem="release", scope="gpu")
-        if pid_n >= gemm_columns:
             return
 
     if SPLIT_K == 1:
@@ -524,7 +524,7 @@ def _lora_gemm_kernel(
         k_end = K
     else:  # this program's share of K, whole BLOCK_K steps
         k_step = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-        k_begin = tl.program_id(2) * k_step
+        k_begin = pid_k * k_step
         k_end = tl.minimum(k_begin + k_step, K)
 
     if WARM_L2 and not INTERPRETER:
@@ -582,12 +582,12 @@ def _lora_gemm_kernel(
         # results/h200/decode_v3_count_after_spin.json). Atomics: no plain store may precede
         # gdc_wait, and none is needed.
         _pass_and_reset(ready_ptr, tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2))
-    if SHRINK and not INTERPRETER:
-        # h from the shrinking programs (above); the last GEMM program past here lowers the
+    if SHRINK:
+        # h from the shrinking tickets (above); the last GEMM program past here lowers the
         # flag.
         while tl.atomic_add(ready_ptr, 0, sem="acquire", scope="gpu") == 0:
             pass
-        _pass_and_reset(ready_ptr, tl.num_programs(0) * tl.cdiv(N, BLOCK_N) * tl.num_programs(2))
+        _pass_and_reset(ready_ptr, tl.cdiv(N, BLOCK_N) * SPLIT_K)
     if USE_PDL:
         # Everything above read what existed before K1 started or what K1 counted as done
         # (WAIT_CODES); h is K1's. Unconditional, and before any global store (split-K
@@ -595,11 +595,11 @@ def _lora_gemm_kernel(
         tl.extra.cuda.gdc_wait()
         _stamp(trace_ptr, 3, TRACE)
     if SPLIT_K > 1:
-        # The tile's counter by the GEMM's columns (SHRINK's programs are columns past them).
+        # The tile's counter by the GEMM's columns (SHRINK's shrinking tickets have none).
         plane = (tl.num_programs(0) * BLOCK_M).to(tl.int64) * N
         acc, last = _sum_splits(
             acc, partial_ptr + pos[:, None].to(tl.int64) * N + n[None, :], plane,
-            n_mask[None, :], tl.program_id(2),
+            n_mask[None, :], pid_k,
             counter_ptr + pid_m * tl.cdiv(N, BLOCK_N) + pid_n, SPLIT_K)
         if not last:
             _stamp(trace_ptr, 4, TRACE)

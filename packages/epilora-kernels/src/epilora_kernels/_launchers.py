@@ -155,9 +155,9 @@ def shrink_splits(k: int) -> tuple[int, int]:
 
 
 def shrink_grid(grid: tuple[int, int, int], k: int) -> tuple[int, int, int]:
-    """K2's grid with its own shrink: the GEMM's, with the shrinking programs as extra columns
-    (pid_n past the GEMM's; only those of pid_m = pid_k = 0 shrink)."""
-    return grid[0], grid[1] + shrink_splits(k)[0], grid[2]
+    """K2's grid with its own shrink, from the GEMM's (one row tile): one program per ticket,
+    the shrinking ones (a K chunk each) and every GEMM tile of every split."""
+    return 1, shrink_splits(k)[0] + grid[1] * grid[2], 1
 
 
 def _k2_arguments(mode: int, *, a, a_desc, a_scale, weight, w_operand, weight_scale, y, h,
@@ -178,7 +178,6 @@ def _k2_arguments(mode: int, *, a, a_desc, a_scale, weight, w_operand, weight_sc
         la0_ptr=la[0], la1_ptr=la[1], la2_ptr=la[2],
         hp_ptr=shrink_planes if shrink else h,
         SHRINK=shrink, SHRINK_SPLITS=chunks, SHRINK_CHUNK=chunk,
-        launch_cooperative_grid=shrink and not _env.triton_interpreter(),
         sorted_ptr=batch.sorted_token_indices, lora_ids_ptr=batch.lora_ids,
         start_ptr=batch.lora_token_start, partial_ptr=partial, counter_ptr=counters,
         ready_ptr=ready, trace_ptr=trace,
@@ -202,14 +201,15 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
               trace: torch.Tensor | None = None, wait_k1_first: bool = False,
               a_sorted: bool = False, shrink: bool = False):
     """K2 with the adapters' epilogue into `y` (MODE EXPAND: y is also its input). `shrink`:
-    K2 makes h itself from the codes `a` (one slot, one row tile: `one_kernel_decode`), into
-    `h` [1, S, T, R] fp32, in a cooperative launch."""
+    K2 makes h itself from the codes `a` (one row tile: `decode_lora_fp8_linear(one_kernel=
+    True)`), into `h` [1, S, T, R] fp32."""
     t, n = y.shape
     _tiling.check_gemm_config(cfg, lora)
     if shrink and (mode != FP8 or t > cfg.block_m or pdl or wait_codes or wait_k1_first):
         raise ValueError("K2's own shrink: FP8, one row tile, no K1 to wait for")
     grid, partial, counters = _gemm_buffers(workspace, mode, t, n, cfg, y.device,
-                                            extra_counters=1 if shrink else 0)
+                                            extra_counters=2 if shrink else 0)
+    split = grid[2]
     w_operand = _w_operand(support, weight, cfg)
     pdl = use_pdl(support, pdl)
     a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]) if a_sorted else a
@@ -220,7 +220,7 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
         grid = shrink_grid(grid, lora.in_features)
     _lora_gemm_kernel[grid](**_k2_arguments(
         mode, a=a, a_desc=a_desc, a_scale=a_scale, weight=weight, w_operand=w_operand,
-        weight_scale=weight_scale, y=y, h=h, lora=lora, batch=batch, cfg=cfg, split=grid[2],
+        weight_scale=weight_scale, y=y, h=h, lora=lora, batch=batch, cfg=cfg, split=split,
         partial=y if partial is None else partial, counters=counters[TILES:], ready=counters,
         trace=trace_arg(trace, counters, grid[0] * grid[1] * grid[2]),
         traced=trace is not None, pdl=pdl, wait_codes=wait_codes, warm_l2=warm_l2,

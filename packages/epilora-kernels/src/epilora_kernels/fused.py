@@ -25,7 +25,6 @@ llm-compressor's FP8-dynamic checkpoints); activations `[T, K]` bf16.
 """
 
 import dataclasses
-import math
 
 import torch
 
@@ -207,13 +206,12 @@ def decode_lora_fp8_linear(
     `h = s_t (q_t A^T)`: the caller need not keep bf16 activations (vLLM's compiler fuses the
     quantization into the RMSNorm only when nothing else reads the RMSNorm's output).
 
-    `one_kernel=True` (experimental; the codes alone, the tokens in one of K2's row tiles, its
-    grid resident at once, else a ValueError saying which): K2 makes h itself and K1 is not
-    launched: extra programs past the GEMM's columns each shrink a chunk of K, the last of
-    them sums the chunks, and every GEMM program waits for the sum before its epilogue (a
-    cooperative launch keeps every program resident). A first version was correct on the H200
-    and slower than K1 + K2; this one has not run on a GPU: docs/kernels.md, "The decode path
-    in one kernel"."""
+    `one_kernel=True` (experimental; the codes alone, the tokens in one of K2's row tiles, else
+    a ValueError saying which): K2 makes h itself and K1 is not launched. Each K2 program
+    draws a ticket when it starts: the first tickets each shrink a chunk of K (the last of them
+    sums the chunks), the rest are GEMM tiles that wait for the sum before their epilogue, so a
+    program waits only on programs that have started: docs/kernels.md, "The decode path in one
+    kernel"."""
     return _linear(FP8, x, weight, weight_scale, lora, batch, k1_config, k2_config,
                    decode=True, pdl=pdl, workspace=workspace, x_quantized=x_quantized,
                    one_kernel=one_kernel)
@@ -295,31 +293,11 @@ def decode_settings(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
                      warm_l2=DECODE_WARM_L2, wait_k1_first=False)
 
 
-def _one_kernel_refusal(support: DeviceSupport, weight, weight_scale, lora: LoraWeights,
-                        batch: AdapterBatch, cfg: LaunchConfig) -> str:
+def _one_kernel_refusal(lora: LoraWeights, batch: AdapterBatch, cfg: LaunchConfig) -> str:
     """Why K2 cannot make h itself for this batch ('' where it can)."""
-    t = batch.num_tokens
-    if t > cfg.block_m:
-        return f"{t} tokens are more than one of K2's row tiles ({cfg.block_m})"
-    if support.interpreter:
-        return ""
-    programs = math.prod(_launchers.shrink_grid(
-        _tiling.gemm_grid(FP8, t, lora.out_features, cfg), lora.in_features))
-    sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
-    key = (weight.device, t, lora.in_features, lora.output_slices, lora.max_rank,
-           batch.num_entries, weight_scale.numel() > 1, cfg)  # what the variant compiles on
-    if key not in _RESIDENT:
-        _RESIDENT[key] = _launchers.k2_blocks_per_sm(
-            support, FP8, torch.float8_e4m3fn, weight, weight_scale, torch.float32, lora,
-            batch, cfg, pdl=False, wait_codes=False, warm_l2=0, wait_k1_first=False,
-            shrink=True)
-    if programs > _RESIDENT[key] * sms:
-        return (f"K2's {programs} programs do not fit on the device at once "
-                f"({_RESIDENT[key]} per SM, {sms} SMs)")
+    if batch.num_tokens > cfg.block_m:
+        return f"{batch.num_tokens} tokens are more than one of K2's row tiles ({cfg.block_m})"
     return ""
-
-
-_RESIDENT: dict = {}  # _one_kernel_refusal's blocks per SM, per case
 
 
 def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
@@ -366,7 +344,7 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
     if one_kernel:
         refusal = ("the one-kernel decode takes the codes alone (x None)"
                    if not (decode and shrink_codes) or traces != (None, None) else
-                   _one_kernel_refusal(support, weight, weight_scale, lora, batch, cfg2))
+                   _one_kernel_refusal(lora, batch, cfg2))
         if refusal:
             raise ValueError(f"one_kernel=True: {refusal}")
         h = torch.empty(1, len(lora.output_slices), t, lora.max_rank, dtype=torch.float32,

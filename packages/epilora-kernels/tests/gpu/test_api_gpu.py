@@ -331,9 +331,9 @@ def test_one_active_slot_of_eight_gives_every_row_its_adapter(tokens, operands):
 def test_one_kernel_decode_gives_the_two_kernels_bits_in_eager_and_in_a_graph(k, slices,
                                                                                tokens):
     # Qwen3-8B's projections (o, qkv, gate_up, down) given the codes alone, K2 shrinking them
-    # itself (one_kernel=True, a cooperative launch), where its grid is resident at once (o's
-    # must be; the others may be refused, with the reason). Integer operands: the same bits as
-    # K1 + K2, eager and replayed in a CUDA graph, and the counters at rest after each.
+    # itself (one_kernel=True; grids of more programs than the device holds at once among
+    # them). Integer operands: the same bits as K1 + K2, eager and replayed in a CUDA graph,
+    # and the counters at rest after each.
     _, _, _, weight, w_scale, _, lora, batch = make_integer_problem(
         18, tokens, k, slices, 64, 4, "mixed_with_base", device=CUDA)
     given = exact_codes(18, tokens, k, device=CUDA)[:2]
@@ -343,12 +343,7 @@ def test_one_kernel_decode_gives_the_two_kernels_bits_in_eager_and_in_a_graph(k,
         return ek.decode_lora_fp8_linear(None, weight, w_scale, lora, batch, x_quantized=given,
                                          one_kernel=True, workspace=workspace)
 
-    try:
-        assert_bitwise_equal(one(), two, name="one kernel vs K1 + K2")
-    except ValueError as refusal:
-        assert (k, slices) != (4096, (4096,)), refusal
-        assert "do not fit on the device at once" in str(refusal), refusal
-        return
+    assert_bitwise_equal(one(), two, name="one kernel vs K1 + K2")
     workspace = ek.Workspace.for_batches(CUDA, max_tokens=tokens, max_out_features=sum(slices),
                                          max_rank=64, max_loras=4)
     graph, out = capture(lambda: one(workspace))
