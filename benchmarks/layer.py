@@ -17,8 +17,7 @@ Systems, side by side in one run on one GPU (names as in DESIGN.md section 6):
   quantization into the kernel before each projection runs it (vLLM's, without LoRA and with
   the plugin's default `EPILORA_VLLM_QUANTIZE=codes`): the codes are made outside the timed
   graph, then CUTLASS on them, or `lora_linear` given the codes alone (x=None; the shrink reads
-  the codes); `epilora-codes-1k`: the decode path on the codes in one kernel (experimental:
-  `decode_lora_fp8_linear(one_kernel=True)`, K2 making h itself).
+  the codes).
 
 Models (`--models`, benchmarks/models.py): qwen3-8b (the default), llama3.1-8b, qwen2.5-7b.
 Each system's whole layer (qkv, o, gate_up, down) is captured in one CUDA graph; the graphs of
@@ -62,8 +61,7 @@ TOKENS = (1, 4, 8, 16, 32, 64, 128, 256)
 SETUPS = ((1, 16), (1, 64), (1, 128), (32, 64))  # (adapters, rank)
 SYSTEMS = ("cutlass", "epilora-gemm", "vllm-default", "epilora-fused", "epilora-decode",
            "epilora-hybrid")
-ALL_SYSTEMS = (*SYSTEMS, "epilora", "epilora-heuristic", "cutlass-codes", "epilora-codes",
-               "epilora-codes-1k")
+ALL_SYSTEMS = (*SYSTEMS, "epilora", "epilora-heuristic", "cutlass-codes", "epilora-codes")
 NO_ADAPTER = ("cutlass", "epilora-gemm", "cutlass-codes")  # once per model and token count
 
 
@@ -118,10 +116,6 @@ def run_layer(system: str, xs: dict, layer: dict, batch: AdapterBatch, meta: tup
             continue
         if system == "epilora-codes":  # the plugin's codes mode: the codes alone
             ek.lora_linear(None, weight, scale, lora, batch, x_quantized=codes[name])
-            continue
-        if system == "epilora-codes-1k":  # the decode path on the codes in one kernel
-            ek.decode_lora_fp8_linear(None, weight, scale, lora, batch,
-                                      x_quantized=codes[name], one_kernel=True)
             continue
         if system in ("epilora", "epilora-heuristic"):
             # The dispatcher as the plugin calls it (vLLM's quant + CUTLASS for a hybrid path).

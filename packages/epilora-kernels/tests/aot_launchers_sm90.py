@@ -122,10 +122,6 @@ def main() -> None:
             fused.decode_lora_fp8_linear(x, weight, channel_scales, lora, batch),
             fused.fused_lora_w8a16_linear(x, weight, channel_scales, lora, batch),
             fused.fp8_gemm_from_bf16(x, weight, channel_scales)),
-        # the codes alone, K2 shrinking them itself
-        "decode_one_kernel": lambda: fused.decode_lora_fp8_linear(
-            None, weight, w_scale, lora, batch, one_kernel=True,
-            x_quantized=(x.to(torch.float8_e4m3fn), torch.ones(x.shape[0], 1))),
         "expand": lambda: fused.lora_expand(
             torch.zeros(5, 128, dtype=torch.bfloat16), fused.lora_shrink(x, lora, batch), lora,
             batch),

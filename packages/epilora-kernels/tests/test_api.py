@@ -319,39 +319,6 @@ def test_paths_given_only_codes_shrink_the_codes(path, tokens):
         ek.lora_linear(None, weight, w_scale, lora, batch, path=path)
 
 
-@pytest.mark.parametrize(("tokens", "k", "slices"), [(1, 64, (32,)), (5, 96, (32, 16, 16)),
-                                                     (16, 200, (48,))])
-def test_the_one_kernel_decode_gives_the_two_kernels_bits(tokens, k, slices):
-    # The codes alone: K2 shrinks them itself (K chunks, then one sum), no K1. Integer
-    # operands make every sum exact: the same bits as K1 + K2, whatever the chunks (k = 200:
-    # a last chunk cut short), every row's own adapter (mixed slots, and tokens with none).
-    _, _, _, weight, w_scale, _, lora, batch = make_integer_problem(
-        16, tokens, k, slices, 16, 4, "mixed_with_base")
-    codes, scales, _ = exact_codes(16, tokens, k)
-    one = ek.decode_lora_fp8_linear(None, weight, w_scale, lora, batch,
-                                    x_quantized=(codes, scales), one_kernel=True)
-    two = ek.decode_lora_fp8_linear(None, weight, w_scale, lora, batch,
-                                    x_quantized=(codes, scales), one_kernel=False)
-    assert_bitwise_equal(one, two, name="one kernel vs K1 + K2")
-    want = reference.fused_lora_fp8_linear(None, weight, w_scale, lora, batch,
-                                           x_quantized=(codes, scales))
-    assert relative_error(one, want) < BF16_TOL
-    assert ek.default_workspace(one.device).is_clean()
-
-
-def test_the_one_kernel_decode_refuses_what_it_cannot_serve():
-    x, _, _, weight, w_scale, _, lora, batch = make_integer_problem(
-        17, 20, 64, (32,), 8, 2, "mixed_with_base")
-    codes, scales, _ = exact_codes(17, 20, 64)
-    with pytest.raises(ValueError, match="one_kernel=True: the one-kernel decode takes the "
-                                         "codes alone"):
-        ek.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, one_kernel=True)
-    small = ek.LaunchConfig(block_m=16, block_n=16, block_k=32, block_r=16)
-    with pytest.raises(ValueError, match="20 tokens are more than one of K2's row tiles"):
-        ek.decode_lora_fp8_linear(None, weight, w_scale, lora, batch, k2_config=small,
-                                  x_quantized=(codes, scales), one_kernel=True)
-
-
 def test_codes_only_is_refused_where_bf16_activations_are_needed():
     _, _, _, weight, w_scale, _, lora, batch = make_integer_problem(
         15, 5, 64, (32,), 8, 2, "mixed_with_base")

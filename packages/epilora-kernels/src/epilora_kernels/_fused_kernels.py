@@ -345,76 +345,17 @@ def _quantize_shrink_kernel(
 @triton.jit
 def _pass_and_reset(ready_ptr, programs):
     # Count this program past its wait (`ready_ptr + 1`); the last of `programs` zeroes the
-    # flag or count it waited on (`ready_ptr`) and the pass count: counters at rest for the
-    # next launch.
+    # count it waited on (`ready_ptr`) and the pass count: counters at rest for the next
+    # launch.
     if tl.atomic_add(ready_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
         tl.atomic_xchg(ready_ptr, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(ready_ptr + 1, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _shrink_chunk(i, a_ptr, stride_a, la0_ptr, la1_ptr, la2_ptr, hp_ptr, lora_ids_ptr,
-                  start_ptr, z_first, z_last, pos, tok, rows, T, K, R,
-                  NUM_SLICES: tl.constexpr, SHRINK_SPLITS: tl.constexpr,
-                  SHRINK_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                  INTERPRETER: tl.constexpr):
-    # One K chunk of the shrink in K2 (SHRINK): `q_t A_slot^T` over the codes' columns
-    # [i * SHRINK_CHUNK, ...) for the tile's tokens, each adapter segment's rows with its slot's
-    # A, each slice's partial stored in plane i of `hp` [S, T, SHRINK_SPLITS, R] (the planes of
-    # one token and slice contiguous, so that one program sums them with a few tile loads).
-    r = tl.arange(0, BLOCK_R)
-    for s in tl.static_range(NUM_SLICES):
-        part = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-        for z in range(z_first, z_last + 1):
-            slot = tl.load(lora_ids_ptr + z)
-            in_seg = (pos >= tl.load(start_ptr + z)) & (pos < tl.load(start_ptr + z + 1))
-            a_base = _pick(s, la0_ptr, la1_ptr, la2_ptr) + slot.to(tl.int64) * R * K
-            # 32 columns a step: the kernel's registers are this code's as much as the GEMM's
-            for step in range(0, SHRINK_CHUNK, 32):
-                kk = i * SHRINK_CHUNK + step + tl.arange(0, 32)
-                xs = tl.load(a_ptr + tok[:, None].to(tl.int64) * stride_a + kk[None, :],
-                             mask=rows[:, None] & in_seg[:, None] & (kk[None, :] < K),
-                             other=0.0).to(tl.bfloat16)
-                at = tl.load(a_base + r[:, None] * K + kk[None, :],
-                             mask=(r[:, None] < R) & (kk[None, :] < K) & (slot >= 0), other=0.0)
-                if INTERPRETER:
-                    part += tl.dot(xs.to(tl.float32), tl.trans(at.to(tl.float32)))
-                else:
-                    part = tl.dot(xs, tl.trans(at), part)
-        plane = hp_ptr + (((s * T + tok[:, None]) * SHRINK_SPLITS + i).to(tl.int64) * R
-                          + r[None, :])
-        tl.store(plane, part, mask=rows[:, None] & (r[None, :] < R))
-
-
-@triton.jit
-def _sum_shrink(hp_ptr, h_ptr, a_scale_ptr, T, R, NUM_SLICES: tl.constexpr,
-                SHRINK_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
-    # h [S, T, R] fp32 = each token's scale times its planes summed in a fixed order (4-plane
-    # blocks of every token at once, each block's tree sum, blocks in order): the same bits
-    # whoever sums. Tokens are rows 0..T-1 (T <= BLOCK_M: the caller checks).
-    t = tl.arange(0, BLOCK_M)
-    i = tl.arange(0, 4)
-    r = tl.arange(0, BLOCK_R)
-    rows = t < T
-    scale = tl.load(a_scale_ptr + t, mask=rows, other=0.0)
-    for s in tl.static_range(NUM_SLICES):
-        total = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-        for block in range(0, SHRINK_SPLITS, 4):
-            plane = block + i
-            tile = tl.load(hp_ptr + (((s * T + t[:, None, None]) * SHRINK_SPLITS
-                                      + plane[None, :, None]).to(tl.int64) * R
-                                     + r[None, None, :]),
-                           mask=(rows[:, None, None] & (plane[None, :, None] < SHRINK_SPLITS)
-                                 & (r[None, None, :] < R)), other=0.0, cache_modifier=".cg")
-            total += tl.sum(tile, axis=1)
-        tl.store(h_ptr + ((s * T + t[:, None]) * R + r[None, :]).to(tl.int64),
-                 total * scale[:, None], mask=rows[:, None] & (r[None, :] < R))
-
-
-@triton.jit
 def _lora_gemm_kernel(
     a_ptr, a_desc, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, y_ptr, h_ptr,
-    b0_ptr, b1_ptr, b2_ptr, la0_ptr, la1_ptr, la2_ptr, hp_ptr,
+    b0_ptr, b1_ptr, b2_ptr,
     sorted_ptr, lora_ids_ptr, start_ptr, partial_ptr, counter_ptr, ready_ptr, trace_ptr,
     T, N, K, R, NUM_ENTRIES,
     stride_a, stride_y, N_OFF1, N_OFF2,
@@ -426,28 +367,10 @@ def _lora_gemm_kernel(
     B_IN_REGS: tl.constexpr = True, R_CHUNK: tl.constexpr = 0,  # 0: the whole rank at once
     W_TMA: tl.constexpr = False, WAIT_K1_FIRST: tl.constexpr = False,
     A_TMA: tl.constexpr = False, W_SCALE_PER_CHANNEL: tl.constexpr = False,
-    SHRINK: tl.constexpr = False, SHRINK_SPLITS: tl.constexpr = 1,
-    SHRINK_CHUNK: tl.constexpr = 32,
 ):
     _stamp(trace_ptr, 0, TRACE)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    if SHRINK:
-        # The decode path in one kernel (the caller's codes, one row tile: the caller checks),
-        # on a grid (1, SHRINK_SPLITS + GEMM columns x SPLIT_K, 1): each program's work is its
-        # ticket, drawn when it starts. The first SHRINK_SPLITS tickets shrink a K chunk each,
-        # the rest are GEMM tiles whose epilogue waits for the shrink: a program that waits has
-        # a later ticket than every shrinking one, so it waits only on programs that started
-        # (the grid need not be resident at once). The last ticket drawn resets the dispenser.
-        gemm_columns = tl.cdiv(N, BLOCK_N)
-        tickets = counter_ptr + gemm_columns + 1  # past the tiles' counters and the arrivals
-        vid = tl.atomic_add(tickets, 1, sem="relaxed", scope="gpu")
-        if vid == tl.num_programs(1) - 1:
-            tl.atomic_xchg(tickets, 0, sem="relaxed", scope="gpu")
-        g = vid - SHRINK_SPLITS
-        pid_n = tl.where(g < 0, gemm_columns + vid, g % gemm_columns)
-        pid_k = tl.where(g < 0, 0, g // gemm_columns)
     pos = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pos_mask = pos < T
     if HAS_LORA:
@@ -502,29 +425,12 @@ def _lora_gemm_kernel(
                                   & (lines[None, :] < R) & (first_slot >= 0), warm_b, b_base)
                 _prefetch_l2(warm_b)
 
-    if SHRINK:
-        if pid_n >= gemm_columns:
-            # A shrinking ticket: its K chunk into its plane; the last of them to arrive sums the
-            # planes into h and raises the flag every GEMM program waits for before its epilogue.
-            _shrink_chunk(pid_n - gemm_columns, a_ptr, stride_a, la0_ptr, la1_ptr, la2_ptr, hp_ptr,
-                          lora_ids_ptr, start_ptr, z_first, z_last, pos, tok, pos_mask, T, K, R,
-                          NUM_SLICES, SHRINK_SPLITS, SHRINK_CHUNK, BLOCK_M, BLOCK_R, INTERPRETER)
-            tl.debug_barrier()  # every thread's partial is written before the count moves
-            arrivals = counter_ptr + gemm_columns  # after K2's tiles' counters (one row tile)
-            if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == SHRINK_SPLITS - 1:
-                _sum_shrink(hp_ptr, h_ptr, a_scale_ptr, T, R, NUM_SLICES, SHRINK_SPLITS, BLOCK_M,
-                            BLOCK_R)
-                tl.debug_barrier()  # h is written before the flag rises
-                tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")
-                tl.atomic_xchg(ready_ptr, 1, sem="release", scope="gpu")
-            return
-
     if SPLIT_K == 1:
         k_begin = 0
         k_end = K
     else:  # this program's share of K, whole BLOCK_K steps
         k_step = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-        k_begin = pid_k * k_step
+        k_begin = tl.program_id(2) * k_step
         k_end = tl.minimum(k_begin + k_step, K)
 
     if WARM_L2 and not INTERPRETER:
@@ -582,12 +488,6 @@ def _lora_gemm_kernel(
         # results/h200/decode_v3_count_after_spin.json). Atomics: no plain store may precede
         # gdc_wait, and none is needed.
         _pass_and_reset(ready_ptr, tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2))
-    if SHRINK:
-        # h from the shrinking tickets (above); the last GEMM program past here lowers the
-        # flag.
-        while tl.atomic_add(ready_ptr, 0, sem="acquire", scope="gpu") == 0:
-            pass
-        _pass_and_reset(ready_ptr, tl.cdiv(N, BLOCK_N) * SPLIT_K)
     if USE_PDL:
         # Everything above read what existed before K1 started or what K1 counted as done
         # (WAIT_CODES); h is K1's. Unconditional, and before any global store (split-K
@@ -595,12 +495,11 @@ def _lora_gemm_kernel(
         tl.extra.cuda.gdc_wait()
         _stamp(trace_ptr, 3, TRACE)
     if SPLIT_K > 1:
-        # The tile's counter by the GEMM's columns (SHRINK's shrinking tickets have none).
         plane = (tl.num_programs(0) * BLOCK_M).to(tl.int64) * N
         acc, last = _sum_splits(
             acc, partial_ptr + pos[:, None].to(tl.int64) * N + n[None, :], plane,
-            n_mask[None, :], pid_k,
-            counter_ptr + pid_m * tl.cdiv(N, BLOCK_N) + pid_n, SPLIT_K)
+            n_mask[None, :], tl.program_id(2),
+            counter_ptr + pid_m * tl.num_programs(1) + pid_n, SPLIT_K)
         if not last:
             _stamp(trace_ptr, 4, TRACE)
             return

@@ -120,19 +120,13 @@ def launch_quantize(x: torch.Tensor):
     return codes, scales
 
 
-def _gemm_buffers(workspace: Workspace, mode: int, t: int, n: int, cfg: LaunchConfig, device,
-                  extra_counters: int = 0):
-    """The grid, the split-K partials (None without split-K) and the counter buffer (with
-    `extra_counters` after the split-K tiles' own)."""
+def _gemm_buffers(workspace: Workspace, mode: int, t: int, n: int, cfg: LaunchConfig, device):
+    """The grid, the split-K partials (None without split-K) and the counter buffer."""
     grid = _tiling.gemm_grid(mode, t, n, cfg)
-    tiles = _tiling.k2_tiles(mode, t, n, cfg)
-    if extra_counters:  # after every tile's place: the kernel finds them there
-        tiles = grid[0] * grid[1] + extra_counters
-    counters = workspace.counters(tiles)
     if grid[2] == 1:
-        return grid, None, counters
+        return grid, None, workspace.counters(0)
     partial = torch.empty(grid[2], grid[0] * cfg.block_m, n, dtype=torch.float32, device=device)
-    return grid, partial, counters
+    return grid, partial, workspace.counters(_tiling.k2_tiles(mode, t, n, cfg))
 
 
 def _w_operand(support: DeviceSupport, weight: torch.Tensor, cfg: LaunchConfig):
@@ -143,41 +137,17 @@ def _w_operand(support: DeviceSupport, weight: torch.Tensor, cfg: LaunchConfig):
     return weight
 
 
-SHRINK_PROGRAMS = 64  # at most: K2's own shrink programs (one of them sums their planes)
-
-
-def shrink_splits(k: int) -> tuple[int, int]:
-    """K2's own shrink (`launch_k2(shrink=True)`): (chunks, chunk width) of K, one chunk per
-    shrinking program, at most SHRINK_PROGRAMS of them and at least 32 columns wide (the dot's
-    K), a power of two."""
-    chunk = max(32, triton.next_power_of_2(-(-k // SHRINK_PROGRAMS)))
-    return -(-k // chunk), chunk
-
-
-def shrink_grid(grid: tuple[int, int, int], k: int) -> tuple[int, int, int]:
-    """K2's grid with its own shrink, from the GEMM's (one row tile): one program per ticket,
-    the shrinking ones (a K chunk each) and every GEMM tile of every split."""
-    return 1, shrink_splits(k)[0] + grid[1] * grid[2], 1
-
-
 def _k2_arguments(mode: int, *, a, a_desc, a_scale, weight, w_operand, weight_scale, y, h,
                   lora: LoraWeights, batch: AdapterBatch, cfg: LaunchConfig, split: int,
                   partial, counters, ready, trace, traced: bool, pdl: bool, wait_codes: bool,
-                  warm_l2: int, wait_k1_first: bool, a_sorted: bool,
-                  shrink_planes=None) -> dict:
+                  warm_l2: int, wait_k1_first: bool, a_sorted: bool) -> dict:
     # K2's arguments with adapters, by name: what launch_k2 launches and k2_blocks_per_sm
-    # compiles (there with MockTensors for the buffers not yet made). `shrink_planes`: K2
-    # shrinks the codes itself into these planes [S, T, chunks, R] (launch_k2(shrink=True)).
+    # compiles (there with MockTensors for the buffers not yet made).
     t, n = y.shape
-    la, b, off1, off2 = _slices(lora)
-    shrink = shrink_planes is not None
-    chunks, chunk = shrink_splits(lora.in_features) if shrink else (1, 32)
+    _, b, off1, off2 = _slices(lora)
     return dict(
         a_ptr=a, a_desc=a_desc, a_scale_ptr=a_scale, w_ptr=weight, w_desc=w_operand,
         w_scale_ptr=weight_scale, y_ptr=y, h_ptr=h, b0_ptr=b[0], b1_ptr=b[1], b2_ptr=b[2],
-        la0_ptr=la[0], la1_ptr=la[1], la2_ptr=la[2],
-        hp_ptr=shrink_planes if shrink else h,
-        SHRINK=shrink, SHRINK_SPLITS=chunks, SHRINK_CHUNK=chunk,
         sorted_ptr=batch.sorted_token_indices, lora_ids_ptr=batch.lora_ids,
         start_ptr=batch.lora_token_start, partial_ptr=partial, counter_ptr=counters,
         ready_ptr=ready, trace_ptr=trace,
@@ -199,32 +169,21 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
               weight_scale, y, h, lora: LoraWeights, batch: AdapterBatch, cfg: LaunchConfig, *,
               pdl: bool = False, wait_codes: bool = False, warm_l2: int = 0,
               trace: torch.Tensor | None = None, wait_k1_first: bool = False,
-              a_sorted: bool = False, shrink: bool = False):
-    """K2 with the adapters' epilogue into `y` (MODE EXPAND: y is also its input). `shrink`:
-    K2 makes h itself from the codes `a` (one row tile: `decode_lora_fp8_linear(one_kernel=
-    True)`), into `h` [1, S, T, R] fp32."""
+              a_sorted: bool = False):
+    """K2 with the adapters' epilogue into `y` (MODE EXPAND: y is also its input)."""
     t, n = y.shape
     _tiling.check_gemm_config(cfg, lora)
-    if shrink and (mode != FP8 or t > cfg.block_m or pdl or wait_codes or wait_k1_first):
-        raise ValueError("K2's own shrink: FP8, one row tile, no K1 to wait for")
-    grid, partial, counters = _gemm_buffers(workspace, mode, t, n, cfg, y.device,
-                                            extra_counters=2 if shrink else 0)
-    split = grid[2]
+    grid, partial, counters = _gemm_buffers(workspace, mode, t, n, cfg, y.device)
     w_operand = _w_operand(support, weight, cfg)
     pdl = use_pdl(support, pdl)
     a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]) if a_sorted else a
-    planes = None
-    if shrink:
-        planes = torch.empty(len(lora.output_slices), t, shrink_splits(lora.in_features)[0],
-                             lora.max_rank, dtype=torch.float32, device=y.device)
-        grid = shrink_grid(grid, lora.in_features)
     _lora_gemm_kernel[grid](**_k2_arguments(
         mode, a=a, a_desc=a_desc, a_scale=a_scale, weight=weight, w_operand=w_operand,
-        weight_scale=weight_scale, y=y, h=h, lora=lora, batch=batch, cfg=cfg, split=split,
+        weight_scale=weight_scale, y=y, h=h, lora=lora, batch=batch, cfg=cfg, split=grid[2],
         partial=y if partial is None else partial, counters=counters[TILES:], ready=counters,
         trace=trace_arg(trace, counters, grid[0] * grid[1] * grid[2]),
         traced=trace is not None, pdl=pdl, wait_codes=wait_codes, warm_l2=warm_l2,
-        wait_k1_first=wait_k1_first, a_sorted=a_sorted, shrink_planes=planes))
+        wait_k1_first=wait_k1_first, a_sorted=a_sorted))
     return y
 
 
@@ -240,7 +199,7 @@ class _TileCounters(MockTensor):
 def k2_blocks_per_sm(support: DeviceSupport, mode: int, a_dtype: torch.dtype, weight,
                      weight_scale, h_dtype: torch.dtype, lora: LoraWeights, batch: AdapterBatch,
                      cfg: LaunchConfig, *, pdl: bool, wait_codes: bool, warm_l2: int,
-                     wait_k1_first: bool, shrink: bool = False) -> int:
+                     wait_k1_first: bool) -> int:
     """How many of K2's blocks (as launch_k2 would launch it with `cfg`, its weight read by
     pointer loads) one SM of the device holds at once: compiled (Triton's caches keep it),
     never launched; its registers and shared memory against the SM's."""
@@ -248,20 +207,16 @@ def k2_blocks_per_sm(support: DeviceSupport, mode: int, a_dtype: torch.dtype, we
     a = MockTensor(a_dtype, [t, k])
     y = MockTensor(torch.bfloat16, [t, n])
     h = MockTensor(h_dtype, [1, len(lora.output_slices), t, lora.max_rank])
-    grid = _tiling.gemm_grid(mode, t, n, cfg)
-    partial = MockTensor(torch.float32) if grid[2] > 1 else y
+    split = _tiling.gemm_grid(mode, t, n, cfg)[2]
+    partial = MockTensor(torch.float32) if split > 1 else y
     ready = MockTensor(torch.int32)
-    planes = None
-    if shrink:
-        planes = MockTensor(torch.float32, [len(lora.output_slices), t, shrink_splits(k)[0],
-                                            lora.max_rank])
     pdl = use_pdl(support, pdl)
     kernel = _lora_gemm_kernel.warmup(grid=(1,), **_k2_arguments(
         mode, a=a, a_desc=a, a_scale=MockTensor(torch.float32), weight=weight,
         w_operand=weight, weight_scale=weight_scale, y=y, h=h, lora=lora, batch=batch, cfg=cfg,
-        split=grid[2], partial=partial, counters=_TileCounters(torch.int32), ready=ready,
+        split=split, partial=partial, counters=_TileCounters(torch.int32), ready=ready,
         trace=ready, traced=False, pdl=pdl, wait_codes=wait_codes, warm_l2=warm_l2,
-        wait_k1_first=wait_k1_first, a_sorted=False, shrink_planes=planes))
+        wait_k1_first=wait_k1_first, a_sorted=False))
     kernel._init_handles()  # loads it: the registers are known from here
     props = torch.cuda.get_device_properties(weight.device)
     return _tiling.blocks_per_sm(kernel.n_regs, kernel.metadata.shared, cfg.num_warps,
@@ -315,8 +270,7 @@ def launch_gemm_only(support: DeviceSupport, workspace: Workspace, a, a_scale, w
         a_ptr=a, a_desc=TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
         if by_tma else a, a_scale_ptr=a_scale, w_ptr=weight, w_desc=w_operand,
         w_scale_ptr=weight_scale, y_ptr=y, h_ptr=weight_scale, b0_ptr=weight, b1_ptr=weight,
-        b2_ptr=weight, la0_ptr=weight, la1_ptr=weight, la2_ptr=weight, hp_ptr=weight_scale,
-        sorted_ptr=unused, lora_ids_ptr=unused, start_ptr=unused,
+        b2_ptr=weight, sorted_ptr=unused, lora_ids_ptr=unused, start_ptr=unused,
         partial_ptr=y if partial is None else partial, counter_ptr=counters[TILES:],
         ready_ptr=counters, trace_ptr=trace_arg(trace, unused, grid[0] * grid[1] * grid[2]),
         T=t, N=n, K=k, R=1, NUM_ENTRIES=0, stride_a=a.stride(0), stride_y=y.stride(0),

@@ -189,7 +189,6 @@ def decode_lora_fp8_linear(
     batch: AdapterBatch, *, k1_config: LaunchConfig | None = None,
     k2_config: LaunchConfig | None = None, pdl: bool = True,
     workspace: Workspace | None = None, x_quantized: Quantized | None = None,
-    one_kernel: bool = False,
 ) -> torch.Tensor:
     """The decode path: K1 (quantize + shrink), and K2 launched as K1's programmatic dependent
     while K1 runs. K2 waits for K1's quantizing programs (their count of finished rows, a spin
@@ -204,17 +203,9 @@ def decode_lora_fp8_linear(
     vLLM's fuses it into RMSNorm): K1 then only shrinks, and K2 reads those codes from the
     start, waiting only for h before its epilogue. With x None the shrink reads the codes too,
     `h = s_t (q_t A^T)`: the caller need not keep bf16 activations (vLLM's compiler fuses the
-    quantization into the RMSNorm only when nothing else reads the RMSNorm's output).
-
-    `one_kernel=True` (experimental; the codes alone, the tokens in one of K2's row tiles, else
-    a ValueError saying which): K2 makes h itself and K1 is not launched. Each K2 program
-    draws a ticket when it starts: the first tickets each shrink a chunk of K (the last of them
-    sums the chunks), the rest are GEMM tiles that wait for the sum before their epilogue, so a
-    program waits only on programs that have started: docs/kernels.md, "The decode path in one
-    kernel"."""
+    quantization into the RMSNorm only when nothing else reads the RMSNorm's output)."""
     return _linear(FP8, x, weight, weight_scale, lora, batch, k1_config, k2_config,
-                   decode=True, pdl=pdl, workspace=workspace, x_quantized=x_quantized,
-                   one_kernel=one_kernel)
+                   decode=True, pdl=pdl, workspace=workspace, x_quantized=x_quantized)
 
 
 def fused_lora_fp8_linear(
@@ -293,16 +284,9 @@ def decode_settings(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
                      warm_l2=DECODE_WARM_L2, wait_k1_first=False)
 
 
-def _one_kernel_refusal(lora: LoraWeights, batch: AdapterBatch, cfg: LaunchConfig) -> str:
-    """Why K2 cannot make h itself for this batch ('' where it can)."""
-    if batch.num_tokens > cfg.block_m:
-        return f"{batch.num_tokens} tokens are more than one of K2's row tiles ({cfg.block_m})"
-    return ""
-
-
 def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
             decode=False, pdl=False, warm_l2=DECODE_WARM_L2, traces=(None, None),
-            wait_k1_first=False, workspace=None, x_quantized=None, one_kernel=False):
+            wait_k1_first=False, workspace=None, x_quantized=None):
     # MODE FP8: K1 (quantize + shrink) then K2; MODE W8A16: the shrink then the W8A16 K2.
     # `decode`: the decode path's launch settings. With `pdl` K2 is launched as K1's
     # programmatic dependent, waiting for K1's count of quantized rows before its K loop, or
@@ -341,17 +325,6 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
     # launches would put a fill kernel between K1 and its dependent and free K1's counters
     # while K1 runs.
     _tiling.check_gemm_config(cfg2, lora)
-    if one_kernel:
-        refusal = ("the one-kernel decode takes the codes alone (x None)"
-                   if not (decode and shrink_codes) or traces != (None, None) else
-                   _one_kernel_refusal(lora, batch, cfg2))
-        if refusal:
-            raise ValueError(f"one_kernel=True: {refusal}")
-        h = torch.empty(1, len(lora.output_slices), t, lora.max_rank, dtype=torch.float32,
-                        device=x.device)
-        y = torch.empty(t, lora.out_features, dtype=torch.bfloat16, device=x.device)
-        return _launchers.launch_k2(support, workspace, FP8, *x_quantized, weight, weight_scale,
-                                    y, h, lora, batch, cfg2, shrink=True)
     workspace.counters(max(_tiling.k1_tiles(t, lora, batch, cfg1),
                            _tiling.k2_tiles(mode, t, lora.out_features, cfg2)))
     y = torch.empty(t, lora.out_features, dtype=torch.bfloat16, device=x.device)

@@ -81,7 +81,7 @@ class Workspace:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         m = triton.cdiv(max_tokens, _MIN_BLOCK)
         k1 = (max_loras + 1) * m * triton.cdiv(max_rank, _MIN_BLOCK) * MAX_SLICES
-        k2 = m * triton.cdiv(max_out_features, _MIN_BLOCK) + 2  # + K2's own shrink's counts
+        k2 = m * triton.cdiv(max_out_features, _MIN_BLOCK)
         return cls(device, max(k1, k2))
 
     @property
