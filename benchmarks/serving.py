@@ -185,7 +185,7 @@ def tenants32(args) -> None:
     lora = [tenants[i % TENANTS] for i in range(REQUESTS)]
     # Warm-up: the whole batch once, as long as the timed runs (every adapter loaded into its
     # slot, every batch size's graphs and kernels met, so compiled): after a 32-token warm-up
-    # the first of two timed runs was 35% slower than the second with LoRA, in both the
+    # the first of two timed runs had 35% less throughput than the second with LoRA, in both the
     # plugin's engine and stock's (9854926's logs), and equal without.
     llm.generate(prompts, greedy(OUTPUT_TOKENS), lora_request=lora, use_tqdm=False)
     rates = []

@@ -18,7 +18,7 @@ rm -rf .device/dist && uv build --all-packages -q -o .device/dist --wheel
 # GPU tests run on FP8 bases (packages/epilora-vllm/tests/vllm_suite.py; setup.sh points there).
 # Fetched into the user's cache (vllm_suite.fetch), then copied: with EPILORA_VLLM_TESTS set,
 # fetch only reads, so a fresh machine would find nothing.
-suite="$(.venv/bin/python -c "import sys; sys.path.insert(0, 'packages/epilora-vllm/tests')
+suite="$(env -u EPILORA_VLLM_TESTS .venv/bin/python -c "import sys; sys.path.insert(0, 'packages/epilora-vllm/tests')
 import vllm_suite; print(vllm_suite.fetch())" | tail -n 1)"  # vLLM logs to stdout
 rm -rf .device/vllm-tests && cp -r "$suite" .device/vllm-tests
 rm -rf .device/variants
