@@ -60,8 +60,8 @@ def compile_launch(kernel, args, kwargs) -> str:
 def compile_launch_full(kernel, args, kwargs):
     """Compile one recorded launch for sm_90; returns Triton's compiled kernel. Pointers and
     integers that are multiples of 16 are marked so, as Triton's launcher specializes them at
-    run time: without it the K loops' loads cannot become asynchronous copies and the PTX is
-    not the GPU's."""
+    run time (not those the kernel marks `do_not_specialize`): without it the K loops' loads
+    cannot become asynchronous copies and the PTX is not the GPU's."""
     values = dict(zip(kernel.arg_names, args, strict=False))
     values.update({k: v for k, v in kwargs.items() if k not in OPTIONS})
     constexprs = {p.name: values[p.name] for p in kernel.params
@@ -84,7 +84,7 @@ def compile_launch_full(kernel, args, kwargs):
             aligned = value.data_ptr() % 16 == 0
         else:
             signature[name] = "i32"
-            aligned = value % 16 == 0
+            aligned = value % 16 == 0 and not kernel.params[index].do_not_specialize
         if aligned:
             attrs[(index,)] = [["tt.divisibility", 16]]
     signature.update({name: "constexpr" for name in constexprs})

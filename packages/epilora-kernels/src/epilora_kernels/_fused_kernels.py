@@ -214,7 +214,11 @@ def _sorted_token(sorted_ptr, start_ptr, pos, NUM_ENTRIES, ENTRIES_BLOCK: tl.con
     return tl.where(inside, tl.load(sorted_ptr + pos, mask=inside, other=0), pos)
 
 
-@triton.jit
+# T, the batch's tokens, is not specialized (Triton would compile a kernel for T = 1, one for
+# multiples of 16 and one for the rest): vLLM's graph capture meets many batch sizes, each a
+# compile in the engine's start (dev/compile_variants.py), and no address here needs T's
+# alignment (every offset with T in it is a multiple of the rank R, whose alignment is known).
+@triton.jit(do_not_specialize=["T"])
 def _quantize_shrink_kernel(
     x_ptr, codes_ptr, scales_ptr, h_ptr, partial_ptr,
     a0_ptr, a1_ptr, a2_ptr,
@@ -352,7 +356,7 @@ def _pass_and_reset(ready_ptr, programs):
         tl.atomic_xchg(ready_ptr + 1, 0, sem="relaxed", scope="gpu")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # T: as _quantize_shrink_kernel's
 def _lora_gemm_kernel(
     a_ptr, a_desc, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, y_ptr, h_ptr,
     b0_ptr, b1_ptr, b2_ptr,
