@@ -4,6 +4,7 @@ test_compile_sm90.py). The launchers run on CPU tensors with the kernels' `run` 
 recorder; each recorded launch is then compiled from its argument types and constexprs. This
 catches what the interpreter cannot: a pointer of the wrong type in a branch that never runs."""
 
+import functools
 import json
 
 import torch
@@ -12,6 +13,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+import epilora_kernels
 from epilora_kernels import _fused_kernels, dispatch, fused
 from epilora_kernels.arch import DeviceSupport
 from epilora_kernels.launch import LaunchConfig
@@ -29,9 +31,11 @@ OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 SM90 = DeviceSupport("aot-sm90", (9, 0), fp8_mma=True, pdl=True, tma=True, interpreter=False)
 
 
-def record_launches(launch, grids: list | None = None) -> list[tuple]:
+def record_launches(launch, grids: list | None = None,
+                    warmups: list | None = None) -> list[tuple]:
     """(kernel, args, kwargs) of every launch `launch()` makes, the launchers told the CPU
-    tensors are on an sm_90 device; their grids go to `grids`."""
+    tensors are on an sm_90 device; their grids go to `grids`, whether each was a compile
+    without a run (Triton's `warmup`) to `warmups`."""
     calls = []
     kernels = (_fused_kernels._quantize_shrink_kernel, _fused_kernels._lora_gemm_kernel)
     for kernel in kernels:
@@ -39,6 +43,8 @@ def record_launches(launch, grids: list | None = None) -> list[tuple]:
             calls.append((_kernel, args, kwargs))
             if grids is not None:
                 grids.append(tuple(grid))
+            if warmups is not None:
+                warmups.append(warmup)
 
         kernel.run = recorder
     supports = fused.device_support, dispatch.device_support
@@ -132,7 +138,37 @@ def main() -> None:
         for kernel, args, kwargs in calls:
             compile_launch(kernel, args, kwargs)
         compiled[name] = len(calls)
+    # compile_only: the same kernels, arguments and grids as the launches, each a warmup
+    for name in ("decode", "fused", "per_channel"):
+        grids, only_grids, warmups = [], [], []
+        launched = record_launches(launchers[name], grids)
+        only = record_launches(functools.partial(_compile_only, launchers[name]), only_grids,
+                               warmups)
+        compiled[f"compile_only_{name}"] = {
+            "warmups": sum(warmups), "launches": len(warmups),
+            "same": (list(map(_signature, only)) == list(map(_signature, launched))
+                     and only_grids == grids)}
     print(json.dumps(compiled))
+
+
+def _compile_only(launch):
+    with epilora_kernels.compile_only():
+        return launch()
+
+
+def _signature(call) -> tuple:
+    # What a launch compiles from: its kernel and each argument's type, layout and alignment,
+    # or value (two launches' tensors are other objects with the same signature).
+    kernel, args, kwargs = call
+    def describe(value):
+        if isinstance(value, TensorDescriptor):
+            return ("desc", describe(value.base), tuple(value.block_shape))
+        if isinstance(value, torch.Tensor):
+            return (str(value.dtype), tuple(value.shape), value.stride(),
+                    value.data_ptr() % 16 == 0)
+        return value
+    return (kernel.fn.__name__, tuple(map(describe, args)),
+            tuple((k, describe(v)) for k, v in sorted(kwargs.items())))
 
 
 if __name__ == "__main__":

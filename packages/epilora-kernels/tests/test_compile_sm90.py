@@ -55,6 +55,12 @@ def test_every_launch_compiles_for_sm90_with_the_arguments_its_launcher_passes()
                             env=env, timeout=600, cwd=script.parent)
     assert result.returncode == 0, result.stderr[-3000:]
     launches = json.loads(result.stdout.strip().splitlines()[-1])
+    # epilora_kernels.compile_only: every launch a compile without a run (Triton's warmup),
+    # with the launch's own kernel, arguments and grid, so the launch then finds it compiled.
+    compile_only = {name: launches.pop(name) for name in list(launches)
+                    if name.startswith("compile_only_")}
+    assert compile_only == {f"compile_only_{name}": {"warmups": n, "launches": n, "same": True}
+                            for name, n in (("decode", 2), ("fused", 2), ("per_channel", 6))}
     assert launches == {"quantize": 1, "fp8_gemm_from_bf16": 2, "fused": 2, "fused_split_k": 2,
                         "decode": 2, "decode_split_k": 2, "decode_traced": 2,
                         "k1_eight_warps_wide": 1, "w8a16": 2, "expand": 2,

@@ -6,7 +6,9 @@ One call for an engine, `lora_linear(x, weight, weight_scale, lora, batch)`: a p
 (`decode_lora_fp8_linear`, ...), with their kernels (`quantize_and_shrink` = K1,
 `lora_fp8_gemm` = K2, ...) and torch twins of the same signatures in `epilora_kernels.reference`.
 `supports(path, ...)` says whether a case can be served and why not; `Workspace` holds the
-counters the kernels synchronize with (own one per stream, sized before CUDA-graph capture).
+counters the kernels synchronize with (own one per stream, sized before CUDA-graph capture);
+`with compile_only(): ...` compiles what the calls inside would launch, running nothing (an
+engine's warm-up before it captures graphs).
 `epilora_kernels.ops` registers the paths as torch custom ops when imported.
 
 This package imports neither vLLM nor epilora-vllm. Importing it imports neither Triton nor
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING
 
 # Each public name and the module that defines it, imported on first access (PEP 562).
 _PUBLIC = {
+    "epilora_kernels._launchers": ("compile_only",),
     "epilora_kernels.arch": ("DeviceSupport", "UnsupportedError", "device_support"),
     "epilora_kernels.batch": ("AdapterBatch", "LoraWeights"),
     "epilora_kernels.dispatch": ("PATHS", "Support", "choose_path", "hybrid_lora_fp8_linear",
@@ -41,6 +44,7 @@ __all__ = [
     "Workspace",
     "WorkspaceTooSmall",
     "choose_path",
+    "compile_only",
     "decode_lora_fp8_linear",
     "default_workspace",
     "device_support",
@@ -62,6 +66,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from epilora_kernels._launchers import compile_only
     from epilora_kernels.arch import DeviceSupport, UnsupportedError, device_support
     from epilora_kernels.batch import AdapterBatch, LoraWeights
     from epilora_kernels.dispatch import (

@@ -4,7 +4,9 @@ callers (`epilora_kernels.fused`); here only the buffers, the grid and the compi
 A pointer a launch does not use is passed as `unused` (any tensor of the device, never read or
 written: its flag compiles the access out)."""
 
+import contextlib
 import math
+import threading
 
 import torch
 import triton
@@ -21,6 +23,32 @@ from epilora_kernels.launch import LaunchConfig
 from epilora_kernels.workspace import TILES, Workspace
 
 TRACE_EVENTS = 8  # int64 slots per program in a trace buffer (dev/decode_timeline.py)
+
+_THREAD = threading.local()  # compile_only's flag: per thread, so other threads launch
+
+
+@contextlib.contextmanager
+def compile_only():
+    """Inside, the calls this thread makes compile the kernels they would launch, with the
+    launches' own arguments (Triton's `warmup`: the same in-memory and disk cache entries), and
+    launch nothing: their outputs are left unwritten, the workspace's counters untouched. For
+    an engine that knows its batch sizes, before CUDA-graph capture or in a thread beside other
+    start-up work; other threads launch as usual. Under the interpreter nothing compiles."""
+    previous = getattr(_THREAD, "compile_only", False)
+    _THREAD.compile_only = True
+    try:
+        yield
+    finally:
+        _THREAD.compile_only = previous
+
+
+def _start(kernel, grid: tuple, **arguments) -> None:
+    # Every launch goes through here: in compile_only, Triton's `warmup` (the same compile and
+    # cache entry as the launch, no run); the interpreter compiles nothing.
+    if not getattr(_THREAD, "compile_only", False):
+        kernel[grid](**arguments)
+    elif not _env.triton_interpreter():
+        kernel.warmup(grid=grid, **arguments)
 
 # Mode of K2: the FP8 GEMM, the W8A16 GEMM, or no GEMM (the hybrid path's expand).
 FP8, W8A16, EXPAND = 0, 1, 2
@@ -78,7 +106,8 @@ def launch_k1(support: DeviceSupport, workspace: Workspace, x, lora: LoraWeights
     a, _, _, _ = _slices(lora)
     counters = workspace.counters(_tiling.k1_tiles(t, lora, batch, cfg))
     grid = ((t if quantize else 0) + _tiling.shrink_programs(t, lora, batch, cfg),)
-    _quantize_shrink_kernel[grid](
+    _start(
+        _quantize_shrink_kernel, grid,
         x_ptr=x, codes_ptr=partials if codes is None else codes,
         scales_ptr=scales if quantize else partials if x_scales is None else x_scales,
         h_ptr=h, partial_ptr=partials,
@@ -107,7 +136,8 @@ def launch_quantize(x: torch.Tensor):
     codes = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(t, 1, dtype=torch.float32, device=x.device)
     unused = torch.empty(1, dtype=torch.int32, device=x.device)
-    _quantize_shrink_kernel[(t,)](
+    _start(
+        _quantize_shrink_kernel, (t,),
         x_ptr=x, codes_ptr=codes, scales_ptr=scales, h_ptr=scales, partial_ptr=scales,
         a0_ptr=x, a1_ptr=x, a2_ptr=x, sorted_ptr=unused, lora_ids_ptr=unused,
         counts_ptr=unused, start_ptr=unused, counter_ptr=unused, ready_ptr=unused,
@@ -177,7 +207,7 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
     w_operand = _w_operand(support, weight, cfg)
     pdl = use_pdl(support, pdl)
     a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]) if a_sorted else a
-    _lora_gemm_kernel[grid](**_k2_arguments(
+    _start(_lora_gemm_kernel, grid, **_k2_arguments(
         mode, a=a, a_desc=a_desc, a_scale=a_scale, weight=weight, w_operand=w_operand,
         weight_scale=weight_scale, y=y, h=h, lora=lora, batch=batch, cfg=cfg, split=grid[2],
         partial=y if partial is None else partial, counters=counters[TILES:], ready=counters,
@@ -266,7 +296,8 @@ def launch_gemm_only(support: DeviceSupport, workspace: Workspace, a, a_scale, w
     unused = torch.empty(1, dtype=torch.int32, device=a.device)
     grid, partial, counters = _gemm_buffers(workspace, FP8, t, n, cfg, a.device)
     w_operand = _w_operand(support, weight, cfg)
-    _lora_gemm_kernel[grid](
+    _start(
+        _lora_gemm_kernel, grid,
         a_ptr=a, a_desc=TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
         if by_tma else a, a_scale_ptr=a_scale, w_ptr=weight, w_desc=w_operand,
         w_scale_ptr=weight_scale, y_ptr=y, h_ptr=weight_scale, b0_ptr=weight, b1_ptr=weight,

@@ -324,3 +324,33 @@ def test_one_active_slot_of_eight_gives_every_row_its_adapter(tokens, operands):
     row_err = (got_delta - want_delta).norm(dim=1) / want_delta.norm(dim=1)
     assert float(row_err.max()) < 2e-2, row_err
 
+
+
+def _compiled_variants() -> int:
+    # Kernels Triton's JIT holds compiled, over both kernels and every device.
+    from epilora_kernels._fused_kernels import _lora_gemm_kernel, _quantize_shrink_kernel
+
+    return sum(len(caches[0]) for kernel in (_quantize_shrink_kernel, _lora_gemm_kernel)
+               for caches in kernel.device_caches.values())
+
+
+@pytest.mark.parametrize("path", ["decode", "fused"])
+def test_compile_only_compiles_what_the_call_then_launches_without_compiling(path):
+    # A shape no other test compiles (K 384, N 96, 7 tokens over 3 slots): inside compile_only
+    # the call compiles its kernels; the same call outside then compiles nothing more and
+    # equals its reference; the workspace's counters stay at rest throughout.
+    x, weight, w_scale, lora, batch = make_problem(23, 7, 384, (96,), 16, 3, "mixed_with_base",
+                                                   device=CUDA)
+    workspace = ek.Workspace.for_batches(CUDA, max_tokens=7, max_out_features=96, max_rank=16,
+                                         max_loras=3)
+    before = _compiled_variants()
+    with ek.compile_only():
+        ek.lora_linear(x, weight, w_scale, lora, batch, path=path, workspace=workspace)
+    torch.cuda.synchronize()
+    compiled = _compiled_variants()
+    assert compiled > before and workspace.is_clean()
+    y = ek.lora_linear(x, weight, w_scale, lora, batch, path=path, workspace=workspace)
+    torch.cuda.synchronize()
+    assert _compiled_variants() == compiled and workspace.is_clean()
+    want = reference.fused_lora_fp8_linear(x, weight, w_scale, lora, batch)
+    assert relative_error(y, want) < BF16_TOL

@@ -61,6 +61,13 @@ def dispatch() -> str:
     return value
 
 
+def precompile() -> bool:
+    """EPILORA_VLLM_PRECOMPILE=1: compile the kernels each served layer will launch at vLLM's
+    batch sizes in a background thread while the engine starts (`epilora_vllm.precompile`);
+    off by default until measured in an engine."""
+    return os.environ.get("EPILORA_VLLM_PRECOMPILE", "0") == "1"
+
+
 def cache_dir() -> str:
     """EPILORA_CACHE_DIR (as epilora-kernels reads it): the timed dispatch's choices go to its
     `vllm/` folder (default: $XDG_CACHE_HOME/epilora, else ~/.cache/epilora, then `vllm/`)."""

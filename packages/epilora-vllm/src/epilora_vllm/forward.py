@@ -14,7 +14,7 @@ No host synchronization on device data: vLLM's metadata is refreshed before each
 CUDA graphs, its no-adapter flag is a CPU tensor, and the path depends on shapes only.
 """
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +22,7 @@ import torch
 import epilora_kernels as ek
 from epilora_kernels import reference
 from epilora_quant import Fp8Arithmetic, quantize_fp8_per_token
-from epilora_vllm import _env, dispatch
+from epilora_vllm import _env, dispatch, precompile
 
 
 @dataclass
@@ -88,6 +88,7 @@ class EpiloraForward:
         self._no_adapter: ek.AdapterBatch | None = None
         self._timed: dict[int, str] = {}  # token bucket -> the timed dispatch's path
         self._start_buckets: frozenset[int] = frozenset()  # the buckets it may time
+        self._precompiled: Future | None = None  # epilora_vllm.precompile's job, until done
 
     def adapters_created(self, *, matched: bool, path: str | None, quantize: str = "kernels",
                          timed: bool = False) -> None:
@@ -114,6 +115,12 @@ class EpiloraForward:
             self._start_buckets = dispatch.start_buckets(
                 config.compilation_config.cudagraph_capture_sizes or (),
                 config.scheduler_config.max_num_batched_tokens)
+        if layer.device.type == "cuda" and _env.precompile():
+            weight, scale = self._weights()
+            key = (self.lora.in_features, tuple(self.lora.output_slices), self.lora.max_rank,
+                   self.lora.max_loras, str(weight.dtype), scale.numel() > 1, self.mode.path,
+                   self.mode.quantize, self.mode.matched)
+            self._precompiled = precompile.start(self, key, precompile.batch_sizes())
 
     def __call__(self, x: torch.Tensor | None, codes: torch.Tensor | None,
                  scales: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
@@ -230,6 +237,9 @@ class EpiloraForward:
 
     def _on_gpu(self, x: torch.Tensor | None, quantized,
                 bias: torch.Tensor | None) -> torch.Tensor:
+        if self._precompiled is not None:  # vLLM's profiling run, before any capture
+            self._precompiled.result()
+            self._precompiled = None
         rows = quantized[0] if x is None else x
         tokens = rows.shape[0]
         batch = self._gpu_batch(tokens)
@@ -257,6 +267,27 @@ class EpiloraForward:
         y = ek.lora_linear(x, weight, scale, self.lora, batch, path=path,
                            x_quantized=quantized if path != "w8a16" else None)
         return y if bias is None else y.add_(bias)
+
+    def warm(self, tokens: int) -> None:
+        """This layer's computation on a batch of `tokens` tokens round robin over the adapter
+        slots (as vLLM's dummy adapters while it captures graphs), on the path the batch would
+        take, for `epilora_kernels.compile_only` (`epilora_vllm.precompile`): the kernels'
+        paths only (the hybrid path's base GEMM and vLLM's LoRA kernels are not ours)."""
+        device, lora = self.layer.device, self.lora
+        batch = ek.AdapterBatch.from_token_mapping(
+            torch.arange(tokens, dtype=torch.int32, device=device) % lora.max_loras,
+            lora.max_loras)
+        path = self.mode.path or ek.choose_path(tokens, batch, ek.device_support(device))
+        if path not in (*CODES_PATHS, "w8a16"):
+            return
+        k = lora.in_features
+        x = (None if self.mode.shrink_codes
+             else torch.zeros(tokens, k, dtype=torch.bfloat16, device=device))
+        quantized = None
+        if self.mode.vllm_quantizes:
+            quantized = (torch.zeros(tokens, k, dtype=torch.float8_e4m3fn, device=device),
+                         torch.ones(tokens, 1, dtype=torch.float32, device=device))
+        self._run(path, x, quantized, None, batch)
 
     def _vllm_apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # The vLLM class ours subclasses (after _Epilora in the MRO) computes as without us.

@@ -1,0 +1,86 @@
+"""EPILORA_VLLM_PRECOMPILE without a GPU: a case's job runs the layer's computation at every
+batch size in a background thread inside `epilora_kernels.compile_only`, once per case; a
+failing job says why and raises nothing; `EpiloraForward.warm` takes each size's path on the
+activations the layer's mode gives it. That the engine's capture then compiles nothing is for
+the H200 (the serving benchmark's graph-capture time)."""
+
+import contextlib
+import logging
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import epilora_kernels as ek
+from epilora_kernels import _launchers
+from epilora_vllm import precompile
+from epilora_vllm.forward import EpiloraForward, _Mode
+
+
+@pytest.fixture(autouse=True)
+def _no_cuda_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+
+
+class _Recorder:
+    def __init__(self, fail_at: int | None = None):
+        self.layer = SimpleNamespace(device=torch.device("cpu"))
+        self.calls = []
+        self.fail_at = fail_at
+
+    def warm(self, tokens: int) -> None:
+        self.calls.append((tokens, threading.current_thread().name,
+                           getattr(_launchers._THREAD, "compile_only", False)))
+        if tokens == self.fail_at:
+            raise RuntimeError("no such kernel")
+
+
+def test_a_case_compiles_every_size_once_in_a_background_thread():
+    forward, other = _Recorder(), _Recorder()
+    job = precompile.start(forward, ("case", 1), [1, 2, 4, 8192])
+    assert precompile.start(other, ("case", 1), [1, 2]) is job  # a layer of the same case
+    assert job.result(timeout=60) is None
+    assert [tokens for tokens, _, _ in forward.calls] == [1, 2, 4, 8192]
+    assert all(name.startswith("epilora-precompile") and only
+               for _, name, only in forward.calls)
+    assert other.calls == []
+    assert not getattr(_launchers._THREAD, "compile_only", False)  # this thread launches
+
+
+def test_a_failing_job_says_why_and_leaves_the_rest_to_the_forward(caplog):
+    forward = _Recorder(fail_at=2)
+    with caplog.at_level(logging.WARNING, logger="vllm.epilora_vllm"):
+        assert precompile.start(forward, ("case", 2), [1, 2, 4]).result(timeout=60) is None
+    assert [tokens for tokens, _, _ in forward.calls] == [1, 2]
+    assert "RuntimeError: no such kernel" in caplog.text
+
+
+@pytest.mark.parametrize(("quantize", "path", "want"), [
+    ("codes", None, ("decode", "none", "torch.float8_e4m3fn")),
+    ("vllm", None, ("decode", "bf16", "torch.float8_e4m3fn")),
+    ("kernels", None, ("decode", "bf16", "none")),
+    ("kernels", "fused", ("fused", "bf16", "none")),
+    ("kernels", "hybrid", None),  # its base GEMM is vLLM's: nothing of ours to compile
+])
+def test_warm_takes_the_batchs_path_on_the_modes_activations(monkeypatch, quantize, path, want):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernels' rule on the CPU
+    a = (torch.zeros(4, 1, 16, 64, dtype=torch.bfloat16),)
+    b = (torch.zeros(4, 1, 32, 16, dtype=torch.bfloat16),)
+    forward = EpiloraForward(SimpleNamespace(device=torch.device("cpu")))
+    forward.lora = ek.LoraWeights(a, b, (32,))
+    forward.mode = _Mode(matched=False, path=path, quantize=quantize)
+    runs = []
+
+    def run(path, x, quantized, bias, batch):
+        runs.append((path, "none" if x is None else {torch.bfloat16: "bf16"}[x.dtype],
+                     "none" if quantized is None else str(quantized[0].dtype), batch))
+
+    monkeypatch.setattr(forward, "_run", run)
+    forward.warm(6)
+    if want is None:
+        assert runs == []
+        return
+    (got_path, got_x, got_codes, batch), = runs
+    assert (got_path, got_x, got_codes) == want
+    assert batch.token_lora_mapping.tolist() == [0, 1, 2, 3, 0, 1]  # round robin, as vLLM's
