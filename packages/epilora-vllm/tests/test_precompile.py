@@ -31,27 +31,29 @@ class _Recorder:
 
     def warm(self, tokens: int) -> None:
         self.calls.append((tokens, threading.current_thread().name,
-                           getattr(_launchers._THREAD, "compile_only", False)))
+                           _launchers.compiling_only()))
         if tokens == self.fail_at:
             raise RuntimeError("no such kernel")
 
 
 def test_a_case_compiles_every_size_once_in_a_background_thread():
-    forward, other = _Recorder(), _Recorder()
-    job = precompile.start(forward, ("case", 1), [1, 2, 4, 8192])
-    assert precompile.start(other, ("case", 1), [1, 2]) is job  # a layer of the same case
-    assert job.result(timeout=60) is None
-    assert [tokens for tokens, _, _ in forward.calls] == [1, 2, 4, 8192]
-    assert all(name.startswith("epilora-precompile") and only
-               for _, name, only in forward.calls)
-    assert other.calls == []
-    assert not getattr(_launchers._THREAD, "compile_only", False)  # this thread launches
+    forward, other, third = _Recorder(), _Recorder(), _Recorder()
+    job = precompile.start(forward, ("case", 1), (1, 2, 4, 512))
+    assert precompile.start(other, ("case", 1), (1, 2)) is job  # a layer of the same case
+    precompile.start(third, ("case", 3), (8,))
+    precompile.wait_all()  # every case's job (a layer's first forward)
+    assert job.done() and job.result() is None
+    assert [tokens for tokens, _, _ in forward.calls] == [1, 2, 4, 512]
+    assert all(name == "epilora-precompile" and only for _, name, only in forward.calls)
+    assert threading.current_thread().name != "epilora-precompile"
+    assert other.calls == [] and [tokens for tokens, _, _ in third.calls] == [8]
+    assert not _launchers.compiling_only()  # this thread launches
 
 
 def test_a_failing_job_says_why_and_leaves_the_rest_to_the_forward(caplog):
     forward = _Recorder(fail_at=2)
     with caplog.at_level(logging.WARNING, logger="vllm.epilora_vllm"):
-        assert precompile.start(forward, ("case", 2), [1, 2, 4]).result(timeout=60) is None
+        assert precompile.start(forward, ("case", 2), (1, 2, 4)).result(timeout=60) is None
     assert [tokens for tokens, _, _ in forward.calls] == [1, 2]
     assert "RuntimeError: no such kernel" in caplog.text
 

@@ -42,10 +42,15 @@ def compile_only():
         _THREAD.compile_only = previous
 
 
+def compiling_only() -> bool:
+    """Whether this thread is inside `compile_only`."""
+    return getattr(_THREAD, "compile_only", False)
+
+
 def _start(kernel, grid: tuple, **arguments) -> None:
     # Every launch goes through here: in compile_only, Triton's `warmup` (the same compile and
     # cache entry as the launch, no run); the interpreter compiles nothing.
-    if not getattr(_THREAD, "compile_only", False):
+    if not compiling_only():
         kernel[grid](**arguments)
     elif not _env.triton_interpreter():
         kernel.warmup(grid=grid, **arguments)

@@ -350,6 +350,8 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
                                     wait_k1_first=wait_k1_first, a_sorted=a_sorted)
     except BaseException:
         # K2 did not launch (a compile error, an interrupt): K1's counts would make the next
-        # K2 on this workspace pass its wait early. Zeroed in stream order, after K1.
-        workspace.reset()
+        # K2 on this workspace pass its wait early. Zeroed in stream order, after K1 (under
+        # compile_only K1 counted nothing, and another thread may be between its K1 and K2).
+        if not _launchers.compiling_only():
+            workspace.reset()
         raise

@@ -336,19 +336,19 @@ def _compiled_variants() -> int:
 
 @pytest.mark.parametrize("path", ["decode", "fused"])
 def test_compile_only_compiles_what_the_call_then_launches_without_compiling(path):
-    # A shape no other test compiles (K 384, N 96, 7 tokens over 3 slots): inside compile_only
-    # the call compiles its kernels; the same call outside then compiles nothing more and
-    # equals its reference; the workspace's counters stay at rest throughout.
+    # After the call inside compile_only (K 384, N 96, 7 tokens over 3 slots), the same call
+    # outside compiles nothing more and equals its reference; the workspace's counters stay at
+    # rest throughout. (Whether compile_only compiled them or an earlier test did, Triton's
+    # cache cannot tell: test_compile_sm90.py checks its compiles are the launches' own.)
     x, weight, w_scale, lora, batch = make_problem(23, 7, 384, (96,), 16, 3, "mixed_with_base",
                                                    device=CUDA)
     workspace = ek.Workspace.for_batches(CUDA, max_tokens=7, max_out_features=96, max_rank=16,
                                          max_loras=3)
-    before = _compiled_variants()
     with ek.compile_only():
         ek.lora_linear(x, weight, w_scale, lora, batch, path=path, workspace=workspace)
     torch.cuda.synchronize()
     compiled = _compiled_variants()
-    assert compiled > before and workspace.is_clean()
+    assert workspace.is_clean()
     y = ek.lora_linear(x, weight, w_scale, lora, batch, path=path, workspace=workspace)
     torch.cuda.synchronize()
     assert _compiled_variants() == compiled and workspace.is_clean()

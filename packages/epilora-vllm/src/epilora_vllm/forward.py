@@ -14,7 +14,7 @@ No host synchronization on device data: vLLM's metadata is refreshed before each
 CUDA graphs, its no-adapter flag is a CPU tensor, and the path depends on shapes only.
 """
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -88,7 +88,7 @@ class EpiloraForward:
         self._no_adapter: ek.AdapterBatch | None = None
         self._timed: dict[int, str] = {}  # token bucket -> the timed dispatch's path
         self._start_buckets: frozenset[int] = frozenset()  # the buckets it may time
-        self._precompiled: Future | None = None  # epilora_vllm.precompile's job, until done
+        self._precompiling = False  # epilora_vllm.precompile's jobs not yet waited for
 
     def adapters_created(self, *, matched: bool, path: str | None, quantize: str = "kernels",
                          timed: bool = False) -> None:
@@ -117,10 +117,13 @@ class EpiloraForward:
                 config.scheduler_config.max_num_batched_tokens)
         if layer.device.type == "cuda" and _env.precompile():
             weight, scale = self._weights()
-            key = (self.lora.in_features, tuple(self.lora.output_slices), self.lora.max_rank,
-                   self.lora.max_loras, str(weight.dtype), scale.numel() > 1, self.mode.path,
-                   self.mode.quantize, self.mode.matched)
-            self._precompiled = precompile.start(self, key, precompile.batch_sizes())
+            sizes = precompile.graph_sizes()
+            key = (str(layer.device), self.lora.in_features, tuple(self.lora.output_slices),
+                   self.lora.max_rank, self.lora.max_loras, str(weight.dtype),
+                   scale.numel() > 1, self.mode.path, self.mode.quantize, self.mode.matched,
+                   sizes)
+            self._precompiling = True
+            precompile.start(self, key, sizes)
 
     def __call__(self, x: torch.Tensor | None, codes: torch.Tensor | None,
                  scales: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
@@ -237,9 +240,9 @@ class EpiloraForward:
 
     def _on_gpu(self, x: torch.Tensor | None, quantized,
                 bias: torch.Tensor | None) -> torch.Tensor:
-        if self._precompiled is not None:  # vLLM's profiling run, before any capture
-            self._precompiled.result()
-            self._precompiled = None
+        if self._precompiling:  # vLLM's profiling run, before any capture: every layer's
+            precompile.wait_all()  # jobs, so that none runs during a capture
+            self._precompiling = False
         rows = quantized[0] if x is None else x
         tokens = rows.shape[0]
         batch = self._gpu_batch(tokens)

@@ -1,22 +1,29 @@
-"""Compile, while the engine starts, the kernels each served layer will launch at vLLM's batch
-sizes (EPILORA_VLLM_PRECOMPILE=1).
+"""Compile, while the engine starts, the kernels each served layer will launch at vLLM's
+CUDA-graph sizes (EPILORA_VLLM_PRECOMPILE=1).
 
 vLLM runs every CUDA-graph size eagerly once before capturing it, and the first run of a size
-compiles the Triton kernels the layer's path launches there: tens of compiles, a large part of
-the plugin's graph-capture time (`dev/compile_variants.py` counts them). Here a layer's
-compiles start as soon as its adapter buffers exist (vLLM wraps the model for LoRA right after
-loading it, before its own torch.compile), in one background thread per process, one job per
-distinct projection case (shapes, adapter slots, the plugin's modes; layers of one shape share
-their kernels). A job runs the layer's own computation (`EpiloraForward.warm`) for each size
-inside `epilora_kernels.compile_only()`: the kernels and arguments the capture will launch,
-compiled into Triton's caches, nothing launched. The layer's first real forward (vLLM's
-profiling run) waits for its job; a job that fails says why once and leaves the compiles to the
-forward, as without it.
+compiles the Triton kernels the layer's path launches there: tens of compiles, most of the
+plugin's graph-capture time (`dev/compile_variants.py` counts them). Here a layer's compiles
+are queued as soon as its adapter buffers exist (vLLM wraps the model for LoRA right after
+loading it, before its own torch.compile), for one background thread, one job per distinct
+projection case (shapes, adapter slots, the plugin's modes, device and sizes: layers of one
+shape share their kernels). A job runs the layer's own computation (`EpiloraForward.warm`) at
+each size inside `epilora_kernels.compile_only()`: the kernels and arguments the capture will
+launch, compiled into Triton's caches, nothing launched. Only the graph sizes (at most 512
+tokens, buffers of tens of MB): vLLM's profiling run has no adapter, so it does not run these
+kernels, and its size's buffers would be hundreds of MB held while vLLM measures memory.
+
+The first real forward of any served layer (vLLM's profiling run, before any capture) waits for
+every job, so no job allocates or synchronizes during a capture. A job that fails says why once
+and leaves the compiles to the forward, as without it. The thread is a daemon: an engine that
+fails to start exits without finishing the queue.
 """
 
 import logging
+import queue
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
@@ -24,42 +31,60 @@ import epilora_kernels as ek
 
 logger = logging.getLogger("vllm.epilora_vllm")
 
-_pool: ThreadPoolExecutor | None = None  # made on the first job (no thread at import)
 _jobs: dict[tuple, Future] = {}  # a case's key -> its job
+_queue: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+_lock = threading.Lock()
+_worker: threading.Thread | None = None  # started with the first job (no thread at import)
 
 
-def batch_sizes() -> list[int]:
-    """The token counts an engine runs while it starts: each CUDA-graph size (ascending) and
-    the profiling run's `max_num_batched_tokens`."""
+def graph_sizes() -> tuple[int, ...]:
+    """vLLM's CUDA-graph sizes for this engine, ascending (none under enforce_eager)."""
     from vllm.config import get_current_vllm_config
 
-    config = get_current_vllm_config()
-    sizes = set(config.compilation_config.cudagraph_capture_sizes or ())
-    sizes.add(config.scheduler_config.max_num_batched_tokens)
-    return sorted(size for size in sizes if size > 0)
+    sizes = get_current_vllm_config().compilation_config.cudagraph_capture_sizes or ()
+    return tuple(sorted(size for size in sizes if size > 0))
 
 
-def start(forward, key: tuple, sizes: list[int]) -> Future:
-    """The job compiling `forward`'s kernels at `sizes`, started unless one of the same case
+def start(forward, key: tuple, sizes: tuple[int, ...]) -> Future:
+    """The job compiling `forward`'s kernels at `sizes`, queued unless one of the same case
     `key` exists (then that one)."""
-    global _pool
-    if key not in _jobs:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(1, thread_name_prefix="epilora-precompile")
-        _jobs[key] = _pool.submit(_compile, forward, key, sizes)
-    return _jobs[key]
+    global _worker
+    with _lock:
+        if key not in _jobs:
+            _jobs[key] = Future()
+            _queue.put((forward, key, sizes, _jobs[key]))
+            if _worker is None:
+                _worker = threading.Thread(target=_work, name="epilora-precompile", daemon=True)
+                _worker.start()
+        return _jobs[key]
 
 
-def _compile(forward, key: tuple, sizes: list[int]) -> None:
+def wait_all() -> None:
+    """Until every job queued so far is done."""
+    with _lock:
+        jobs = list(_jobs.values())
+    for job in jobs:
+        job.result()
+
+
+def _work() -> None:
+    while True:
+        forward, key, sizes, job = _queue.get()
+        if job.set_running_or_notify_cancel():
+            _compile(forward, key, sizes)
+            job.set_result(None)
+
+
+def _compile(forward, key: tuple, sizes: tuple[int, ...]) -> None:
     begin = time.perf_counter()
-    device = forward.layer.device
     try:
-        with torch.cuda.device(device), ek.compile_only():  # a new thread's device is 0
-            for tokens in sizes:
+        with torch.cuda.device(forward.layer.device), ek.compile_only():  # a thread's device
+            for tokens in sizes:  # is 0 until set
                 forward.warm(tokens)
     except Exception as e:  # noqa: BLE001 - an optimization: the forward compiles without it
         logger.warning("epilora precompile: %s stopped (%s: %s); the forward compiles what is "
                        "left", key, type(e).__name__, str(e)[:300])
         return
-    logger.info("epilora precompile: %s: the kernels of %d batch sizes (%d-%d tokens) in "
-                "%.1f s", key, len(sizes), sizes[0], sizes[-1], time.perf_counter() - begin)
+    if sizes:
+        logger.info("epilora precompile: %s: the kernels of %d batch sizes (%d-%d tokens) in "
+                    "%.1f s", key, len(sizes), sizes[0], sizes[-1], time.perf_counter() - begin)
