@@ -88,6 +88,46 @@ def test_timed_dispatch_chooses_per_shape_and_bucket_then_a_later_start_times_no
     assert generate(again, requests) == mixed
 
 
+def test_precompile_compiles_our_kernels_before_the_capture_and_answers_the_same(
+        checkpoints, graphed, monkeypatch):
+    # EPILORA_VLLM_PRECOMPILE=1 with the kernels' in-memory caches emptied (the engines above
+    # compiled these shapes): while the engine starts, every compile of our two kernels happens
+    # in the precompile thread, as a warmup, and none in vLLM's warm-up runs and graph capture
+    # (had the thread compiled other variants than the capture launches, the capture would
+    # compile them); one job per projection shape, all done; the answers are the graphed
+    # engine's.
+    import threading
+
+    import triton
+
+    from epilora_kernels import _fused_kernels
+    from epilora_vllm import precompile
+
+    requests = [(p, request(checkpoints, i)) for p, i in zip(PROMPTS, (1, 2, None),
+                                                             strict=True)]
+    want = generate(graphed[0], requests)
+    kernels = (_fused_kernels._quantize_shrink_kernel, _fused_kernels._lora_gemm_kernel)
+    names = {kernel.fn.__qualname__ for kernel in kernels}
+    compiles = []
+
+    def hook(*, fn, is_manual_warmup, **_):
+        if fn.name in names:
+            compiles.append((fn.name, threading.current_thread().name, is_manual_warmup))
+
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", hook)
+    monkeypatch.setenv("EPILORA_VLLM_PRECOMPILE", "1")
+    for kernel in kernels:
+        kernel.device_caches.clear()
+    precompile._jobs.clear()
+    llm = engine(checkpoints["fp8"])
+    started = list(compiles)  # before generate's eager batches of other sizes
+    assert len(precompile._jobs) == 4 and all(job.done() for job in precompile._jobs.values())
+    assert {name for name, _, _ in started} == names
+    assert all(thread == "epilora-precompile" and warmup for _, thread, warmup in started), [
+        c for c in started if c[1] != "epilora-precompile" or not c[2]]
+    assert generate(llm, requests) == want
+
+
 @pytest.fixture(scope="module")
 def sleepy(checkpoints, graphed):
     """The FP8 engine with the plugin under vLLM's sleep mode (CUDA graphs on), its kernels'
