@@ -34,7 +34,7 @@ def compile_only():
     launch nothing: their outputs are left unwritten, the workspace's counters untouched. For
     an engine that knows its batch sizes, before CUDA-graph capture or in a thread beside other
     start-up work; other threads launch as usual. Under the interpreter nothing compiles."""
-    previous = getattr(_THREAD, "compile_only", False)
+    previous = compiling_only()
     _THREAD.compile_only = True
     try:
         yield

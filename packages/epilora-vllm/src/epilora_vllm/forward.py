@@ -115,9 +115,10 @@ class EpiloraForward:
             self._start_buckets = dispatch.start_buckets(
                 config.compilation_config.cudagraph_capture_sizes or (),
                 config.scheduler_config.max_num_batched_tokens)
-        if layer.device.type == "cuda" and _env.precompile():
+        sizes = (precompile.graph_sizes() if layer.device.type == "cuda" and _env.precompile()
+                 else ())
+        if sizes:  # none under enforce_eager: no graphs, nothing to compile ahead
             weight, scale = self._weights()
-            sizes = precompile.graph_sizes()
             key = (str(layer.device), self.lora.in_features, tuple(self.lora.output_slices),
                    self.lora.max_rank, self.lora.max_loras, str(weight.dtype),
                    scale.numel() > 1, self.mode.path, self.mode.quantize, self.mode.matched,

@@ -85,6 +85,5 @@ def _compile(forward, key: tuple, sizes: tuple[int, ...]) -> None:
         logger.warning("epilora precompile: %s stopped (%s: %s); the forward compiles what is "
                        "left", key, type(e).__name__, str(e)[:300])
         return
-    if sizes:
-        logger.info("epilora precompile: %s: the kernels of %d batch sizes (%d-%d tokens) in "
-                    "%.1f s", key, len(sizes), sizes[0], sizes[-1], time.perf_counter() - begin)
+    logger.info("epilora precompile: %s: the kernels of %d batch sizes (%d-%d tokens) in %.1f s",
+                key, len(sizes), sizes[0], sizes[-1], time.perf_counter() - begin)
