@@ -334,3 +334,8 @@ def test_codes_only_is_refused_where_bf16_activations_are_needed():
                                  x_quantized=(codes.float(), scales))
     with pytest.raises(ValueError, match="x is None"):
         reference.fused_lora_fp8_linear(None, weight, w_scale, lora, batch)
+
+
+def test_compile_only_refuses_fewer_than_one_thread():
+    with pytest.raises(ValueError, match="threads must be at least 1"), ek.compile_only(threads=0):
+        pass

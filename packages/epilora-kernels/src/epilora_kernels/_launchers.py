@@ -7,10 +7,12 @@ written: its flag compiles the access out)."""
 import contextlib
 import math
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton
 from triton.compiler.errors import CompilationError
+from triton.runtime import _async_compile as _async  # compile_only's threads (Triton 3.6)
 from triton.runtime.errors import OutOfResources, PTXASError
 from triton.runtime.jit import MockTensor
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -28,16 +30,27 @@ _THREAD = threading.local()  # compile_only's flag: per thread, so other threads
 
 
 @contextlib.contextmanager
-def compile_only():
+def compile_only(threads: int = 1):
     """Inside, the calls this thread makes compile the kernels they would launch, with the
     launches' own arguments (Triton's `warmup`: the same in-memory and disk cache entries), and
     launch nothing: their outputs are left unwritten, the workspace's counters untouched. For
     an engine that knows its batch sizes, before CUDA-graph capture or in a thread beside other
-    start-up work; other threads launch as usual. Under the interpreter nothing compiles."""
+    start-up work; other threads launch as usual. Under the interpreter nothing compiles.
+
+    `threads` > 1: the compiles run in that many threads (Triton's compiler and ptxas release
+    the GIL: a third to half off on two cores), and leaving the block waits for them all and
+    raises the first compile's error, if any."""
+    if threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}")
     previous = compiling_only()
     _THREAD.compile_only = True
     try:
-        yield
+        with contextlib.ExitStack() as stack:
+            if threads > 1 and not _env.triton_interpreter() and _async.active_mode.get() is None:
+                pool = stack.enter_context(ThreadPoolExecutor(
+                    threads, thread_name_prefix="epilora-compile"))
+                stack.enter_context(_async.AsyncCompileMode(pool))
+            yield
     finally:
         _THREAD.compile_only = previous
 
@@ -252,6 +265,8 @@ def k2_blocks_per_sm(support: DeviceSupport, mode: int, a_dtype: torch.dtype, we
         split=split, partial=partial, counters=_TileCounters(torch.int32), ready=ready,
         trace=ready, traced=False, pdl=pdl, wait_codes=wait_codes, warm_l2=warm_l2,
         wait_k1_first=wait_k1_first, a_sorted=False))
+    if hasattr(kernel, "result"):  # compile_only(threads > 1): the compile's future
+        kernel = kernel.result()
     kernel._init_handles()  # loads it: the registers are known from here
     props = torch.cuda.get_device_properties(weight.device)
     return _tiling.blocks_per_sm(kernel.n_regs, kernel.metadata.shared, cfg.num_warps,

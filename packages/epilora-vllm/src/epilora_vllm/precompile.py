@@ -8,10 +8,11 @@ are queued as soon as its adapter buffers exist (vLLM wraps the model for LoRA r
 loading it, before its own torch.compile), for one background thread, one job per distinct
 projection case (shapes, adapter slots, the plugin's modes, device and sizes: layers of one
 shape share their kernels). A job runs the layer's own computation (`EpiloraForward.warm`) at
-each size inside `epilora_kernels.compile_only()`: the kernels and arguments the capture will
-launch, compiled into Triton's caches, nothing launched. Only the graph sizes (at most 512
-tokens, buffers of tens of MB): vLLM's profiling run has no adapter, so it does not run these
-kernels, and its size's buffers would be hundreds of MB held while vLLM measures memory.
+each size inside `epilora_kernels.compile_only(threads=...)`: the kernels and arguments the
+capture will launch, compiled into Triton's caches in parallel threads, nothing launched.
+Only the graph sizes (at most 512 tokens, buffers of tens of MB): vLLM's profiling run has no
+adapter, so it does not run these kernels, and its size's buffers would be hundreds of MB held
+while vLLM measures memory.
 
 The first real forward of any served layer (vLLM's profiling run, before any capture) waits for
 every job, so no job allocates or synchronizes during a capture. A job that fails says why once
@@ -20,6 +21,7 @@ fails to start exits without finishing the queue.
 """
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -30,6 +32,10 @@ import torch
 import epilora_kernels as ek
 
 logger = logging.getLogger("vllm.epilora_vllm")
+
+# Compile threads per job: Triton's compiler and ptxas release the GIL, and vLLM's own
+# torch.compile, which runs beside the jobs, compiles in processes of its own.
+THREADS = min(8, os.cpu_count() or 1)
 
 _jobs: dict[tuple, Future] = {}  # a case's key -> its job
 _queue: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
@@ -78,8 +84,9 @@ def _work() -> None:
 def _compile(forward, key: tuple, sizes: tuple[int, ...]) -> None:
     begin = time.perf_counter()
     try:
-        with torch.cuda.device(forward.layer.device), ek.compile_only():  # a thread's device
-            for tokens in sizes:  # is 0 until set
+        with (torch.cuda.device(forward.layer.device),  # a thread's device is 0 until set
+              ek.compile_only(threads=THREADS)):
+            for tokens in sizes:
                 forward.warm(tokens)
     except Exception as e:  # noqa: BLE001 - an optimization: the forward compiles without it
         logger.warning("epilora precompile: %s stopped (%s: %s); the forward compiles what is "
