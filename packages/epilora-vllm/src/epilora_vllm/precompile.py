@@ -10,9 +10,9 @@ projection case (shapes, adapter slots, the plugin's modes, device and sizes: la
 shape share their kernels). A job runs the layer's own computation (`EpiloraForward.warm`) at
 each size inside `epilora_kernels.compile_only(threads=...)`: the kernels and arguments the
 capture will launch, compiled into Triton's caches in parallel threads, nothing launched.
-Only the graph sizes (at most 512 tokens, buffers of tens of MB): vLLM's profiling run has no
-adapter, so it does not run these kernels, and its size's buffers would be hundreds of MB held
-while vLLM measures memory.
+Only the graph sizes (at most 512 tokens, buffers of tens of MB): vLLM's profiling run (dummy
+adapters at `max_num_batched_tokens`) compiles its own size's kernels in the main thread, a
+few, before any capture; compiled here, that size's buffers would be hundreds of MB.
 
 The first real forward of any served layer (vLLM's profiling run, before any capture) waits for
 every job, so no job allocates or synchronizes during a capture. A job that fails says why once
