@@ -2,7 +2,7 @@
 batch size in a background thread inside `epilora_kernels.compile_only`, once per case; a
 failing job says why and raises nothing; `EpiloraForward.warm` takes each size's path on the
 activations the layer's mode gives it. That the engine's capture then compiles nothing is for
-the H200 (the serving benchmark's graph-capture time)."""
+the H200 (test_plugin_gpu.py, and the serving benchmark's graph-capture time); on by default."""
 
 import contextlib
 import logging
@@ -86,3 +86,19 @@ def test_warm_takes_the_batchs_path_on_the_modes_activations(monkeypatch, quanti
     (got_path, got_x, got_codes, batch), = runs
     assert (got_path, got_x, got_codes) == want
     assert batch.token_lora_mapping.tolist() == [0, 1, 2, 3, 0, 1]  # round robin, as vLLM's
+
+
+@pytest.mark.parametrize(("value", "want"), [(None, True), ("1", True), ("0", False),
+                                             ("yes", ValueError)])
+def test_precompile_is_on_by_default_and_its_variable_is_checked(value, want, monkeypatch):
+    from epilora_vllm import _env
+
+    if value is None:
+        monkeypatch.delenv("EPILORA_VLLM_PRECOMPILE", raising=False)
+    else:
+        monkeypatch.setenv("EPILORA_VLLM_PRECOMPILE", value)
+    if want is ValueError:
+        with pytest.raises(ValueError, match="EPILORA_VLLM_PRECOMPILE='yes'"):
+            _env.precompile()
+    else:
+        assert _env.precompile() is want

@@ -62,10 +62,13 @@ def dispatch() -> str:
 
 
 def precompile() -> bool:
-    """EPILORA_VLLM_PRECOMPILE=1: compile the kernels each served layer will launch at vLLM's
-    batch sizes in a background thread while the engine starts (`epilora_vllm.precompile`);
-    off by default until measured in an engine."""
-    return os.environ.get("EPILORA_VLLM_PRECOMPILE", "0") == "1"
+    """EPILORA_VLLM_PRECOMPILE (1, the default; 0 off): compile the kernels each served layer
+    will launch at vLLM's CUDA-graph sizes in background threads while the engine starts
+    (`epilora_vllm.precompile`)."""
+    value = os.environ.get("EPILORA_VLLM_PRECOMPILE", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"EPILORA_VLLM_PRECOMPILE={value!r}: expected '0' or '1'")
+    return value == "1"
 
 
 def cache_dir() -> str:
