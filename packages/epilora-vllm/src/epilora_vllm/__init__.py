@@ -13,6 +13,8 @@ leaves out `epilora`, turns it off.
 `check_adapter` refuses an adapter that cannot serve the model (`BadAdapter` says why), and
 `refuse_bad_adapters` does it in vLLM's OpenAI server (`--middleware
 epilora_vllm.adapter_check.refuse_bad_adapters`: HTTP 400 for `/v1/load_lora_adapter`).
+`hold_reloads_until_drained` (`--middleware epilora_vllm.reload_guard.
+hold_reloads_until_drained`) lets tenants be unloaded and loaded again while requests run.
 
 Importing this package imports neither vLLM nor the kernels.
 """
@@ -23,15 +25,17 @@ _PUBLIC = {
     "epilora_vllm.plugin": ("register", "installed"),
     "epilora_vllm.fp8_checkpoint": ("write_fp8_checkpoint",),
     "epilora_vllm.adapter_check": ("BadAdapter", "check_adapter", "refuse_bad_adapters"),
+    "epilora_vllm.reload_guard": ("hold_reloads_until_drained",),
 }
 _MODULE_OF = {name: module for module, names in _PUBLIC.items() for name in names}
-__all__ = ["BadAdapter", "check_adapter", "installed", "refuse_bad_adapters", "register",
-           "write_fp8_checkpoint"]
+__all__ = ["BadAdapter", "check_adapter", "hold_reloads_until_drained", "installed",
+           "refuse_bad_adapters", "register", "write_fp8_checkpoint"]
 
 if TYPE_CHECKING:
     from epilora_vllm.adapter_check import BadAdapter, check_adapter, refuse_bad_adapters
     from epilora_vllm.fp8_checkpoint import write_fp8_checkpoint
     from epilora_vllm.plugin import installed, register
+    from epilora_vllm.reload_guard import hold_reloads_until_drained
 
 
 def __getattr__(name: str):
