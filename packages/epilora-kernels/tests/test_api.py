@@ -339,3 +339,34 @@ def test_codes_only_is_refused_where_bf16_activations_are_needed():
 def test_compile_only_refuses_fewer_than_one_thread():
     with pytest.raises(ValueError, match="threads must be at least 1"), ek.compile_only(threads=0):
         pass
+
+
+def test_compile_only_with_threads_waits_for_its_compiles_and_leaves_no_mode(monkeypatch):
+    # The threads' mechanics without a GPU: compiles submitted to Triton's asynchronous mode
+    # (as the launches' warmups submit theirs) are finished when the block ends, the first
+    # failure is raised then (unless the block itself raised), and the thread is left without
+    # a mode either way, so that later compiles (and blocks) work.
+    from triton.runtime import _async_compile
+
+    monkeypatch.setattr(_launchers._env, "triton_interpreter", lambda: False)
+    finished = []
+
+    def submit(key, compile_fn):
+        _async_compile.active_mode.get().submit(key, compile_fn, finished.append)
+
+    def broken():
+        raise RuntimeError("ptxas said no")
+
+    with pytest.raises(RuntimeError, match="ptxas said no"), ek.compile_only(threads=2):
+        submit("good", lambda: "kernel")
+        submit("bad", broken)
+    assert _async_compile.active_mode.get() is None
+    with ek.compile_only(threads=2):
+        submit("again", lambda: "kernel again")
+        with _launchers._compiling_in_this_thread():
+            assert _async_compile.active_mode.get() is None
+    assert "kernel again" in finished and _async_compile.active_mode.get() is None
+    with pytest.raises(KeyError, match="the block's own"), ek.compile_only(threads=2):
+        submit("bad too", broken)
+        raise KeyError("the block's own")
+    assert _async_compile.active_mode.get() is None and not _launchers.compiling_only()

@@ -89,9 +89,9 @@ def _complete(server, model: str) -> tuple[int, object]:
     return status, body["choices"][0]["text"] if status == 200 else body
 
 
-def _load(server, name: str, path) -> int:
+def _load(server, name: str, path, **extra) -> int:
     return _post(server["base"] + "/v1/load_lora_adapter",
-                 {"lora_name": name, "lora_path": str(path)})[0]
+                 {"lora_name": name, "lora_path": str(path), **extra})[0]
 
 
 def test_the_server_serves_through_the_plugin_and_an_adapter_loaded_at_runtime(server):
@@ -165,9 +165,9 @@ def test_adapters_unloaded_and_reloaded_under_load_answer_as_when_served_alone(s
     # another, as long as requests run: vLLM 0.26 gives a reloaded name a new adapter id, and a
     # batch that held it beside the old id's requests killed the engine (a KeyError in
     # convert_mapping, with or without the plugin; epilora_vllm.reload_guard, the server's
-    # middleware here, holds a reload until the name's requests are done). Every answer is
-    # the tenant's answer served alone, or vLLM's 404 while its name is unloaded; the server
-    # serves on.
+    # middleware here, holds a reload until the name's requests are done; every other reload
+    # is in place, which gives an unloaded name a new id too). Every answer is the tenant's
+    # answer served alone, or vLLM's 404 while its name is unloaded; the server serves on.
     import random
     from concurrent.futures import ThreadPoolExecutor
 
@@ -188,13 +188,16 @@ def test_adapters_unloaded_and_reloaded_under_load_answer_as_when_served_alone(s
             name = names[turn % RELOAD_TENANTS]
             turn += 1
             unloaded = _post(server["base"] + "/v1/unload_lora_adapter", {"lora_name": name})[0]
-            cycles.append((name, unloaded, _load(server, name, paths[name])))
+            cycles.append((name, unloaded,
+                           _load(server, name, paths[name], load_inplace=turn % 2 == 0)))
         return cycles
 
     with ThreadPoolExecutor(max_workers=9) as pool:
         cycles = pool.submit(churn)
-        answers = list(pool.map(lambda n: (n, _complete(server, n)), order))
-        done.append(True)
+        try:
+            answers = list(pool.map(lambda n: (n, _complete(server, n)), order))
+        finally:
+            done.append(True)
         cycles = cycles.result()
     assert len(cycles) >= RELOAD_TENANTS and all(c[1:] == (200, 200) for c in cycles), cycles
     wrong = [(n, got) for n, got in answers if got != reference[n] and got[0] != 404]

@@ -7,12 +7,11 @@ written: its flag compiles the access out)."""
 import contextlib
 import math
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import torch
 import triton
 from triton.compiler.errors import CompilationError
-from triton.runtime import _async_compile as _async  # compile_only's threads (Triton 3.6)
 from triton.runtime.errors import OutOfResources, PTXASError
 from triton.runtime.jit import MockTensor
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -23,6 +22,11 @@ from epilora_kernels.arch import DeviceSupport
 from epilora_kernels.batch import MAX_SLICES, AdapterBatch, LoraWeights
 from epilora_kernels.launch import LaunchConfig
 from epilora_kernels.workspace import TILES, Workspace
+
+try:  # compile_only's threads: Triton's asynchronous compiles, a private module (Triton 3.6)
+    from triton.runtime import _async_compile as _async
+except ImportError:  # another Triton: compile_only compiles in the calling thread
+    _async = None
 
 TRACE_EVENTS = 8  # int64 slots per program in a trace buffer (dev/decode_timeline.py)
 
@@ -38,21 +42,46 @@ def compile_only(threads: int = 1):
     start-up work; other threads launch as usual. Under the interpreter nothing compiles.
 
     `threads` > 1: the compiles run in that many threads (Triton's compiler and ptxas release
-    the GIL: a third to half off on two cores), and leaving the block waits for them all and
-    raises the first compile's error, if any."""
+    the GIL: a third to half off on two cores); leaving the block waits for them all and raises
+    the first compile's error, if any (none while another exception leaves it). Inside an
+    outer `compile_only` with threads, the outer one's threads compile and its exit waits."""
     if threads < 1:
         raise ValueError(f"threads must be at least 1, got {threads}")
     previous = compiling_only()
     _THREAD.compile_only = True
+    pool = mode = None
+    if (threads > 1 and _async is not None and not _env.triton_interpreter()
+            and _async.active_mode.get() is None):
+        pool = ThreadPoolExecutor(threads, thread_name_prefix="epilora-compile")
+        mode = _async.AsyncCompileMode(pool)
+        token = _async.active_mode.set(mode)  # this thread's (a context variable)
+    failed = True
     try:
-        with contextlib.ExitStack() as stack:
-            if threads > 1 and not _env.triton_interpreter() and _async.active_mode.get() is None:
-                pool = stack.enter_context(ThreadPoolExecutor(
-                    threads, thread_name_prefix="epilora-compile"))
-                stack.enter_context(_async.AsyncCompileMode(pool))
-            yield
+        yield
+        failed = False
     finally:
         _THREAD.compile_only = previous
+        if mode is not None:
+            _async.active_mode.reset(token)
+            try:  # each compile's kernel into its JIT cache, as Triton's own mode's exit does
+                for future in as_completed(mode.raw_futures):
+                    mode.future_kernels[future._key].result(ignore_errors=failed)
+            finally:
+                pool.shutdown()
+
+
+@contextlib.contextmanager
+def _compiling_in_this_thread():
+    # Compiles that the caller needs at once (and whose errors it handles) bypass
+    # compile_only's threads.
+    if _async is None:
+        yield
+        return
+    token = _async.active_mode.set(None)
+    try:
+        yield
+    finally:
+        _async.active_mode.reset(token)
 
 
 def compiling_only() -> bool:
@@ -259,14 +288,13 @@ def k2_blocks_per_sm(support: DeviceSupport, mode: int, a_dtype: torch.dtype, we
     partial = MockTensor(torch.float32) if split > 1 else y
     ready = MockTensor(torch.int32)
     pdl = use_pdl(support, pdl)
-    kernel = _lora_gemm_kernel.warmup(grid=(1,), **_k2_arguments(
-        mode, a=a, a_desc=a, a_scale=MockTensor(torch.float32), weight=weight,
-        w_operand=weight, weight_scale=weight_scale, y=y, h=h, lora=lora, batch=batch, cfg=cfg,
-        split=split, partial=partial, counters=_TileCounters(torch.int32), ready=ready,
-        trace=ready, traced=False, pdl=pdl, wait_codes=wait_codes, warm_l2=warm_l2,
-        wait_k1_first=wait_k1_first, a_sorted=False))
-    if hasattr(kernel, "result"):  # compile_only(threads > 1): the compile's future
-        kernel = kernel.result()
+    with _compiling_in_this_thread():  # its registers are wanted now
+        kernel = _lora_gemm_kernel.warmup(grid=(1,), **_k2_arguments(
+            mode, a=a, a_desc=a, a_scale=MockTensor(torch.float32), weight=weight,
+            w_operand=weight, weight_scale=weight_scale, y=y, h=h, lora=lora, batch=batch, cfg=cfg,
+            split=split, partial=partial, counters=_TileCounters(torch.int32), ready=ready,
+            trace=ready, traced=False, pdl=pdl, wait_codes=wait_codes, warm_l2=warm_l2,
+            wait_k1_first=wait_k1_first, a_sorted=False))
     kernel._init_handles()  # loads it: the registers are known from here
     props = torch.cuda.get_device_properties(weight.device)
     return _tiling.blocks_per_sm(kernel.n_regs, kernel.metadata.shared, cfg.num_warps,

@@ -9,29 +9,28 @@ into a slot, the batch's mapping still names the other, and the worker dies of a
 `convert_mapping` (both model runners, `InputBatch.make_lora_inputs` and
 `LoraState.get_activate_loras`; with or without this plugin).
 
-What: this middleware counts, per adapter name (a request body's `model`), the generation
-requests whose responses are still open, and holds a `POST /v1/load_lora_adapter` of a name
-the server does not serve now (unloaded, or never loaded), unless in place, until that name's
-count is zero, so the new id never meets the old one in a batch. The reload
+What: this middleware counts, per adapter name the server serves when the request arrives (a
+request body's `model`), the requests whose responses are still open, and holds a `POST
+/v1/load_lora_adapter` of a name the server does not serve now (unloaded, or never loaded; in
+place or not: vLLM gives such a name a new id either way) until that name's count is zero, so
+the new id never meets the old one in a batch. Loads and unloads of one name go one at a time
+through it. The reload
 waits as long as the old requests run; requests for the name sent between the unload and the
 reload get vLLM's 404 as before. Not covered: several API server processes (each counts its
-own requests), adapters that a LoRA resolver loads inside a generation request, and a request
-the engine still runs for a step after its client went away (vLLM aborts it asynchronously).
+own requests), adapters that a LoRA resolver loads inside a generation request, SageMaker's
+routes (`/adapters`, and `/invocations` naming the adapter in a header), requests whose body is
+not JSON (transcriptions' forms), and a request the engine still runs for a step after its
+client went away (vLLM aborts it asynchronously).
 """
 
 import asyncio
 import json
-from collections import Counter
+import weakref
+from collections import Counter, defaultdict
 
-_open: Counter = Counter()  # adapter or model name -> generation responses still open
-_drained: asyncio.Condition | None = None  # made in the server's event loop, on first use
-
-
-def _condition() -> asyncio.Condition:
-    global _drained
-    if _drained is None:
-        _drained = asyncio.Condition()
-    return _drained
+_open: Counter = Counter()  # served adapter name -> responses still open
+_locks: defaultdict = defaultdict(asyncio.Lock)  # name -> its loads and unloads, one at a time
+_POLL_S = 0.05  # a held load looks at its name's count this often
 
 
 async def _body(request) -> dict:
@@ -43,53 +42,66 @@ async def _body(request) -> dict:
 
 
 def _served(request, name: str) -> bool:
-    # Whether vLLM's server knows the name now (its registry of adapters loaded by name): a
-    # load of such a name keeps its id (in place) or is refused, and is not held.
+    # Whether vLLM's server knows the name now (its registry of adapters loaded by name).
     models = getattr(request.app.state, "openai_serving_models", None)
     return name in getattr(models, "lora_requests", {})
 
 
-async def _release(name: str) -> None:
-    condition = _condition()
-    async with condition:
-        _open[name] -= 1
-        if _open[name] <= 0:
-            del _open[name]
-            condition.notify_all()
+def _release(name: str) -> None:
+    _open[name] -= 1
+    if _open[name] <= 0:
+        del _open[name]
 
 
-async def _counted(body, name: str):
-    # The response's body, with the name's count released when it ends (finished, failed or
-    # closed because the client went away).
-    try:
-        async for chunk in body:
-            yield chunk
-    finally:
-        await _release(name)
+class _Counted:
+    """A response's body that releases its name's count once: when it ends, fails, is closed,
+    or is dropped unread (the client went away before the first chunk)."""
+
+    def __init__(self, body, name: str):
+        self._body = body.__aiter__()
+        self._done = weakref.finalize(self, _release, name)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        try:
+            return await self._body.__anext__()
+        except BaseException:  # StopAsyncIteration included
+            self._done()
+            raise
+
+    async def aclose(self) -> None:
+        self._done()
+        close = getattr(self._body, "aclose", None)
+        if close is not None:
+            await close()
 
 
 async def hold_reloads_until_drained(request, call_next):
     """vLLM server middleware: a load of an adapter name the server does not serve now waits
-    until no response of a request for that name is open; generation requests (a POST whose
-    body names a `model`) are counted per name."""
+    until no response of a request for that name is open; requests (a POST whose JSON body
+    names a served `model`) are counted per name."""
     if request.method != "POST":
         return await call_next(request)
-    body = await _body(request)
-    if request.url.path.endswith("/v1/load_lora_adapter"):
+    body, path = await _body(request), request.url.path
+    if path.endswith(("/v1/load_lora_adapter", "/v1/unload_lora_adapter")):
         name = body.get("lora_name")
-        if isinstance(name, str) and not body.get("load_inplace") and not _served(request, name):
-            condition = _condition()
-            async with condition:
-                await condition.wait_for(lambda: _open[name] <= 0)
-        return await call_next(request)
+        if not isinstance(name, str):
+            return await call_next(request)
+        async with _locks[name]:
+            if path.endswith("/v1/load_lora_adapter") and not _served(request, name):
+                while _open[name] > 0:
+                    await asyncio.sleep(_POLL_S)
+            return await call_next(request)
     name = body.get("model")
-    if not isinstance(name, str) or request.url.path.endswith("/v1/unload_lora_adapter"):
-        return await call_next(request)
+    if not isinstance(name, str) or not _served(request, name):
+        return await call_next(request)  # the base model, or a name without an id now
     _open[name] += 1
     try:
         response = await call_next(request)
     except BaseException:
-        await _release(name)
+        _release(name)
         raise
-    response.body_iterator = _counted(response.body_iterator, name)
+    response.body_iterator = _Counted(response.body_iterator, name)
     return response
