@@ -249,13 +249,17 @@ def online(args) -> None:
                            "--lora-assignment", "round-robin"]
             subprocess.run(client, check=True)
             rates[str(rate)] = json.loads(Path(results, f"{rate}.json").read_text())
+            # After every rate, the rates so far (the last line counts): an engine stopped by
+            # its time limit keeps the rates it finished.
+            print("RESULT " + json.dumps({"start_s": start_s, **environment(),
+                                          "rates": {r: {k: v.get(k) for k in ONLINE_KEEP}
+                                                    for r, v in rates.items()}}), flush=True)
     proc.terminate()
     proc.wait(timeout=60)
-    keep = ("completed", "failed", "duration", "request_throughput", "output_throughput",
-            "median_tpot_ms", "p99_tpot_ms", "median_ttft_ms", "p99_ttft_ms")
-    print("RESULT " + json.dumps({"start_s": start_s, **environment(),
-                                  "rates": {r: {k: v.get(k) for k in keep}
-                                            for r, v in rates.items()}}), flush=True)
+
+
+ONLINE_KEEP = ("completed", "failed", "duration", "request_throughput", "output_throughput",
+               "median_tpot_ms", "p99_tpot_ms", "median_ttft_ms", "p99_ttft_ms")
 
 
 _live_workers: set = set()  # process groups of running workers (kill_workers_on_term)
@@ -320,12 +324,12 @@ def log_name(model: str, scenario: str, system: str) -> str:
 
 def rows_from_log(model: str, system: str, log: str,
                   scenario: str = "tpot1") -> tuple[list, list | None]:
-    """The rows of one engine's run, from its log (its RESULT line and vLLM's KV-cache and
+    """The rows of one engine's run, from its log (its last RESULT line and vLLM's KV-cache and
     graph-capture lines), and its greedy tokens; no rows if the engine did not finish."""
     results = results_of(log)
     if not results:
         return [], None
-    result = results[0]
+    result = results[-1]  # online engines print one after every rate
     tenants = 1 if scenario == "tpot1" else TENANTS
     base = {"bench": "serving", "model": model, "base": "fp8", "system": system,
             "scenario": scenario, "adapters": 0 if system == "no-lora" else tenants,

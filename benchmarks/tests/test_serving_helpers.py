@@ -93,3 +93,21 @@ def test_an_online_log_gives_median_tpot_and_p99_ttft_per_rate_and_the_page_judg
            "0.85x: met)" in lines
     assert "2 requests/s, p99 TTFT against vllm-default: **1.053x** (target at most 1.1x: " \
            "met)" in lines
+
+
+def test_an_online_engine_stopped_at_its_third_rate_keeps_the_two_it_finished(tmp_path):
+    # The worker prints the rates so far after each one; the last line counts.
+    def result(*rates):
+        return {"start_s": 300.0, "gpu": "NVIDIA H200", "torch": "2.11.0", "vllm": "0.26.0",
+                "rates": {str(r): {"completed": 40, "failed": 0, "median_tpot_ms": 10.0 * r,
+                                   "p99_ttft_ms": 100.0} for r in rates}}
+
+    run = tmp_path / "0123abc"
+    run.mkdir()
+    (run / SERVING["log_name"]("qwen3-8b", "online", "vllm-default")).write_text(
+        f"COMMAND python3 benchmarks/serving.py --scenarios online\n"
+        f"RESULT {json.dumps(result(2.0))}\nRESULT {json.dumps(result(2.0, 4.0))}\n"
+        f"a client's progress, then the time limit\n")
+    rows = SERVING["collect"]([run])
+    assert sorted((r["request_rate"], r["value"]) for r in rows
+                  if r["metric"] == "median_tpot_ms") == [(2.0, 20.0), (4.0, 40.0)]
