@@ -31,11 +31,15 @@ settings, serialized), `fused-pdl` (the same with K2 as K1's programmatic depend
 all of K1 before its K loop: the fused path as shipped beyond 32 tokens), `h-given` (our
 quantizer, then K2 with h given), `gemm` (our quantizer, then K2 without adapter in
 `h-given`'s tiles: against `h-given`, what the adapter's epilogue costs; its codes by TMA
-where the tiles allow, `fused.fp8_gemm`'s choice); `--variants` picks them, `--traced` those
+where the tiles allow, `fused.fp8_gemm`'s choice), `decode-codes` and `gemm-codes` (the same
+two on per-token codes made outside the graph, as the plugin's default mode receives them
+from vLLM's fused quantization; against `cutlass-codes`); `--variants` picks them, `--traced` those
 also traced; `--ranks`, `--tokens`, `--adapters` (tokens round robin over them) pick the cases,
 e.g. the layer page's misses: `--adapters 32 --ranks 64 --tokens 128 256 --variants fused
-h-given --traced fused h-given`. The layer timings (untraced, median of `--reps`) add `cutlass`
-(vLLM quant + CUTLASS) for the ratio.
+h-given --traced fused h-given`, or the batch-1 gap of the plugin's default mode: `--ranks 64
+--tokens 1 4 --variants decode-codes gemm-codes --traced decode-codes gemm-codes`. The layer
+timings (untraced, median of `--reps`) add `cutlass` (vLLM quant + CUTLASS) and
+`cutlass-codes` (CUTLASS alone on the codes) for the ratios.
 
     python3 dev/decode_timeline.py --out benchmarks/results/h200/decode_timeline.json
 """
@@ -61,7 +65,8 @@ from epilora_kernels.workspace import default_workspace  # noqa: E402
 RANKS = (16, 64, 128)
 TOKENS = (1, 4, 16)
 TRACED_TOKENS = (1, 16)  # of the default TOKENS; given --tokens, all are traced
-UNTRACED_K1 = ("h-given", "gemm")  # our quantizer alone before K2: no K1 trace
+UNTRACED_K1 = ("h-given", "gemm", "gemm-codes")  # no K1 (or our quantizer, untraced) before K2
+CODES_VARIANTS = ("decode-codes", "gemm-codes")  # on codes made outside the graph: vs cutlass-codes
 
 
 def _k1_config(variant: str, tokens: int, lora):
@@ -78,11 +83,20 @@ def _warm(variant: str) -> int:
     return fused.DECODE_WARM_L2
 
 
-def run_variant(variant, xs, layer, batch, hs, traces=None):
+def run_variant(variant, xs, layer, batch, hs, codes, traces=None):
     for name, (weight, scale, lora) in layer.items():
         pair = traces[name] if traces else (None, None)
         x = xs[name]
-        if variant in ("fused", "fused-pdl"):  # K1 then K2, the fused path's settings
+        if variant == "decode-codes":  # the plugin's default mode: the codes alone (x=None)
+            fused._linear(0, None, weight, scale, lora, batch, None, None, decode=True,
+                          pdl=True, traces=pair, x_quantized=codes[name])
+        elif variant == "gemm-codes":  # K2 without adapter on the same codes
+            support = device_support(x.device)
+            _launchers.launch_gemm_only(support, default_workspace(x.device), *codes[name],
+                                        weight, scale,
+                                        _tiling.gemm_config(support, batch, lora, None),
+                                        trace=pair[1])
+        elif variant in ("fused", "fused-pdl"):  # K1 then K2, the fused path's settings
             fused._linear(0, x, weight, scale, lora, batch, None, None, traces=pair,
                           pdl=variant == "fused-pdl", wait_k1_first=True)
         elif variant == "gemm":
@@ -156,14 +170,14 @@ def _trace_rows(tokens: int, adapters: int, rank: int) -> int:
     return max(k1, k2)
 
 
-def timeline(variant, xs, layer, batch, hs, reps, flush) -> dict:
+def timeline(variant, xs, layer, batch, hs, codes, reps, flush) -> dict:
     tokens = next(iter(xs.values())).shape[0]
     _, _, lora = next(iter(layer.values()))
     rows = _trace_rows(tokens, batch.max_loras, lora.max_rank)
     traces = {name: (torch.zeros(rows, 8, dtype=torch.int64, device="cuda"),
                      torch.zeros(rows, 8, dtype=torch.int64, device="cuda"))
               for name in layer}
-    run = functools.partial(run_variant, variant, xs, layer, batch, hs, traces)
+    run = functools.partial(run_variant, variant, xs, layer, batch, hs, codes, traces)
     run()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -199,7 +213,7 @@ def main() -> None:
     args = parser.parse_args()
     for variant in args.variants:
         known = variant in ("decode", "decode-k1r32", "serialized", "fused", "fused-pdl",
-                            "h-given", "gemm")
+                            "h-given", "gemm", *CODES_VARIANTS)
         if not (known or variant.removeprefix("decode-warm").isdigit()):
             parser.error(f"unknown variant {variant!r}")
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -212,23 +226,27 @@ def main() -> None:
             batch, xs, hs, bufs = adapter_case(tokens, rank, layer, gen, args.adapters)
             base = dict(bench="decode_timeline", model="qwen3-8b", base="fp8", tokens=tokens,
                         rank=rank, adapters=args.adapters)
-            cutlass = time_graph(functools.partial(run_layer, "cutlass", xs, layer, batch,
-                                                   batch.vllm_meta_args(), bufs),
-                                 args.reps, flush)
-            rows.append({**base, "system": "cutlass", "metric": "layer_us",
-                         "value": round(cutlass, 2), "n": args.reps})
+            codes = {name: fused.quantize(x) for name, x in xs.items()}  # vLLM's, bit for bit
+            against = {}
+            for system in ("cutlass", "cutlass-codes"):
+                against[system] = time_graph(functools.partial(
+                    run_layer, system, xs, layer, batch, batch.vllm_meta_args(), bufs, codes),
+                    args.reps, flush)
+                rows.append({**base, "system": system, "metric": "layer_us",
+                             "value": round(against[system], 2), "n": args.reps})
             for variant in args.variants:
-                us = time_graph(functools.partial(run_variant, variant, xs, layer, batch, hs),
-                                args.reps, flush)
+                us = time_graph(functools.partial(run_variant, variant, xs, layer, batch, hs,
+                                                  codes), args.reps, flush)
                 rows.append({**base, "system": variant, "metric": "layer_us",
                              "value": round(us, 2), "n": args.reps})
+                system = "cutlass-codes" if variant in CODES_VARIANTS else "cutlass"
                 print(f"rank={rank:3d} T={tokens:2d} {variant:16s} {us:7.1f} us "
-                      f"({(us / cutlass - 1) * 100:+5.1f}% over cutlass {cutlass:.1f})",
-                      flush=True)
+                      f"({(us / against[system] - 1) * 100:+5.1f}% over {system} "
+                      f"{against[system]:.1f})", flush=True)
                 if tokens not in traced_tokens or variant not in args.traced:
                     continue
-                for name, stats in timeline(variant, xs, layer, batch, hs, args.trace_reps,
-                                            flush).items():
+                for name, stats in timeline(variant, xs, layer, batch, hs, codes,
+                                            args.trace_reps, flush).items():
                     rows.append({**base, "system": variant, "projection": name,
                                  "metric": "timeline_us", "value": stats,
                                  "n": args.trace_reps})
