@@ -1,0 +1,106 @@
+"""epilora_vllm.reload_guard without vLLM's server: the middleware on a FastAPI app that stands
+in for vLLM's (its registry of served names, a generation route whose responses stay open
+until the test lets them end, and the load and unload routes). The end to end case, vLLM's
+engine under unloads and reloads, is test_server_cpu.py's."""
+
+import asyncio
+from types import SimpleNamespace
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from epilora_vllm import reload_guard
+
+
+def _app(served: set[str], gate: asyncio.Event, gate_404: asyncio.Event) -> FastAPI:
+    app = FastAPI()
+    app.state.openai_serving_models = SimpleNamespace(lora_requests=dict.fromkeys(served, 1))
+    registry = app.state.openai_serving_models.lora_requests
+
+    @app.post("/v1/completions")
+    async def complete(request: Request):
+        found = (await request.json()).get("model") in registry
+
+        async def tokens():  # each response open until the test lets it end
+            await (gate if found else gate_404).wait()
+            yield b"data: done\n\n" if found else b"not found"
+
+        return StreamingResponse(tokens(), status_code=200 if found else 404)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load(request: Request):
+        registry[(await request.json())["lora_name"]] = 1
+        return JSONResponse({"loaded": True})
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload(request: Request):
+        registry.pop((await request.json())["lora_name"], None)
+        return JSONResponse({"unloaded": True})
+
+    app.middleware("http")(reload_guard.hold_reloads_until_drained)
+    return app
+
+
+def test_a_reload_waits_for_the_old_requests_in_place_or_not_and_others_do_not():
+    async def scenario():
+        gate, gate_404 = asyncio.Event(), asyncio.Event()
+        app = _app({"a", "b"}, gate, gate_404)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            def post(path, **body):
+                return asyncio.create_task(client.post(path, json=body))
+
+            running = [post("/v1/completions", model="a"), post("/v1/completions", model="a")]
+            await asyncio.sleep(0.1)
+            assert reload_guard._open["a"] == 2
+            assert (await client.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
+                    ).status_code == 200
+            late = post("/v1/completions", model="a")  # unloaded: a 404, and not counted
+            await asyncio.sleep(0.1)
+            assert not late.done() and reload_guard._open["a"] == 2
+            # In place first: held by the guard, not merely queued behind the other reload.
+            reloads = [post("/v1/load_lora_adapter", lora_name="a", lora_path="p",
+                            load_inplace=True)]
+            await asyncio.sleep(0.1)
+            assert not reloads[0].done()
+            reloads.append(post("/v1/load_lora_adapter", lora_name="a", lora_path="p"))
+            served = post("/v1/load_lora_adapter", lora_name="b", lora_path="p")  # not held
+            other = post("/v1/load_lora_adapter", lora_name="c", lora_path="p")  # none open
+            await asyncio.sleep(0.3)
+            assert served.done() and other.done()
+            assert not any(task.done() for task in reloads)  # held while a's requests run
+            gate.set()
+            done = await asyncio.wait_for(asyncio.gather(*running, *reloads), 10)
+            assert [response.status_code for response in done] == [200] * 4
+            gate_404.set()
+            assert (await asyncio.wait_for(late, 10)).status_code == 404
+            assert not reload_guard._open
+
+    asyncio.run(scenario())
+
+
+def test_a_count_is_released_when_the_response_fails_or_is_dropped_unread():
+    async def scenario():
+        app = FastAPI()
+        app.state.openai_serving_models = SimpleNamespace(lora_requests={"a": 1})
+
+        @app.post("/v1/completions")
+        async def broken(request: Request):
+            raise RuntimeError("the handler failed")
+
+        app.middleware("http")(reload_guard.hold_reloads_until_drained)
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            response = await client.post("/v1/completions", json={"model": "a"})
+        assert response.status_code == 500 and not reload_guard._open
+
+        async def body():
+            yield b"never read"
+
+        reload_guard._open["a"] += 1
+        counted = reload_guard._Counted(body(), "a")
+        del counted  # a response dropped before its first chunk
+        assert not reload_guard._open
+
+    asyncio.run(scenario())
