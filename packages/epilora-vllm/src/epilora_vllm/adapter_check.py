@@ -117,16 +117,23 @@ def _authorized(request) -> bool:
     return not keys or request.headers.get("authorization") in {f"Bearer {k}" for k in keys}
 
 
+async def request_json(request) -> dict:
+    """A request's JSON object body, or {} (vLLM answers a malformed request itself); the
+    server middlewares' (this module's and `epilora_vllm.reload_guard`'s) reading of it."""
+    try:
+        body = json.loads(await request.body() or b"{}")
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
 async def refuse_bad_adapters(request, call_next):
     """vLLM server middleware: `/v1/load_lora_adapter` with a bad adapter gets a 400."""
     if (request.method == "POST" and request.url.path.endswith("/v1/load_lora_adapter")
             and _authorized(request)):
-        try:
-            body = json.loads(await request.body() or b"{}")
-        except ValueError:
-            body = {}  # vLLM answers a malformed request itself
+        body = await request_json(request)
         config = getattr(request.app.state, "vllm_config", None)
-        path = body.get("lora_path") if isinstance(body, dict) else None
+        path = body.get("lora_path")
         if config is not None and config.lora_config is not None and isinstance(path, str):
             from starlette.concurrency import run_in_threadpool
 

@@ -14,31 +14,23 @@ request body's `model`), the requests whose responses are still open, and holds 
 /v1/load_lora_adapter` of a name the server does not serve now (unloaded, or never loaded; in
 place or not: vLLM gives such a name a new id either way) until that name's count is zero, so
 the new id never meets the old one in a batch. Loads and unloads of one name go one at a time
-through it. The reload
-waits as long as the old requests run; requests for the name sent between the unload and the
-reload get vLLM's 404 as before. Not covered: several API server processes (each counts its
-own requests), adapters that a LoRA resolver loads inside a generation request, SageMaker's
-routes (`/adapters`, and `/invocations` naming the adapter in a header), requests whose body is
-not JSON (transcriptions' forms), and a request the engine still runs for a step after its
-client went away (vLLM aborts it asynchronously).
+through it. The reload waits as long as the old requests run; requests for the name sent
+between the unload and the reload get vLLM's 404 as before. Not covered: several API server
+processes (each counts its own requests), adapters that a LoRA resolver loads inside a
+generation request, SageMaker's routes (`/adapters`, and `/invocations` naming the adapter in a
+header), requests whose body is not JSON (transcriptions' forms), and a request the engine
+still runs for a step after its client went away (vLLM aborts it asynchronously).
 """
 
 import asyncio
-import json
 import weakref
 from collections import Counter, defaultdict
+
+from epilora_vllm.adapter_check import request_json
 
 _open: Counter = Counter()  # served adapter name -> responses still open
 _locks: defaultdict = defaultdict(asyncio.Lock)  # name -> its loads and unloads, one at a time
 _POLL_S = 0.05  # a held load looks at its name's count this often
-
-
-async def _body(request) -> dict:
-    try:
-        body = json.loads(await request.body() or b"{}")
-    except ValueError:
-        return {}  # vLLM answers a malformed request itself
-    return body if isinstance(body, dict) else {}
 
 
 def _served(request, name: str) -> bool:
@@ -84,7 +76,7 @@ async def hold_reloads_until_drained(request, call_next):
     names a served `model`) are counted per name."""
     if request.method != "POST":
         return await call_next(request)
-    body, path = await _body(request), request.url.path
+    body, path = await request_json(request), request.url.path
     if path.endswith(("/v1/load_lora_adapter", "/v1/unload_lora_adapter")):
         name = body.get("lora_name")
         if not isinstance(name, str):
