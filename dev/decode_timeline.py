@@ -100,17 +100,15 @@ def run_variant(variant, xs, layer, batch, hs, codes, traces=None):
             fused._linear(0, x, weight, scale, lora, batch, None, None, traces=pair,
                           pdl=variant == "fused-pdl", wait_k1_first=True)
         elif variant == "gemm":
-            codes, scales = fused.quantize(x)
             support = device_support(x.device)
-            _launchers.launch_gemm_only(support, default_workspace(x.device), codes, scales,
+            _launchers.launch_gemm_only(support, default_workspace(x.device), *fused.quantize(x),
                                         weight, scale,
                                         _tiling.gemm_config(support, batch, lora, None),
                                         trace=pair[1])
         elif variant == "h-given":
-            codes, scales = fused.quantize(x)
             support = device_support(x.device)
-            _launchers.launch_k2(support, default_workspace(x.device), _launchers.FP8, codes,
-                                 scales, weight, scale,
+            _launchers.launch_k2(support, default_workspace(x.device), _launchers.FP8,
+                                 *fused.quantize(x), weight, scale,
                                  torch.empty(x.shape[0], lora.out_features,
                                              dtype=torch.bfloat16, device=x.device),
                                  hs[name], lora, batch,
@@ -132,10 +130,11 @@ def _stats(k1: torch.Tensor | None, k2: torch.Tensor) -> dict:
     if k1 is not None:
         k1 = k1[k1[:, 0] != 0]
         k1_end = int(k1[:, 1].max())
-        quant = k1[k1[:, 2] != 0]  # the quantizing programs stamp slot 2 too
-        out.update(k1_quant_end=us(quant[:, 2].max()), k1_end=us(k1_end),
-                   k1_programs=int(k1.shape[0]), k1_sms=int(k1[:, 7].unique().numel()),
-                   k2_late=int((k2[:, 0] > k1_end).sum()))
+        quant = k1[k1[:, 2] != 0]  # the quantizing programs stamp slot 2 too (none on codes)
+        if quant.shape[0]:
+            out["k1_quant_end"] = us(quant[:, 2].max())
+        out.update(k1_end=us(k1_end), k1_programs=int(k1.shape[0]),
+                   k1_sms=int(k1[:, 7].unique().numel()), k2_late=int((k2[:, 0] > k1_end).sum()))
     if bool((k2[:, 1] != 0).any()):
         out["k2_spin"] = statistics.median(((k2[:, 1] - k2[:, 0]) / 1000.0).tolist())
     loop_from = torch.where(k2[:, 1] != 0, k2[:, 1], k2[:, 0])

@@ -342,8 +342,8 @@ def test_compile_only_compiles_what_the_call_then_launches_without_compiling(pat
     # rest throughout. (Whether compile_only compiled them or an earlier test did, Triton's
     # cache cannot tell: test_compile_sm90.py checks its compiles are the launches' own.) With
     # threads, the kernels' in-memory caches (and the wave fitting's choices) are emptied
-    # first, so both kernels go through the threads' compiles (from Triton's disk cache or not)
-    # before the call finds them.
+    # first, so K1 goes through the threads' compiles (from Triton's disk cache or not) before
+    # the call finds it.
     from triton.runtime import _async_compile
 
     from epilora_kernels import _launchers
@@ -366,7 +366,8 @@ def test_compile_only_compiles_what_the_call_then_launches_without_compiling(pat
         ek.lora_linear(x, weight, w_scale, lora, batch, path=path, workspace=workspace)
     torch.cuda.synchronize()
     compiled = _compiled_variants()
-    assert workspace.is_clean() and len(submitted) >= (2 if threads > 1 else 0)
+    # K2 may compile in this thread instead: its wave fitting reads the candidates' registers.
+    assert workspace.is_clean() and len(submitted) >= (1 if threads > 1 else 0)
     y = ek.lora_linear(x, weight, w_scale, lora, batch, path=path, workspace=workspace)
     torch.cuda.synchronize()
     assert _compiled_variants() == compiled and workspace.is_clean()
