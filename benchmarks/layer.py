@@ -296,7 +296,8 @@ def _command() -> str:
             words += [word, "..."] if word != "--git-sha" else []
         else:
             words.append(word)
-    return " ".join(["python3", f"benchmarks/{Path(sys.argv[0]).name}", *words])
+    script = Path(sys.argv[0]).resolve()  # benchmarks/ or dev/ (decode_timeline.py)
+    return " ".join(["python3", f"{script.parent.name}/{script.name}", *words])
 
 
 def write_results(args, rows) -> None:

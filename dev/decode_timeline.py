@@ -20,6 +20,8 @@ medians over replays:
   k2_epi_median  the median K2 program's time from its K loop's end to its end (the wait, the
                  epilogue with the adapter's h B^T, and the store of y)
   k2_late       K2 programs that started after K1's end (no room for them beside K1)
+  k2_shared     K2 programs on an SM that also ran a K1 program; k2_shared_loop_end and
+                k2_alone_loop_end: the last of those, and of the others, past its K loop
   layer_start   this projection's origin, from the layer's first traced program
   gap_before    from the previous projection's last K2 program to this one's origin (launch
                 latency, and for `h-given` our untraced quantizer)
@@ -135,6 +137,13 @@ def _stats(k1: torch.Tensor | None, k2: torch.Tensor) -> dict:
             out["k1_quant_end"] = us(quant[:, 2].max())
         out.update(k1_end=us(k1_end), k1_programs=int(k1.shape[0]),
                    k1_sms=int(k1[:, 7].unique().numel()), k2_late=int((k2[:, 0] > k1_end).sum()))
+        # K2's programs on the SMs some K1 program ran on, against the others: whether K1
+        # beside them is what slows the last of K2's K loops.
+        shared = torch.isin(k2[:, 7], k1[:, 7].unique())
+        out["k2_shared"] = int(shared.sum())
+        for name, rows in (("shared", k2[shared]), ("alone", k2[~shared])):
+            if rows.shape[0]:
+                out[f"k2_{name}_loop_end"] = us(rows[:, 2].max())
     if bool((k2[:, 1] != 0).any()):
         out["k2_spin"] = statistics.median(((k2[:, 1] - k2[:, 0]) / 1000.0).tolist())
     loop_from = torch.where(k2[:, 1] != 0, k2[:, 1], k2[:, 0])
@@ -194,7 +203,8 @@ def timeline(variant, xs, layer, batch, hs, codes, reps, flush) -> dict:
             rep[name] = _stats(None if variant in UNTRACED_K1 else k1.cpu(), k2.cpu())
         per_rep.append(_place_in_layer(rep))
     return {name: {key: statistics.median(r[name][key] for r in per_rep)
-                   for key in per_rep[0][name]} for name in layer}
+                   for key in per_rep[0][name] if all(key in r[name] for r in per_rep)}
+            for name in layer}
 
 
 def main() -> None:
