@@ -4,6 +4,7 @@ until the test lets them end, and the load and unload routes). The end to end ca
 engine under unloads and reloads, is test_server_cpu.py's."""
 
 import asyncio
+import logging
 from types import SimpleNamespace
 
 import httpx
@@ -104,3 +105,32 @@ def test_a_count_is_released_when_the_response_fails_or_is_dropped_unread():
         assert not reload_guard._open
 
     asyncio.run(scenario())
+
+
+def test_one_of_several_api_servers_says_once_that_it_counts_only_its_own(monkeypatch):
+    monkeypatch.setattr(reload_guard, "_warned", [])
+
+    async def scenario(servers):
+        app = _app(set(), asyncio.Event(), asyncio.Event())
+        app.state.args = SimpleNamespace(api_server_count=servers)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            for name in ("a", "b"):
+                response = await client.post("/v1/load_lora_adapter",
+                                              json={"lora_name": name, "lora_path": "p"})
+                assert response.status_code == 200
+
+    # Heard on the plugin's logger itself (once vLLM is imported, its "vllm" logger does not
+    # propagate to the root, where pytest's caplog listens).
+    said = []
+    heard = logging.Handler(logging.WARNING)
+    heard.emit = lambda record: said.append(record.getMessage())
+    plugin_logger = logging.getLogger("vllm.epilora_vllm")
+    plugin_logger.addHandler(heard)
+    try:
+        asyncio.run(scenario(1))
+        assert not said
+        asyncio.run(scenario(4))
+    finally:
+        plugin_logger.removeHandler(heard)
+    assert len(said) == 1 and "one of 4 API server processes" in said[0], said

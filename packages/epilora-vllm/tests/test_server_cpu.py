@@ -158,9 +158,10 @@ def test_adapters_loaded_under_load_answer_as_when_served_alone(server):
 
 
 RELOAD_TENANTS, RELOAD_REQUESTS = 6, 72
+SOAK_TENANTS, SOAK_CLIENTS = 32, 8  # with --soak-seconds: for that long
 
 
-def test_adapters_unloaded_and_reloaded_under_load_answer_as_when_served_alone(server):
+def test_adapters_unloaded_and_reloaded_under_load_answer_as_when_served_alone(server, request):
     # Six tenants through two slots while a thread unloads and reloads them, one after
     # another, as long as requests run: vLLM 0.26 gives a reloaded name a new adapter id, and a
     # batch that held it beside the old id's requests killed the engine (a KeyError in
@@ -168,39 +169,61 @@ def test_adapters_unloaded_and_reloaded_under_load_answer_as_when_served_alone(s
     # middleware here, holds a reload until the name's requests are done; every other reload
     # is in place, which gives an unloaded name a new id too). Every answer is the tenant's
     # answer served alone, or vLLM's 404 while its name is unloaded; the server serves on.
+    # With --soak-seconds S: 32 tenants, eight clients sending requests for S seconds.
     import random
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
+    soak = request.config.getoption("--soak-seconds")
+    tenants = SOAK_TENANTS if soak else RELOAD_TENANTS
     bf16 = server["checkpoints"]["bf16"]
-    names = [f"reload-{i}" for i in range(RELOAD_TENANTS)]
+    names = [f"reload-{i}" for i in range(tenants)]
     paths = {n: write_lora_adapter(server["root"] / n, bf16, rank=8, seed=50 + i)
              for i, n in enumerate(names)}
     assert all(_load(server, n, paths[n]) == 200 for n in names)
     reference = {n: _complete(server, n) for n in names}
     assert all(status == 200 for status, _ in reference.values()), reference
-    rng = random.Random(1)
-    order = [rng.choice(names) for _ in range(RELOAD_REQUESTS)]
+    rng, lock = random.Random(1), threading.Lock()
+    deadline = time.monotonic() + soak
+    sent = []
     done = []
+
+    def next_name():  # the next request's tenant, or None when the run is over
+        with lock:
+            over = time.monotonic() > deadline if soak else len(sent) >= RELOAD_REQUESTS
+            if over:
+                return None
+            sent.append(rng.choice(names))
+            return sent[-1]
+
+    def client():
+        answers = []
+        while (name := next_name()) is not None:
+            answers.append((name, _complete(server, name)))
+        return answers
 
     def churn():
         cycles, turn = [], 0
         while not done:
-            name = names[turn % RELOAD_TENANTS]
+            name = names[turn % tenants]
             turn += 1
             unloaded = _post(server["base"] + "/v1/unload_lora_adapter", {"lora_name": name})[0]
             cycles.append((name, unloaded,
                            _load(server, name, paths[name], load_inplace=turn % 2 == 0)))
         return cycles
 
-    with ThreadPoolExecutor(max_workers=9) as pool:
+    with ThreadPoolExecutor(max_workers=SOAK_CLIENTS + 1) as pool:
         cycles = pool.submit(churn)
         try:
-            answers = list(pool.map(lambda n: (n, _complete(server, n)), order))
+            clients = [pool.submit(client) for _ in range(SOAK_CLIENTS)]
+            answers = [a for c in clients for a in c.result()]
         finally:
             done.append(True)
         cycles = cycles.result()
-    assert len(cycles) >= RELOAD_TENANTS and all(c[1:] == (200, 200) for c in cycles), cycles
+    print(f"{len(answers)} requests over {tenants} tenants, {len(cycles)} unload+reload cycles, "
+          f"{sum(got[0] == 404 for _, got in answers)} answered 404 while unloaded")
+    assert len(cycles) >= tenants and all(c[1:] == (200, 200) for c in cycles), cycles
     wrong = [(n, got) for n, got in answers if got != reference[n] and got[0] != 404]
     assert not wrong, wrong[:5]
-    assert sum(got == reference[n] for n, got in answers) > RELOAD_REQUESTS // 2
+    assert sum(got == reference[n] for n, got in answers) > len(answers) // 2
     assert all(_complete(server, n) == reference[n] for n in names)  # every tenant, after

@@ -29,6 +29,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="fail, rather than skip, gpu tests when no CUDA device is present")
     group.addoption("--gpu-arch", default=None,
                     help="require this GPU architecture, e.g. sm90, before collecting")
+    group.addoption("--soak-seconds", type=float, default=0.0,
+                    help="run the soak tests at full scale for this long (0: their short "
+                         "form, as in CI)")
 
 
 @pytest.hookimpl(tryfirst=True)  # profiles must exist before hypothesis loads --hypothesis-profile

@@ -16,21 +16,38 @@ place or not: vLLM gives such a name a new id either way) until that name's coun
 the new id never meets the old one in a batch. Loads and unloads of one name go one at a time
 through it. The reload waits as long as the old requests run; requests for the name sent
 between the unload and the reload get vLLM's 404 as before. Not covered: several API server
-processes (each counts its own requests), adapters that a LoRA resolver loads inside a
+processes (each counts its own requests; it says so in the log at its first load or unload),
+adapters that a LoRA resolver loads inside a
 generation request, SageMaker's routes (`/adapters`, and `/invocations` naming the adapter in a
 header), requests whose body is not JSON (transcriptions' forms), and a request the engine
 still runs for a step after its client went away (vLLM aborts it asynchronously).
 """
 
 import asyncio
+import logging
 import weakref
 from collections import Counter, defaultdict
 
 from epilora_vllm.adapter_check import request_json
 
+logger = logging.getLogger("vllm.epilora_vllm")  # a child of vLLM's logger: its handlers, format
+
 _open: Counter = Counter()  # served adapter name -> responses still open
 _locks: defaultdict = defaultdict(asyncio.Lock)  # name -> its loads and unloads, one at a time
 _POLL_S = 0.05  # a held load looks at its name's count this often
+_warned: list = []  # whether this process said that it counts only its own requests
+
+
+def _warn_if_one_of_several_servers(request) -> None:
+    # Each API server process (`--api-server-count` > 1) counts only the requests it serves.
+    servers = getattr(getattr(request.app.state, "args", None), "api_server_count", None)
+    if isinstance(servers, int) and servers > 1 and not _warned:
+        _warned.append(True)
+        logger.warning(
+            "epilora reload_guard: this is one of %d API server processes and counts only its "
+            "own requests: a name unloaded and loaded again while another process still "
+            "streams its responses can still kill vLLM 0.26's engine; with one API server "
+            "process, or without reloads under load, it cannot", servers)
 
 
 def _served(request, name: str) -> bool:
@@ -81,6 +98,7 @@ async def hold_reloads_until_drained(request, call_next):
         name = body.get("lora_name")
         if not isinstance(name, str):
             return await call_next(request)
+        _warn_if_one_of_several_servers(request)
         async with _locks[name]:
             if path.endswith("/v1/load_lora_adapter") and not _served(request, name):
                 while _open[name] > 0:
