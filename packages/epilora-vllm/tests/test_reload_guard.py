@@ -5,16 +5,29 @@ engine under unloads and reloads, is test_server_cpu.py's."""
 
 import asyncio
 import logging
+from collections import Counter, defaultdict
 from types import SimpleNamespace
 
 import httpx
+import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from epilora_vllm import reload_guard
 
 
-def _app(served: set[str], gate: asyncio.Event, gate_404: asyncio.Event) -> FastAPI:
+@pytest.fixture(autouse=True)
+def _fresh_guard(monkeypatch):
+    # Each test's event loop its own locks (an asyncio lock a loop waited on is bound to it)
+    # and counts; a server has one loop for its life.
+    monkeypatch.setattr(reload_guard, "_locks", defaultdict(asyncio.Lock))
+    monkeypatch.setattr(reload_guard, "_open", Counter())
+
+
+def _app(served: set[str], gate: asyncio.Event, gate_404: asyncio.Event,
+         resolves: set[str] | None = None) -> FastAPI:
+    # `resolves`: a LoRA resolver registered, which loads these names inside a request for
+    # them (vLLM's resolve_lora, in the request's handler: inside the guard).
     app = FastAPI()
     app.state.openai_serving_models = SimpleNamespace(lora_requests=dict.fromkeys(served, 1))
     registry = app.state.openai_serving_models.lora_requests
@@ -39,7 +52,19 @@ def _app(served: set[str], gate: asyncio.Event, gate_404: asyncio.Event) -> Fast
         registry.pop((await request.json())["lora_name"], None)
         return JSONResponse({"unloaded": True})
 
-    app.middleware("http")(reload_guard.hold_reloads_until_drained)
+    if resolves is not None:
+        app.state.openai_serving_models.lora_resolvers = ["a stand-in resolver"]
+        app.state.openai_serving_models.is_base_model = lambda name: name == "base"
+
+        @app.middleware("http")
+        async def resolve(request, call_next):
+            if request.url.path == "/v1/completions":
+                name = (await request.json()).get("model")
+                if name in resolves:
+                    registry.setdefault(name, 2)
+            return await call_next(request)
+
+    app.middleware("http")(reload_guard.hold_reloads_until_drained)  # added last: outermost
     return app
 
 
@@ -134,3 +159,47 @@ def test_one_of_several_api_servers_says_once_that_it_counts_only_its_own(monkey
     finally:
         plugin_logger.removeHandler(heard)
     assert len(said) == 1 and "one of 4 API server processes" in said[0], said
+
+
+def test_with_a_resolver_an_unload_drains_the_name_and_its_next_request_is_counted(
+        monkeypatch):
+    # With a LoRA resolver registered, a request for a name the server does not serve loads it
+    # inside the request (vLLM: a new id). So an unload waits until the name's requests are
+    # done, a request for the name waits behind it, and, the name unloaded, that request goes
+    # on (the resolver loads the name) and is counted: three releases of "a", the two old
+    # requests' and its own. The base model's requests and a name no resolver finds pass.
+    released = []
+    release = reload_guard._release
+    monkeypatch.setattr(reload_guard, "_release",
+                        lambda name: released.append(name) or release(name))
+
+    async def scenario():
+        gate, gate_404 = asyncio.Event(), asyncio.Event()
+        app = _app({"a"}, gate, gate_404, resolves={"a"})
+        registry = app.state.openai_serving_models.lora_requests
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            def post(path, **body):
+                return asyncio.create_task(client.post(path, json=body))
+
+            running = [post("/v1/completions", model="a") for _ in range(2)]
+            await asyncio.sleep(0.1)
+            assert reload_guard._open["a"] == 2
+            unload = post("/v1/unload_lora_adapter", lora_name="a")
+            await asyncio.sleep(0.1)
+            following = post("/v1/completions", model="a")
+            base = post("/v1/completions", model="base")
+            unknown = post("/v1/completions", model="z")
+            await asyncio.sleep(0.3)
+            assert not unload.done() and not following.done() and "a" in registry
+            assert reload_guard._open["a"] == 2  # the following request not counted yet
+            gate_404.set()
+            assert (await asyncio.wait_for(base, 10)).status_code == 404  # the stand-in's
+            assert (await asyncio.wait_for(unknown, 10)).status_code == 404
+            gate.set()
+            done = await asyncio.wait_for(asyncio.gather(*running, unload, following), 10)
+            assert [response.status_code for response in done] == [200] * 4
+            assert registry["a"] == 2 and not reload_guard._open  # loaded by the resolver
+            assert released == ["a"] * 3, released
+
+    asyncio.run(scenario())

