@@ -5,7 +5,8 @@ engine under unloads and reloads, is test_server_cpu.py's."""
 
 import asyncio
 import logging
-from collections import Counter, defaultdict
+import weakref
+from collections import Counter
 from types import SimpleNamespace
 
 import httpx
@@ -20,7 +21,7 @@ from epilora_vllm import reload_guard
 def _fresh_guard(monkeypatch):
     # Each test's event loop its own locks (an asyncio lock a loop waited on is bound to it)
     # and counts; a server has one loop for its life.
-    monkeypatch.setattr(reload_guard, "_locks", defaultdict(asyncio.Lock))
+    monkeypatch.setattr(reload_guard, "_locks", weakref.WeakValueDictionary())
     monkeypatch.setattr(reload_guard, "_open", Counter())
 
 
@@ -34,7 +35,11 @@ def _app(served: set[str], gate: asyncio.Event, gate_404: asyncio.Event,
 
     @app.post("/v1/completions")
     async def complete(request: Request):
-        found = (await request.json()).get("model") in registry
+        body = await request.json()
+        found = body.get("model") in registry
+        if body.get("stream") is False and found:  # the whole answer before any byte of it
+            await gate.wait()
+            return JSONResponse({"text": "done"})
 
         async def tokens():  # each response open until the test lets it end
             await (gate if found else gate_404).wait()
@@ -201,5 +206,25 @@ def test_with_a_resolver_an_unload_drains_the_name_and_its_next_request_is_count
             assert [response.status_code for response in done] == [200] * 4
             assert registry["a"] == 2 and not reload_guard._open  # loaded by the resolver
             assert released == ["a"] * 3, released
+
+    asyncio.run(scenario())
+
+
+def test_a_resolved_names_lock_is_not_held_through_the_first_whole_answer():
+    # Two requests for a name a resolver loads, each answered only once complete (as vLLM's
+    # non-streaming completions): the first holds the name's lock only until the resolver has
+    # loaded the name, so the second is counted while the first's answer is still being made.
+    async def scenario():
+        gate = asyncio.Event()
+        app = _app(set(), gate, asyncio.Event(), resolves={"r"})
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            requests = [asyncio.create_task(client.post(
+                "/v1/completions", json={"model": "r", "stream": False})) for _ in range(2)]
+            await asyncio.sleep(0.3)
+            assert not any(r.done() for r in requests) and reload_guard._open["r"] == 2
+            gate.set()
+            done = await asyncio.wait_for(asyncio.gather(*requests), 10)
+            assert [r.status_code for r in done] == [200, 200] and not reload_guard._open
 
     asyncio.run(scenario())

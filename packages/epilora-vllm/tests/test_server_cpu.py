@@ -303,5 +303,7 @@ def test_adapters_unloaded_under_load_and_loaded_again_by_a_resolver_answer_as_a
         unloads = unloads.result()
     assert server["proc"].poll() is None, server["log"].read_text()[-3000:]
     assert unloads.count(200) >= RESOLVED_TENANTS, unloads  # names were unloaded under load
+    resolved = server["log"].read_text().count("Resolved and loaded LoRA adapter")
+    assert resolved > RESOLVED_TENANTS, resolved  # and loaded again by the resolver
     wrong = [(n, got) for n, got in answers if got != reference[n]]
     assert not wrong, wrong[:5]

@@ -24,20 +24,23 @@ get vLLM's 404 as before. Not covered: several API server processes (each counts
 requests; it says so in the log at its first load or unload), SageMaker's routes (`/adapters`,
 and `/invocations` naming the adapter in a header), requests whose body is not JSON
 (transcriptions' forms), and a request the engine still runs for a step after its client went
-away (vLLM aborts it asynchronously).
+away (vLLM aborts it asynchronously). The middleware runs before vLLM's API-key check: an
+unauthenticated load or unload of a name is held like any other before it gets its 401.
 """
 
 import asyncio
 import logging
 import weakref
-from collections import Counter, defaultdict
+from collections import Counter
 
 from epilora_vllm.adapter_check import request_json
 
 logger = logging.getLogger("vllm.epilora_vllm")  # a child of vLLM's logger: its handlers, format
 
 _open: Counter = Counter()  # served adapter name -> responses still open
-_locks: defaultdict = defaultdict(asyncio.Lock)  # name -> its loads and unloads, one at a time
+# name -> its loads and unloads, one at a time; a lock lives while someone holds or awaits it
+# (names come from request bodies, unauthenticated ones too: no lock kept per name ever seen).
+_locks: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _POLL_S = 0.05  # a held load looks at its name's count this often
 _warned: list = []  # whether this process said that it counts only its own requests
 
@@ -77,6 +80,13 @@ async def _drained(name: str) -> None:
     # Until no response of a request for `name` is open.
     while _open[name] > 0:
         await asyncio.sleep(_POLL_S)
+
+
+def _lock(name: str) -> asyncio.Lock:
+    lock = _locks.get(name)
+    if lock is None:
+        lock = _locks[name] = asyncio.Lock()
+    return lock
 
 
 def _release(name: str) -> None:
@@ -123,7 +133,7 @@ async def hold_reloads_until_drained(request, call_next):
         if not isinstance(name, str):
             return await call_next(request)
         _warn_if_one_of_several_servers(request)
-        async with _locks[name]:
+        async with _lock(name):
             if path.endswith("/v1/load_lora_adapter") and not _served(request, name):
                 await _drained(name)
             elif path.endswith("/v1/unload_lora_adapter") and _resolvers(request):
@@ -136,17 +146,34 @@ async def hold_reloads_until_drained(request, call_next):
     if not isinstance(name, str):
         return await call_next(request)
     if _resolvers(request) and not _is_base_model(request, name):
-        async with _locks[name]:  # past an unload of the name that is draining it
+        resolving = None
+        async with _lock(name):  # past an unload of the name that is draining it
             if not _served(request, name):
-                # A resolver may load the name inside this request, with a new id: held as
-                # a load through the route is, then counted if the name was loaded.
+                # A resolver may load the name inside this request, with a new id: held as a
+                # load through the route is; the name's lock then held until the resolver has
+                # loaded it (counted from there) or the request is over without it, not
+                # through the whole generation.
                 await _drained(name)
-                response = await call_next(request)
-                if not _served(request, name):
-                    return response  # no resolver found it: vLLM's 404
-                _open[name] += 1
+                resolving = asyncio.ensure_future(call_next(request))
+                try:
+                    while not resolving.done() and not _served(request, name):
+                        await asyncio.sleep(_POLL_S)
+                except BaseException:
+                    resolving.cancel()
+                    raise
+                counted = _served(request, name)
+                if counted:
+                    _open[name] += 1
+        if resolving is not None:
+            try:
+                response = await resolving
+            except BaseException:
+                if counted:
+                    _release(name)
+                raise
+            if counted:
                 response.body_iterator = _Counted(response.body_iterator, name)
-                return response
+            return response  # not counted: no resolver found it (vLLM's 404)
     if not _served(request, name):
         return await call_next(request)  # the base model, or a name without an id now
     _open[name] += 1  # no await since the check: an unload taking the lock now waits for it
