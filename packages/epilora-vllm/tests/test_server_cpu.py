@@ -174,41 +174,21 @@ def test_adapters_loaded_under_load_answer_as_when_served_alone(server):
     assert late_answers == [_complete(server, n) for n in late]  # and they repeat
 
 
-RELOAD_TENANTS, RELOAD_REQUESTS = 6, 72
-SOAK_TENANTS, SOAK_CLIENTS = 32, 8  # with --soak-seconds: for that long
-
-
-def test_adapters_unloaded_and_reloaded_under_load_answer_as_when_served_alone(server, request):
-    # Six tenants through two slots while a thread unloads and reloads them, one after
-    # another, as long as requests run: vLLM 0.26 gives a reloaded name a new adapter id, and a
-    # batch that held it beside the old id's requests killed the engine (a KeyError in
-    # convert_mapping, with or without the plugin; epilora_vllm.reload_guard, the server's
-    # middleware here, holds a reload until the name's requests are done; every other reload
-    # is in place, which gives an unloaded name a new id too). Every answer is the tenant's
-    # answer served alone, or vLLM's 404 while its name is unloaded; the server serves on.
-    # With --soak-seconds S: 32 tenants, eight clients sending requests for S seconds.
+def _requests_under_churn(server, names, churn_step, *, seed, requests=0, seconds=0.0):
+    """`requests` requests (with `seconds`: as many as that many seconds allow) from
+    CHURN_CLIENTS threads, each for a tenant drawn from `names`, while another thread calls
+    `churn_step(turn)` for turn 0, 1, ... until they are done: `(answers, the churn's
+    results)`, answers as `(name, (status, text))`."""
     import random
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    soak = request.config.getoption("--soak-seconds")
-    tenants = SOAK_TENANTS if soak else RELOAD_TENANTS
-    bf16 = server["checkpoints"]["bf16"]
-    names = [f"reload-{i}" for i in range(tenants)]
-    paths = {n: write_lora_adapter(server["root"] / n, bf16, rank=8, seed=50 + i)
-             for i, n in enumerate(names)}
-    assert all(_load(server, n, paths[n]) == 200 for n in names)
-    reference = {n: _complete(server, n) for n in names}
-    assert all(status == 200 for status, _ in reference.values()), reference
-    rng, lock = random.Random(1), threading.Lock()
-    deadline = time.monotonic() + soak
-    sent = []
-    done = []
+    rng, lock, sent, done = random.Random(seed), threading.Lock(), [], []
+    deadline = time.monotonic() + seconds
 
     def next_name():  # the next request's tenant, or None when the run is over
         with lock:
-            over = time.monotonic() > deadline if soak else len(sent) >= RELOAD_REQUESTS
-            if over:
+            if time.monotonic() > deadline if seconds else len(sent) >= requests:
                 return None
             sent.append(rng.choice(names))
             return sent[-1]
@@ -220,23 +200,51 @@ def test_adapters_unloaded_and_reloaded_under_load_answer_as_when_served_alone(s
         return answers
 
     def churn():
-        cycles, turn = [], 0
+        steps = []
         while not done:
-            name = names[turn % tenants]
-            turn += 1
-            unloaded = _post(server["base"] + "/v1/unload_lora_adapter", {"lora_name": name})[0]
-            cycles.append((name, unloaded,
-                           _load(server, name, paths[name], load_inplace=turn % 2 == 0)))
-        return cycles
+            steps.append(churn_step(len(steps)))
+        return steps
 
-    with ThreadPoolExecutor(max_workers=SOAK_CLIENTS + 1) as pool:
-        cycles = pool.submit(churn)
+    with ThreadPoolExecutor(max_workers=CHURN_CLIENTS + 1) as pool:
+        steps = pool.submit(churn)
         try:
-            clients = [pool.submit(client) for _ in range(SOAK_CLIENTS)]
+            clients = [pool.submit(client) for _ in range(CHURN_CLIENTS)]
             answers = [a for c in clients for a in c.result()]
         finally:
             done.append(True)
-        cycles = cycles.result()
+        return answers, steps.result()
+
+
+RELOAD_TENANTS, RELOAD_REQUESTS = 6, 72
+SOAK_TENANTS, CHURN_CLIENTS = 32, 8  # with --soak-seconds: for that long
+
+
+def test_adapters_unloaded_and_reloaded_under_load_answer_as_when_served_alone(server, request):
+    # Six tenants through two slots while a thread unloads and reloads them, one after
+    # another, as long as requests run: vLLM 0.26 gives a reloaded name a new adapter id, and a
+    # batch that held it beside the old id's requests killed the engine (a KeyError in
+    # convert_mapping, with or without the plugin; epilora_vllm.reload_guard, the server's
+    # middleware here, holds a reload until the name's requests are done; every other reload
+    # is in place, which gives an unloaded name a new id too). Every answer is the tenant's
+    # answer served alone, or vLLM's 404 while its name is unloaded; the server serves on.
+    # With --soak-seconds S: 32 tenants, eight clients sending requests for S seconds.
+    soak = request.config.getoption("--soak-seconds")
+    tenants = SOAK_TENANTS if soak else RELOAD_TENANTS
+    bf16 = server["checkpoints"]["bf16"]
+    names = [f"reload-{i}" for i in range(tenants)]
+    paths = {n: write_lora_adapter(server["root"] / n, bf16, rank=8, seed=50 + i)
+             for i, n in enumerate(names)}
+    assert all(_load(server, n, paths[n]) == 200 for n in names)
+    reference = {n: _complete(server, n) for n in names}
+    assert all(status == 200 for status, _ in reference.values()), reference
+
+    def unload_and_reload(turn):  # every other reload in place
+        name = names[turn % tenants]
+        unloaded = _post(server["base"] + "/v1/unload_lora_adapter", {"lora_name": name})[0]
+        return name, unloaded, _load(server, name, paths[name], load_inplace=turn % 2 == 1)
+
+    answers, cycles = _requests_under_churn(server, names, unload_and_reload, seed=1,
+                                            requests=RELOAD_REQUESTS, seconds=soak)
     print(f"{len(answers)} requests over {tenants} tenants, {len(cycles)} unload+reload cycles, "
           f"{sum(got[0] == 404 for _, got in answers)} answered 404 while unloaded")
     assert len(cycles) >= tenants and all(c[1:] == (200, 200) for c in cycles), cycles
@@ -257,10 +265,6 @@ def test_adapters_unloaded_under_load_and_loaded_again_by_a_resolver_answer_as_a
     # name's old requests are done. Six tenants, a thread unloading them one after another
     # while 400 requests run (the engine died within a minute of it with the guard's hold
     # taken out): every answer is the tenant's answer served alone.
-    import random
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
     server = resolving_server
     bf16, cache = server["checkpoints"]["bf16"], server["root"] / "lora-cache"
     names = [f"resolved-{i}" for i in range(RESOLVED_TENANTS)]
@@ -272,35 +276,13 @@ def test_adapters_unloaded_under_load_and_loaded_again_by_a_resolver_answer_as_a
     reference = {n: _complete(server, n) for n in names}  # each loaded by the resolver
     assert all(status == 200 for status, _ in reference.values()), reference
     assert len({text for _, text in reference.values()}) > RESOLVED_TENANTS // 2
-    rng, lock, sent, done = random.Random(2), threading.Lock(), [], []
 
-    def client():
-        answers = []
-        while True:
-            with lock:
-                if len(sent) >= RESOLVED_REQUESTS:
-                    return answers
-                sent.append(rng.choice(names))
-                name = sent[-1]
-            answers.append((name, _complete(server, name)))
+    def unload(turn):
+        return _post(server["base"] + "/v1/unload_lora_adapter",
+                     {"lora_name": names[turn % RESOLVED_TENANTS]})[0]
 
-    def churn():
-        unloads, turn = [], 0
-        while not done:
-            name = names[turn % RESOLVED_TENANTS]
-            turn += 1
-            unloads.append(_post(server["base"] + "/v1/unload_lora_adapter",
-                                 {"lora_name": name})[0])
-        return unloads
-
-    with ThreadPoolExecutor(max_workers=9) as pool:
-        unloads = pool.submit(churn)
-        try:
-            clients = [pool.submit(client) for _ in range(8)]
-            answers = [a for c in clients for a in c.result()]
-        finally:
-            done.append(True)
-        unloads = unloads.result()
+    answers, unloads = _requests_under_churn(server, names, unload, seed=2,
+                                             requests=RESOLVED_REQUESTS)
     assert server["proc"].poll() is None, server["log"].read_text()[-3000:]
     assert unloads.count(200) >= RESOLVED_TENANTS, unloads  # names were unloaded under load
     resolved = server["log"].read_text().count("Resolved and loaded LoRA adapter")

@@ -57,22 +57,24 @@ def _warn_if_one_of_several_servers(request) -> None:
             "process, or without reloads under load, it cannot", servers)
 
 
+def _models(request):
+    # vLLM's registry of the served model and adapters (OpenAIServingModels), if any.
+    return getattr(request.app.state, "openai_serving_models", None)
+
+
 def _served(request, name: str) -> bool:
     # Whether vLLM's server knows the name now (its registry of adapters loaded by name).
-    models = getattr(request.app.state, "openai_serving_models", None)
-    return name in getattr(models, "lora_requests", {})
+    return name in getattr(_models(request), "lora_requests", {})
 
 
 def _resolvers(request) -> bool:
     # Whether LoRA resolvers are registered: they load a requested name the server does not
     # serve inside the request, with a new id.
-    models = getattr(request.app.state, "openai_serving_models", None)
-    return bool(getattr(models, "lora_resolvers", None))
+    return bool(getattr(_models(request), "lora_resolvers", None))
 
 
 def _is_base_model(request, name: str) -> bool:
-    models = getattr(request.app.state, "openai_serving_models", None)
-    is_base = getattr(models, "is_base_model", None)
+    is_base = getattr(_models(request), "is_base_model", None)
     return is_base is not None and is_base(name)
 
 
@@ -93,6 +95,18 @@ def _release(name: str) -> None:
     _open[name] -= 1
     if _open[name] <= 0:
         del _open[name]
+
+
+async def _counted(response, name: str):
+    # The response of a request already counted under `name` (awaited here), its body wrapped
+    # to release the count; released at once if no response comes.
+    try:
+        response = await response
+    except BaseException:
+        _release(name)
+        raise
+    response.body_iterator = _Counted(response.body_iterator, name)
+    return response
 
 
 class _Counted:
@@ -165,22 +179,9 @@ async def hold_reloads_until_drained(request, call_next):
                 if counted:
                     _open[name] += 1
         if resolving is not None:
-            try:
-                response = await resolving
-            except BaseException:
-                if counted:
-                    _release(name)
-                raise
-            if counted:
-                response.body_iterator = _Counted(response.body_iterator, name)
-            return response  # not counted: no resolver found it (vLLM's 404)
+            # Not counted: no resolver found the name (vLLM's 404).
+            return await (_counted(resolving, name) if counted else resolving)
     if not _served(request, name):
         return await call_next(request)  # the base model, or a name without an id now
     _open[name] += 1  # no await since the check: an unload taking the lock now waits for it
-    try:
-        response = await call_next(request)
-    except BaseException:
-        _release(name)
-        raise
-    response.body_iterator = _Counted(response.body_iterator, name)
-    return response
+    return await _counted(call_next(request), name)
