@@ -26,23 +26,23 @@ medians over replays:
   gap_before    from the previous projection's last K2 program to this one's origin (launch
                 latency, and for `h-given` our untraced quantizer)
 
-Variants: `decode` (the decode path as shipped), `decode-cold` (K1 without its L2 prefetch of
-A, `fused.DECODE_WARM_A`), `decode-warm<B>` (K2 prefetches the first B
-bytes of each of its weight rows into L2 before its spin; 0: none), `decode-k1r32` (K1 in
-32-wide rank tiles), `serialized` (no PDL), `fused` (the fused path: K1 then K2 with their own
-settings, serialized), `fused-pdl` (the same with K2 as K1's programmatic dependent, waiting for
-all of K1 before its K loop: the fused path as shipped beyond 32 tokens), `h-given` (our
-quantizer, then K2 with h given), `gemm` (our quantizer, then K2 without adapter in
-`h-given`'s tiles: against `h-given`, what the adapter's epilogue costs; its codes by TMA
-where the tiles allow, `fused.fp8_gemm`'s choice), `decode-codes`, `decode-codes-cold` and
-`gemm-codes` (the same on per-token codes made outside the graph, as the plugin's default mode receives them
-from vLLM's fused quantization; against `cutlass-codes`); `--variants` picks them, `--traced` those
-also traced; `--ranks`, `--tokens`, `--adapters` (tokens round robin over them) pick the cases,
-e.g. the layer page's misses: `--adapters 32 --ranks 64 --tokens 128 256 --variants fused
-h-given --traced fused h-given`, or the batch-1 gap of the plugin's default mode: `--ranks 64
---tokens 1 4 --variants decode-codes gemm-codes --traced decode-codes gemm-codes`. The layer
-timings (untraced, median of `--reps`) add `cutlass` (vLLM quant + CUTLASS) and
-`cutlass-codes` (CUTLASS alone on the codes) for the ratios.
+Variants: `decode` (the decode path as shipped), `decode-cold` (K1 without its L2 prefetch of A,
+`fused.DECODE_WARM_A`), `decode-warm<B>` (K2 prefetches the first B bytes of each of its weight
+rows into L2 before its spin; 0: none), `decode-k1r32` (K1 in 32-wide rank tiles), `serialized`
+(no PDL), `fused` (the fused path: K1 then K2 with their own settings, serialized), `fused-pdl`
+(the same with K2 as K1's programmatic dependent, waiting for all of K1 before its K loop: the
+fused path as shipped beyond 32 tokens), `h-given` (our quantizer, then K2 with h given), `gemm`
+(our quantizer, then K2 without adapter in `h-given`'s tiles: against `h-given`, what the
+adapter's epilogue costs; its codes by TMA where the tiles allow, `fused.fp8_gemm`'s choice),
+`decode-codes`, `decode-codes-cold` and `gemm-codes` (the same on per-token codes made outside
+the graph, as the plugin's default mode receives them from vLLM's fused quantization; against
+`cutlass-codes`); `--variants` picks them, `--traced` those also traced; `--ranks`, `--tokens`,
+`--adapters` (tokens round robin over them) pick the cases, e.g. the layer page's misses:
+`--adapters 32 --ranks 64 --tokens 128 256 --variants fused h-given --traced fused h-given`, or
+the batch-1 gap of the plugin's default mode: `--ranks 64 --tokens 1 4 --variants decode-codes
+gemm-codes --traced decode-codes gemm-codes`. The layer timings (untraced, median of `--reps`)
+add `cutlass` (vLLM quant + CUTLASS) and `cutlass-codes` (CUTLASS alone on the codes) for the
+ratios.
 
     python3 dev/decode_timeline.py --out benchmarks/results/h200/decode_timeline.json
 """
