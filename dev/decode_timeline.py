@@ -50,6 +50,7 @@ ratios.
 import argparse
 import dataclasses
 import functools
+import itertools
 import statistics
 import sys
 from pathlib import Path
@@ -59,6 +60,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 from decode import adapter_case  # noqa: E402 (the benchmarks' helpers)
 from layer import l2_flush_buffer, make_layer, run_layer, time_graph, write_results  # noqa: E402
+from models import MODELS  # noqa: E402
 
 # The kernels' internals: the traced launches are a diagnostic, not the public API.
 from epilora_kernels import _launchers, _tiling, fused  # noqa: E402
@@ -223,6 +225,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=list(RANKS))
     parser.add_argument("--tokens", type=int, nargs="+", help=f"default {TOKENS}")
     parser.add_argument("--adapters", type=int, default=1, help="tokens round robin over them")
+    parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=["qwen3-8b"])
     parser.add_argument("--git-sha", default=None)
     args = parser.parse_args()
     for variant in args.variants:
@@ -234,11 +237,11 @@ def main() -> None:
     flush = l2_flush_buffer()
     rows = []
     traced_tokens = args.tokens or TRACED_TOKENS
-    for rank in args.ranks:
-        layer = make_layer(args.adapters, rank, gen)
+    for model, rank in itertools.product(args.models, args.ranks):
+        layer = make_layer(args.adapters, rank, gen, MODELS[model])
         for tokens in args.tokens or TOKENS:
             batch, xs, hs, bufs = adapter_case(tokens, rank, layer, gen, args.adapters)
-            base = dict(bench="decode_timeline", model="qwen3-8b", base="fp8", tokens=tokens,
+            base = dict(bench="decode_timeline", model=model, base="fp8", tokens=tokens,
                         rank=rank, adapters=args.adapters)
             codes = {name: fused.quantize(x) for name, x in xs.items()}  # vLLM's, bit for bit
             against = {}
@@ -254,7 +257,7 @@ def main() -> None:
                 rows.append({**base, "system": variant, "metric": "layer_us",
                              "value": round(us, 2), "n": args.reps})
                 system = "cutlass-codes" if variant in CODES_VARIANTS else "cutlass"
-                print(f"rank={rank:3d} T={tokens:2d} {variant:16s} {us:7.1f} us "
+                print(f"{model} rank={rank:3d} T={tokens:2d} {variant:16s} {us:7.1f} us "
                       f"({(us / against[system] - 1) * 100:+5.1f}% over {system} "
                       f"{against[system]:.1f})", flush=True)
                 if tokens not in traced_tokens or variant not in args.traced:
