@@ -105,10 +105,11 @@ def run_dual_stream(xs, layer, batch, meta, bufs, outs, aux: torch.cuda.Stream) 
         y.add_(outs[name])
 
 
-def adapter_case(tokens: int, rank: int, layer: dict, gen: torch.Generator, adapters: int = 1):
+def adapter_case(tokens: int, rank: int, layer: dict, gen: torch.Generator, adapters: int = 1,
+                 projections: dict = PROJECTIONS):
     """`layer.adapter_inputs` (here: all tokens on slot 0) and the activations' h (our shrink):
     the batch, activations, h and zeroed buffers for vLLM's shrink."""
-    batch, xs, bufs = adapter_inputs(tokens, rank, adapters, gen)
+    batch, xs, bufs = adapter_inputs(tokens, rank, adapters, gen, projections)
     hs = {name: ek.lora_shrink(xs[name], lora, batch) for name, (_, _, lora) in layer.items()}
     return batch, xs, hs, bufs
 

@@ -26,23 +26,22 @@ medians over replays:
   gap_before    from the previous projection's last K2 program to this one's origin (launch
                 latency, and for `h-given` our untraced quantizer)
 
-Variants: `decode` (the decode path as shipped), `decode-cold` (K1 without its L2 prefetch of A,
-`fused.DECODE_WARM_A`), `decode-warm<B>` (K2 prefetches the first B bytes of each of its weight
-rows into L2 before its spin; 0: none), `decode-k1r32` (K1 in 32-wide rank tiles), `serialized`
-(no PDL), `fused` (the fused path: K1 then K2 with their own settings, serialized), `fused-pdl`
-(the same with K2 as K1's programmatic dependent, waiting for all of K1 before its K loop: the
-fused path as shipped beyond 32 tokens), `h-given` (our quantizer, then K2 with h given), `gemm`
-(our quantizer, then K2 without adapter in `h-given`'s tiles: against `h-given`, what the
-adapter's epilogue costs; its codes by TMA where the tiles allow, `fused.fp8_gemm`'s choice),
-`decode-codes`, `decode-codes-cold` and `gemm-codes` (the same on per-token codes made outside
-the graph, as the plugin's default mode receives them from vLLM's fused quantization; against
-`cutlass-codes`); `--variants` picks them, `--traced` those also traced; `--ranks`, `--tokens`,
-`--adapters` (tokens round robin over them) pick the cases, e.g. the layer page's misses:
-`--adapters 32 --ranks 64 --tokens 128 256 --variants fused h-given --traced fused h-given`, or
-the batch-1 gap of the plugin's default mode: `--ranks 64 --tokens 1 4 --variants decode-codes
-gemm-codes --traced decode-codes gemm-codes`. The layer timings (untraced, median of `--reps`)
-add `cutlass` (vLLM quant + CUTLASS) and `cutlass-codes` (CUTLASS alone on the codes) for the
-ratios.
+Variants: `decode` (the decode path as shipped), `decode-warm<B>` (K2 prefetches the first B
+bytes of each of its weight rows into L2 before its spin; 0: none), `decode-k1r32` (K1 in
+32-wide rank tiles), `serialized` (no PDL), `fused` (the fused path: K1 then K2 with their own
+settings, serialized), `fused-pdl` (the same with K2 as K1's programmatic dependent, waiting for
+all of K1 before its K loop: the fused path as shipped beyond 32 tokens), `h-given` (our
+quantizer, then K2 with h given), `gemm` (our quantizer, then K2 without adapter in `h-given`'s
+tiles: against `h-given`, what the adapter's epilogue costs; its codes by TMA where the tiles
+allow, `fused.fp8_gemm`'s choice), `decode-codes` and `gemm-codes` (the same on per-token codes
+made outside the graph, as the plugin's default mode receives them from vLLM's fused
+quantization; against `cutlass-codes`); `--variants` picks them, `--traced` those also traced;
+`--ranks`, `--tokens`, `--adapters` (tokens round robin over them) pick the cases, e.g. the
+layer page's misses: `--adapters 32 --ranks 64 --tokens 128 256 --variants fused h-given
+--traced fused h-given`, or the batch-1 gap of the plugin's default mode: `--ranks 64 --tokens 1
+4 --variants decode-codes gemm-codes --traced decode-codes gemm-codes`. The layer timings
+(untraced, median of `--reps`) add `cutlass` (vLLM quant + CUTLASS) and `cutlass-codes` (CUTLASS
+alone on the codes) for the ratios.
 
     python3 dev/decode_timeline.py --out benchmarks/results/h200/decode_timeline.json
 """
@@ -71,9 +70,7 @@ RANKS = (16, 64, 128)
 TOKENS = (1, 4, 16)
 TRACED_TOKENS = (1, 16)  # of the default TOKENS; given --tokens, all are traced
 UNTRACED_K1 = ("h-given", "gemm", "gemm-codes")  # no K1 (or our quantizer, untraced) before K2
-# On codes made outside the graph, against cutlass-codes. "-cold": K1 without its L2 prefetch
-# of A (fused.DECODE_WARM_A off), to A/B it.
-CODES_VARIANTS = ("decode-codes", "decode-codes-cold", "gemm-codes")
+CODES_VARIANTS = ("decode-codes", "gemm-codes")  # on codes made outside the graph: vs cutlass-codes
 
 
 def _k1_config(variant: str, tokens: int, lora):
@@ -94,10 +91,9 @@ def run_variant(variant, xs, layer, batch, hs, codes, traces=None):
     for name, (weight, scale, lora) in layer.items():
         pair = traces[name] if traces else (None, None)
         x = xs[name]
-        if variant.startswith("decode-codes"):  # the plugin's default mode: the codes alone
+        if variant == "decode-codes":  # the plugin's default mode: the codes alone (x=None)
             fused._linear(0, None, weight, scale, lora, batch, None, None, decode=True,
-                          pdl=True, traces=pair, x_quantized=codes[name],
-                          warm_a=not variant.endswith("-cold"))
+                          pdl=True, traces=pair, x_quantized=codes[name])
         elif variant == "gemm-codes":  # K2 without adapter on the same codes
             support = device_support(x.device)
             _launchers.launch_gemm_only(support, default_workspace(x.device), *codes[name],
@@ -125,8 +121,7 @@ def run_variant(variant, xs, layer, batch, hs, codes, traces=None):
         else:
             fused._linear(0, x, weight, scale, lora, batch,
                           _k1_config(variant, x.shape[0], lora), None, decode=True,
-                          pdl=variant != "serialized", warm_l2=_warm(variant), traces=pair,
-                          warm_a=variant != "decode-cold")
+                          pdl=variant != "serialized", warm_l2=_warm(variant), traces=pair)
 
 
 def _stats(k1: torch.Tensor | None, k2: torch.Tensor) -> dict:
@@ -229,8 +224,8 @@ def main() -> None:
     parser.add_argument("--git-sha", default=None)
     args = parser.parse_args()
     for variant in args.variants:
-        known = variant in ("decode", "decode-cold", "decode-k1r32", "serialized", "fused",
-                            "fused-pdl", "h-given", "gemm", *CODES_VARIANTS)
+        known = variant in ("decode", "decode-k1r32", "serialized", "fused", "fused-pdl",
+                            "h-given", "gemm", *CODES_VARIANTS)
         if not (known or variant.removeprefix("decode-warm").isdigit()):
             parser.error(f"unknown variant {variant!r}")
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -240,7 +235,8 @@ def main() -> None:
     for model, rank in itertools.product(args.models, args.ranks):
         layer = make_layer(args.adapters, rank, gen, MODELS[model])
         for tokens in args.tokens or TOKENS:
-            batch, xs, hs, bufs = adapter_case(tokens, rank, layer, gen, args.adapters)
+            batch, xs, hs, bufs = adapter_case(tokens, rank, layer, gen, args.adapters,
+                                                  MODELS[model])
             base = dict(bench="decode_timeline", model=model, base="fp8", tokens=tokens,
                         rank=rank, adapters=args.adapters)
             codes = {name: fused.quantize(x) for name, x in xs.items()}  # vLLM's, bit for bit

@@ -60,9 +60,6 @@ def main() -> None:
     # The L2 warming of its weight rows is issued before the spin, not after.
     out["k2_pdl_prefetch_before_acquire"] = (
         0 <= k2_pdl.find("prefetch.global.L2") < k2_pdl.find("ld.global.gpu.acquire"))
-    # K1's prefetch of its share of A is issued before its K loop's first asynchronous copy.
-    out["k1_pdl_prefetch_before_loop"] = (
-        0 <= k1_pdl.find("prefetch.global.L2") < k1_pdl.find("cp.async.cg.shared.global"))
     # Split-K at decode: the partial stores and the tile counter's atomic come after the wait
     # (before it, the same counter atomics as without split-K).
     k2_split = ptx_of(lambda: fused.decode_lora_fp8_linear(

@@ -229,7 +229,7 @@ def _quantize_shrink_kernel(
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     QUANT_BLOCK: tl.constexpr, INTERPRETER: tl.constexpr, ENTRIES_BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr = False, TRACE: tl.constexpr = False,
-    H_BF16: tl.constexpr = False, X_CODES: tl.constexpr = False, WARM_A: tl.constexpr = 0,
+    H_BF16: tl.constexpr = False, X_CODES: tl.constexpr = False,
 ):
     # X_CODES: x is the caller's per-token FP8 codes (scales at `scales_ptr`), not bf16: the
     # shrink widens them to bf16 (exact) and scales each row's sum, h = s_t * (q_t A^T), so an
@@ -311,16 +311,6 @@ def _quantize_shrink_kernel(
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_begin = split * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
-    if WARM_A and not INTERPRETER:
-        # The decode path: ask for this program's whole share of A at once (WARM_A 128-byte
-        # lines of each rank row a step), before the GEMM launched after us floods HBM with its
-        # weights. The pipelined loads below keep only a few blocks in flight, and beside the
-        # GEMM's stream they got so little of HBM that K1 ended with K2's K loop and K2 waited
-        # for h (docs/kernels.md, "The decode path in one kernel").
-        for l0 in range(k_begin, k_end, 64 * WARM_A):
-            lines = l0 + tl.arange(0, WARM_A) * 64  # 64 bf16 values: one 128-byte line
-            warm = a_base + r[:, None] * K + lines[None, :]
-            _prefetch_l2(tl.where((r[:, None] < R) & (lines[None, :] < k_end), warm, a_base))
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)

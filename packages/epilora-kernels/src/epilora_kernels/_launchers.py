@@ -134,10 +134,9 @@ def launch_k1(support: DeviceSupport, workspace: Workspace, x, lora: LoraWeights
               batch: AdapterBatch, cfg: LaunchConfig, *, quantize: bool, pdl: bool = False,
               signal_codes: bool = False, trace: torch.Tensor | None = None,
               codes_sorted: bool = False, h_dtype: torch.dtype = torch.float32,
-              x_scales: torch.Tensor | None = None, warm_a: bool = False):
+              x_scales: torch.Tensor | None = None):
     """K1: `(codes, scales, h)` (codes and scales None without `quantize`). With `x_scales`,
-    x is per-token FP8 codes and those their scales: the shrink reads them (no quantizing).
-    `warm_a`: each shrink program first prefetches its share of A into L2 (the decode path)."""
+    x is per-token FP8 codes and those their scales: the shrink reads them (no quantizing)."""
     if x_scales is not None and quantize:
         raise ValueError("K1 quantizes bf16 activations: codes (x_scales given) need none")
     t, k = x.shape
@@ -173,7 +172,6 @@ def launch_k1(support: DeviceSupport, workspace: Workspace, x, lora: LoraWeights
         ENTRIES_BLOCK=triton.next_power_of_2(batch.num_entries),
         USE_PDL=use_pdl(support, pdl), TRACE=trace is not None,
         H_BF16=h_dtype == torch.bfloat16, X_CODES=x_scales is not None,
-        WARM_A=_tiling.k1_warm_lines(k, cfg) if warm_a else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return codes, scales, h

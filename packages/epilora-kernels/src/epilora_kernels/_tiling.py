@@ -155,14 +155,6 @@ def shrink_programs(t: int, lora: LoraWeights, batch: AdapterBatch, cfg: LaunchC
             * cfg.split_k)
 
 
-def k1_warm_lines(k: int, cfg: LaunchConfig) -> int:
-    # 128-byte lines of each rank row that K1's programs prefetch a step (WARM_A): a split's
-    # whole share of K where at most 16 addresses a thread hold it, else steps of that size.
-    lines = triton.next_power_of_2(triton.cdiv(triton.cdiv(triton.cdiv(k, cfg.split_k),
-                                                           cfg.block_k) * cfg.block_k, 64))
-    return max(1, min(lines, 16 * 32 * cfg.num_warps // cfg.block_r))
-
-
 def k1_tiles(t: int, lora: LoraWeights, batch: AdapterBatch, cfg: LaunchConfig) -> int:
     # K1's split-K tile counters, indexed by (entry, slice, row tile, rank tile): room for all.
     if cfg.split_k == 1:

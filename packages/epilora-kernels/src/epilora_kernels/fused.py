@@ -43,10 +43,6 @@ Quantized = tuple[torch.Tensor, torch.Tensor]  # (codes [T, K] fp8, scales [T, 1
 # slower (decode_timeline_v1.json and decode_timeline.json of 0f3bdfb).
 DECODE_WARM_L2 = 512
 
-# The decode path's K1 prefetches each program's share of A into L2 at its start, before K2's
-# weight stream takes HBM (see `_quantize_shrink_kernel`, WARM_A).
-DECODE_WARM_A = True
-
 
 def _support(x: torch.Tensor, path: str) -> DeviceSupport:
     support = device_support(x.device)
@@ -290,7 +286,7 @@ def decode_settings(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
 
 def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
             decode=False, pdl=False, warm_l2=DECODE_WARM_L2, traces=(None, None),
-            wait_k1_first=False, workspace=None, x_quantized=None, warm_a=DECODE_WARM_A):
+            wait_k1_first=False, workspace=None, x_quantized=None):
     # MODE FP8: K1 (quantize + shrink) then K2; MODE W8A16: the shrink then the W8A16 K2.
     # `decode`: the decode path's launch settings. With `pdl` K2 is launched as K1's
     # programmatic dependent, waiting for K1's count of quantized rows before its K loop, or
@@ -344,8 +340,7 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
                                             quantize=quantize, pdl=pdl,
                                             signal_codes=counted, trace=traces[0],
                                             codes_sorted=a_sorted, h_dtype=h_dtype,
-                                            x_scales=x_quantized[1] if shrink_codes else None,
-                                            warm_a=decode and warm_a)
+                                            x_scales=x_quantized[1] if shrink_codes else None)
     a, a_scale = ((codes, scales) if quantize else x_quantized if mode == FP8
                   else (x, weight_scale))
     try:
