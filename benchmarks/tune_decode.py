@@ -25,6 +25,9 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=60.0, help="seconds per model")
     parser.add_argument("--jobs", type=int, default=15,
                         help="compile the candidates in this many processes first (0: none)")
+    parser.add_argument("--codes", action="store_true",
+                        help="tune the path on per-token codes given (x None), as the vLLM "
+                             "plugin's default mode calls it")
     parser.add_argument("--git-sha", default=None)
     args = parser.parse_args()
     rows = []
@@ -38,10 +41,10 @@ def main() -> None:
 def tune(model: str, rank: int, slots: int, args) -> list[dict]:
     """One model at one rank and slot count: the tuner's rows."""
     report = tuner.tune_decode(MODELS[model], rank=rank, slots=slots, budget_s=args.budget,
-                               jobs=args.jobs)
+                               jobs=args.jobs, codes=args.codes)
     total = report["compile_s"] + sum(report["seconds"].values())
     common = {"bench": "tune_decode", "model": model, "base": "fp8", "rank": rank,
-              "adapters": slots}
+              "adapters": slots, "x": "codes" if args.codes else "bf16"}
     rows = []
     for cell in report["cells"]:
         if cell["before_us"] is None:  # the settings in use failed to run: nothing to compare
@@ -56,9 +59,9 @@ def tune(model: str, rank: int, slots: int, args) -> list[dict]:
                  "compile_errors": len(report["compile_errors"]),
                  "failed": len(report.get("failed", [])),
                  "seconds_per_projection": report["seconds"]})
-    print(f"{model} rank {rank}, {slots} slot(s): {total:.1f} s, compile {report['compile_s']} s "
-          f"({'complete' if report['complete'] else 'budget reached'}) {report['seconds']}",
-          flush=True)
+    state = "complete" if report["complete"] else "budget reached"
+    print(f"{model} rank {rank}, {slots} slot(s), x {common['x']}: {total:.1f} s, "
+          f"compile {report['compile_s']} s ({state}) {report['seconds']}", flush=True)
     return rows
 
 

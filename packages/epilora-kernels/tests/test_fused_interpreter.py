@@ -368,6 +368,11 @@ def test_both_kernels_look_up_one_slot_entries_only_for_one_slot(slots, one_slot
         (a[1], a[-1] if len(a) > 7 else kw.get("one_slot"))) or select(*a, **kw))
     fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch)
     assert sorted(asked) == [("decode_shrink", one_slot), ("lora_gemm", one_slot)], asked
+    # on the caller's codes, K1's own entries (the tuner's codes mode)
+    asked.clear()
+    fused.decode_lora_fp8_linear(None, weight, w_scale, lora, batch,
+                                 x_quantized=fused.quantize(x))
+    assert sorted(asked) == [("decode_shrink_codes", one_slot), ("lora_gemm", one_slot)], asked
 
 
 @pytest.mark.parametrize("path", ["fused", "decode"])

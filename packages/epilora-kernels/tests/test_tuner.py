@@ -98,10 +98,12 @@ def test_candidates_fit_the_shape():
     assert {c.block_n for c in narrow} == {16} and all(c.split_k == 1 for c in narrow
                                                         if c.block_k == 512)
     k1 = launch.heuristic_config("decode_shrink", 4, 6144, 4096, 16)
-    assert {(c.split_k, c.block_r) for c in tuner.k1_candidates(k1, 4096, 16)} == {
-        (4, 16), (8, 16), (16, 16)}
-    assert {(c.split_k, c.block_r) for c in tuner.k1_candidates(k1, 12288, 128)} == {
-        (s, r) for s in (4, 8, 16) for r in (32, 64)}
+    # K split 2-32 in K tiles of 128 or 256, each split at least one tile deep (4096 / 32: 128)
+    assert {(c.split_k, c.block_k, c.block_r) for c in tuner.k1_candidates(k1, 4096, 16)} == {
+        (s, b, 16) for s in (2, 4, 8, 16, 32) for b in (128, 256)} - {(32, 256, 16)}
+    assert {(c.split_k, c.block_k, c.block_r) for c in tuner.k1_candidates(k1, 12288, 128)} == {
+        (s, b, r) for s in (2, 4, 8, 16, 32) for b in (128, 256) for r in (32, 64)}
+    assert {c.split_k for c in tuner.k1_candidates(k1, 512, 16)} == {2, 4}
 
 
 def test_a_candidate_that_fails_is_skipped_and_reported(cache, monkeypatch):
@@ -118,14 +120,15 @@ def test_a_candidate_that_fails_is_skipped_and_reported(cache, monkeypatch):
     assert len(report["failed"]) == 8 and "does not compile" in report["failed"][0]
 
 
-def test_the_parallel_compile_covers_every_launch_the_search_times():
+@pytest.mark.parametrize("codes", [False, True])
+def test_the_parallel_compile_covers_every_launch_the_search_times(codes):
     from epilora_kernels.arch import INTERPRETER
 
-    launches = tuner._launches(INTERPRETER, PROJECTIONS, (1, 8), 16, 1)
+    launches = tuner._launches(INTERPRETER, PROJECTIONS, (1, 8), 16, 1, codes)
     assert len(launches) == len(set(launches))
     for k, slices in PROJECTIONS.values():
         for t in (1, 8):
-            k1, k2 = tuner._baseline(INTERPRETER, k, slices, t, 16, True)
+            k1, k2 = tuner._baseline(INTERPRETER, k, slices, t, 16, True, codes)
             cells = {(a, b) for kk, ss, tt, a, b in launches if (kk, ss, tt) == (k, slices, t)}
             assert (k1, k2) in cells
             assert all((k1, c) in cells for c in tuner.k2_candidates(k2, sum(slices), k, slices))
@@ -171,3 +174,34 @@ def test_a_cell_where_nothing_runs_is_left_untuned(cache, monkeypatch):
     assert report["cells"] == [] and report["untuned"] == [{"projection": "down", "tokens": 4}]
     assert tuner.read_cache("triton-interpreter") is not None  # written, without that cell
     assert "lora_gemm" not in tuner.read_cache("triton-interpreter")
+
+
+def test_codes_mode_is_tuned_on_the_codes_and_cached_apart(cache, monkeypatch):
+    # An engine that quantizes x itself calls the decode path with x None and the codes given;
+    # tuned so, K1's settings go under decode_shrink_codes, which the codes lookups take and
+    # the bf16 path's do not.
+    calls = []
+    monkeypatch.setattr(fused, "decode_lora_fp8_linear",
+                        lambda x, *a, k1_config, k2_config, x_quantized=None, **kw:
+                        calls.append((x, x_quantized, k1_config)))
+
+    def time_us(fn):
+        fn()
+        x, quantized, k1 = calls[-1]
+        assert x is None and quantized[0].dtype == fused.torch.float8_e4m3fn, calls[-1]
+        return 100.0 - 3 * (k1.split_k == 2)
+
+    report = tuner.tune_decode({"down": (4096, (64,))}, rank=16, tokens=(4,), codes=True,
+                               time_us=time_us, progress=lambda line: None)
+    assert report["codes"] and report["cells"][0]["k1"]["split_k"] == 2
+    assert launch.table_config("triton-interpreter", "decode_shrink_codes", 4, 64, 4096, 16,
+                               one_slot=True).split_k == 2
+    assert launch.table_config("triton-interpreter", "decode_shrink", 4, 64, 4096, 16,
+                               one_slot=True) is None
+    assert launch.select_config("triton-interpreter", "decode_shrink_codes", 4, 64, 4096, 16,
+                                one_slot=True).split_k == 2
+    # beyond its buckets, the bf16 decode path's choice
+    assert (launch.select_config("triton-interpreter", "decode_shrink_codes", 8, 64, 4096, 16,
+                                 one_slot=True)
+            == launch.select_config("triton-interpreter", "decode_shrink", 8, 64, 4096, 16,
+                                    one_slot=True))

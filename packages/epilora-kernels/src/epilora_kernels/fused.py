@@ -243,7 +243,10 @@ def _settings(support, mode, x, weight, weight_scale, lora, batch, k1_config, k2
     # K1's and K2's launch settings: given, else the table's or the heuristic's (K2's fitted to
     # the device's waves: `_k2_config`).
     t = x.shape[0]
-    op1 = "decode_shrink" if decode else "quantize_shrink" if quantize else "shrink"
+    if decode:  # on the caller's codes K2 does not wait for K1's: K1 tuned apart
+        op1 = "decode_shrink" if quantize or mode != FP8 else "decode_shrink_codes"
+    else:
+        op1 = "quantize_shrink" if quantize else "shrink"
     cfg1 = _tiling.config(support, op1, t, lora, k1_config, one_slot=_tiling.one_slot(batch))
     cfg2 = _k2_config(support, mode, torch.float8_e4m3fn if mode == FP8 else x.dtype, weight,
                       weight_scale, lora, batch, k2_config, pdl=pdl, wait_codes=counted,
@@ -275,12 +278,14 @@ def _k2_config(support, mode, a_dtype, weight, weight_scale, lora, batch, given,
 
 
 def decode_settings(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                    lora: LoraWeights, batch: AdapterBatch) -> tuple[LaunchConfig, LaunchConfig]:
+                    lora: LoraWeights, batch: AdapterBatch, *,
+                    codes: bool = False) -> tuple[LaunchConfig, LaunchConfig]:
     """The launch settings (K1's, K2's) `decode_lora_fp8_linear` takes for this case when given
-    none (the tuner starts from them)."""
+    none (the tuner starts from them); `codes`: called with `x_quantized` (x's shape and device
+    are what count here)."""
     support = _support(x, "decode")
     return _settings(support, FP8, x, weight, weight_scale, lora, batch, None, None,
-                     decode=True, quantize=True, pdl=True, counted=True,
+                     decode=True, quantize=not codes, pdl=True, counted=not codes,
                      warm_l2=DECODE_WARM_L2, wait_k1_first=False)
 
 

@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from importlib import resources
 
 # K1 quantizing (the fused path), K1's shrink alone for the hybrid path and for the decode path
-# (tuned apart: K2 overlaps the decode path's shrink, not the others), and K2.
-OPS = ("quantize_shrink", "shrink", "decode_shrink", "lora_gemm")
+# (tuned apart: K2 overlaps the decode path's shrink, not the others), the decode path's shrink
+# on the caller's codes (K2 streams its weights from its start instead of after K1's quantizing
+# programs, so K1 meets a busier HBM: tuned apart again, where absent `decode_shrink`'s), and K2.
+OPS = ("quantize_shrink", "shrink", "decode_shrink", "decode_shrink_codes", "lora_gemm")
 # Beyond this many tokens K1 and K2 take the heuristic's prefill tiles unless a table bucket
 # covers the batch: the tuned buckets end at 256, whose tiles stretched to prefill batches were
 # up to 1.5x slower than the prefill tiles (select_config).
@@ -79,6 +81,8 @@ def heuristic_config(
     """
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
+    if op == "decode_shrink_codes":
+        op = "decode_shrink"
     block_m = 16 if tokens <= 16 else (32 if tokens <= 32 else 64)
     block_r = rank_block(rank)
     if op in ("quantize_shrink", "shrink", "decode_shrink"):
@@ -366,7 +370,15 @@ def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int,
     batch.
     `one_slot`: the batch has one adapter slot (its one-slot entries first, `table_config`).
     `cache_device`: the device whose tuner cache overlays `device_name`'s table (default: that
-    device). `large_tiles`: as for `heuristic_config`."""
+    device). `large_tiles`: as for `heuristic_config`. `decode_shrink_codes` takes its own
+    entry where a bucket covers the batch, else `decode_shrink`'s choice."""
+    if op == "decode_shrink_codes":
+        tuned = None if device_name is None else table_config(
+            device_name, op, tokens, n, k, rank, cover=True, one_slot=one_slot,
+            cache_device=cache_device)
+        if tuned is not None:
+            return tuned
+        op = "decode_shrink"
     if op == "decode_shrink" and tokens > DECODE_SHRINK_MAX_TOKENS:
         tuned = None if device_name is None else table_config(
             device_name, op, tokens, n, k, rank, cover=True, one_slot=one_slot,

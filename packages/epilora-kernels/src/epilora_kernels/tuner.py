@@ -12,7 +12,9 @@ replays: first the launch settings the launchers would use now (the shipped tabl
 shape, or the heuristic), then K2 candidates around them with that K1, then K1 candidates with
 the best K2. A candidate replaces the settings in use only if it is faster by more than
 `MARGIN`: noise does not churn the cache. When the budget runs out the remaining cells keep the
-settings they had. The cache is a launch table (`launch.validate_table`'s schema) under
+settings they had. With `codes` it tunes the path as an engine that quantizes x itself calls it
+(the codes given, K2 streaming from its start), whose K1 is cached apart. The cache is a launch
+table (`launch.validate_table`'s schema) under
 `one_slot` keys for batches of one adapter slot, plain rank keys otherwise; the launchers
 overlay it on the shipped table, shape by shape.
 """
@@ -93,14 +95,19 @@ def k2_candidates(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...]) ->
 
 
 def k1_candidates(cfg: LaunchConfig, k: int, rank: int) -> list:
-    """The decode K1's settings around `cfg`: K split in 4, 8 or 16 (each at least 256 deep),
-    rank tiles of 32 and 64 (the rank's own where it is smaller)."""
+    """The decode K1's settings around `cfg`: K split in 2 to 32 parts, K tiles of 128 and 256
+    (each split at least one tile deep), rank tiles of 32 and 64 (the rank's own where it is
+    smaller). Beside K2's weight stream each K step of K1 waits a loaded HBM's latency, so K1
+    ends after about (its share of K) / block_k steps: deep splits and wide tiles end it
+    sooner, at the price of more programs on K2's SMs."""
     out = []
-    for split_k in (4, 8, 16):
-        for block_r in sorted({min(32, rank_block(rank)), min(64, rank_block(rank))}):
-            if k // split_k < 256:
-                continue
-            out.append(dataclasses.replace(cfg, split_k=split_k, block_r=block_r))
+    for split_k in (2, 4, 8, 16, 32):
+        for block_k in (128, 256):
+            for block_r in sorted({min(32, rank_block(rank)), min(64, rank_block(rank))}):
+                if k // split_k < block_k:
+                    continue
+                out.append(dataclasses.replace(cfg, split_k=split_k, block_k=block_k,
+                                               block_r=block_r))
     return list(dict.fromkeys(out))
 
 
@@ -152,31 +159,47 @@ def graph_timer(reps: int, flush: torch.Tensor):
     return time_us
 
 
-def _baseline(support, k: int, slices: tuple[int, ...], t: int, rank: int, one_slot: bool):
+def _k1_op(codes: bool) -> str:
+    return "decode_shrink_codes" if codes else "decode_shrink"
+
+
+def _baseline(support, k: int, slices: tuple[int, ...], t: int, rank: int, one_slot: bool,
+              codes: bool):
     """The decode path's settings in use for one cell: (K1's, K2's)."""
     from epilora_kernels._tiling import shape_config
 
     n = sum(slices)
-    k1 = shape_config(support, "decode_shrink", t, n, k, rank, slices, one_slot)
+    k1 = shape_config(support, _k1_op(codes), t, n, k, rank, slices, one_slot)
     k2 = shape_config(support, "lora_gemm", t, n, k, rank, slices, one_slot)
     return k1, dataclasses.replace(k2, block_r=rank_block(rank))
 
 
-def _launches(support, projections: dict, tokens, rank: int, slots: int) -> list:
+def _launches(support, projections: dict, tokens, rank: int, slots: int, codes: bool) -> list:
     """Every (K, slices, tokens, K1, K2) the search may time: the settings in use, the K2
     candidates with K1's in use, the K1 candidates with K2's in use (the best K2 differs, but
     K1 and K2 are separate kernels: compiling each once is enough)."""
     out = []
     for k, slices in projections.values():
         for t in tokens:
-            k1, k2 = _baseline(support, k, slices, t, rank, slots == 1)
+            k1, k2 = _baseline(support, k, slices, t, rank, slots == 1, codes)
             out += [(k, slices, t, k1, k2)]
             out += [(k, slices, t, k1, c) for c in k2_candidates(k2, sum(slices), k, slices)]
             out += [(k, slices, t, c, k2) for c in k1_candidates(k1, k, rank)]
     return list(dict.fromkeys(out))
 
 
-def _compile(launches: list, rank: int, slots: int) -> list[str]:
+def _decode(x, weight, scale, lora, batch, k1, k2, quantized, workspace=None):
+    """The decode path as the tuner times it: on bf16 x (K1 quantizes; `quantized` False), or
+    on x's per-token codes (`quantized`, the pair; x not passed: the shrink and the GEMM read
+    the codes)."""
+    from epilora_kernels import fused
+
+    return fused.decode_lora_fp8_linear(None if quantized else x, weight, scale, lora, batch,
+                                        k1_config=k1, k2_config=k2, workspace=workspace,
+                                        x_quantized=quantized or None)
+
+
+def _compile(launches: list, rank: int, slots: int, codes: bool) -> list[str]:
     """Run each launch once (a worker process: Triton compiles and writes its disk cache, which
     the tuning process then reads); the errors, as text."""
     from epilora_kernels import fused
@@ -189,32 +212,34 @@ def _compile(launches: list, rank: int, slots: int) -> list[str]:
             x, weight, scale, lora, batch = _problem(t, k, slices, rank, slots, device)
             if (k, slices, t) not in fitted:  # the wave fitting's candidates, compiled here too
                 fitted.add((k, slices, t))
-                fused.decode_settings(x, weight, scale, lora, batch)
-            fused.decode_lora_fp8_linear(x, weight, scale, lora, batch, k1_config=k1,
-                                         k2_config=k2)
+                fused.decode_settings(x, weight, scale, lora, batch, codes=codes)
+            _decode(x, weight, scale, lora, batch, k1, k2, codes and fused.quantize(x))
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 (reported; the timed search skips it)
             errors.append(f"{k} {slices} {t} {k1} {k2}: {e!r}"[:500])
     return errors
 
 
-def _compile_in_parallel(launches: list, rank: int, slots: int, jobs: int) -> list[str]:
+def _compile_in_parallel(launches: list, rank: int, slots: int, codes: bool,
+                         jobs: int) -> list[str]:
     import concurrent.futures
     import multiprocessing
 
     shares = [launches[i::jobs] for i in range(jobs)]
     context = multiprocessing.get_context("spawn")  # no CUDA state inherited
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        results = pool.map(_compile, shares, [rank] * jobs, [slots] * jobs)
+        results = pool.map(_compile, shares, [rank] * jobs, [slots] * jobs, [codes] * jobs)
         return [error for errors in results for error in errors]
 
 
 def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: int,
                 slots: int = 1, tokens: tuple[int, ...] = DECODE_BUCKETS,
                 budget_s: float = 60.0, reps: int = 15, write: bool = True, jobs: int = 0,
-                time_us=None, progress=print) -> dict:
+                codes: bool = False, time_us=None, progress=print) -> dict:
     """Tune the decode path's K1 and K2 for `projections` ({name: (K, output slices)}) with
     adapters of `rank` over `slots` slots at the `tokens` buckets, within `budget_s` seconds;
+    `codes`: called as an engine that quantizes x itself calls it (`x_quantized`, x None: K1's
+    settings are cached as `decode_shrink_codes`, K2's as the GEMM's for every path);
     write the winners into the cache (`cache_path`) unless `write` is False. With `jobs` > 1
     every candidate is first compiled in that many processes (in the budget). `time_us(fn)`
     replaces the GPU timer (tests). Returns the report: per cell the settings before and after
@@ -237,13 +262,13 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
     compile_s, compile_errors = 0.0, []
     if jobs > 1 and not support.interpreter:
         compile_errors = _compile_in_parallel(_launches(support, projections, tokens, rank,
-                                                        slots), rank, slots, jobs)
+                                                        slots, codes), rank, slots, codes, jobs)
         compile_s = round(time.monotonic() - start, 1)
         progress(f"compiled the candidates in {jobs} processes: {compile_s} s, "
                  f"{len(compile_errors)} failed")
     table: dict = {"_meta": {"device": support.name, "tool": "epilora_kernels.tuner",
-                             "rank": rank, "slots": slots}}
-    report = {"device": support.name, "rank": rank, "slots": slots, "cells": [],
+                             "rank": rank, "slots": slots, "codes": codes}}
+    report = {"device": support.name, "rank": rank, "slots": slots, "codes": codes, "cells": [],
               "seconds": {}, "budget_s": budget_s, "complete": True, "compile_s": compile_s,
               "compile_errors": compile_errors}
     for name, (k, slices) in projections.items():
@@ -254,13 +279,13 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
                 report["complete"] = False
                 break
             x, weight, scale, lora, batch = _problem(t, k, slices, rank, slots, device)
+            quantized = codes and fused.quantize(x)
 
             def run(k1, k2, x=x, weight=weight, scale=scale, lora=lora, batch=batch, name=name,
-                    t=t):
+                    t=t, quantized=quantized):
                 try:
-                    return time_us(lambda: fused.decode_lora_fp8_linear(
-                        x, weight, scale, lora, batch, k1_config=k1, k2_config=k2,
-                        workspace=workspace))
+                    return time_us(lambda: _decode(x, weight, scale, lora, batch, k1, k2,
+                                                   quantized, workspace))
                 except Exception as e:  # a candidate that does not compile or launch
                     failure = f"{name} {t} {k1} {k2}: {e!r}"[:300]
                     report.setdefault("failed", []).append(failure)
@@ -269,7 +294,7 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
 
             # What runs without this cell tuned: the table's or heuristic's settings, K2's
             # fitted to the waves.
-            k1, k2 = fused.decode_settings(x, weight, scale, lora, batch)
+            k1, k2 = fused.decode_settings(x, weight, scale, lora, batch, codes=codes)
             before = best = run(k1, k2)
             chosen = (k1, k2)
             for cand in k2_candidates(k2, n, k, slices):
@@ -290,7 +315,7 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
                 report.setdefault("untuned", []).append({"projection": name, "tokens": t})
                 continue
             key = shape_key(n, k, rank, one_slot)
-            for op, cfg in (("decode_shrink", chosen[0]), ("lora_gemm", chosen[1])):
+            for op, cfg in ((_k1_op(codes), chosen[0]), ("lora_gemm", chosen[1])):
                 table.setdefault(op, {}).setdefault(key, {})[str(t)] = dataclasses.asdict(cfg)
             report["cells"].append({"projection": name, "tokens": t,
                                     "before_us": None if before == float("inf") else before,
