@@ -194,6 +194,9 @@ def test_codes_mode_is_tuned_on_the_codes_and_cached_apart(cache, monkeypatch):
     report = tuner.tune_decode({"down": (4096, (64,))}, rank=16, tokens=(4,), codes=True,
                                time_us=time_us, progress=lambda line: None)
     assert report["codes"] and report["cells"][0]["k1"]["split_k"] == 2
+    # an engine asks before tuning: this shape on codes is tuned now, not for bf16 x
+    assert tuner.tuned(64, 4096, 16, codes=True)
+    assert not tuner.tuned(64, 4096, 16) and not tuner.tuned(64, 4096, 16, codes=True, slots=4)
     assert launch.table_config("triton-interpreter", "decode_shrink_codes", 4, 64, 4096, 16,
                                one_slot=True).split_k == 2
     assert launch.table_config("triton-interpreter", "decode_shrink", 4, 64, 4096, 16,

@@ -76,6 +76,20 @@ def read_cache(device_name: str) -> dict | None:
                          "delete it to re-tune") from e
 
 
+def tuned(n: int, k: int, rank: int, *, slots: int = 1, codes: bool = False,
+          device: torch.device | str | None = None) -> bool:
+    """Whether the decode path's K1 settings for an N x K projection with adapters of `rank`
+    over `slots` slots (`codes`: on the caller's codes) were tuned on this very shape, in the
+    shipped table or the cache: an engine tunes the shapes that were not."""
+    from epilora_kernels.arch import device_support
+    from epilora_kernels.launch import table_device, tuned_exactly
+
+    support = device_support(device)
+    name = table_device(support.name, support.arch) or support.name
+    return tuned_exactly(name, _k1_op(codes), n, k, rank, slots == 1,
+                         cache_device=support.name)
+
+
 def k2_candidates(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...]) -> list:
     """K2 settings around `cfg`: N tiles of 32, 64 and 128, K tiles of 256 and 512, the K loop
     split in 1 or 2, 3 or 5 stages (a tile must not straddle two slices)."""
@@ -142,7 +156,9 @@ def graph_timer(reps: int, flush: torch.Tensor):
             fn()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: an engine tunes in a thread of its own while its main thread may
+        # allocate (in global mode those calls would fail for the capture's duration)
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             fn()
         times = []
         for _ in range(reps):
@@ -220,6 +236,19 @@ def _compile(launches: list, rank: int, slots: int, codes: bool) -> list[str]:
     return errors
 
 
+def _compile_in_threads(launches: list, rank: int, slots: int, codes: bool,
+                        threads: int) -> list[str]:
+    """`_compile` in this process, each launch compiled without running (`compile_only`), the
+    compiles in `threads` threads: for a process that must not spawn others (an engine)."""
+    from epilora_kernels._launchers import compile_only
+
+    try:
+        with compile_only(threads=threads):
+            return _compile(launches, rank, slots, codes)
+    except Exception as e:  # noqa: BLE001 (the first failed compile; the search skips it)
+        return [f"compile: {e!r}"[:500]]
+
+
 def _compile_in_parallel(launches: list, rank: int, slots: int, codes: bool,
                          jobs: int) -> list[str]:
     import concurrent.futures
@@ -235,13 +264,15 @@ def _compile_in_parallel(launches: list, rank: int, slots: int, codes: bool,
 def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: int,
                 slots: int = 1, tokens: tuple[int, ...] = DECODE_BUCKETS,
                 budget_s: float = 60.0, reps: int = 15, write: bool = True, jobs: int = 0,
-                codes: bool = False, time_us=None, progress=print) -> dict:
+                compile_threads: int = 0, codes: bool = False, time_us=None,
+                progress=print) -> dict:
     """Tune the decode path's K1 and K2 for `projections` ({name: (K, output slices)}) with
     adapters of `rank` over `slots` slots at the `tokens` buckets, within `budget_s` seconds;
     `codes`: called as an engine that quantizes x itself calls it (`x_quantized`, x None: K1's
     settings are cached as `decode_shrink_codes`, K2's as the GEMM's for every path);
     write the winners into the cache (`cache_path`) unless `write` is False. With `jobs` > 1
-    every candidate is first compiled in that many processes (in the budget). `time_us(fn)`
+    every candidate is first compiled in that many processes (in the budget); with
+    `compile_threads` > 1 instead, in this process in that many threads. `time_us(fn)`
     replaces the GPU timer (tests). Returns the report: per cell the settings before and after
     and their times, and the seconds each projection took."""
     from epilora_kernels import fused
@@ -260,11 +291,16 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
     start = time.monotonic()
     one_slot = slots == 1
     compile_s, compile_errors = 0.0, []
-    if jobs > 1 and not support.interpreter:
-        compile_errors = _compile_in_parallel(_launches(support, projections, tokens, rank,
-                                                        slots, codes), rank, slots, codes, jobs)
+    if (jobs > 1 or compile_threads > 1) and not support.interpreter:
+        launches = _launches(support, projections, tokens, rank, slots, codes)
+        if jobs > 1:
+            compile_errors = _compile_in_parallel(launches, rank, slots, codes, jobs)
+            where = f"{jobs} processes"
+        else:
+            compile_errors = _compile_in_threads(launches, rank, slots, codes, compile_threads)
+            where = f"{compile_threads} threads"
         compile_s = round(time.monotonic() - start, 1)
-        progress(f"compiled the candidates in {jobs} processes: {compile_s} s, "
+        progress(f"compiled the candidates in {where}: {compile_s} s, "
                  f"{len(compile_errors)} failed")
     table: dict = {"_meta": {"device": support.name, "tool": "epilora_kernels.tuner",
                              "rank": rank, "slots": slots, "codes": codes}}

@@ -71,6 +71,16 @@ def precompile() -> bool:
     return value == "1"
 
 
+def tune() -> bool:
+    """EPILORA_VLLM_TUNE (1, the default; 0 off): tune the decode path's launch settings for
+    each projection shape the engine serves that the kernels' table and cache do not have, while
+    the engine starts (`epilora_vllm.tuning`)."""
+    value = os.environ.get("EPILORA_VLLM_TUNE", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"EPILORA_VLLM_TUNE={value!r}: expected '0' or '1'")
+    return value == "1"
+
+
 def cache_dir() -> str:
     """EPILORA_CACHE_DIR (as epilora-kernels reads it): the timed dispatch's choices go to its
     `vllm/` folder (default: $XDG_CACHE_HOME/epilora, else ~/.cache/epilora, then `vllm/`)."""

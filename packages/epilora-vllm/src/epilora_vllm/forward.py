@@ -22,7 +22,7 @@ import torch
 import epilora_kernels as ek
 from epilora_kernels import reference
 from epilora_quant import Fp8Arithmetic, quantize_fp8_per_token
-from epilora_vllm import _env, dispatch, precompile
+from epilora_vllm import _env, dispatch, precompile, tuning
 
 
 @dataclass
@@ -116,15 +116,16 @@ class EpiloraForward:
                 config.compilation_config.cudagraph_capture_sizes or (),
                 config.scheduler_config.max_num_batched_tokens)
         sizes = (precompile.graph_sizes() if layer.device.type == "cuda" and _env.precompile()
-                 else ())
-        if sizes:  # none under enforce_eager: no graphs, nothing to compile ahead
+                 else ())  # none under enforce_eager: no graphs, nothing to compile ahead
+        tune = _env.tune() and tuning.needed(self)
+        if sizes or tune:
             weight, scale = self._weights()
             key = (str(layer.device), self.lora.in_features, tuple(self.lora.output_slices),
                    self.lora.max_rank, self.lora.max_loras, str(weight.dtype),
                    scale.numel() > 1, self.mode.path, self.mode.quantize, self.mode.matched,
                    sizes)
             self._precompiling = True
-            precompile.start(self, key, sizes)
+            precompile.start(self, key, sizes, tune=tune)
 
     def __call__(self, x: torch.Tensor | None, codes: torch.Tensor | None,
                  scales: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:

