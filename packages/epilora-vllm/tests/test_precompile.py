@@ -58,20 +58,6 @@ def test_a_failing_job_says_why_and_leaves_the_rest_to_the_forward(caplog):
     assert "RuntimeError: no such kernel" in caplog.text
 
 
-def test_a_job_tunes_its_case_first_and_compiles_the_tuned_settings(monkeypatch):
-    from epilora_vllm import tuning
-
-    order = []
-    monkeypatch.setattr(tuning, "tune", lambda forward: order.append(("tune", forward)))
-    forward, eager = _Recorder(), _Recorder()
-    monkeypatch.setattr(forward, "warm", lambda tokens: order.append(("warm", tokens)))
-    precompile.start(forward, ("tuned", 1), (1, 2), tune=True)
-    precompile.start(eager, ("tuned", 2), (), tune=True)  # enforce_eager: tuning alone
-    precompile.start(_Recorder(), ("untuned", 3), (4,))
-    precompile.wait_all()
-    assert order == [("tune", forward), ("warm", 1), ("warm", 2), ("tune", eager)]
-
-
 @pytest.mark.parametrize(("quantize", "path", "want"), [
     ("codes", None, ("decode", "none", "torch.float8_e4m3fn")),
     ("vllm", None, ("decode", "bf16", "torch.float8_e4m3fn")),

@@ -57,6 +57,11 @@ def test_it_asks_the_kernels_for_the_layers_own_case_and_skips_a_tuned_one(sm90,
     assert not tuning.needed(_forward())
 
 
+@pytest.fixture(autouse=True)
+def _fresh_cases(monkeypatch):
+    monkeypatch.setattr(tuning, "_tried", set())
+
+
 def test_tune_passes_the_case_and_logs_what_it_found(monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
@@ -71,6 +76,7 @@ def test_tune_passes_the_case_and_logs_what_it_found(monkeypatch, caplog):
     monkeypatch.setattr(tuner, "tune_decode", tune_decode)
     with caplog.at_level(logging.INFO, logger="vllm.epilora_vllm"):
         tuning.tune(_forward(max_loras=2))
+        tuning.tune(_forward(max_loras=2))  # another layer of the case: tuned once
     ((projections, kw),) = calls
     assert list(projections.values()) == [(64, (32, 32))]
     assert (kw["rank"], kw["slots"], kw["codes"], kw["budget_s"]) == (16, 2, True,
@@ -89,7 +95,9 @@ def test_a_failing_tuner_says_why_and_stops_nothing(monkeypatch, caplog):
     monkeypatch.setattr(tuner, "tune_decode", tune_decode)
     with caplog.at_level(logging.WARNING, logger="vllm.epilora_vllm"):
         tuning.tune(_forward())
+        tuning.tune(_forward())  # the case's next layer does not try again
     assert "RuntimeError: out of memory" in caplog.text and "shipped settings" in caplog.text
+    assert caplog.text.count("out of memory") == 1
 
 
 @pytest.mark.parametrize(("value", "want"), [(None, True), ("0", False), ("no", ValueError)])

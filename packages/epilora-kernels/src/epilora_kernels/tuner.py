@@ -156,7 +156,7 @@ def graph_timer(reps: int, flush: torch.Tensor):
             fn()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: an engine tunes in a thread of its own while its main thread may
+        # thread_local: an engine tunes in a thread of its own beside others that may
         # allocate (in global mode those calls would fail for the capture's duration)
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             fn()

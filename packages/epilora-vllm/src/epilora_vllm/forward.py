@@ -115,17 +115,18 @@ class EpiloraForward:
             self._start_buckets = dispatch.start_buckets(
                 config.compilation_config.cudagraph_capture_sizes or (),
                 config.scheduler_config.max_num_batched_tokens)
+        if _env.tune() and tuning.needed(self):  # before the compiles: of tuned settings
+            tuning.tune(self)
         sizes = (precompile.graph_sizes() if layer.device.type == "cuda" and _env.precompile()
-                 else ())  # none under enforce_eager: no graphs, nothing to compile ahead
-        tune = _env.tune() and tuning.needed(self)
-        if sizes or tune:
+                 else ())
+        if sizes:  # none under enforce_eager: no graphs, nothing to compile ahead
             weight, scale = self._weights()
             key = (str(layer.device), self.lora.in_features, tuple(self.lora.output_slices),
                    self.lora.max_rank, self.lora.max_loras, str(weight.dtype),
                    scale.numel() > 1, self.mode.path, self.mode.quantize, self.mode.matched,
                    sizes)
             self._precompiling = True
-            precompile.start(self, key, sizes, tune=tune)
+            precompile.start(self, key, sizes)
 
     def __call__(self, x: torch.Tensor | None, codes: torch.Tensor | None,
                  scales: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:

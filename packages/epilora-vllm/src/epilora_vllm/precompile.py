@@ -1,6 +1,5 @@
 """Compile, while the engine starts, the kernels each served layer will launch at vLLM's
-CUDA-graph sizes (EPILORA_VLLM_PRECOMPILE=1), after tuning their launch settings where the
-kernels have none tuned on the layer's shape (EPILORA_VLLM_TUNE=1, `epilora_vllm.tuning`).
+CUDA-graph sizes (EPILORA_VLLM_PRECOMPILE=1).
 
 vLLM runs every CUDA-graph size eagerly once before capturing it, and the first run of a size
 compiles the Triton kernels the layer's path launches there: tens of compiles, most of the
@@ -31,7 +30,6 @@ from concurrent.futures import Future
 import torch
 
 import epilora_kernels as ek
-from epilora_vllm import tuning
 
 logger = logging.getLogger("vllm.epilora_vllm")
 
@@ -53,14 +51,14 @@ def graph_sizes() -> tuple[int, ...]:
     return tuple(sorted(size for size in sizes if size > 0))
 
 
-def start(forward, key: tuple, sizes: tuple[int, ...], tune: bool = False) -> Future:
-    """The job compiling `forward`'s kernels at `sizes` (with `tune`, after tuning its case),
-    queued unless one of the same case `key` exists (then that one)."""
+def start(forward, key: tuple, sizes: tuple[int, ...]) -> Future:
+    """The job compiling `forward`'s kernels at `sizes`, queued unless one of the same case
+    `key` exists (then that one)."""
     global _worker
     with _lock:
         if key not in _jobs:
             _jobs[key] = Future()
-            _queue.put((forward, key, sizes, tune, _jobs[key]))
+            _queue.put((forward, key, sizes, _jobs[key]))
             if _worker is None:
                 _worker = threading.Thread(target=_work, name="epilora-precompile", daemon=True)
                 _worker.start()
@@ -77,12 +75,9 @@ def wait_all() -> None:
 
 def _work() -> None:
     while True:
-        forward, key, sizes, tune, job = _queue.get()
+        forward, key, sizes, job = _queue.get()
         if job.set_running_or_notify_cancel():
-            if tune:
-                tuning.tune(forward)
-            if sizes:
-                _compile(forward, key, sizes)
+            _compile(forward, key, sizes)
             job.set_result(None)
 
 

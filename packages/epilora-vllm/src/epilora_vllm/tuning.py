@@ -5,15 +5,24 @@ the shrink reads vLLM's codes), `epilora_kernels.tuner.tune_decode` times the de
 launch settings on the GPU at the decode token buckets and writes the winners into the kernels'
 cache (per GPU and versions, in the user's cache directory), unless the shipped table or an
 earlier start's cache already holds settings tuned on that very shape: a later start tunes
-nothing. It runs in `epilora_vllm.precompile`'s background thread, first in each case's job, so
-the compiles that follow are of the tuned settings; its candidates compile in that thread's
-process (threads, no processes spawned inside vLLM's worker). The shipped table was tuned with
-the kernels quantizing (EPILORA_VLLM_QUANTIZE=kernels); in the default `codes` mode the GEMM
-streams its weights from its start, and the shrink's best settings differ (docs/kernels.md).
+nothing. The shipped table was tuned with the kernels quantizing (EPILORA_VLLM_QUANTIZE=kernels);
+in the default `codes` mode the GEMM streams its weights from its start, and the shrink's best
+settings differ (docs/kernels.md).
+
+It runs while vLLM wraps the model for LoRA, when the case's first layer gets its adapter
+buffers, before that case's compiles are queued (`epilora_vllm.precompile`: they compile the
+tuned settings), and vLLM waits for it: the tuner times CUDA graphs, and a capture running
+beside vLLM's main thread broke vLLM's own compile there (PyTorch's CUDA random generator is
+registered with a capture for the whole process: Inductor's random inputs then failed with
+"Offset increment outside graph capture", on the H200 at e2fb500). It runs in a thread of its
+own (vLLM's sleep mode routes the main thread's allocations to its weights pool, as
+`forward._size_workspace` explains), its candidates compiled in that thread's process (threads;
+no processes spawned inside vLLM's worker).
 """
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -38,9 +47,24 @@ def needed(forward) -> bool:
                            slots=lora.max_loras, codes=mode.shrink_codes, device=layer.device)
 
 
+_tried: set[tuple] = set()  # the cases this process tuned, or tried to (a failure: once)
+
+
 def tune(forward) -> None:
-    """Tune `forward`'s projection case (in the calling thread, on its layer's GPU) and log
-    what it cost and found; a failure says why and leaves the settings as they were."""
+    """Tune `forward`'s projection case on its layer's GPU, in a thread of its own while the
+    caller waits, once per case in a process; log what it cost and found. A failure says why
+    and leaves the settings as they were."""
+    lora, mode = forward.lora, forward.mode
+    case = (str(forward.layer.device), lora.in_features, tuple(lora.output_slices),
+            lora.max_rank, lora.max_loras, mode.shrink_codes)
+    if case in _tried:
+        return
+    _tried.add(case)
+    with ThreadPoolExecutor(1, thread_name_prefix="epilora-tune") as thread:
+        thread.submit(_tune, forward).result()
+
+
+def _tune(forward) -> None:
     from epilora_kernels import tuner
 
     lora, codes = forward.lora, forward.mode.shrink_codes
