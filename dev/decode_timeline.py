@@ -1,12 +1,12 @@
 """Where the decode path's time goes: K1's and K2's programs timed by their own clocks, and the
 decode layer with K2 warming L2 or K1 in narrower rank tiles, against CUTLASS in the same run.
 
-Timeline: one Qwen3-8B layer (4 projections, one adapter) in a CUDA graph, the L2 flushed before
-each replay; the kernels are built with `TRACE`, so every program stores its SM and the global
-clock (`%globaltimer`, ns) at its start and end, and K2's also after its spin on K1's count of
-quantized rows, after its K loop and after `gdc_wait`. Per projection and replay, in us from
-the first K1 program's start (from K2's first start for `h-given`, which has no traced K1);
-medians over replays:
+Timeline: one layer of each of `--models`' shapes (default Qwen3-8B; 4 projections, one adapter)
+in a CUDA graph, the L2 flushed before each replay; the kernels are built with `TRACE`, so every
+program stores its SM and the global clock (`%globaltimer`, ns) at its start and end, and K2's
+also after its spin on K1's count of quantized rows, after its K loop and after `gdc_wait`. Per
+projection and replay, in us from the first K1 program's start (from K2's first start for
+`h-given`, which has no traced K1); medians over replays:
 
   k1_quant_end  the last quantizing program of K1 done (the codes K2 waits for)
   k1_end        the last K1 program done (h complete)

@@ -121,8 +121,14 @@ def test_a_candidate_that_fails_is_skipped_and_reported(cache, monkeypatch):
 
 
 @pytest.mark.parametrize("codes", [False, True])
-def test_the_parallel_compile_covers_every_launch_the_search_times(codes):
+def test_the_parallel_compile_covers_every_launch_the_search_times(codes, monkeypatch):
+    from epilora_kernels import _tiling
     from epilora_kernels.arch import INTERPRETER
+
+    asked = set()  # K1's op: the codes mode's own (the interpreter's heuristic answers alike)
+    shape_config = _tiling.shape_config
+    monkeypatch.setattr(_tiling, "shape_config", lambda support, op, *a: asked.add(op)
+                        or shape_config(support, op, *a))
 
     launches = tuner._launches(INTERPRETER, PROJECTIONS, (1, 8), 16, 1, codes)
     assert len(launches) == len(set(launches))
@@ -133,6 +139,7 @@ def test_the_parallel_compile_covers_every_launch_the_search_times(codes):
             assert (k1, k2) in cells
             assert all((k1, c) in cells for c in tuner.k2_candidates(k2, sum(slices), k, slices))
             assert all((c, k2) in cells for c in tuner.k1_candidates(k1, k, 16))
+    assert asked == {"decode_shrink_codes" if codes else "decode_shrink", "lora_gemm"}
 
 
 def test_a_later_run_keeps_the_buckets_an_earlier_one_tuned(cache):
@@ -194,9 +201,19 @@ def test_codes_mode_is_tuned_on_the_codes_and_cached_apart(cache, monkeypatch):
     report = tuner.tune_decode({"down": (4096, (64,))}, rank=16, tokens=(4,), codes=True,
                                time_us=time_us, progress=lambda line: None)
     assert report["codes"] and report["cells"][0]["k1"]["split_k"] == 2
-    # an engine asks before tuning: this shape on codes is tuned now, not for bf16 x
-    assert tuner.tuned(64, 4096, 16, codes=True)
-    assert not tuner.tuned(64, 4096, 16) and not tuner.tuned(64, 4096, 16, codes=True, slots=4)
+    # An engine asks before tuning (as a GPU would: the interpreter reads no table): this
+    # shape on codes is tuned now, not for bf16 x nor for several slots; with the tables off
+    # nothing is worth tuning.
+    from epilora_kernels import arch
+
+    gpu = arch.DeviceSupport("triton-interpreter", (9, 0), fp8_mma=True, pdl=True, tma=True,
+                             interpreter=False)
+    monkeypatch.setattr(arch, "device_support", lambda device=None: gpu)
+    assert not tuner.needs_tuning(64, 4096, 16, codes=True)
+    assert tuner.needs_tuning(64, 4096, 16) and tuner.needs_tuning(64, 4096, 16, codes=True,
+                                                                   slots=4)
+    monkeypatch.setenv("EPILORA_LAUNCH_TABLES", "0")
+    assert not tuner.needs_tuning(64, 4096, 16)
     assert launch.table_config("triton-interpreter", "decode_shrink_codes", 4, 64, 4096, 16,
                                one_slot=True).split_k == 2
     assert launch.table_config("triton-interpreter", "decode_shrink", 4, 64, 4096, 16,

@@ -1,8 +1,10 @@
 """EPILORA_VLLM_TUNE without a GPU: which layers the engine tunes at start (a GPU with the decode
 path, a mode that takes it, a shape the kernels' table and cache lack), what it hands the
-kernels' tuner (the layer's shape, rank, slots, and whether the shrink reads vLLM's codes), the
-line it logs, and that a failing tuner stops nothing. The tuner itself: epilora-kernels'
-test_tuner.py; at engine start on the H200: test_plugin_gpu.py."""
+kernels' tuner (the layer's shape, rank, slots, and whether vLLM gives the codes), the line it
+logs, and that a failing tuner stops nothing. The tuner itself: epilora-kernels'
+test_tuner.py. On the H200 every engine the plugin's GPU tests start tunes its cases this way
+(tests/gpu/, their log), and the serving benchmark's engines (its logs): no test asserts
+more there."""
 
 import contextlib
 import logging
@@ -30,8 +32,8 @@ def sm90(monkeypatch):
     support = SimpleNamespace(pdl=True)
     monkeypatch.setattr(ek, "device_support", lambda device=None: support)
     asked = []
-    monkeypatch.setattr(tuner, "tuned", lambda n, k, rank, **kw: asked.append(
-        (n, k, rank, kw["slots"], kw["codes"])) or False)
+    monkeypatch.setattr(tuner, "needs_tuning", lambda n, k, rank, **kw: asked.append(
+        (n, k, rank, kw["slots"], kw["codes"])) or True)
     return support, asked
 
 
@@ -46,14 +48,19 @@ def test_the_engine_tunes_layers_that_take_the_decode_path(sm90, kw, want):
     assert tuning.needed(_forward(**kw)) is want
 
 
-def test_it_asks_the_kernels_for_the_layers_own_case_and_skips_a_tuned_one(sm90, monkeypatch):
+@pytest.mark.parametrize(("quantize", "codes"), [("kernels", False), ("vllm", True),
+                                                 ("codes", True)])
+def test_it_asks_the_kernels_for_the_layers_own_case_and_skips_a_tuned_one(sm90, monkeypatch,
+                                                                           quantize, codes):
+    # vLLM's codes given (`vllm` and `codes` modes): K2 streams from its start, the regime the
+    # tuner's codes mode times; `kernels`: K1 quantizes.
     support, asked = sm90
-    assert tuning.needed(_forward(max_loras=4, quantize="kernels"))
-    assert asked == [(64, 64, 16, 4, False)]  # N = 32 + 32, K, rank, slots, bf16 x
-    monkeypatch.setattr(tuner, "tuned", lambda *a, **kw: True)  # a later start
+    assert tuning.needed(_forward(max_loras=4, quantize=quantize))
+    assert asked == [(64, 64, 16, 4, codes)]  # N = 32 + 32, K, rank, slots
+    monkeypatch.setattr(tuner, "needs_tuning", lambda *a, **kw: False)  # a later start
     assert not tuning.needed(_forward())
     support.pdl = False  # no decode path (sm_89)
-    monkeypatch.setattr(tuner, "tuned", lambda *a, **kw: False)
+    monkeypatch.setattr(tuner, "needs_tuning", lambda *a, **kw: True)
     assert not tuning.needed(_forward())
 
 
@@ -62,9 +69,13 @@ def _fresh_cases(monkeypatch):
     monkeypatch.setattr(tuning, "_tried", set())
 
 
-def test_tune_passes_the_case_and_logs_what_it_found(monkeypatch, caplog):
+@pytest.fixture
+def no_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+
+def test_tune_passes_the_case_and_logs_what_it_found(no_cuda, monkeypatch, caplog):
     calls = []
 
     def tune_decode(projections, **kw):
@@ -85,10 +96,16 @@ def test_tune_passes_the_case_and_logs_what_it_found(monkeypatch, caplog):
     assert "64x64 r16 l2 on codes" in caplog.text and "0.900 of its time" in caplog.text
 
 
-def test_a_failing_tuner_says_why_and_stops_nothing(monkeypatch, caplog):
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+def test_a_tuner_that_found_nothing_says_the_next_start_tries_again(no_cuda, monkeypatch,
+                                                                     caplog):
+    monkeypatch.setattr(tuner, "tune_decode", lambda projections, **kw: {
+        "cells": [], "compile_s": 31.0, "complete": False})
+    with caplog.at_level(logging.WARNING, logger="vllm.epilora_vllm"):
+        tuning.tune(_forward())
+    assert "found nothing" in caplog.text and "next start tunes again" in caplog.text
 
+
+def test_a_failing_tuner_says_why_and_stops_nothing(no_cuda, monkeypatch, caplog):
     def tune_decode(projections, **kw):
         raise RuntimeError("out of memory")
 

@@ -20,13 +20,20 @@ from epilora_kernels.launch import (
 )
 
 
+def table_of(support: DeviceSupport) -> str | None:
+    """The device whose launch table the launchers read for `support` (its own shipped table,
+    else its architecture's; with neither its own name still finds its tuner cache, which
+    launch._load_table overlays on whichever table it finds), or None: the heuristic alone
+    (the interpreter, EPILORA_LAUNCH_TABLES=0)."""
+    if support.interpreter or not _env.launch_tables():
+        return None
+    return table_device(support.name, support.arch) or support.name
+
+
 def shape_config(support: DeviceSupport, op: str, tokens: int, n: int, k: int, rank: int,
                  slices: tuple[int, ...], one_slot: bool = False) -> LaunchConfig:
     """The device's table entry (its own table, else its architecture's), else the heuristic."""
-    use_table = not support.interpreter and _env.launch_tables()
-    # No shipped table for the device: its own name still finds its tuner cache, if any
-    # (launch._load_table overlays the cache on whichever table it finds, or none).
-    device = (table_device(support.name, support.arch) or support.name) if use_table else None
+    device = table_of(support)
     # Prefill tiles only where a block may take sm_90's shared memory (sm_89 and consumer GPUs
     # have 99-101 KB); the interpreter has no such bound.
     return select_config(device, op, tokens, n, k, rank, slices, one_slot,
@@ -58,11 +65,10 @@ def gemm_config(support: DeviceSupport, batch: AdapterBatch, lora: LoraWeights,
 def gemm_tuned_exactly(support: DeviceSupport, batch: AdapterBatch, lora: LoraWeights) -> bool:
     """Whether K2's settings for this batch come from an entry tuned on this very shape (the
     shipped table or the tuner's cache), not from a nearer shape's entry or the heuristic."""
-    if support.interpreter or not _env.launch_tables():
-        return False
-    device = table_device(support.name, support.arch) or support.name
-    return tuned_exactly(device, "lora_gemm", lora.out_features, lora.in_features,
-                         lora.max_rank, one_slot(batch), cache_device=support.name)
+    device = table_of(support)
+    return device is not None and tuned_exactly(
+        device, "lora_gemm", lora.out_features, lora.in_features, lora.max_rank,
+        one_slot(batch), cache_device=support.name)
 
 
 def blocks_per_sm(registers: int, shared: int, warps: int, sm_registers: int = 65536,

@@ -372,17 +372,18 @@ def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int,
     `cache_device`: the device whose tuner cache overlays `device_name`'s table (default: that
     device). `large_tiles`: as for `heuristic_config`. `decode_shrink_codes` takes its own
     entry where a bucket covers the batch, else `decode_shrink`'s choice."""
-    if op == "decode_shrink_codes":
-        tuned = None if device_name is None else table_config(
+    def covered(op: str) -> LaunchConfig | None:  # a bucket at or above the batch, or None
+        return None if device_name is None else table_config(
             device_name, op, tokens, n, k, rank, cover=True, one_slot=one_slot,
             cache_device=cache_device)
+
+    if op == "decode_shrink_codes":  # (a nearest shape's entries too, before decode_shrink's)
+        tuned = covered(op)
         if tuned is not None:
             return tuned
         op = "decode_shrink"
     if op == "decode_shrink" and tokens > DECODE_SHRINK_MAX_TOKENS:
-        tuned = None if device_name is None else table_config(
-            device_name, op, tokens, n, k, rank, cover=True, one_slot=one_slot,
-            cache_device=cache_device)
+        tuned = covered(op)
         if tuned is not None:
             return tuned
         op = "quantize_shrink"

@@ -76,18 +76,22 @@ def read_cache(device_name: str) -> dict | None:
                          "delete it to re-tune") from e
 
 
-def tuned(n: int, k: int, rank: int, *, slots: int = 1, codes: bool = False,
-          device: torch.device | str | None = None) -> bool:
-    """Whether the decode path's K1 settings for an N x K projection with adapters of `rank`
-    over `slots` slots (`codes`: on the caller's codes) were tuned on this very shape, in the
-    shipped table or the cache: an engine tunes the shapes that were not."""
+def needs_tuning(n: int, k: int, rank: int, *, slots: int = 1, codes: bool = False,
+                 device: torch.device | str | None = None) -> bool:
+    """Whether `tune_decode` would give the launchers decode settings they lack for an N x K
+    projection with adapters of `rank` over `slots` slots (`codes`: called with the codes
+    given): no K1 entry tuned on this very shape in the shipped table or the cache (one tuned
+    bucket counts), and the launchers read tables at all (not under EPILORA_LAUNCH_TABLES=0
+    or the interpreter). K2's entries are one per shape for both modes: tuning one mode
+    replaces the other's."""
+    from epilora_kernels._tiling import table_of
     from epilora_kernels.arch import device_support
-    from epilora_kernels.launch import table_device, tuned_exactly
+    from epilora_kernels.launch import tuned_exactly
 
     support = device_support(device)
-    name = table_device(support.name, support.arch) or support.name
-    return tuned_exactly(name, _k1_op(codes), n, k, rank, slots == 1,
-                         cache_device=support.name)
+    name = table_of(support)
+    return name is not None and not tuned_exactly(name, _k1_op(codes), n, k, rank, slots == 1,
+                                                  cache_device=support.name)
 
 
 def k2_candidates(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...]) -> list:
@@ -216,8 +220,9 @@ def _decode(x, weight, scale, lora, batch, k1, k2, quantized, workspace=None):
 
 
 def _compile(launches: list, rank: int, slots: int, codes: bool) -> list[str]:
-    """Run each launch once (a worker process: Triton compiles and writes its disk cache, which
-    the tuning process then reads); the errors, as text."""
+    """Run each launch once, so that Triton compiles it (in a worker process, into its disk
+    cache, which the tuning process then reads; or under `compile_only`, into this process's
+    caches); the errors, as text."""
     from epilora_kernels import fused
 
     errors = []
@@ -291,6 +296,8 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
     start = time.monotonic()
     one_slot = slots == 1
     compile_s, compile_errors = 0.0, []
+    if jobs > 1 and compile_threads > 1:
+        raise ValueError("compile in processes (jobs) or in threads (compile_threads), not both")
     if (jobs > 1 or compile_threads > 1) and not support.interpreter:
         launches = _launches(support, projections, tokens, rank, slots, codes)
         if jobs > 1:

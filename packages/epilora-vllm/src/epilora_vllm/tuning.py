@@ -43,8 +43,9 @@ def needed(forward) -> bool:
         return False
     if not ek.device_support(layer.device).pdl:
         return False
-    return not tuner.tuned(lora.out_features, lora.in_features, lora.max_rank,
-                           slots=lora.max_loras, codes=mode.shrink_codes, device=layer.device)
+    return tuner.needs_tuning(lora.out_features, lora.in_features, lora.max_rank,
+                              slots=lora.max_loras, codes=mode.vllm_quantizes,
+                              device=layer.device)
 
 
 _tried: set[tuple] = set()  # the cases this process tuned, or tried to (a failure: once)
@@ -56,7 +57,7 @@ def tune(forward) -> None:
     and leaves the settings as they were."""
     lora, mode = forward.lora, forward.mode
     case = (str(forward.layer.device), lora.in_features, tuple(lora.output_slices),
-            lora.max_rank, lora.max_loras, mode.shrink_codes)
+            lora.max_rank, lora.max_loras, mode.vllm_quantizes)
     if case in _tried:
         return
     _tried.add(case)
@@ -67,7 +68,9 @@ def tune(forward) -> None:
 def _tune(forward) -> None:
     from epilora_kernels import tuner
 
-    lora, codes = forward.lora, forward.mode.shrink_codes
+    # vLLM's codes given (`codes` and `vllm` modes): K2 streams from its start, whether the
+    # shrink reads the codes or x; the tuner times that regime with the codes alone.
+    lora, codes = forward.lora, forward.mode.vllm_quantizes
     case = f"{lora.out_features}x{lora.in_features} r{lora.max_rank} l{lora.max_loras}" + (
         " on codes" if codes else "")
     begin = time.perf_counter()
@@ -77,12 +80,17 @@ def _tune(forward) -> None:
                 {case: (lora.in_features, tuple(lora.output_slices))}, rank=lora.max_rank,
                 slots=lora.max_loras, codes=codes, budget_s=BUDGET_S,
                 compile_threads=COMPILE_THREADS, progress=logger.debug)
+            # the candidates' buffers and graphs back to the GPU before vLLM sizes its cache
+            torch.cuda.empty_cache()
     except Exception as e:  # noqa: BLE001 - an optimization: the shipped settings serve
         logger.warning("epilora tune: %s stopped (%s: %s); the shipped settings serve it",
                        case, type(e).__name__, str(e)[:300])
         return
-    finally:  # the candidates' buffers and graphs back to the GPU before vLLM sizes its cache
-        torch.cuda.empty_cache()
+    if not report["cells"]:  # nothing written: the next start tries again
+        logger.warning("epilora tune: %s found nothing within %.0f s (compiles %.1f s); the "
+                       "shipped settings serve it and the next start tunes again "
+                       "(EPILORA_VLLM_TUNE=0: never)", case, BUDGET_S, report["compile_s"])
+        return
     cells = report["cells"]
     faster = [c["after_us"] / c["before_us"] for c in cells if c["before_us"]]
     logger.info("epilora tune: %s in %.1f s (compiles %.1f s, %s): %d token buckets, the decode "
