@@ -20,6 +20,7 @@ TARGETS = {"tpot1": ("tpot_ms", "lower", 1.05, 0.72),
            "tenants32": ("output_tokens_per_s", "higher", 0.97, 1.07)}
 # Online: median TPOT at most this multiple of stock's, p99 TTFT at most this, at every rate.
 ONLINE_TPOT, ONLINE_TTFT = 0.85, 1.1
+FIRST_START_S = 90  # a first start with empty caches: at most this much over stock's
 SCENARIO_TITLES = {
     "online": "online: `vllm serve`, 32 tenants, Poisson arrivals",
     "tpot1": "batch 1, one rank-64 adapter",
@@ -70,6 +71,16 @@ def target_lines(scenario: str, systems: dict) -> list[str]:
             best = (min if better == "lower" else max)(stock, key=lambda r: r["value"])
             lines.append(f"- {what} against stock's {best['system']}: "
                          f"{verdict(mine['value'] / best['value'], bound, better)}.")
+    # The start bound is in seconds over stock's start (every start here has cold
+    # caches, the plugin's tuning and compiles included: a first start).
+    mine = systems.get("epilora", {}).get("start_s")
+    stock = [systems[s]["start_s"] for s in STOCK_LORA if "start_s" in systems.get(s, {})]
+    if mine and stock:
+        best = min(stock, key=lambda r: r["value"])
+        extra = mine["value"] - best["value"]
+        lines.append(f"- Start against stock's {best['system']}: **{extra:+.0f} s** (a first "
+                     f"start, target at most +{FIRST_START_S} s: "
+                     f"{'met' if extra <= FIRST_START_S else 'not met'}).")
     return lines
 
 
