@@ -88,17 +88,20 @@ def test_warm_takes_the_batchs_path_on_the_modes_activations(monkeypatch, quanti
     assert batch.token_lora_mapping.tolist() == [0, 1, 2, 3, 0, 1]  # round robin, as vLLM's
 
 
+@pytest.mark.parametrize(("variable", "reader"), [("EPILORA_VLLM_PRECOMPILE", "precompile"),
+                                                  ("EPILORA_VLLM_TUNE", "tune")])
 @pytest.mark.parametrize(("value", "want"), [(None, True), ("1", True), ("0", False),
                                              ("yes", ValueError)])
-def test_precompile_is_on_by_default_and_its_variable_is_checked(value, want, monkeypatch):
+def test_precompile_and_tuning_are_on_by_default_and_their_variables_checked(
+        variable, reader, value, want, monkeypatch):
     from epilora_vllm import _env
 
     if value is None:
-        monkeypatch.delenv("EPILORA_VLLM_PRECOMPILE", raising=False)
+        monkeypatch.delenv(variable, raising=False)
     else:
-        monkeypatch.setenv("EPILORA_VLLM_PRECOMPILE", value)
+        monkeypatch.setenv(variable, value)
     if want is ValueError:
-        with pytest.raises(ValueError, match="EPILORA_VLLM_PRECOMPILE='yes'"):
-            _env.precompile()
+        with pytest.raises(ValueError, match=f"{variable}='yes'"):
+            getattr(_env, reader)()
     else:
-        assert _env.precompile() is want
+        assert getattr(_env, reader)() is want

@@ -15,7 +15,7 @@ import torch
 
 import epilora_kernels as ek
 from epilora_kernels import tuner
-from epilora_vllm import _env, tuning
+from epilora_vllm import tuning
 from epilora_vllm.forward import _Mode
 
 
@@ -115,16 +115,3 @@ def test_a_failing_tuner_says_why_and_stops_nothing(no_cuda, monkeypatch, caplog
         tuning.tune(_forward())  # the case's next layer does not try again
     assert "RuntimeError: out of memory" in caplog.text and "shipped settings" in caplog.text
     assert caplog.text.count("out of memory") == 1
-
-
-@pytest.mark.parametrize(("value", "want"), [(None, True), ("0", False), ("no", ValueError)])
-def test_tuning_is_on_by_default_and_its_variable_is_checked(value, want, monkeypatch):
-    if value is None:
-        monkeypatch.delenv("EPILORA_VLLM_TUNE", raising=False)
-    else:
-        monkeypatch.setenv("EPILORA_VLLM_TUNE", value)
-    if want is ValueError:
-        with pytest.raises(ValueError, match="EPILORA_VLLM_TUNE='no'"):
-            _env.tune()
-    else:
-        assert _env.tune() is want

@@ -65,19 +65,21 @@ def precompile() -> bool:
     """EPILORA_VLLM_PRECOMPILE (1, the default; 0 off): compile the kernels each served layer
     will launch at vLLM's CUDA-graph sizes in background threads while the engine starts
     (`epilora_vllm.precompile`)."""
-    value = os.environ.get("EPILORA_VLLM_PRECOMPILE", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"EPILORA_VLLM_PRECOMPILE={value!r}: expected '0' or '1'")
-    return value == "1"
+    return _switch("EPILORA_VLLM_PRECOMPILE")
 
 
 def tune() -> bool:
     """EPILORA_VLLM_TUNE (1, the default; 0 off): tune the decode path's launch settings for
     each projection shape the engine serves that the kernels' table and cache do not have, while
     the engine starts (`epilora_vllm.tuning`)."""
-    value = os.environ.get("EPILORA_VLLM_TUNE", "1")
+    return _switch("EPILORA_VLLM_TUNE")
+
+
+def _switch(name: str) -> bool:
+    # An on/off variable, on unless set to 0; any other value is refused.
+    value = os.environ.get(name, "1")
     if value not in ("0", "1"):
-        raise ValueError(f"EPILORA_VLLM_TUNE={value!r}: expected '0' or '1'")
+        raise ValueError(f"{name}={value!r}: expected '0' or '1'")
     return value == "1"
 
 

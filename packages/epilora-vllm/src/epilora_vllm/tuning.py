@@ -86,12 +86,12 @@ def _tune(forward) -> None:
         logger.warning("epilora tune: %s stopped (%s: %s); the shipped settings serve it",
                        case, type(e).__name__, str(e)[:300])
         return
-    if not report["cells"]:  # nothing written: the next start tries again
+    cells = report["cells"]
+    if not cells:  # nothing written: the next start tries again
         logger.warning("epilora tune: %s found nothing within %.0f s (compiles %.1f s); the "
                        "shipped settings serve it and the next start tunes again "
                        "(EPILORA_VLLM_TUNE=0: never)", case, BUDGET_S, report["compile_s"])
         return
-    cells = report["cells"]
     faster = [c["after_us"] / c["before_us"] for c in cells if c["before_us"]]
     logger.info("epilora tune: %s in %.1f s (compiles %.1f s, %s): %d token buckets, the decode "
                 "path %.3f of its time before (mean; best %.3f)", case,
