@@ -217,7 +217,8 @@ def online(args) -> None:
     server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
               args.model_dir, "--load-format", "dummy", "--quantization", "fp8",
               "--max-model-len", "4096", "--max-num-seqs", str(REQUESTS),
-              "--gpu-memory-utilization", "0.85", "--seed", "0", "--port", str(port)]
+              "--gpu-memory-utilization", "0.85", "--seed", "0", "--port", str(port),
+              "--jit-monitor-verbose"]  # every Triton compile while serving, in the log
     if tenants:
         server += ["--enable-lora", "--max-loras", str(TENANTS), "--max-lora-rank", str(RANK),
                    "--lora-modules", *tenants]

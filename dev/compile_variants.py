@@ -19,6 +19,11 @@ Why it exists: with one adapter the plugin's engine captured graphs in 46 s agai
 went.
 
     python dev/compile_variants.py --models llama3.1-8b --max-num-seqs 32 --max-loras 1 --compile
+
+`--check-eager MAX_TOKENS` checks the plugin's precompile sizes instead: the capture sizes and
+`epilora_vllm.precompile.eager_sizes` above them meet every key that any size up to MAX_TOKENS
+meets (exit status 1 and the keys missed otherwise). Qwen3-8B at 256 sequences, 32 slots, and
+Llama-3.1-8B at 1 slot, to 8192 tokens: none missed.
 """
 
 import argparse
@@ -67,8 +72,10 @@ def compile_key(kernel, args, kwargs) -> tuple:
     return tuple(key)
 
 
-def launches(model: str, max_num_seqs: int, max_loras: int, rank: int) -> dict:
-    """{compile key: (first launch with it, the capture sizes that meet it first)}."""
+def launches(model: str, max_num_seqs: int, max_loras: int, rank: int,
+             sizes: list[int] | None = None) -> dict:
+    """{compile key: (first launch with it, the (projection, size) pairs that meet it)} over
+    `sizes` (default: the capture sizes)."""
     found: dict = {}
     for name, (k, slices) in MODELS[model].items():
         weight = torch.zeros(sum(slices), k, dtype=torch.float8_e4m3fn)
@@ -76,7 +83,7 @@ def launches(model: str, max_num_seqs: int, max_loras: int, rank: int) -> dict:
             tuple(torch.zeros(max_loras, 1, rank, k, dtype=torch.bfloat16) for _ in slices),
             tuple(torch.zeros(max_loras, 1, s, rank, dtype=torch.bfloat16) for s in slices),
             slices)
-        for tokens in capture_sizes(max_num_seqs):
+        for tokens in sizes or capture_sizes(max_num_seqs):
             batch = ek.AdapterBatch.from_token_mapping(
                 torch.arange(tokens, dtype=torch.int32) % max_loras, max_loras)
             codes = (torch.zeros(tokens, k, dtype=torch.float8_e4m3fn), torch.ones(tokens, 1))
@@ -95,7 +102,14 @@ def main() -> None:
     parser.add_argument("--max-loras", type=int, default=1)
     parser.add_argument("--rank", type=int, default=64)
     parser.add_argument("--compile", action="store_true", help="time each key's sm_90 compile")
+    parser.add_argument("--check-eager", type=int, metavar="MAX_TOKENS",
+                        help="check that the plugin's precompile sizes (the capture sizes and "
+                        "epilora_vllm.precompile.eager_sizes up to MAX_TOKENS) meet every key "
+                        "that some size up to MAX_TOKENS meets (minutes per model)")
     args = parser.parse_args()
+    if args.check_eager:
+        check_eager(args)
+        return
     if args.compile:  # an empty cache: compiles, not cache reads, are timed
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="compile-variants-")
     sizes = capture_sizes(args.max_num_seqs)
@@ -110,6 +124,25 @@ def main() -> None:
             for launch, _ in found.values():
                 compile_launch_full(*launch)
             print(f"  compiled for sm_90 in {time.perf_counter() - begin:.1f} s on this CPU")
+
+
+def check_eager(args) -> None:
+    from epilora_vllm.precompile import eager_sizes
+
+    graphs = capture_sizes(args.max_num_seqs)
+    chosen = [*graphs, *eager_sizes(graphs[-1], args.check_eager)]
+    rest = sorted(set(range(1, args.check_eager + 1)) - set(chosen))
+    failed = False
+    for model in args.models:
+        met = launches(model, args.max_num_seqs, args.max_loras, args.rank, chosen)
+        missed = {key: where for key, (_, where) in launches(
+            model, args.max_num_seqs, args.max_loras, args.rank, rest).items() if key not in met}
+        print(f"{model}: {len(chosen)} precompile sizes meet {len(met)} keys; sizes to "
+              f"{args.check_eager} outside them meet {len(missed)} more")
+        for key, where in missed.items():
+            failed = True
+            print(f"  missed {key[0]} at {where[:4]}")
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

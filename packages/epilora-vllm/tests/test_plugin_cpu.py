@@ -32,22 +32,23 @@ def test_the_entry_point_is_discovered():
 
 
 def test_register_is_idempotent_and_can_be_turned_off(monkeypatch):
+    import vllm.lora.model_manager as model_manager
     import vllm.lora.utils as lora_utils
 
-    from epilora_vllm import installed, register
+    from epilora_vllm import installed, logits, register
     from epilora_vllm.layers import LAYER_CLASSES
 
-    before = lora_utils._all_lora_classes
-    try:
-        lora_utils._all_lora_classes = tuple(c for c in before if c not in LAYER_CLASSES)
-        monkeypatch.setenv("EPILORA_VLLM_DISABLE", "1")
-        assert register() is False and not installed()
-        monkeypatch.delenv("EPILORA_VLLM_DISABLE")
-        stock = lora_utils._all_lora_classes
-        assert register() is True and register() is True and installed()
-        assert lora_utils._all_lora_classes == (*LAYER_CLASSES, *stock)  # once, first
-    finally:
-        lora_utils._all_lora_classes = before
+    monkeypatch.setattr(lora_utils, "_all_lora_classes", tuple(
+        c for c in lora_utils._all_lora_classes if c not in LAYER_CLASSES))
+    monkeypatch.setattr(model_manager, "from_layer_logits_processor",
+                        lora_utils.from_layer_logits_processor)
+    monkeypatch.setenv("EPILORA_VLLM_DISABLE", "1")
+    assert register() is False and not installed()
+    monkeypatch.delenv("EPILORA_VLLM_DISABLE")
+    stock = lora_utils._all_lora_classes
+    assert register() is True and register() is True and installed()
+    assert lora_utils._all_lora_classes == (*LAYER_CLASSES, *stock)  # once, first
+    assert model_manager.from_layer_logits_processor is logits.from_layer_logits_processor
 
 
 def test_the_compile_cache_key_tells_the_plugins_graphs_apart():
@@ -74,6 +75,10 @@ def test_the_plugin_serves_every_fp8_projection(served):
                      "gate_up_proj": "EpiloraMergedColumnParallelLinearWithLoRA",
                      "down_proj": "EpiloraRowParallelLinearWithLoRA"}
     assert all(calls for calls in served["calls"].values())
+    # The LM head keeps vLLM's LoRA class, as ours: no adapter here has lm_head weights.
+    head = model_of(served["llm"]).logits_processor
+    assert type(head).__name__ == "EpiloraLogitsProcessorWithLoRA"
+    assert head.slots_with_weights == set()
     config = served["llm"].llm_engine.vllm_config
     assert config.additional_config["epilora_vllm"]["quantize"] == "codes"
 

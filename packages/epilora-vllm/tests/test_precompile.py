@@ -29,24 +29,24 @@ class _Recorder:
         self.calls = []
         self.fail_at = fail_at
 
-    def warm(self, tokens: int) -> None:
-        self.calls.append((tokens, threading.current_thread().name,
+    def warm(self, sizes: tuple[int, ...]) -> None:
+        self.calls.append((sizes, threading.current_thread().name,
                            _launchers.compiling_only()))
-        if tokens == self.fail_at:
+        if self.fail_at in sizes:
             raise RuntimeError("no such kernel")
 
 
 def test_a_case_compiles_every_size_once_in_a_background_thread():
     forward, other, third = _Recorder(), _Recorder(), _Recorder()
     job = precompile.start(forward, ("case", 1), (1, 2, 4, 512))
-    assert precompile.start(other, ("case", 1), (1, 2)) is job  # a layer of the same case
+    assert precompile.start(other, ("case", 1), (1, 2, 4, 512)) is job  # a layer of the case
     precompile.start(third, ("case", 3), (8,))
     precompile.wait_all()  # every case's job (a layer's first forward)
     assert job.done() and job.result() is None
-    assert [tokens for tokens, _, _ in forward.calls] == [1, 2, 4, 512]
+    assert [sizes for sizes, _, _ in forward.calls] == [(1, 2, 4, 512)]
     assert all(name == "epilora-precompile" and only for _, name, only in forward.calls)
     assert threading.current_thread().name != "epilora-precompile"
-    assert other.calls == [] and [tokens for tokens, _, _ in third.calls] == [8]
+    assert other.calls == [] and [sizes for sizes, _, _ in third.calls] == [(8,)]
     assert not _launchers.compiling_only()  # this thread launches
 
 
@@ -54,7 +54,7 @@ def test_a_failing_job_says_why_and_leaves_the_rest_to_the_forward(caplog):
     forward = _Recorder(fail_at=2)
     with caplog.at_level(logging.WARNING, logger="vllm.epilora_vllm"):
         assert precompile.start(forward, ("case", 2), (1, 2, 4)).result(timeout=60) is None
-    assert [tokens for tokens, _, _ in forward.calls] == [1, 2]
+    assert [sizes for sizes, _, _ in forward.calls] == [(1, 2, 4)]
     assert "RuntimeError: no such kernel" in caplog.text
 
 
@@ -79,13 +79,29 @@ def test_warm_takes_the_batchs_path_on_the_modes_activations(monkeypatch, quanti
                      "none" if quantized is None else str(quantized[0].dtype), batch))
 
     monkeypatch.setattr(forward, "_run", run)
-    forward.warm(6)
+    forward.warm((2, 6))
     if want is None:
         assert runs == []
         return
-    (got_path, got_x, got_codes, batch), = runs
-    assert (got_path, got_x, got_codes) == want
-    assert batch.token_lora_mapping.tolist() == [0, 1, 2, 3, 0, 1]  # round robin, as vLLM's
+    assert [run[:3] for run in runs] == [want, want]
+    # Round robin, as vLLM's dummy adapters; each size the first rows of the largest's.
+    assert [batch.token_lora_mapping.tolist() for *_, batch in runs] == [[0, 1],
+                                                                          [0, 1, 2, 3, 0, 1]]
+    assert [batch.num_tokens for *_, batch in runs] == [2, 6]
+
+
+def test_eager_sizes_stand_for_every_size_above_the_graphs():
+    assert precompile.eager_sizes(512, 512) == ()
+    assert precompile.eager_sizes(512, 600) == (527, 528, 543, 544, 559, 560, 575, 576, 591,
+                                                 592, 600)
+    for above, most in ((512, 1000), (500, 1031), (8, 200)):
+        sizes = precompile.eager_sizes(above, most)
+        assert all(above < size <= most for size in sizes) and sizes == tuple(sorted(sizes))
+        # Each size above the graphs has one of them with its 16-row tiles and 16-divisibility.
+        for tokens in range(above + 1, most + 1):
+            assert tokens == most or any(
+                -(-size // 16) == -(-tokens // 16) and (size % 16 == 0) == (tokens % 16 == 0)
+                for size in sizes), tokens
 
 
 @pytest.mark.parametrize(("variable", "reader"), [("EPILORA_VLLM_PRECOMPILE", "precompile"),

@@ -117,14 +117,13 @@ class EpiloraForward:
                 config.scheduler_config.max_num_batched_tokens)
         if _env.tune() and tuning.needed(self):  # before the compiles: of tuned settings
             tuning.tune(self)
-        sizes = (precompile.graph_sizes() if layer.device.type == "cuda" and _env.precompile()
+        sizes = (precompile.batch_sizes() if layer.device.type == "cuda" and _env.precompile()
                  else ())
         if sizes:  # none under enforce_eager: no graphs, nothing to compile ahead
             weight, scale = self._weights()
             key = (str(layer.device), self.lora.in_features, tuple(self.lora.output_slices),
                    self.lora.max_rank, self.lora.max_loras, str(weight.dtype),
-                   scale.numel() > 1, self.mode.path, self.mode.quantize, self.mode.matched,
-                   sizes)
+                   scale.numel() > 1, self.mode.path, self.mode.quantize, self.mode.matched)
             self._precompiling = True
             precompile.start(self, key, sizes)
 
@@ -274,26 +273,36 @@ class EpiloraForward:
                            x_quantized=quantized if path != "w8a16" else None)
         return y if bias is None else y.add_(bias)
 
-    def warm(self, tokens: int) -> None:
-        """This layer's computation on a batch of `tokens` tokens round robin over the adapter
-        slots (as vLLM's dummy adapters while it captures graphs), on the path the batch would
-        take, for `epilora_kernels.compile_only` (`epilora_vllm.precompile`): the kernels'
-        paths only (the hybrid path's base GEMM and vLLM's LoRA kernels are not ours)."""
-        device, lora = self.layer.device, self.lora
-        batch = ek.AdapterBatch.from_token_mapping(
-            torch.arange(tokens, dtype=torch.int32, device=device) % lora.max_loras,
+    def warm(self, sizes: tuple[int, ...]) -> None:
+        """This layer's computation on batches of each of `sizes` tokens round robin over the
+        adapter slots (as vLLM's dummy adapters while it captures graphs), on the path each
+        batch would take, for `epilora_kernels.compile_only` (`epilora_vllm.precompile`): the
+        kernels' paths only (the hybrid path's base GEMM and vLLM's LoRA kernels are not ours).
+        The inputs are made once, for the largest size, and each batch is their first rows:
+        under `compile_only` nothing reads them, and a slice's alignment is its whole's."""
+        device, lora, most = self.layer.device, self.lora, max(sizes)
+        full = ek.AdapterBatch.from_token_mapping(
+            torch.arange(most, dtype=torch.int32, device=device) % lora.max_loras,
             lora.max_loras)
-        path = self.mode.path or ek.choose_path(tokens, batch, ek.device_support(device))
-        if path not in (*CODES_PATHS, "w8a16"):
-            return
+        support = ek.device_support(device)
         k = lora.in_features
         x = (None if self.mode.shrink_codes
-             else torch.zeros(tokens, k, dtype=torch.bfloat16, device=device))
+             else torch.zeros(most, k, dtype=torch.bfloat16, device=device))
         quantized = None
         if self.mode.vllm_quantizes:
-            quantized = (torch.zeros(tokens, k, dtype=torch.float8_e4m3fn, device=device),
-                         torch.ones(tokens, 1, dtype=torch.float32, device=device))
-        self._run(path, x, quantized, None, batch)
+            quantized = (torch.zeros(most, k, dtype=torch.float8_e4m3fn, device=device),
+                         torch.ones(most, 1, dtype=torch.float32, device=device))
+        for tokens in sizes:
+            batch = ek.AdapterBatch(full.token_lora_mapping[:tokens],
+                                    full.sorted_token_indices[:tokens], full.lora_ids,
+                                    full.num_tokens_per_lora, full.lora_token_start)
+            path = self.mode.path or ek.choose_path(tokens, batch, support)
+            if path not in (*CODES_PATHS, "w8a16"):
+                continue
+            self._run(path, None if x is None else x[:tokens],
+                      None if quantized is None else (quantized[0][:tokens],
+                                                      quantized[1][:tokens]),
+                      None, batch)
 
     def _vllm_apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # The vLLM class ours subclasses (after _Epilora in the MRO) computes as without us.

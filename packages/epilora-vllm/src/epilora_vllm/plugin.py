@@ -7,7 +7,10 @@ EPILORA_VLLM_DISABLE=1, when VLLM_PLUGINS leaves out `epilora` (vLLM then never 
 on a vLLM it was not written for (logged). vLLM has no registration API for LoRA layer classes:
 `vllm.lora.utils.from_layer` walks the module-level tuple `_all_lora_classes` at call time and
 takes the first class whose `can_replace_layer` accepts the layer, so ours go first and decline
-what the kernels cannot serve.
+what the kernels cannot serve. The LM head's LoRA class is built by name
+(`vllm.lora.model_manager` calls its module-level `from_layer_logits_processor`), so that name is
+pointed at ours (`epilora_vllm.logits`: vLLM's class, without its kernels while no adapter has
+lm_head weights).
 """
 
 import logging
@@ -26,25 +29,30 @@ def register() -> bool:
     if why is not None:
         logger.warning("epilora: not installed: %s", why)
         return False
+    import vllm.lora.model_manager as model_manager
     import vllm.lora.utils as lora_utils
 
     import epilora_vllm.ops  # noqa: F401  (registers torch.ops.epilora_vllm.lora_linear)
+    from epilora_vllm import logits
     from epilora_vllm.layers import LAYER_CLASSES
 
-    current = lora_utils._all_lora_classes
-    if all(cls in current for cls in LAYER_CLASSES):
+    if installed():
         return True
-    rest = tuple(cls for cls in current if cls not in LAYER_CLASSES)
+    rest = tuple(cls for cls in lora_utils._all_lora_classes if cls not in LAYER_CLASSES)
     lora_utils._all_lora_classes = (*LAYER_CLASSES, *rest)
+    model_manager.from_layer_logits_processor = logits.from_layer_logits_processor
     logger.info("epilora: LoRA layers on FP8 bases served by epilora-kernels "
                 "(EPILORA_VLLM_DISABLE=1 turns this off)")
     return True
 
 
 def installed() -> bool:
-    """Whether this process's vLLM picks epilora's layer classes first."""
+    """Whether this process's vLLM picks epilora's layer classes first (and its LM head's)."""
+    import vllm.lora.model_manager as model_manager
     import vllm.lora.utils as lora_utils
 
+    from epilora_vllm import logits
     from epilora_vllm.layers import LAYER_CLASSES
 
-    return lora_utils._all_lora_classes[: len(LAYER_CLASSES)] == LAYER_CLASSES
+    return (lora_utils._all_lora_classes[: len(LAYER_CLASSES)] == LAYER_CLASSES
+            and model_manager.from_layer_logits_processor is logits.from_layer_logits_processor)

@@ -1,18 +1,19 @@
-"""Compile, while the engine starts, the kernels each served layer will launch at vLLM's
-CUDA-graph sizes (EPILORA_VLLM_PRECOMPILE=1).
+"""Compile, while the engine starts, the kernels each served layer will launch at every batch
+size vLLM can run (EPILORA_VLLM_PRECOMPILE=1).
 
-vLLM runs every CUDA-graph size eagerly once before capturing it, and the first run of a size
-compiles the Triton kernels the layer's path launches there: tens of compiles, most of the
-plugin's graph-capture time (`dev/compile_variants.py` counts them). Here a layer's compiles
-are queued as soon as its adapter buffers exist (vLLM wraps the model for LoRA right after
-loading it, before its own torch.compile), for one background thread, one job per distinct
-projection case (shapes, adapter slots, the plugin's modes, device and sizes: layers of one
-shape share their kernels). A job runs the layer's own computation (`EpiloraForward.warm`) at
-each size inside `epilora_kernels.compile_only(threads=...)`: the kernels and arguments the
-capture will launch, compiled into Triton's caches in parallel threads, nothing launched.
-Only the graph sizes (at most 512 tokens, buffers of tens of MB): vLLM's profiling run (dummy
-adapters at `max_num_batched_tokens`) compiles its own size's kernels in the main thread, a
-few, before any capture; compiled here, that size's buffers would be hundreds of MB.
+The first run of a batch size compiles the Triton kernels the layer's path launches there. vLLM
+runs every CUDA-graph size eagerly once before capturing it (tens of compiles, most of the
+plugin's graph-capture time: `dev/compile_variants.py` counts them), and batches above the
+largest graph size (prefill, up to `max_num_batched_tokens`) run eagerly while serving: a
+kernel first met there compiled in the middle of a request (vLLM's JIT monitor warned of
+`_lora_gemm_kernel` in the online benchmark at d796919, p99 TTFT 1.6 s at 2 req/s). Here a
+layer's compiles are queued as soon as its adapter buffers exist (vLLM wraps the model for LoRA
+right after loading it, before its own torch.compile), for one background thread, one job per
+distinct projection case (shapes, adapter slots, the plugin's modes, device and sizes: layers
+of one shape share their kernels). A job runs the layer's own computation
+(`EpiloraForward.warm`) at each size inside `epilora_kernels.compile_only(threads=...)`: the
+kernels and arguments the forward will launch, compiled into Triton's caches in parallel
+threads, nothing launched. Above the graph sizes, `eager_sizes` stands for every size.
 
 The first real forward of any served layer (vLLM's profiling run, before any capture) waits for
 every job, so no job allocates or synchronizes during a capture. A job that fails says why once
@@ -37,32 +38,50 @@ logger = logging.getLogger("vllm.epilora_vllm")
 # torch.compile, which runs beside the jobs, compiles in processes of its own.
 THREADS = min(8, os.cpu_count() or 1)
 
-_jobs: dict[tuple, Future] = {}  # a case's key -> its job
+_jobs: dict[tuple, Future] = {}  # (a case's key, its sizes) -> its job
 _queue: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
 _lock = threading.Lock()
 _worker: threading.Thread | None = None  # started with the first job (no thread at import)
 
 
-def graph_sizes() -> tuple[int, ...]:
-    """vLLM's CUDA-graph sizes for this engine, ascending (none under enforce_eager)."""
+def batch_sizes() -> tuple[int, ...]:
+    """The batch sizes to compile for in this engine, ascending: vLLM's CUDA-graph sizes, then
+    `eager_sizes` above the largest up to `max_num_batched_tokens` (none under enforce_eager,
+    where the first batches compile, as without the plugin)."""
     from vllm.config import get_current_vllm_config
 
-    sizes = get_current_vllm_config().compilation_config.cudagraph_capture_sizes or ()
-    return tuple(sorted(size for size in sizes if size > 0))
+    config = get_current_vllm_config()
+    graphs = sorted(size for size in config.compilation_config.cudagraph_capture_sizes or ()
+                    if size > 0)
+    if not graphs:
+        return ()
+    return (*graphs, *eager_sizes(graphs[-1], config.scheduler_config.max_num_batched_tokens))
+
+
+def eager_sizes(above: int, most: int) -> tuple[int, ...]:
+    """Sizes whose kernels are those of every batch of `above + 1` to `most` tokens: each
+    multiple of 16 and the size before it, and `most`. Triton specializes an integer argument
+    on its divisibility by 16, and the kernels' launch settings change only where a count of
+    row tiles (16 rows or more) does, at multiples of 16 tokens. `dev/compile_variants.py
+    --check-eager` compares them with every size (Qwen3-8B and Llama-3.1-8B to 8192 tokens:
+    no kernel outside them)."""
+    sizes = {size for top in range(16 * (above // 16 + 1), most + 1, 16)
+             for size in (top - 1, top) if size > above}
+    return tuple(sorted(sizes | ({most} if most > above else set())))
 
 
 def start(forward, key: tuple, sizes: tuple[int, ...]) -> Future:
     """The job compiling `forward`'s kernels at `sizes`, queued unless one of the same case
-    `key` exists (then that one)."""
+    `key` and sizes exists (then that one)."""
     global _worker
     with _lock:
-        if key not in _jobs:
-            _jobs[key] = Future()
-            _queue.put((forward, key, sizes, _jobs[key]))
+        if (key, sizes) not in _jobs:
+            _jobs[key, sizes] = Future()
+            _queue.put((forward, key, sizes, _jobs[key, sizes]))
             if _worker is None:
                 _worker = threading.Thread(target=_work, name="epilora-precompile", daemon=True)
                 _worker.start()
-        return _jobs[key]
+        return _jobs[key, sizes]
 
 
 def wait_all() -> None:
@@ -86,8 +105,7 @@ def _compile(forward, key: tuple, sizes: tuple[int, ...]) -> None:
     try:
         with (torch.cuda.device(forward.layer.device),  # a thread's device is 0 until set
               ek.compile_only(threads=THREADS)):
-            for tokens in sizes:
-                forward.warm(tokens)
+            forward.warm(sizes)
     except Exception as e:  # noqa: BLE001 - an optimization: the forward compiles without it
         logger.warning("epilora precompile: %s stopped (%s: %s); the forward compiles what is "
                        "left", key, type(e).__name__, str(e)[:300])
