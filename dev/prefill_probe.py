@@ -1,0 +1,97 @@
+"""Where an engine's prefill step goes: the online benchmark's engine (Qwen3-8B shapes, dummy FP8
+weights, 32 rank-64 tenants, max_num_seqs 256, 8192 batched tokens) in this process, every
+adapter loaded, then prompts of 512 tokens (a CUDA-graph size) and 520 (eager) for 1, 2 and 4
+tenants at once, one output token: the median wall time of each, and a torch.profiler trace of
+one eager step (its CUDA kernels by time, and the CPU time of the plugin's op).
+
+Why it exists: at d796919 the plugin's online p99 TTFT was 2-11x stock's while its throughput
+was higher; with every Triton compile gone from serving (9361f2a) the median TTFT was still
+~2-3x stock's.
+
+    python dev/prefill_probe.py --system epilora --out /tmp/probe.json
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from serving import RANK, TENANT_FILES, TENANTS, prepare_model, system_env  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--system", choices=("epilora", "vllm-default"), default="epilora")
+    parser.add_argument("--model", default="qwen3-8b")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    os.environ.update(system_env(args.system))
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine here: the profiler sees it
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    model_dir, adapters = prepare_model(args.model, Path("/tmp/epilora-serving"), TENANT_FILES)
+    t0 = time.perf_counter()
+    llm = LLM(str(model_dir), load_format="dummy", quantization="fp8", skip_tokenizer_init=True,
+              enable_lora=True, max_loras=TENANTS, max_lora_rank=RANK, max_model_len=4096,
+              max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.85,
+              enable_prefix_caching=False, seed=0)
+    start_s = time.perf_counter() - t0
+    tenants = [LoRARequest(f"tenant-{t}", t + 1, str(adapters[t % len(adapters)]))
+               for t in range(TENANTS)]
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+
+    def run(length: int, n: int, first: int) -> float:
+        prompts = [TokensPrompt(prompt_token_ids=[(first * 7919 + i * 31 + j) % 150000 + 10
+                                                  for j in range(length)]) for i in range(n)]
+        begin = time.perf_counter()
+        llm.generate(prompts, params, lora_request=[tenants[(first + i) % TENANTS]
+                                                    for i in range(n)], use_tqdm=False)
+        return (time.perf_counter() - begin) * 1e3
+
+    run(16, TENANTS, 0)  # every adapter into its slot
+    times, rep = {}, 1
+    for length in (512, 520):
+        for n in (1, 2, 4):
+            samples = []
+            for _ in range(args.reps):
+                samples.append(run(length, n, rep))
+                rep += 1
+            times[f"{length}x{n}"] = round(statistics.median(samples), 2)
+            print(f"{args.system} prompt {length} x {n}: {times[f'{length}x{n}']} ms "
+                  f"(median of {args.reps})", flush=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall = run(520, 1, rep)
+    events = prof.key_averages()
+    kernels = sorted((e for e in events if e.device_time_total > 0 and e.cpu_time_total == 0
+                      or e.key.startswith(("void", "_", "triton", "sm90", "cutlass"))),
+                     key=lambda e: -e.device_time_total)
+    device_total = sum(e.self_device_time_total for e in events) / 1e3
+    ops = {e.key: {"count": e.count, "cpu_total_ms": round(e.cpu_time_total / 1e3, 2)}
+           for e in events if "epilora" in e.key or "lora" in e.key.lower()}
+    top = [{"kernel": e.key[:90], "count": e.count,
+            "ms": round(e.device_time_total / 1e3, 3)} for e in kernels[:15]]
+    cpu_top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:15]
+    result = {"system": args.system, "start_s": round(start_s, 1), "median_ms": times,
+              "profiled_520x1": {"wall_ms": round(wall, 2), "device_ms": round(device_total, 2),
+                                 "lora_ops": ops, "top_kernels": top,
+                                 "top_cpu_self": [{"op": e.key[:90], "count": e.count,
+                                                   "self_cpu_ms":
+                                                       round(e.self_cpu_time_total / 1e3, 2)}
+                                                  for e in cpu_top]}}
+    args.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1), flush=True)
+    print(f"{args.system}: wall {wall:.1f} ms, device {device_total:.1f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
