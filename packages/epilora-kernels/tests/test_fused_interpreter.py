@@ -437,6 +437,7 @@ def test_codes_in_adapter_order_by_tma_equal_token_order_bitwise(mapping, path, 
         kw["codes_sorted"]) or launch_k1(*a, **kw))
     by_tma = linear(x, weight, w_scale, lora, batch, k1_config=k1, k2_config=k2)
     monkeypatch.setattr(_tiling, "w_tma", lambda support, weight, cfg: False)
+    fused._PLANS.clear()  # the settings derived with the real w_tma
     gathered = linear(x, weight, w_scale, lora, batch, k1_config=k1, k2_config=k2)
     assert sorted_codes == [True, False]
     assert_bitwise_equal(by_tma, gathered, name="sorted codes by TMA vs token order")

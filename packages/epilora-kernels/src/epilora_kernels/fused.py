@@ -254,6 +254,46 @@ def _settings(support, mode, x, weight, weight_scale, lora, batch, k1_config, k2
     return cfg1, cfg2
 
 
+# Each call's launch settings by what they are functions of (`_plan`): an eager prefill step
+# calls a projection's shape layer after layer with one token count, and deriving them was about
+# a third of a call's host time (under the interpreter: dev/op_overhead.py measures it on a
+# GPU). Emptied with the launch tables they come from (`launch.clear_table_cache`).
+_PLANS: dict[tuple, tuple] = {}
+_MAX_PLANS = 1 << 16  # a process calling with ever new shapes starts over past this
+
+
+def _plan(support, mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
+          decode, quantize, pdl, counted, warm_l2, wait_k1_first):
+    # (K1's and K2's settings, the counter tiles they need, whether K1 sorts the codes for
+    # K2's TMA reads, h's dtype): functions of the call's shapes, dtypes, alignment and flags.
+    key = (support, mode, tuple(x.shape), x.dtype, tuple(weight.shape), weight.stride(),
+           weight.dtype, weight.data_ptr() % 16, weight_scale.numel(), lora.output_slices,
+           lora.max_rank, batch.num_entries, k1_config, k2_config, decode, quantize, pdl,
+           counted, warm_l2, wait_k1_first)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
+    t = x.shape[0]
+    cfg1, cfg2 = _settings(support, mode, x, weight, weight_scale, lora, batch, k1_config,
+                           k2_config, decode=decode, quantize=quantize, pdl=pdl,
+                           counted=counted, warm_l2=warm_l2, wait_k1_first=wait_k1_first)
+    _tiling.check_gemm_config(cfg2, lora)
+    tiles = max(_tiling.k1_tiles(t, lora, batch, cfg1),
+                _tiling.k2_tiles(mode, t, lora.out_features, cfg2))
+    # K1 writes its codes in adapter order where K2 reads them by TMA (K1 allocates them
+    # [T, K] contiguous: rows 16-byte aligned when K is a multiple of 16).
+    a_sorted = quantize and _tiling.w_tma(support, weight, cfg2) and x.shape[1] % 16 == 0
+    # h in bf16 for K2's tiles of 64 rows or more (their epilogue reads every row's h per output
+    # tile; it rounds h to bf16 anyway): at 256 tokens, rank 128, bf16 h everywhere made the
+    # layer ~1 us faster and the 16- and 32-row decode tiles slower (docs/kernels.md, items 27
+    # and 42).
+    h_dtype = torch.bfloat16 if cfg2.block_m >= 64 else torch.float32
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    plan = _PLANS[key] = (cfg1, cfg2, tiles, a_sorted, h_dtype)
+    return plan
+
+
 def _k2_config(support, mode, a_dtype, weight, weight_scale, lora, batch, given, *, pdl,
                wait_codes=False, warm_l2=0, wait_k1_first=False):
     # K2's settings: given, else the table's or the heuristic's; at the decode token counts
@@ -322,25 +362,16 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
     t = x.shape[0]
     # Only a quantizing K1 counts rows: a K2 waiting for a count nobody makes would spin forever.
     counted = pdl and quantize and not wait_k1_first
-    cfg1, cfg2 = _settings(support, mode, x, weight, weight_scale, lora, batch, k1_config,
-                           k2_config, decode=decode, quantize=quantize, pdl=pdl,
-                           counted=counted, warm_l2=warm_l2, wait_k1_first=wait_k1_first)
+    cfg1, cfg2, tiles, a_sorted, h_dtype = _plan(
+        support, mode, x, weight, weight_scale, lora, batch, k1_config, k2_config,
+        decode=decode, quantize=quantize, pdl=pdl, counted=counted, warm_l2=warm_l2,
+        wait_k1_first=wait_k1_first)
     # Everything K2 needs is checked and sized before K1 launches: a K2 that failed after it
     # would leave K1's count of quantized rows set, and a counter buffer grown between the
     # launches would put a fill kernel between K1 and its dependent and free K1's counters
     # while K1 runs.
-    _tiling.check_gemm_config(cfg2, lora)
-    workspace.counters(max(_tiling.k1_tiles(t, lora, batch, cfg1),
-                           _tiling.k2_tiles(mode, t, lora.out_features, cfg2)))
+    workspace.counters(tiles)
     y = torch.empty(t, lora.out_features, dtype=torch.bfloat16, device=x.device)
-    # K1 writes its codes in adapter order where K2 reads them by TMA (K1 allocates them
-    # [T, K] contiguous: rows 16-byte aligned when K is a multiple of 16).
-    a_sorted = quantize and _tiling.w_tma(support, weight, cfg2) and x.shape[1] % 16 == 0
-    # h in bf16 for K2's tiles of 64 rows or more (their epilogue reads every row's h per output
-    # tile; it rounds h to bf16 anyway): at 256 tokens, rank 128, bf16 h everywhere made the
-    # layer ~1 us faster and the 16- and 32-row decode tiles slower (docs/kernels.md, items 27
-    # and 42).
-    h_dtype = torch.bfloat16 if cfg2.block_m >= 64 else torch.float32
     codes, scales, h = _launchers.launch_k1(support, workspace, x, lora, batch, cfg1,
                                             quantize=quantize, pdl=pdl,
                                             signal_codes=counted, trace=traces[0],
