@@ -30,10 +30,11 @@ class _Recorder:
         self.fail_at = fail_at
 
     def warm(self, sizes: tuple[int, ...]) -> None:
-        self.calls.append((sizes, threading.current_thread().name,
-                           _launchers.compiling_only()))
-        if self.fail_at in sizes:
-            raise RuntimeError("no such kernel")
+        for tokens in sizes:  # as EpiloraForward.warm: one size after another
+            self.calls.append((tokens, threading.current_thread().name,
+                               _launchers.compiling_only()))
+            if tokens == self.fail_at:
+                raise RuntimeError("no such kernel")
 
 
 def test_a_case_compiles_every_size_once_in_a_background_thread():
@@ -43,10 +44,10 @@ def test_a_case_compiles_every_size_once_in_a_background_thread():
     precompile.start(third, ("case", 3), (8,))
     precompile.wait_all()  # every case's job (a layer's first forward)
     assert job.done() and job.result() is None
-    assert [sizes for sizes, _, _ in forward.calls] == [(1, 2, 4, 512)]
+    assert [tokens for tokens, _, _ in forward.calls] == [1, 2, 4, 512]
     assert all(name == "epilora-precompile" and only for _, name, only in forward.calls)
     assert threading.current_thread().name != "epilora-precompile"
-    assert other.calls == [] and [sizes for sizes, _, _ in third.calls] == [(8,)]
+    assert other.calls == [] and [tokens for tokens, _, _ in third.calls] == [8]
     assert not _launchers.compiling_only()  # this thread launches
 
 
@@ -54,7 +55,7 @@ def test_a_failing_job_says_why_and_leaves_the_rest_to_the_forward(caplog):
     forward = _Recorder(fail_at=2)
     with caplog.at_level(logging.WARNING, logger="vllm.epilora_vllm"):
         assert precompile.start(forward, ("case", 2), (1, 2, 4)).result(timeout=60) is None
-    assert [sizes for sizes, _, _ in forward.calls] == [(1, 2, 4)]
+    assert [tokens for tokens, _, _ in forward.calls] == [1, 2]  # none after the failure
     assert "RuntimeError: no such kernel" in caplog.text
 
 

@@ -255,9 +255,9 @@ def _settings(support, mode, x, weight, weight_scale, lora, batch, k1_config, k2
 
 
 # Each call's launch settings by what they are functions of (`_plan`): an eager prefill step
-# calls a projection's shape layer after layer with one token count, and deriving them was about
-# a third of a call's host time (under the interpreter: dev/op_overhead.py measures it on a
-# GPU). Emptied with the launch tables they come from (`launch.clear_table_cache`).
+# calls a projection's shape layer after layer with one token count, and deriving them every
+# call took the H200 host's eager 520-token call from 240 to 350-450 us (dev/op_overhead.py).
+# Emptied with the launch tables they come from (`launch.clear_table_cache`).
 _PLANS: dict[tuple, tuple] = {}
 _MAX_PLANS = 1 << 16  # a process calling with ever new shapes starts over past this
 
@@ -266,10 +266,10 @@ def _plan(support, mode, x, weight, weight_scale, lora, batch, k1_config, k2_con
           decode, quantize, pdl, counted, warm_l2, wait_k1_first):
     # (K1's and K2's settings, the counter tiles they need, whether K1 sorts the codes for
     # K2's TMA reads, h's dtype): functions of the call's shapes, dtypes, alignment and flags.
-    key = (support, mode, tuple(x.shape), x.dtype, tuple(weight.shape), weight.stride(),
-           weight.dtype, weight.data_ptr() % 16, weight_scale.numel(), lora.output_slices,
-           lora.max_rank, batch.num_entries, k1_config, k2_config, decode, quantize, pdl,
-           counted, warm_l2, wait_k1_first)
+    key = (support, _tiling.table_of(support), mode, tuple(x.shape), x.dtype,
+           tuple(weight.shape), weight.stride(), weight.dtype, weight.data_ptr() % 16,
+           weight_scale.numel(), tuple(lora.output_slices), lora.max_rank, batch.num_entries,
+           k1_config, k2_config, decode, quantize, pdl, counted, warm_l2, wait_k1_first)
     plan = _PLANS.get(key)
     if plan is not None:
         return plan

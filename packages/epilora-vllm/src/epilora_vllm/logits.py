@@ -63,7 +63,8 @@ class EpiloraLogitsProcessorWithLoRA(LogitsProcessorWithLoRA):
 
 def from_layer_logits_processor(layer, lm_head, max_loras: int, lora_config,
                                 model_config=None) -> EpiloraLogitsProcessorWithLoRA:
-    """`vllm.lora.utils.from_layer_logits_processor`, building the class above."""
+    """`vllm.lora.utils.from_layer_logits_processor` (vLLM 0.26's, line for line: keep in
+    step with it), building the class above."""
     wrapped = EpiloraLogitsProcessorWithLoRA(layer, lm_head.embedding_dim, lm_head.weight.dtype,
                                              lm_head.weight.device,
                                              lm_head.get_sharded_to_full_mapping())

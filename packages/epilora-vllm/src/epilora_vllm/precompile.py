@@ -62,9 +62,10 @@ def eager_sizes(above: int, most: int) -> tuple[int, ...]:
     """Sizes whose kernels are those of every batch of `above + 1` to `most` tokens: each
     multiple of 16 and the size before it, and `most`. Triton specializes an integer argument
     on its divisibility by 16, and the kernels' launch settings change only where a count of
-    row tiles (16 rows or more) does, at multiples of 16 tokens. `dev/compile_variants.py
-    --check-eager` compares them with every size (Qwen3-8B and Llama-3.1-8B to 8192 tokens:
-    no kernel outside them)."""
+    row tiles (16 rows or more) or a launch table's token bucket does, at multiples of 16
+    tokens (a tuned bucket above 512 tokens that is not one would break this; the shipped
+    tables have none). `dev/compile_variants.py --check-eager` compares them with every size
+    (Qwen3-8B and Llama-3.1-8B to 8192 tokens: no kernel outside them)."""
     sizes = {size for top in range(16 * (above // 16 + 1), most + 1, 16)
              for size in (top - 1, top) if size > above}
     return tuple(sorted(sizes | ({most} if most > above else set())))
