@@ -42,6 +42,9 @@
 #           wheels staged as for rl-accuracy)                            EQUIVALENCE_TIMEOUT
 #   serving benchmarks/serving.py $SERVING_ARGS -> $OUT/serving.json, engine logs in
 #           $OUT/serving-logs/                                                  SERVING_TIMEOUT
+#   prefill-probe dev/prefill_probe.py for each of $PROBE_SYSTEMS (epilora vllm-default), each
+#           under PROBE_TIMEOUT (300) -> $OUT/prefill_probe_SYSTEM.json and .log (with
+#           EPILORA_VLLM_TUNE=0 in the environment the plugin's engine starts ~60 s sooner)
 #   engine-kernels dev/engine_kernels.py $ENGINE_KERNELS_ARGS: one engine decode step's kernels
 #           per system -> $OUT/engine_kernels.json and its engines' logs          SERVING_TIMEOUT
 #   env:NAME=VALUE  sets NAME for the later steps (quote it when VALUE has spaces); setting OUT
@@ -174,6 +177,13 @@ w('/tmp/smollm2-bf16')" 2>&1 | tail -3 || exit 1
     engine-kernels) timeout "${SERVING_TIMEOUT:-540}" python3 dev/engine_kernels.py \
                       --out "$OUT/engine_kernels.json" ${ENGINE_KERNELS_ARGS:-} 2>&1 \
                       | tee "$OUT/engine_kernels.log" ;;
+    prefill-probe) # each system's engine in its own process, under its own limit
+                   for system in ${PROBE_SYSTEMS:-epilora vllm-default}; do
+                     timeout "${PROBE_TIMEOUT:-300}" python3 dev/prefill_probe.py \
+                       --system "$system" --out "$OUT/prefill_probe_$system.json" \
+                       > "$OUT/prefill_probe_$system.log" 2>&1
+                     echo "$system exit $?"; grep -E "prompt|wall" "$OUT/prefill_probe_$system.log"
+                   done | tee "$OUT/prefill_probe.log" ;;
     env:*) export "${step#env:}"; mkdir -p "$OUT"; echo "$step"; continue ;;
     *) echo "unknown step: $step"; exit 2 ;;
   esac
