@@ -57,6 +57,8 @@ def device_support(device: torch.device | str | None = None) -> DeviceSupport:
     there is none or TRITON_INTERPRET=1)."""
     if _env.triton_interpreter():
         return INTERPRETER
+    if isinstance(device, torch.device) and device.type == "cuda" and device.index is not None:
+        return _cuda_support(device.index)  # a CUDA tensor's device: asked several times a call
     device = torch.device(device) if device is not None else None
     if device is None or device.type == "cuda":
         if not torch.cuda.is_available():
