@@ -1,6 +1,7 @@
 """The host time of one eager `epilora_kernels.lora_linear` call on the fused path (a prefill
-batch above vLLM's CUDA-graph sizes), and where it goes (cProfile), on a GPU: Qwen3-8B's qkv,
-o, gate_up and down shapes, 32 rank-64 slots, 520 tokens round robin, vLLM's codes.
+batch above vLLM's CUDA-graph sizes), and where it goes (cProfile), on a GPU: a model's qkv, o,
+gate_up and down shapes (benchmarks/models.py; Qwen3-8B's by default), 32 rank-64 slots, 520
+tokens round robin, vLLM's codes.
 
 Why it exists: dev/prefill_probe.py found the plugin's op at 0.7 ms of host time per call in an
 eager 520-token step (144 calls, 101 ms of a 159 ms step whose kernels take 28 ms), where stock
@@ -14,19 +15,22 @@ import cProfile
 import io
 import json
 import pstats
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-import epilora_kernels as ek
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 
-SHAPES = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)),
-          "gate_up": (4096, (12288, 12288)), "down": (12288, (4096,))}
+from models import MODELS  # noqa: E402
+
+import epilora_kernels as ek  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=tuple(MODELS), default="qwen3-8b")
     parser.add_argument("--tokens", type=int, default=520)
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--out", type=Path, required=True)
@@ -34,7 +38,7 @@ def main() -> None:
     device, loras, rank, t = torch.device("cuda"), 32, 64, args.tokens
     result = {"tokens": t, "per_call_us": {}}
     calls = {}
-    for name, (k, slices) in SHAPES.items():
+    for name, (k, slices) in MODELS[args.model].items():
         weight = torch.zeros(sum(slices), k, dtype=torch.float8_e4m3fn, device=device)
         lora = ek.LoraWeights(
             tuple(torch.zeros(loras, 1, rank, k, dtype=torch.bfloat16, device=device)

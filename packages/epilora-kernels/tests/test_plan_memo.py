@@ -15,7 +15,8 @@ SM90 = DeviceSupport("NVIDIA H200", (9, 0), fp8_mma=True, pdl=True, tma=True, in
 
 @pytest.fixture
 def derived(monkeypatch):
-    """The settings each call derived (None where its plan was reused), launches recorded."""
+    """The token count of each call that derived its settings (a reused plan adds none);
+    launches recorded, not run."""
     calls = []
     settings = fused._settings
     monkeypatch.setattr(fused, "_settings", lambda *a, **kw: calls.append(a[6].num_tokens)
