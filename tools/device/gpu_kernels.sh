@@ -44,7 +44,11 @@
 #           $OUT/serving-logs/                                                  SERVING_TIMEOUT
 #   prefill-probe dev/prefill_probe.py for each of $PROBE_SYSTEMS (epilora vllm-default), each
 #           under PROBE_TIMEOUT (300) -> $OUT/prefill_probe_SYSTEM.json and .log (with
-#           EPILORA_VLLM_TUNE=0 in the environment the plugin's engine starts ~60 s sooner)
+#           EPILORA_VLLM_TUNE=0 in the environment the plugin's engine starts ~60 s sooner);
+#           PROBE_PY_SPY=SECONDS: also py-spy's samples of eager steps -> $OUT/py_spy_SYSTEM.txt
+#           (py-spy from the wheel in .device/extra/, which tools/device/prepare.sh fetches)
+#   op-overhead dev/op_overhead.py $OVERHEAD_ARGS: the kernels' host time per eager call
+#           -> $OUT/op_overhead.json                                     OVERHEAD_TIMEOUT (120)
 #   engine-kernels dev/engine_kernels.py $ENGINE_KERNELS_ARGS: one engine decode step's kernels
 #           per system -> $OUT/engine_kernels.json and its engines' logs          SERVING_TIMEOUT
 #   env:NAME=VALUE  sets NAME for the later steps (quote it when VALUE has spaces); setting OUT
@@ -178,12 +182,22 @@ w('/tmp/smollm2-bf16')" 2>&1 | tail -3 || exit 1
                       --out "$OUT/engine_kernels.json" ${ENGINE_KERNELS_ARGS:-} 2>&1 \
                       | tee "$OUT/engine_kernels.log" ;;
     prefill-probe) # each system's engine in its own process, under its own limit
+                   spy=()
+                   if [ -n "${PROBE_PY_SPY:-}" ]; then
+                     python3 -m zipfile -e .device/extra/py_spy-*.whl /tmp/py-spy \
+                       && chmod +x /tmp/py-spy/py_spy-*.data/scripts/py-spy \
+                       && export PATH="$PATH:$(echo /tmp/py-spy/py_spy-*.data/scripts)"
+                   fi
                    for system in ${PROBE_SYSTEMS:-epilora vllm-default}; do
+                     [ -n "${PROBE_PY_SPY:-}" ] && spy=(--py-spy "$OUT/py_spy_$system.txt" \
+                       --py-spy-seconds "$PROBE_PY_SPY")
                      timeout "${PROBE_TIMEOUT:-300}" python3 dev/prefill_probe.py \
-                       --system "$system" --out "$OUT/prefill_probe_$system.json" \
+                       --system "$system" --out "$OUT/prefill_probe_$system.json" "${spy[@]}" \
                        > "$OUT/prefill_probe_$system.log" 2>&1
-                     echo "$system exit $?"; grep -E "prompt|wall" "$OUT/prefill_probe_$system.log"
+                     echo "$system exit $?"; grep -E "prompt|wall|py-spy" "$OUT/prefill_probe_$system.log"
                    done | tee "$OUT/prefill_probe.log" ;;
+    op-overhead) timeout "${OVERHEAD_TIMEOUT:-120}" python3 dev/op_overhead.py \
+                   --out "$OUT/op_overhead.json" ${OVERHEAD_ARGS:-} 2>&1 | tee "$OUT/op_overhead.log" ;;
     env:*) export "${step#env:}"; mkdir -p "$OUT"; echo "$step"; continue ;;
     *) echo "unknown step: $step"; exit 2 ;;
   esac

@@ -25,18 +25,25 @@ def check_activations(x: torch.Tensor) -> None:
                          f"strides {x.stride()}")
 
 
+# check_batch's fields: name -> shape as a function of (tokens, entries).
+_BATCH_FIELDS = (("token_lora_mapping", lambda t, e: (t,)),
+                 ("sorted_token_indices", lambda t, e: (t,)),
+                 ("lora_ids", lambda t, e: (e,)),
+                 ("num_tokens_per_lora", lambda t, e: (e,)),
+                 ("lora_token_start", lambda t, e: (e + 1,)))
+
+
 def check_batch(batch: AdapterBatch, tokens: int, device: torch.device) -> None:
     if batch.num_tokens != tokens:
         raise ValueError(f"batch maps {batch.num_tokens} tokens, x has {tokens}")
-    fields = {"token_lora_mapping": (tokens,), "sorted_token_indices": (tokens,),
-              "lora_ids": (batch.num_entries,), "num_tokens_per_lora": (batch.num_entries,),
-              "lora_token_start": (batch.num_entries + 1,)}
-    for name, shape in fields.items():
-        t = getattr(batch, name)
-        if t.dtype != torch.int32 or tuple(t.shape) != shape or not t.is_contiguous():
+    entries = batch.num_entries
+    for name, shape_of in _BATCH_FIELDS:
+        t, shape = getattr(batch, name), shape_of(tokens, entries)
+        if t.dtype != torch.int32 or t.shape != shape or not t.is_contiguous():
             raise ValueError(f"batch.{name} must be contiguous int32 {list(shape)}, got "
                              f"{_shape(t)}")
-        check_device(device, **{f"batch.{name}": t})
+        if t.device != device:
+            check_device(device, **{f"batch.{name}": t})  # raises, naming it
 
 
 def check_lora(lora: LoraWeights, features: int | None, device: torch.device) -> None:
@@ -47,7 +54,8 @@ def check_lora(lora: LoraWeights, features: int | None, device: torch.device) ->
         if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
             raise ValueError(f"slice {s}: lora_a and lora_b must be bfloat16, got {a.dtype} "
                              f"and {b.dtype}")
-        check_device(device, **{f"lora_a[{s}]": a, f"lora_b[{s}]": b})
+        if a.device != device or b.device != device:
+            check_device(device, **{f"lora_a[{s}]": a, f"lora_b[{s}]": b})  # raises
 
 
 def check_inputs(x: torch.Tensor, lora: LoraWeights, batch: AdapterBatch) -> None:

@@ -10,13 +10,12 @@ import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import torch
-import triton
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources, PTXASError
 from triton.runtime.jit import MockTensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from epilora_kernels import _env, _tiling
+from epilora_kernels import _env, _fast_launch, _tiling
 from epilora_kernels._fused_kernels import _lora_gemm_kernel, _quantize_shrink_kernel
 from epilora_kernels.arch import DeviceSupport
 from epilora_kernels.batch import MAX_SLICES, AdapterBatch, LoraWeights
@@ -90,11 +89,17 @@ def compiling_only() -> bool:
 
 
 def _start(kernel, grid: tuple, **arguments) -> None:
-    # Every launch goes through here: in compile_only, Triton's `warmup` (the same compile and
-    # cache entry as the launch, no run); the interpreter compiles nothing.
+    # Every launch goes through here: on a GPU by the compiled kernel's launcher once Triton has
+    # launched it with arguments that specialize the same (`_fast_launch`); in compile_only,
+    # Triton's `warmup` (the same compile and cache entry as the launch, no run); the
+    # interpreter compiles nothing.
+    interpreter = _env.triton_interpreter()
     if not compiling_only():
-        kernel[grid](**arguments)
-    elif not _env.triton_interpreter():
+        if interpreter:
+            kernel[grid](**arguments)
+        else:
+            _fast_launch.launch(kernel, grid, arguments)
+    elif not interpreter:
         kernel.warmup(grid=grid, **arguments)
 
 # Mode of K2: the FP8 GEMM, the W8A16 GEMM, or no GEMM (the hybrid path's expand).
@@ -169,7 +174,7 @@ def launch_k1(support: DeviceSupport, workspace: Workspace, x, lora: LoraWeights
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
         QUANT_BLOCK=_tiling.quant_block(k, 16384 if cfg.num_warps >= 8 else 4096),
         INTERPRETER=_env.triton_interpreter(),
-        ENTRIES_BLOCK=triton.next_power_of_2(batch.num_entries),
+        ENTRIES_BLOCK=_tiling.next_power_of_2(batch.num_entries),
         USE_PDL=use_pdl(support, pdl), TRACE=trace is not None,
         H_BF16=h_dtype == torch.bfloat16, X_CODES=x_scales is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -231,7 +236,7 @@ def _k2_arguments(mode: int, *, a, a_desc, a_scale, weight, w_operand, weight_sc
         T=t, N=n, K=lora.in_features, R=lora.max_rank, NUM_ENTRIES=batch.num_entries,
         stride_a=a.stride()[0], stride_y=y.stride()[0], N_OFF1=off1, N_OFF2=off2,
         MODE=mode, HAS_LORA=True, NUM_SLICES=len(lora.output_slices), H_PLANES=h.shape[0],
-        SPLIT_K=split, ENTRIES_BLOCK=triton.next_power_of_2(batch.num_entries),
+        SPLIT_K=split, ENTRIES_BLOCK=_tiling.next_power_of_2(batch.num_entries),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=cfg.block_r,
         INTERPRETER=_env.triton_interpreter(), USE_PDL=pdl,
         WAIT_CODES=wait_codes, WARM_L2=warm_l2 if wait_codes else 0, TRACE=traced,

@@ -5,8 +5,6 @@ steps). Pure host arithmetic: nothing here launches or allocates."""
 import dataclasses
 from collections.abc import Callable
 
-import triton
-
 from epilora_kernels import _env
 from epilora_kernels.arch import DeviceSupport
 from epilora_kernels.batch import AdapterBatch, LoraWeights
@@ -18,6 +16,19 @@ from epilora_kernels.launch import (
     tuned_exactly,
     wave_efficiency,
 )
+
+
+# Host integer arithmetic of the launches. `triton.cdiv` and `triton.next_power_of_2` are
+# constexpr functions: from host code each call goes through Triton's JIT wrapper (~3 us a call
+# on a fast host; a dozen a call of the fused path).
+def cdiv(a: int, b: int) -> int:
+    """`ceil(a / b)` of ints."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def table_of(support: DeviceSupport) -> str | None:
@@ -149,15 +160,15 @@ def quant_block(k: int, cap: int) -> int:
     # (Qwen3-8B's widest input is 12288) stays in registers, 64 values a thread, and is read
     # once; with 4 warps beside the shrink's tiles in K1 a 16384 chunk spilled and made K1 ~10x
     # slower (tune_v2.json of 0f3bdfb), so there rows go in chunks of 4096, read twice.
-    return min(triton.next_power_of_2(k), cap)
+    return min(next_power_of_2(k), cap)
 
 
 def shrink_programs(t: int, lora: LoraWeights, batch: AdapterBatch, cfg: LaunchConfig) -> int:
     # K1's shrink programs: one per (row tile of the entries' list, slice, rank tile, split).
     # The entries' row tiles number at most cdiv(T, block_m) + (entries with tokens) - 1, and
     # at most min(entries, T) entries have tokens.
-    row_tiles = max(0, triton.cdiv(t, cfg.block_m) + min(batch.num_entries, t) - 1)
-    return (row_tiles * triton.cdiv(lora.max_rank, cfg.block_r) * len(lora.output_slices)
+    row_tiles = max(0, cdiv(t, cfg.block_m) + min(batch.num_entries, t) - 1)
+    return (row_tiles * cdiv(lora.max_rank, cfg.block_r) * len(lora.output_slices)
             * cfg.split_k)
 
 
@@ -165,13 +176,13 @@ def k1_tiles(t: int, lora: LoraWeights, batch: AdapterBatch, cfg: LaunchConfig) 
     # K1's split-K tile counters, indexed by (entry, slice, row tile, rank tile): room for all.
     if cfg.split_k == 1:
         return 0
-    return (batch.num_entries * triton.cdiv(t, cfg.block_m)
-            * triton.cdiv(lora.max_rank, cfg.block_r) * len(lora.output_slices))
+    return (batch.num_entries * cdiv(t, cfg.block_m)
+            * cdiv(lora.max_rank, cfg.block_r) * len(lora.output_slices))
 
 
 def gemm_grid(mode: int, t: int, n: int, cfg: LaunchConfig) -> tuple[int, int, int]:
     split = 1 if mode == 2 else cfg.split_k  # the expand has no K loop to split
-    return (triton.cdiv(t, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
+    return (cdiv(t, cfg.block_m), cdiv(n, cfg.block_n), split)
 
 
 def k2_tiles(mode: int, t: int, n: int, cfg: LaunchConfig) -> int:

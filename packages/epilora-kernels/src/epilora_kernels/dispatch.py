@@ -8,6 +8,7 @@ given no path (timed dispatch, which measures the candidates on the caller's sha
 the engine integration and replaces it there).
 """
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,6 +62,14 @@ def supports(path: str, *, in_features: int, output_slices: tuple[int, ...], max
         support = device_support(device)
     except UnsupportedError as e:
         return _refuse(str(e))
+    return _supports_on(support, path, in_features, tuple(output_slices), max_rank,
+                        weight_dtype, weight_scale_numel)
+
+
+@functools.lru_cache(maxsize=4096)  # asked on every call of lora_linear, by value
+def _supports_on(support: DeviceSupport, path: str, in_features: int,
+                 output_slices: tuple[int, ...], max_rank: int, weight_dtype: torch.dtype,
+                 weight_scale_numel: int) -> Support:
     if not support.fp8_mma:
         return _refuse(f"FP8 MMA needs sm_89 or newer; {support.name} is {support.arch}")
     if path == "decode" and not (support.pdl or support.interpreter):

@@ -78,6 +78,25 @@ def _size_workspace(device: torch.device, lora: ek.LoraWeights) -> None:
     _workspaces[device] = bounds
 
 
+# vLLM's metadata tensors are allocated once per engine and refreshed in place before each step,
+# so the batch of a token count is the same views every step: made once per (metadata, count)
+# rather than by every projection of every step (~150 a step; eager prefill steps are host-bound).
+_BATCHES: dict[tuple[int, int], tuple[object, ek.AdapterBatch]] = {}
+
+
+def _batch_view(meta, tokens: int) -> ek.AdapterBatch:
+    # `meta`: vLLM's LoRAKernelMeta. The entry holds it, so its id is not reused while cached.
+    entry = _BATCHES.get((id(meta), tokens))
+    if entry is None or entry[0] is not meta:
+        if len(_BATCHES) >= 1 << 16:
+            _BATCHES.clear()
+        # meta_args' count of active adapters (its 7th entry, `specialize_active_lora`) is
+        # not the kernels': they take every entry of lora_ids.
+        entry = _BATCHES[(id(meta), tokens)] = (
+            meta, ek.AdapterBatch.from_vllm_meta_args(meta.meta_args(tokens, False)))
+    return entry[1]
+
+
 class EpiloraForward:
     """The computation of one vLLM LoRA layer (`layer`, an `epilora_vllm.layers` class)."""
 
@@ -132,7 +151,10 @@ class EpiloraForward:
         """x `[T, K]` (or `[1, T, K]`) through the projection; `codes`, `scales`: x as vLLM's
         FP8 linear quantized it (GPU), or None. x None: the codes alone (`shrink_codes`)."""
         if x is None:
-            quantized = (codes, scales.reshape(-1, 1)[: codes.shape[0]])
+            tokens = codes.shape[0]
+            if scales.dim() != 2 or scales.shape[0] != tokens:  # vLLM's are [T, 1] already
+                scales = scales.reshape(-1, 1)[:tokens]
+            quantized = (codes, scales)
             if codes.device.type == "cpu":
                 y = self._on_cpu_codes(quantized)
                 return y if bias is None else y + bias
@@ -166,8 +188,7 @@ class EpiloraForward:
         meta = self.layer.punica_wrapper.token_mapping_meta
         if meta.no_lora_flag_cpu.item():  # a CPU tensor: no device sync
             return None
-        specialize = self.layer.lora_config.specialize_active_lora
-        return ek.AdapterBatch.from_vllm_meta_args(meta.meta_args(tokens, specialize))
+        return _batch_view(meta, tokens)
 
     def _no_adapter_batch(self, tokens: int, device: torch.device) -> ek.AdapterBatch:
         # The matched mode computes W8A16 without adapters too: a batch of `tokens` tokens in no

@@ -1,0 +1,114 @@
+"""`_fast_launch` on a stand-in kernel and driver (CPU): which launches go through Triton and
+which straight to the remembered compiled kernel, with which arguments. On the H200,
+tests/gpu/test_api_gpu.py checks the real launches' outputs bit for bit."""
+
+import inspect
+from types import SimpleNamespace
+
+import pytest
+import torch
+from triton import knobs
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from epilora_kernels import _fast_launch
+
+
+class _Compiled:
+    packed_metadata = "packed"
+    function = 7
+
+    def __init__(self, runs: list) -> None:
+        self._runs = runs
+
+    def run(self, *args) -> None:
+        self._runs.append(args)
+
+
+class _Kernel:
+    """A JITFunction's surface: `params`, and `kernel[grid](**arguments)` (Triton's launch)."""
+
+    def __init__(self) -> None:
+        self.params = [SimpleNamespace(name="x_ptr", default=inspect.Parameter.empty),
+                       SimpleNamespace(name="T", default=inspect.Parameter.empty),
+                       SimpleNamespace(name="FLAG", default=False)]
+        self.triton_launches: list = []
+        self.runs: list = []
+
+    def __getitem__(self, grid):
+        def launch(**arguments):
+            self.triton_launches.append((grid, arguments))
+            return _Compiled(self.runs)
+        return launch
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    _fast_launch.clear()
+    device = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda d: 99)
+    monkeypatch.setattr(_fast_launch, "driver", SimpleNamespace(active=device))
+    yield _Kernel()
+    _fast_launch.clear()
+
+
+def _buffer(offset_bytes: int) -> torch.Tensor:
+    # int32 elements `offset_bytes` into a 16-byte aligned buffer (torch allocates aligned).
+    return torch.zeros(64, dtype=torch.int32)[offset_bytes // 4:]
+
+
+def test_a_repeated_launch_skips_triton_with_the_arguments_in_parameter_order(kernel):
+    x = _buffer(0)
+    _fast_launch.launch(kernel, (3,), {"T": 5, "x_ptr": x, "num_warps": 4})
+    _fast_launch.launch(kernel, (4, 2), {"T": 5, "x_ptr": x, "num_warps": 4})
+    assert len(kernel.triton_launches) == 1
+    (run,) = kernel.runs
+    assert run[:9] == (4, 2, 1, 99, 7, "packed", None, None, None)
+    assert run[9] is x and run[10:] == (5, False)  # the flag's default filled in
+
+
+@pytest.mark.parametrize("change", ["alignment", "dtype", "int", "flag", "option"])
+def test_a_launch_that_specializes_differently_goes_through_triton(kernel, change):
+    base = {"T": 16, "x_ptr": _buffer(0), "num_warps": 4}
+    other = dict(base)
+    if change == "alignment":
+        other["x_ptr"] = _buffer(8)
+    elif change == "dtype":
+        other["x_ptr"] = torch.zeros(8, dtype=torch.float32)
+    elif change == "int":
+        other["T"] = 17
+    elif change == "flag":
+        other["FLAG"] = True
+    else:
+        other["num_warps"] = 8
+    _fast_launch.launch(kernel, (1,), base)
+    _fast_launch.launch(kernel, (1,), other)
+    assert len(kernel.triton_launches) == 2 and not kernel.runs
+    _fast_launch.launch(kernel, (1,), other)  # now remembered too
+    assert len(kernel.triton_launches) == 2 and len(kernel.runs) == 1
+
+
+def test_tensor_descriptors_by_shape_block_and_base_alignment(kernel):
+    base = torch.zeros(64, 64, dtype=torch.bfloat16)
+    first = TensorDescriptor.from_tensor(base, [16, 16])
+    same = TensorDescriptor.from_tensor(base.clone(), [16, 16])
+    other_block = TensorDescriptor.from_tensor(base, [16, 32])
+    for desc in (first, same, other_block):
+        _fast_launch.launch(kernel, (1,), {"T": 1, "x_ptr": desc})
+    assert len(kernel.triton_launches) == 2 and len(kernel.runs) == 1
+
+
+def test_every_launch_goes_through_triton_while_a_launch_hook_is_installed(kernel):
+    arguments = {"T": 2, "x_ptr": _buffer(0)}
+    _fast_launch.launch(kernel, (1,), arguments)
+
+    def hook(metadata):
+        pass
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        _fast_launch.launch(kernel, (1,), arguments)
+        _fast_launch.launch(kernel, (1,), arguments)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(kernel.triton_launches) == 3 and not kernel.runs
+    _fast_launch.launch(kernel, (1,), arguments)
+    assert len(kernel.triton_launches) == 3 and len(kernel.runs) == 1
