@@ -10,9 +10,12 @@ was higher; with every Triton compile gone from serving (9361f2a) the median TTF
 
     python dev/prefill_probe.py --system epilora --out /tmp/probe.json
 
-With `--py-spy FILE` (py-spy on PATH), eager 520-token steps run again under py-spy sampling
-this process for `--py-spy-seconds`, its collapsed stacks written to FILE: where the host time
-of the step goes, line by line (`dev/collapse_stacks.py FILE` sums them).
+With `--sample FILE`, eager 520-token steps run again for `--sample-seconds` while a thread
+samples the main thread's Python stack every ~0.5 ms, written to FILE as collapsed stacks (a
+line per stack and its count, py-spy's raw format): where the host time of the step goes, line
+by line (`dev/collapse_stacks.py FILE` sums them). A sample is taken when the main thread lets
+go of the GIL (the switch interval is lowered to 0.2 ms meanwhile), so a long call in C that
+holds it counts at the next Python line.
 """
 
 import argparse
@@ -35,8 +38,8 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3-8b")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--py-spy", type=Path, help="collapsed stacks of eager steps, here")
-    parser.add_argument("--py-spy-seconds", type=float, default=8.0)
+    parser.add_argument("--sample", type=Path, help="collapsed stacks of eager steps, here")
+    parser.add_argument("--sample-seconds", type=float, default=8.0)
     args = parser.parse_args()
     os.environ.update(system_env(args.system))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine here: the profiler sees it
@@ -94,31 +97,49 @@ def main() -> None:
                                                    "self_cpu_ms":
                                                        round(e.self_cpu_time_total / 1e3, 2)}
                                                   for e in cpu_top]}}
-    if args.py_spy:
-        result["py_spy_steps"] = sample_with_py_spy(lambda: run(520, 1, rep), args.py_spy,
-                                                    args.py_spy_seconds)
+    if args.sample:
+        result["sampled_steps"] = sample_stacks(lambda: run(520, 1, rep), args.sample,
+                                                args.sample_seconds)
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1), flush=True)
     print(f"{args.system}: wall {wall:.1f} ms, device {device_total:.1f} ms", flush=True)
 
 
-def sample_with_py_spy(step, out: Path, seconds: float) -> int:
-    """Run `step` over and over while py-spy samples this process; the steps run."""
-    import ctypes
-    import shutil
-    import subprocess
+def sample_stacks(step, out: Path, seconds: float) -> int:
+    """Run `step` over and over for `seconds` while a thread samples the main thread's stack;
+    the collapsed stacks go to `out`. Returns the steps run."""
+    import collections
+    import threading
 
-    # Yama (ptrace_scope 1) lets a process be read only by its ancestors, unless it names a
-    # tracer: any, here (PR_SET_PTRACER, PR_SET_PTRACER_ANY).
-    ctypes.CDLL(None).prctl(0x59616D61, ctypes.c_ulong(-1), 0, 0, 0)
-    spy = subprocess.Popen([shutil.which("py-spy") or "py-spy", "record", "--pid",
-                            str(os.getpid()), "--rate", "1000", "--duration", str(int(seconds)),
-                            "--format", "raw", "--nonblocking", "--output", str(out)])
-    steps = 0
-    while spy.poll() is None:
-        step()
-        steps += 1
-    print(f"py-spy exit {spy.returncode} after {steps} steps -> {out}", flush=True)
+    main = threading.main_thread().ident
+    counts: collections.Counter = collections.Counter()
+    done = threading.Event()
+
+    def sampler() -> None:
+        while not done.is_set():
+            frame, stack = sys._current_frames().get(main), []
+            while frame is not None:
+                code = frame.f_code
+                stack.append(f"{code.co_name} ({code.co_filename}:{frame.f_lineno})")
+                frame = frame.f_back
+            counts[";".join(reversed(stack))] += 1
+            time.sleep(0.0005)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0002)
+    thread = threading.Thread(target=sampler, daemon=True)
+    thread.start()
+    steps, end = 0, time.perf_counter() + seconds
+    try:
+        while time.perf_counter() < end:
+            step()
+            steps += 1
+    finally:
+        done.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    out.write_text("".join(f"{stack} {n}\n" for stack, n in counts.items()))
+    print(f"sampled {sum(counts.values())} stacks over {steps} steps -> {out}", flush=True)
     return steps
 
 

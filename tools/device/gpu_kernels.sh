@@ -45,8 +45,8 @@
 #   prefill-probe dev/prefill_probe.py for each of $PROBE_SYSTEMS (epilora vllm-default), each
 #           under PROBE_TIMEOUT (300) -> $OUT/prefill_probe_SYSTEM.json and .log (with
 #           EPILORA_VLLM_TUNE=0 in the environment the plugin's engine starts ~60 s sooner);
-#           PROBE_PY_SPY=SECONDS: also py-spy's samples of eager steps -> $OUT/py_spy_SYSTEM.txt
-#           (py-spy from the wheel in .device/extra/, which tools/device/prepare.sh fetches)
+#           PROBE_SAMPLE=SECONDS: also the stacks of eager steps sampled that long
+#           -> $OUT/stacks_SYSTEM.txt (dev/collapse_stacks.py sums them)
 #   op-overhead dev/op_overhead.py $OVERHEAD_ARGS: the kernels' host time per eager call
 #           -> $OUT/op_overhead.json                                     OVERHEAD_TIMEOUT (120)
 #   engine-kernels dev/engine_kernels.py $ENGINE_KERNELS_ARGS: one engine decode step's kernels
@@ -182,19 +182,14 @@ w('/tmp/smollm2-bf16')" 2>&1 | tail -3 || exit 1
                       --out "$OUT/engine_kernels.json" ${ENGINE_KERNELS_ARGS:-} 2>&1 \
                       | tee "$OUT/engine_kernels.log" ;;
     prefill-probe) # each system's engine in its own process, under its own limit
-                   spy=()
-                   if [ -n "${PROBE_PY_SPY:-}" ]; then
-                     python3 -m zipfile -e .device/extra/py_spy-*.whl /tmp/py-spy \
-                       && chmod +x /tmp/py-spy/py_spy-*.data/scripts/py-spy \
-                       && export PATH="$PATH:$(echo /tmp/py-spy/py_spy-*.data/scripts)"
-                   fi
+                   sample=()
                    for system in ${PROBE_SYSTEMS:-epilora vllm-default}; do
-                     [ -n "${PROBE_PY_SPY:-}" ] && spy=(--py-spy "$OUT/py_spy_$system.txt" \
-                       --py-spy-seconds "$PROBE_PY_SPY")
+                     [ -n "${PROBE_SAMPLE:-}" ] && sample=(--sample "$OUT/stacks_$system.txt" \
+                       --sample-seconds "$PROBE_SAMPLE")
                      timeout "${PROBE_TIMEOUT:-300}" python3 dev/prefill_probe.py \
-                       --system "$system" --out "$OUT/prefill_probe_$system.json" "${spy[@]}" \
+                       --system "$system" --out "$OUT/prefill_probe_$system.json" "${sample[@]}" \
                        > "$OUT/prefill_probe_$system.log" 2>&1
-                     echo "$system exit $?"; grep -E "prompt|wall|py-spy" "$OUT/prefill_probe_$system.log"
+                     echo "$system exit $?"; grep -E "prompt|wall|sampled" "$OUT/prefill_probe_$system.log"
                    done | tee "$OUT/prefill_probe.log" ;;
     op-overhead) timeout "${OVERHEAD_TIMEOUT:-120}" python3 dev/op_overhead.py \
                    --out "$OUT/op_overhead.json" ${OVERHEAD_ARGS:-} 2>&1 | tee "$OUT/op_overhead.log" ;;

@@ -13,9 +13,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   nox==2026.10.20 argcomplete colorlog dependency-groups humanize python-discovery \
   platformdirs filelock attrs packaging==25.0 \
   pytest-xdist==3.8.0 execnet==2.1.2  # the GPU tests in processes (gpu_kernels.sh TESTS_JOBS)
-# py-spy (a static binary in a 3 MB wheel), for gpu_kernels.sh's PROBE_PY_SPY sampling profiles
-rm -rf .device/extra && python3 -m pip download -q --no-deps --only-binary=:all: \
-  --platform manylinux_2_17_x86_64 -d .device/extra py-spy==0.4.3
 rm -rf .device/dist && uv build --all-packages -q -o .device/dist --wheel
 # vLLM 0.26.0's LoRA layer tests (its sdist's tests/lora, ~100 KB unpacked), which the plugin's
 # GPU tests run on FP8 bases (packages/epilora-vllm/tests/vllm_suite.py; setup.sh points there).
