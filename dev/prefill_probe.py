@@ -125,6 +125,18 @@ def sample_stacks(step, out: Path, seconds: float) -> int:
             counts[";".join(reversed(stack))] += 1
             time.sleep(0.0005)
 
+    import gc
+
+    collected = {"runs": 0, "s": 0.0, "begin": 0.0}
+
+    def gc_timer(phase: str, info: dict) -> None:  # the garbage collector's share of the steps
+        if phase == "start":
+            collected["begin"] = time.perf_counter()
+        else:
+            collected["runs"] += 1
+            collected["s"] += time.perf_counter() - collected["begin"]
+
+    gc.callbacks.append(gc_timer)
     interval = sys.getswitchinterval()
     sys.setswitchinterval(0.0002)
     thread = threading.Thread(target=sampler, daemon=True)
@@ -138,6 +150,9 @@ def sample_stacks(step, out: Path, seconds: float) -> int:
         done.set()
         thread.join()
         sys.setswitchinterval(interval)
+        gc.callbacks.remove(gc_timer)
+    print(f"garbage collections during the steps: {collected['runs']}, "
+          f"{collected['s'] * 1e3:.1f} ms of {seconds * 1e3:.0f} ms", flush=True)
     out.write_text("".join(f"{stack} {n}\n" for stack, n in counts.items()))
     print(f"sampled {sum(counts.values())} stacks over {steps} steps -> {out}", flush=True)
     return steps

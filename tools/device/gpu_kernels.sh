@@ -189,7 +189,7 @@ w('/tmp/smollm2-bf16')" 2>&1 | tail -3 || exit 1
                      timeout "${PROBE_TIMEOUT:-300}" python3 dev/prefill_probe.py \
                        --system "$system" --out "$OUT/prefill_probe_$system.json" "${sample[@]}" \
                        > "$OUT/prefill_probe_$system.log" 2>&1
-                     echo "$system exit $?"; grep -E "prompt|wall|sampled" "$OUT/prefill_probe_$system.log"
+                     echo "$system exit $?"; grep -E "prompt|wall|sampled|garbage" "$OUT/prefill_probe_$system.log"
                    done | tee "$OUT/prefill_probe.log" ;;
     op-overhead) timeout "${OVERHEAD_TIMEOUT:-120}" python3 dev/op_overhead.py \
                    --out "$OUT/op_overhead.json" ${OVERHEAD_ARGS:-} 2>&1 | tee "$OUT/op_overhead.log" ;;
