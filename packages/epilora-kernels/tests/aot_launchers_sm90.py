@@ -51,12 +51,14 @@ def record_launches(launch, grids: list | None = None,
     fused.device_support = dispatch.device_support = lambda device=None: SM90
     # Every launch through Triton's `run` (the recorder): the fast path past it asks the CUDA
     # driver for the current device first.
-    fast = _fast_launch.launch
+    fast, template = _fast_launch.launch, _fast_launch.Template.launch
     _fast_launch.launch = lambda kernel, grid, arguments: kernel[grid](**arguments)
+    _fast_launch.Template.launch = lambda self, grid, tensors: self.kernel[grid](
+        **self.arguments(tensors))
     try:
         launch()
     finally:
-        _fast_launch.launch = fast
+        _fast_launch.launch, _fast_launch.Template.launch = fast, template
         fused.device_support, dispatch.device_support = supports
         for kernel in kernels:
             del kernel.run  # back to the class's method

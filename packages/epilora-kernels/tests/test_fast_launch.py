@@ -2,7 +2,6 @@
 which straight to the remembered compiled kernel, with which arguments. On the H200,
 tests/gpu/test_api_gpu.py checks the real launches' outputs bit for bit."""
 
-import inspect
 from types import SimpleNamespace
 
 import pytest
@@ -24,13 +23,17 @@ class _Compiled:
         self._runs.append(args)
 
 
+def _kernel_function(x_ptr, T, FLAG=False):
+    pass
+
+
 class _Kernel:
-    """A JITFunction's surface: `params`, and `kernel[grid](**arguments)` (Triton's launch)."""
+    """A JITFunction's surface: `fn`, and `kernel[grid](**arguments)` (Triton's launch)."""
+
+    __name__ = "_kernel_function"
 
     def __init__(self) -> None:
-        self.params = [SimpleNamespace(name="x_ptr", default=inspect.Parameter.empty),
-                       SimpleNamespace(name="T", default=inspect.Parameter.empty),
-                       SimpleNamespace(name="FLAG", default=False)]
+        self.fn = _kernel_function
         self.triton_launches: list = []
         self.runs: list = []
 
@@ -112,3 +115,27 @@ def test_every_launch_goes_through_triton_while_a_launch_hook_is_installed(kerne
     assert len(kernel.triton_launches) == 3 and not kernel.runs
     _fast_launch.launch(kernel, (1,), arguments)
     assert len(kernel.triton_launches) == 3 and len(kernel.runs) == 1
+
+
+def test_a_template_fills_in_its_tensors_and_keeps_its_fixed_arguments(kernel):
+    template = _fast_launch.Template(kernel, {"T": 7, "FLAG": True, "num_warps": 4}, ("x_ptr",))
+    x = _buffer(0)
+    assert template.arguments((x,)) == {"x_ptr": x, "T": 7, "FLAG": True, "num_warps": 4}
+    template.launch((2,), (x,))
+    template.launch((3,), (_buffer(16),))  # aligned too: the same kernel
+    assert kernel.triton_launches == [((2,), {"x_ptr": x, "T": 7, "FLAG": True,
+                                              "num_warps": 4})]
+    (run,) = kernel.runs
+    assert run[:9] == (3, 1, 1, 99, 7, "packed", None, None, None) and run[10:] == (7, True)
+    template.launch((3,), (_buffer(8),))  # unaligned: through Triton
+    assert len(kernel.triton_launches) == 2 and len(kernel.runs) == 1
+
+
+def test_a_template_refuses_slots_the_kernel_does_not_have(kernel):
+    with pytest.raises(ValueError, match="y_ptr"):
+        _fast_launch.Template(kernel, {"T": 1}, ("x_ptr", "y_ptr"))
+
+
+def test_a_template_refuses_a_tensor_among_its_fixed_arguments(kernel):
+    with pytest.raises(ValueError, match="x_ptr"):
+        _fast_launch.Template(kernel, {"x_ptr": _buffer(0), "T": 1}, ())

@@ -6,14 +6,19 @@ a fast host for K2's 48 arguments, more on slower ones, and a projection launche
 In a step vLLM runs outside CUDA graphs (prefill above its largest graph size) those launches
 are most of the step's time: the GPU waits for the host.
 
-Here a launch whose arguments specialize as an earlier launch's did goes straight to that
-launch's compiled kernel (its launcher, on the current stream); any other launch goes through
-Triton, whose compiled kernel is remembered for the next. The key is at least as fine as
-Triton's own: a tensor by its dtype and whether its address is 16-byte aligned (what Triton
-specializes a pointer on), a tensor descriptor by its base's dtype and alignment, its shape,
-strides, block shape and padding, every other argument (ints, flags, constexprs) by its value,
-and the launch options by theirs. While a Triton launch hook is installed (a profiler such as
+A `Template` is one launch's arguments with every one fixed but its tensors (the launchers
+make one per launch setting and shape, `epilora_kernels._launchers`): a launch through it
+fills in the tensors, and a launch whose tensors specialize as an earlier one's did goes
+straight to that launch's compiled kernel (its launcher, on the current stream); any other goes
+through Triton, whose compiled kernel is remembered for the next. Only the tensors are
+specialized per launch, as Triton specializes them: a tensor by its dtype and whether its
+address is 16-byte aligned, a tensor descriptor by its base's dtype and alignment, its shape,
+strides, block shape and padding; the fixed arguments (ints, flags, constexprs) and the launch
+options are the template's own. While a Triton launch hook is installed (a profiler such as
 proton), every launch goes through Triton, so the hooks see it.
+
+`launch` does the same for a launch given by name, each argument specialized per launch (the
+launches that are not on the eager path of a projection).
 """
 
 import inspect
@@ -23,7 +28,7 @@ from triton import knobs
 from triton.runtime import driver
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-_COMPILED: dict[tuple, object] = {}  # key -> Triton's CompiledKernel
+_COMPILED: dict[tuple, object] = {}  # `launch`'s key -> Triton's CompiledKernel
 _MAX_COMPILED = 1 << 14  # a process launching ever new keys starts over past this
 # kernel -> (((name, default), ...) in the kernel's parameter order, the names as a set)
 _PARAMS: dict = {}
@@ -46,34 +51,94 @@ def _hooked() -> bool:
                                                          runtime.launch_exit_hook))
 
 
-def launch(kernel, grid: tuple, arguments: dict) -> None:
-    """`kernel[grid](**arguments)`, the same kernel on the same stream, with Triton's own launch
-    only the first time its arguments specialize so."""
+def _params(kernel) -> tuple[tuple, frozenset]:
+    # From the Python function's signature: a JITFunction and the interpreter's
+    # InterpretedFunction both keep it as `fn`.
     known = _PARAMS.get(kernel)
     if known is None:
-        known = _PARAMS[kernel] = (tuple((p.name, p.default) for p in kernel.params),
-                                   frozenset(p.name for p in kernel.params))
-    params, names = known
-    values = [arguments[name] if name in arguments else default for name, default in params]
-    options = tuple(item for item in arguments.items() if item[0] not in names)
-    device = driver.active.get_current_device()
-    key = (kernel, device, options, *map(_specialization, values))
-    compiled = _COMPILED.get(key)
-    if compiled is None or _hooked():
-        compiled = kernel[grid](**arguments)
-        if (not _hooked() and hasattr(compiled, "packed_metadata")
-                and inspect.Parameter.empty not in values):
-            if len(_COMPILED) >= _MAX_COMPILED:
-                _COMPILED.clear()
-            _COMPILED[key] = compiled
-        return
+        params = inspect.signature(kernel.fn).parameters.values()
+        known = _PARAMS[kernel] = (tuple((p.name, p.default) for p in params),
+                                   frozenset(p.name for p in params))
+    return known
+
+
+def _run(compiled, grid: tuple, device: int, values) -> None:
+    # What JITFunction.run does last: the compiled kernel's launcher on the current stream,
+    # without launch metadata or hooks (none are installed: `_hooked`).
     grid_y = grid[1] if len(grid) > 1 else 1
     grid_z = grid[2] if len(grid) > 2 else 1
     compiled.run(grid[0], grid_y, grid_z, driver.active.get_current_stream(device),
                  compiled.function, compiled.packed_metadata, None, None, None, *values)
 
 
+def _remember(cache: dict, key: tuple, compiled) -> None:
+    if not _hooked() and hasattr(compiled, "packed_metadata"):  # not a compile future
+        if len(cache) >= _MAX_COMPILED:
+            cache.clear()
+        cache[key] = compiled
+
+
+class Template:
+    """`kernel`'s launch with `arguments` (by name, launch options included), every argument
+    fixed but the tensors named in `slots`, which each launch gives in that order."""
+
+    def __init__(self, kernel, arguments: dict, slots: tuple[str, ...]) -> None:
+        params, names = _params(kernel)
+        order = [name for name, _ in params]
+        missing = [slot for slot in slots if slot not in names]
+        if missing:
+            raise ValueError(f"{missing} are not parameters of {kernel.__name__}")
+        self.kernel, self.slots = kernel, slots
+        self._names = order
+        self._positions = tuple(order.index(slot) for slot in slots)
+        self._values = [arguments[name] if name in arguments else default
+                        for name, default in params]
+        for position in self._positions:  # the template keeps no tensor alive
+            self._values[position] = None
+        fixed_tensors = [name for name, value in zip(order, self._values, strict=True)
+                         if isinstance(value, (torch.Tensor, TensorDescriptor))]
+        if fixed_tensors:  # a buffer fixed by the first launch would serve every later one
+            raise ValueError(f"{fixed_tensors} are tensors: name them in the template's slots")
+        self._options = {k: v for k, v in arguments.items() if k not in names}
+        self._compiled: dict[tuple, object] = {}
+
+    def arguments(self, tensors) -> dict:
+        """The launch's arguments by name (options included) with these tensors."""
+        values = self._values.copy()
+        for position, tensor in zip(self._positions, tensors, strict=True):
+            values[position] = tensor
+        return dict(zip(self._names, values, strict=True)) | self._options
+
+    def launch(self, grid: tuple, tensors) -> None:
+        """`kernel[grid](**self.arguments(tensors))`, past Triton once it has compiled the
+        kernel for tensors that specialize so."""
+        device = driver.active.get_current_device()
+        key = (device, *map(_specialization, tensors))
+        compiled = self._compiled.get(key)
+        if compiled is None or _hooked():
+            _remember(self._compiled, key, self.kernel[grid](**self.arguments(tensors)))
+            return
+        values = self._values.copy()
+        for position, tensor in zip(self._positions, tensors, strict=True):
+            values[position] = tensor
+        _run(compiled, grid, device, values)
+
+
+def launch(kernel, grid: tuple, arguments: dict) -> None:
+    """`kernel[grid](**arguments)`, the same kernel on the same stream, with Triton's own launch
+    only the first time its arguments (every one, by value or as a tensor) specialize so."""
+    params, names = _params(kernel)
+    values = [arguments[name] if name in arguments else default for name, default in params]
+    options = tuple(item for item in arguments.items() if item[0] not in names)
+    device = driver.active.get_current_device()
+    key = (kernel, device, options, *map(_specialization, values))
+    compiled = _COMPILED.get(key)
+    if compiled is None or _hooked():
+        _remember(_COMPILED, key, kernel[grid](**arguments))
+        return
+    _run(compiled, grid, device, values)
+
+
 def clear() -> None:
-    """Forget every compiled kernel remembered here (the next launch of each goes through
-    Triton again)."""
+    """Forget the compiled kernels `launch` remembers (templates keep their own)."""
     _COMPILED.clear()

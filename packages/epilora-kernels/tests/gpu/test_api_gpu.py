@@ -88,22 +88,27 @@ def test_activations_quantized_by_the_caller(path, tokens):
 @pytest.mark.parametrize("tokens", [8, 300])
 def test_launches_past_triton_give_tritons_bits_and_respecialize(path, tokens):
     # The first call goes through Triton's launch, a repeat straight to its compiled kernels
-    # (`_fast_launch`): the same bits. Codes 8 bytes past an aligned address specialize
-    # differently (Triton compiles unaligned loads for them): a kernel of their own, not the
-    # aligned one, and the same bits again.
-    from epilora_kernels import _fast_launch
+    # (K1's and K2's launch templates, `_fast_launch.Template`): the same bits. Codes 8 bytes
+    # past an aligned address specialize differently (Triton compiles unaligned loads for
+    # them): kernels of their own, not the aligned ones, and the same bits again.
+    from epilora_kernels import _launchers
+
+    def remembered() -> int:
+        return sum(len(entry[0]._compiled) for templates in (_launchers._K1_TEMPLATES,
+                                                             _launchers._K2_TEMPLATES)
+                   for entry in templates.values())
 
     _, _, _, weight, w_scale, _, lora, batch = make_integer_problem(
         18, tokens, 4096, (4096, 1024, 1024), 64, 4, "mixed_with_base", device=CUDA)
     codes, scales, _ = exact_codes(18, tokens, 4096, device=CUDA)
-    _fast_launch.clear()
+    _launchers._K1_TEMPLATES.clear()
+    _launchers._K2_TEMPLATES.clear()
     first = ek.lora_linear(None, weight, w_scale, lora, batch, path=path,
                            x_quantized=(codes, scales))
-    remembered = len(_fast_launch._COMPILED)
-    assert remembered == 2  # K1 and K2
+    assert remembered() == 2  # K1 and K2
     again = ek.lora_linear(None, weight, w_scale, lora, batch, path=path,
                            x_quantized=(codes, scales))
-    assert len(_fast_launch._COMPILED) == remembered
+    assert remembered() == 2
     assert_bitwise_equal(again, first, name="past Triton")
     shifted = torch.empty(codes.numel() + 8, dtype=torch.uint8, device=CUDA)[8:]
     shifted = shifted.view(torch.float8_e4m3fn).view(tokens, 4096)
@@ -111,7 +116,7 @@ def test_launches_past_triton_give_tritons_bits_and_respecialize(path, tokens):
     assert shifted.data_ptr() % 16 == 8
     unaligned = ek.lora_linear(None, weight, w_scale, lora, batch, path=path,
                                x_quantized=(shifted, scales))
-    assert len(_fast_launch._COMPILED) == remembered + 2
+    assert remembered() == 4
     assert_bitwise_equal(unaligned, first, name="unaligned codes")
 
 
