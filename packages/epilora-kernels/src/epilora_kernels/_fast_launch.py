@@ -28,6 +28,7 @@ from triton import knobs
 from triton.runtime import driver
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+_TENSOR = torch.Tensor
 _COMPILED: dict[tuple, object] = {}  # `launch`'s key -> Triton's CompiledKernel
 _MAX_COMPILED = 1 << 14  # a process launching ever new keys starts over past this
 # kernel -> (((name, default), ...) in the kernel's parameter order, the names as a set)
@@ -113,7 +114,10 @@ class Template:
         """`kernel[grid](**self.arguments(tensors))`, past Triton once it has compiled the
         kernel for tensors that specialize so."""
         device = driver.active.get_current_device()
-        key = (device, *map(_specialization, tensors))
+        # _specialization inlined for plain tensors (most of them): a call a tensor is most of
+        # this launch's host time.
+        key = (device, *[(t.dtype, t.data_ptr() % 16 == 0) if t.__class__ is _TENSOR
+                         else _specialization(t) for t in tensors])
         compiled = self._compiled.get(key)
         if compiled is None or _hooked():
             _remember(self._compiled, key, self.kernel[grid](**self.arguments(tensors)))
