@@ -139,3 +139,18 @@ def test_a_template_refuses_slots_the_kernel_does_not_have(kernel):
 def test_a_template_refuses_a_tensor_among_its_fixed_arguments(kernel):
     with pytest.raises(ValueError, match="x_ptr"):
         _fast_launch.Template(kernel, {"x_ptr": _buffer(0), "T": 1}, ())
+
+
+@pytest.mark.parametrize("mode", ["debug", "instrumentation", "pre-run hook"])
+def test_every_launch_goes_through_triton_in_tritons_debug_modes(kernel, monkeypatch, mode):
+    template = _fast_launch.Template(kernel, {"T": 3}, ("x_ptr",))
+    x = _buffer(0)
+    template.launch((1,), (x,))
+    if mode == "debug":
+        monkeypatch.setattr(knobs.runtime, "debug", True)
+    elif mode == "instrumentation":
+        monkeypatch.setattr(knobs.compilation, "instrumentation_mode", "fpsan")
+    else:
+        kernel.pre_run_hooks = [lambda *args, **kwargs: None]
+    template.launch((1,), (x,))
+    assert len(kernel.triton_launches) == 2 and not kernel.runs

@@ -11,11 +11,13 @@ make one per launch setting and shape, `epilora_kernels._launchers`): a launch t
 fills in the tensors, and a launch whose tensors specialize as an earlier one's did goes
 straight to that launch's compiled kernel (its launcher, on the current stream); any other goes
 through Triton, whose compiled kernel is remembered for the next. Only the tensors are
-specialized per launch, as Triton specializes them: a tensor by its dtype and whether its
-address is 16-byte aligned, a tensor descriptor by its base's dtype and alignment, its shape,
-strides, block shape and padding; the fixed arguments (ints, flags, constexprs) and the launch
-options are the template's own. While a Triton launch hook is installed (a profiler such as
-proton), every launch goes through Triton, so the hooks see it.
+specialized per launch: a tensor as Triton does, by its dtype and whether its address is
+16-byte aligned; a tensor descriptor more finely than Triton (which keys on its dtype and block
+shape): by its base's dtype and alignment, its shape, strides, block shape and padding. The
+fixed arguments (ints, flags, constexprs, each by value) and the launch options are the
+template's own. While a Triton launch hook or a kernel's pre-run hook is installed (a profiler
+such as proton), or Triton's debug or instrumentation mode is on, every launch goes through
+Triton, so they see it.
 
 `launch` does the same for a launch given by name, each argument specialized per launch (the
 launches that are not on the eager path of a projection).
@@ -42,14 +44,18 @@ def _specialization(value):
         base = value.base
         return (base.dtype, base.data_ptr() % 16 == 0, tuple(value.shape),
                 tuple(value.strides), tuple(value.block_shape), value.padding)
-    return value
+    return value.__class__, value  # True and 1 are one key by value, two to Triton
 
 
-def _hooked() -> bool:
-    # Triton 3.6 keeps its launch hooks in chains (empty: none); earlier Tritons a callable.
+def _hooked(kernel) -> bool:
+    # Whether Triton must see the launch: launch hooks (Triton 3.6 keeps them in chains, empty
+    # for none; earlier Tritons a callable), the kernel's pre-run hooks, or the debug and
+    # instrumentation modes (part of Triton's cache key, read by it at every launch).
     runtime = knobs.runtime
-    return any(getattr(hook, "calls", hook) for hook in (runtime.launch_enter_hook,
-                                                         runtime.launch_exit_hook))
+    return (any(getattr(hook, "calls", hook) for hook in (runtime.launch_enter_hook,
+                                                          runtime.launch_exit_hook))
+            or bool(getattr(kernel, "pre_run_hooks", None)) or bool(runtime.debug)
+            or bool(knobs.compilation.instrumentation_mode))
 
 
 def _params(kernel) -> tuple[tuple, frozenset]:
@@ -72,8 +78,8 @@ def _run(compiled, grid: tuple, device: int, values) -> None:
                  compiled.function, compiled.packed_metadata, None, None, None, *values)
 
 
-def _remember(cache: dict, key: tuple, compiled) -> None:
-    if not _hooked() and hasattr(compiled, "packed_metadata"):  # not a compile future
+def _remember(cache: dict, key: tuple, kernel, compiled) -> None:
+    if not _hooked(kernel) and hasattr(compiled, "packed_metadata"):  # not a compile future
         if len(cache) >= _MAX_COMPILED:
             cache.clear()
         cache[key] = compiled
@@ -119,8 +125,9 @@ class Template:
         key = (device, *[(t.dtype, t.data_ptr() % 16 == 0) if t.__class__ is _TENSOR
                          else _specialization(t) for t in tensors])
         compiled = self._compiled.get(key)
-        if compiled is None or _hooked():
-            _remember(self._compiled, key, self.kernel[grid](**self.arguments(tensors)))
+        if compiled is None or _hooked(self.kernel):
+            _remember(self._compiled, key, self.kernel,
+                      self.kernel[grid](**self.arguments(tensors)))
             return
         values = self._values.copy()
         for position, tensor in zip(self._positions, tensors, strict=True):
@@ -137,8 +144,8 @@ def launch(kernel, grid: tuple, arguments: dict) -> None:
     device = driver.active.get_current_device()
     key = (kernel, device, options, *map(_specialization, values))
     compiled = _COMPILED.get(key)
-    if compiled is None or _hooked():
-        _remember(_COMPILED, key, kernel[grid](**arguments))
+    if compiled is None or _hooked(kernel):
+        _remember(_COMPILED, key, kernel, kernel[grid](**arguments))
         return
     _run(compiled, grid, device, values)
 

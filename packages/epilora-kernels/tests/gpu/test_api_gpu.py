@@ -110,13 +110,26 @@ def test_launches_past_triton_give_tritons_bits_and_respecialize(path, tokens):
                            x_quantized=(codes, scales))
     assert remembered() == 2
     assert_bitwise_equal(again, first, name="past Triton")
+    # Other codes through the remembered kernels: their own output (no stale input pointer),
+    # that of Triton's launch on them.
+    other = codes.view(torch.uint8).flip(0).contiguous().view(torch.float8_e4m3fn)
+    past = ek.lora_linear(None, weight, w_scale, lora, batch, path=path,
+                          x_quantized=(other, scales))
+    assert remembered() == 2
+    _launchers._K1_TEMPLATES.clear()
+    _launchers._K2_TEMPLATES.clear()
+    through = ek.lora_linear(None, weight, w_scale, lora, batch, path=path,
+                             x_quantized=(other, scales))
+    assert_bitwise_equal(past, through, name="other codes past Triton")
+    assert not torch.equal(past, first)
+    remembered_before = remembered()
     shifted = torch.empty(codes.numel() + 8, dtype=torch.uint8, device=CUDA)[8:]
     shifted = shifted.view(torch.float8_e4m3fn).view(tokens, 4096)
     shifted.copy_(codes)
     assert shifted.data_ptr() % 16 == 8
     unaligned = ek.lora_linear(None, weight, w_scale, lora, batch, path=path,
                                x_quantized=(shifted, scales))
-    assert remembered() == 4
+    assert remembered() == remembered_before + 2
     assert_bitwise_equal(unaligned, first, name="unaligned codes")
 
 

@@ -87,7 +87,8 @@ _BATCHES: dict[tuple[int, int], tuple[object, ek.AdapterBatch]] = {}
 def _batch_view(meta, tokens: int) -> ek.AdapterBatch:
     # `meta`: vLLM's LoRAKernelMeta. The entry holds it, so its id is not reused while cached.
     entry = _BATCHES.get((id(meta), tokens))
-    if entry is None or entry[0] is not meta:
+    # A vLLM that reassigned the metadata's tensors (0.26 fills them in place) gets new views.
+    if entry is None or entry[0] is not meta or entry[1].lora_ids is not meta.active_lora_ids:
         if len(_BATCHES) >= 1 << 16:
             _BATCHES.clear()
         # meta_args' count of active adapters (its 7th entry, `specialize_active_lora`) is
