@@ -169,9 +169,10 @@ def lora_linear(x: torch.Tensor | None, weight: torch.Tensor, weight_scale: torc
     if x is None and path not in ("decode", "fused"):
         raise ValueError(f"the {path} path computes on bf16 activations: x is None (codes "
                          "only) is for the decode and fused paths")
-    ok = supports(path, in_features=lora.in_features, output_slices=lora.output_slices,
-                  max_rank=lora.max_rank, device=rows.device, weight_dtype=weight.dtype,
-                  weight_scale_numel=weight_scale.numel())
+    if path not in PATHS:
+        raise ValueError(f"unknown path {path!r}; expected one of {PATHS}")
+    ok = _supports_on(support, path, lora.in_features, tuple(lora.output_slices),
+                      lora.max_rank, weight.dtype, weight_scale.numel())
     if not ok:
         raise UnsupportedError(f"{path} path: {ok.reason}")
     if rows.shape[0] == 0:  # no program to launch, so no path's checks
