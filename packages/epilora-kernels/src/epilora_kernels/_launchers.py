@@ -127,7 +127,7 @@ _K2_SLOTS = ("a_ptr", "a_desc", "a_scale_ptr", "w_ptr", "w_desc", "w_scale_ptr",
              "partial_ptr", "counter_ptr", "ready_ptr", "trace_ptr")
 
 
-def _remember(templates: dict, key: tuple, entry: tuple) -> tuple:
+def _keep_template(templates: dict, key: tuple, entry: tuple) -> tuple:
     if len(templates) >= _MAX_TEMPLATES:
         templates.clear()
     templates[key] = entry
@@ -206,7 +206,7 @@ def launch_k1(support: DeviceSupport, workspace: Workspace, x, lora: LoraWeights
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         grid = ((t if quantize else 0) + _tiling.shrink_programs(t, lora, batch, cfg),)
-        entry = _remember(_K1_TEMPLATES, key, (
+        entry = _keep_template(_K1_TEMPLATES, key, (
             _fast_launch.Template(_quantize_shrink_kernel, fixed, _K1_SLOTS), grid,
             _tiling.k1_tiles(t, lora, batch, cfg)))
     template, grid, tiles = entry
@@ -315,7 +315,7 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
             split=grid[2], partial=partial, counters=counters[TILES:], ready=counters,
             trace=trace, traced=traced, pdl=pdl, wait_codes=wait_codes, warm_l2=warm_l2,
             wait_k1_first=wait_k1_first, a_sorted=a_sorted)
-        entry = _remember(_K2_TEMPLATES, key, (
+        entry = _keep_template(_K2_TEMPLATES, key, (
             _fast_launch.Template(_lora_gemm_kernel, arguments, _K2_SLOTS),))
     b = lora.lora_b
     slices = len(b)
