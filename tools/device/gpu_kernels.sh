@@ -45,6 +45,7 @@
 #   prefill-probe dev/prefill_probe.py for each of $PROBE_SYSTEMS (epilora vllm-default), each
 #           under PROBE_TIMEOUT (300) -> $OUT/prefill_probe_SYSTEM.json and .log (with
 #           EPILORA_VLLM_TUNE=0 in the environment the plugin's engine starts ~60 s sooner);
+#           PROBE_ARGS: more arguments (e.g. "--lengths 520 512");
 #           PROBE_SAMPLE=SECONDS: also the stacks of eager steps sampled that long
 #           -> $OUT/stacks_SYSTEM.txt (dev/collapse_stacks.py sums them)
 #   op-overhead dev/op_overhead.py $OVERHEAD_ARGS: the kernels' host time per eager call
@@ -188,6 +189,7 @@ w('/tmp/smollm2-bf16')" 2>&1 | tail -3 || exit 1
                        --sample-seconds "$PROBE_SAMPLE")
                      timeout "${PROBE_TIMEOUT:-300}" python3 dev/prefill_probe.py \
                        --system "$system" --out "$OUT/prefill_probe_$system.json" "${sample[@]}" \
+                       ${PROBE_ARGS:-} \
                        > "$OUT/prefill_probe_$system.log" 2>&1
                      echo "$system exit $?"; grep -E "prompt|wall|sampled|garbage" "$OUT/prefill_probe_$system.log"
                    done | tee "$OUT/prefill_probe.log" ;;
