@@ -113,6 +113,7 @@ def sample_stacks(step, out: Path, seconds: float) -> int:
     """Run `step` over and over for `seconds` while a thread samples the main thread's stack;
     the collapsed stacks go to `out`. Returns the steps run."""
     import collections
+    import gc
     import threading
 
     main = threading.main_thread().ident
@@ -128,8 +129,6 @@ def sample_stacks(step, out: Path, seconds: float) -> int:
                 frame = frame.f_back
             counts[";".join(reversed(stack))] += 1
             time.sleep(0.0005)
-
-    import gc
 
     collected = {"runs": 0, "s": 0.0, "begin": 0.0}
 

@@ -109,12 +109,16 @@ class Template:
         self._options = {k: v for k, v in arguments.items() if k not in names}
         self._compiled: dict[tuple, object] = {}
 
-    def arguments(self, tensors) -> dict:
-        """The launch's arguments by name (options included) with these tensors."""
+    def _filled(self, tensors) -> list:
+        # Every argument in the kernel's parameter order, these tensors in their slots.
         values = self._values.copy()
         for position, tensor in zip(self._positions, tensors, strict=True):
             values[position] = tensor
-        return dict(zip(self._names, values, strict=True)) | self._options
+        return values
+
+    def arguments(self, tensors) -> dict:
+        """The launch's arguments by name (options included) with these tensors."""
+        return dict(zip(self._names, self._filled(tensors), strict=True)) | self._options
 
     def launch(self, grid: tuple, tensors) -> None:
         """`kernel[grid](**self.arguments(tensors))`, past Triton once it has compiled the
@@ -129,10 +133,7 @@ class Template:
             _remember(self._compiled, key, self.kernel,
                       self.kernel[grid](**self.arguments(tensors)))
             return
-        values = self._values.copy()
-        for position, tensor in zip(self._positions, tensors, strict=True):
-            values[position] = tensor
-        _run(compiled, grid, device, values)
+        _run(compiled, grid, device, self._filled(tensors))
 
 
 def launch(kernel, grid: tuple, arguments: dict) -> None:

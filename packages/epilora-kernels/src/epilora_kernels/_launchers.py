@@ -210,12 +210,12 @@ def launch_k1(support: DeviceSupport, workspace: Workspace, x, lora: LoraWeights
             _fast_launch.Template(_quantize_shrink_kernel, fixed, _K1_SLOTS), grid,
             _tiling.k1_tiles(t, lora, batch, cfg)))
     template, grid, tiles = entry
-    a = lora.lora_a
+    a, _, _, _ = _slices(lora)
     counters = workspace.counters(tiles)
     _start_template(template, grid, (
         x, partials if codes is None else codes,
         scales if quantize else partials if x_scales is None else x_scales,
-        h, partials, a[0], a[1 if s_count > 1 else 0], a[2 if s_count > 2 else 0],
+        h, partials, a[0], a[1], a[2],
         batch.sorted_token_indices, batch.lora_ids, batch.num_tokens_per_lora,
         batch.lora_token_start, counters[TILES:], counters,
         trace_arg(trace, counters, grid[0])))
@@ -317,11 +317,10 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
             wait_k1_first=wait_k1_first, a_sorted=a_sorted)
         entry = _keep_template(_K2_TEMPLATES, key, (
             _fast_launch.Template(_lora_gemm_kernel, arguments, _K2_SLOTS),))
-    b = lora.lora_b
-    slices = len(b)
+    _, b, _, _ = _slices(lora)
     _start_template(entry[0], grid, (
-        a, a_desc, a_scale, weight, w_operand, weight_scale, y, h, b[0],
-        b[1 if slices > 1 else 0], b[2 if slices > 2 else 0], batch.sorted_token_indices,
+        a, a_desc, a_scale, weight, w_operand, weight_scale, y, h, b[0], b[1], b[2],
+        batch.sorted_token_indices,
         batch.lora_ids, batch.lora_token_start, partial, counters[TILES:], counters, trace))
     return y
 

@@ -56,14 +56,18 @@ def supports(path: str, *, in_features: int, output_slices: tuple[int, ...], max
     """Whether `path` can compute a projection of `in_features` inputs into `output_slices`
     with adapters of `max_rank` on `device` (default: the current CUDA device), FP8 weights of
     `weight_dtype` with `weight_scale_numel` scales."""
-    if path not in PATHS:
-        raise ValueError(f"unknown path {path!r}; expected one of {PATHS}")
+    _check_path(path)
     try:
         support = device_support(device)
     except UnsupportedError as e:
         return _refuse(str(e))
     return _supports_on(support, path, in_features, tuple(output_slices), max_rank,
                         weight_dtype, weight_scale_numel)
+
+
+def _check_path(path: str) -> None:
+    if path not in PATHS:
+        raise ValueError(f"unknown path {path!r}; expected one of {PATHS}")
 
 
 @functools.lru_cache(maxsize=4096)  # asked on every call of lora_linear, by value
@@ -169,8 +173,7 @@ def lora_linear(x: torch.Tensor | None, weight: torch.Tensor, weight_scale: torc
     if x is None and path not in ("decode", "fused"):
         raise ValueError(f"the {path} path computes on bf16 activations: x is None (codes "
                          "only) is for the decode and fused paths")
-    if path not in PATHS:
-        raise ValueError(f"unknown path {path!r}; expected one of {PATHS}")
+    _check_path(path)
     ok = _supports_on(support, path, lora.in_features, tuple(lora.output_slices),
                       lora.max_rank, weight.dtype, weight_scale.numel())
     if not ok:
