@@ -75,7 +75,26 @@ def main() -> None:
     pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
     result["profile_qkv_100_calls"] = text.getvalue()
     print(text.getvalue(), flush=True)
+    result["torch_ops_qkv_20_calls"] = torch_ops(calls["qkv"], 20)
     args.out.write_text(json.dumps(result, indent=1))
+
+
+def torch_ops(call, n: int) -> list[dict]:
+    """The CPU time of the torch and CUDA runtime calls under `n` calls (torch.profiler), by self
+    time: what of the host time is not Python (cProfile counts a C call's time, not what it is)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            call()
+        torch.cuda.synchronize()
+    top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:20]
+    rows = [{"op": e.key[:80], "calls_per_call": e.count / n,
+             "self_cpu_us_per_call": round(e.self_cpu_time_total / n, 1)} for e in top]
+    for row in rows:
+        print(f"{row['op']:80s} {row['calls_per_call']:6.1f} {row['self_cpu_us_per_call']:8.1f} us",
+              flush=True)
+    return rows
 
 
 if __name__ == "__main__":
