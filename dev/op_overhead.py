@@ -15,6 +15,7 @@ import cProfile
 import io
 import json
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -54,16 +55,27 @@ def main() -> None:
                        ek.lora_linear(None, weight, scale, lora, batch, x_quantized=codes))
         calls[name]()  # compiled
     torch.cuda.synchronize()
+    result["gpu_us"] = {}
     for name, call in calls.items():
-        samples = []
-        for _ in range(5):
-            begin = time.perf_counter()
-            for _ in range(args.calls // 5):
-                call()
-            samples.append((time.perf_counter() - begin) / (args.calls // 5) * 1e6)
+        # Runs of 10 calls after a sync: too few to fill the launch queue, so a run's host time
+        # is the calls' own even where the GPU takes longer (60-call runs at f05f79b could not
+        # tell the two apart); the GPU's time of the same calls, from events, beside it.
+        host, gpu = [], []
+        for _ in range(args.calls // 10):
             torch.cuda.synchronize()
-        result["per_call_us"][name] = round(sorted(samples)[2], 1)
-        print(f"{name}: {result['per_call_us'][name]} us of host time per call", flush=True)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            begin = time.perf_counter()
+            for _ in range(10):
+                call()
+            host.append((time.perf_counter() - begin) / 10 * 1e6)
+            end.record()
+            end.synchronize()
+            gpu.append(start.elapsed_time(end) / 10 * 1e3)
+        result["per_call_us"][name] = round(statistics.median(host), 1)
+        result["gpu_us"][name] = round(statistics.median(gpu), 1)
+        print(f"{name}: {result['per_call_us'][name]} us of host time per call, the GPU "
+              f"{result['gpu_us'][name]} us", flush=True)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(100):
