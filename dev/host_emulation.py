@@ -61,6 +61,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=520)
     parser.add_argument("--calls", type=int, default=3000)
     parser.add_argument("--profile", choices=("tottime", "cumulative"), help="print cProfile's")
+    parser.add_argument("--new-counts", action="store_true",
+                        help="each call a token count not seen before (--tokens and up), as "
+                             "online serving's eager steps (prompts plus running decodes)")
     args = parser.parse_args()
     _launchers._quantize_shrink_kernel = _Kernel(_launchers._quantize_shrink_kernel)
     _launchers._lora_gemm_kernel = _Kernel(_launchers._lora_gemm_kernel)
@@ -80,12 +83,18 @@ def main() -> None:
     lora = ek.LoraWeights(
         tuple(torch.zeros(loras, 1, rank, k, dtype=torch.bfloat16) for _ in slices),
         tuple(torch.zeros(loras, 1, s, rank, dtype=torch.bfloat16) for s in slices), slices)
-    batch = ek.AdapterBatch.from_token_mapping(torch.arange(t, dtype=torch.int32) % loras,
-                                               loras)
-    codes = (torch.zeros(t, k, dtype=torch.float8_e4m3fn), torch.ones(t, 1))
+    most = t + (8 * args.calls + 1100 if args.new_counts else 0)
+    full = ek.AdapterBatch.from_token_mapping(torch.arange(most, dtype=torch.int32) % loras,
+                                              loras)
+    full_codes = (torch.zeros(most, k, dtype=torch.float8_e4m3fn), torch.ones(most, 1))
     scale = torch.ones(1)
+    counts = iter(range(t, most))
 
     def call():
+        n = next(counts) if args.new_counts else t
+        batch = ek.AdapterBatch(full.token_lora_mapping[:n], full.sorted_token_indices[:n],
+                                full.lora_ids, full.num_tokens_per_lora, full.lora_token_start)
+        codes = (full_codes[0][:n], full_codes[1][:n])
         ek.lora_linear(None, weight, scale, lora, batch, x_quantized=codes, path="fused")
 
     for _ in range(50):

@@ -60,21 +60,24 @@ def main() -> None:
         # Runs of 10 calls after a sync: too few to fill the launch queue, so a run's host time
         # is the calls' own even where the GPU takes longer (60-call runs at f05f79b could not
         # tell the two apart); the GPU's time of the same calls, from events, beside it.
-        host, gpu = [], []
+        host, cpu, gpu = [], [], []
         for _ in range(args.calls // 10):
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            begin = time.perf_counter()
+            begin, begin_cpu = time.perf_counter(), time.thread_time()
             for _ in range(10):
                 call()
             host.append((time.perf_counter() - begin) / 10 * 1e6)
+            cpu.append((time.thread_time() - begin_cpu) / 10 * 1e6)
             end.record()
             end.synchronize()
             gpu.append(start.elapsed_time(end) / 10 * 1e3)
         result["per_call_us"][name] = round(statistics.median(host), 1)
         result["gpu_us"][name] = round(statistics.median(gpu), 1)
-        print(f"{name}: {result['per_call_us'][name]} us of host time per call, the GPU "
+        result.setdefault("thread_cpu_us", {})[name] = round(statistics.median(cpu), 1)
+        print(f"{name}: {result['per_call_us'][name]} us of host time per call "
+              f"({result['thread_cpu_us'][name]} us of the thread's CPU), the GPU "
               f"{result['gpu_us'][name]} us", flush=True)
     profiler = cProfile.Profile()
     profiler.enable()

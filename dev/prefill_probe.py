@@ -44,6 +44,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sample", type=Path, help="collapsed stacks of eager steps, here")
     parser.add_argument("--sample-seconds", type=float, default=8.0)
+    parser.add_argument("--op-timing", type=int, default=0, metavar="STEPS",
+                        help="also run this many eager 520-token steps timing the plugin's op "
+                             "and the kernels' call inside it: wall time against the calling "
+                             "thread's CPU time (a gap: the thread waits, e.g. for the GIL), "
+                             "and the process's threads")
     args = parser.parse_args()
     os.environ.update(system_env(args.system))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine here: the profiler sees it
@@ -101,12 +106,59 @@ def main() -> None:
                                                    "self_cpu_ms":
                                                        round(e.self_cpu_time_total / 1e3, 2)}
                                                   for e in cpu_top]}}
+    if args.op_timing:
+        result["op_timing"] = time_ops(lambda: run(520, 1, rep), args.op_timing)
     if args.sample:
         result["sampled_steps"] = sample_stacks(lambda: run(520, 1, rep), args.sample,
                                                 args.sample_seconds)
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1), flush=True)
     print(f"{args.system}: wall {wall:.1f} ms, device {device_total:.1f} ms", flush=True)
+
+
+def time_ops(step, steps: int) -> dict:
+    """Run `step` `steps` times with the plugin's op (`EpiloraForward.__call__`) and the
+    kernels' call inside it (`epilora_kernels.lora_linear`, as forward.py looks it up) timed:
+    per call, wall and thread CPU microseconds (medians), and the steps' wall time."""
+    import threading
+
+    import epilora_kernels
+    from epilora_vllm import forward
+
+    timed = {"op": ([], []), "kernels": ([], [])}
+
+    def timing(name, fn):
+        walls, cpus = timed[name]
+
+        def wrapper(*args, **kwargs):
+            wall, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                cpus.append((time.thread_time() - cpu) * 1e6)
+                walls.append((time.perf_counter() - wall) * 1e6)
+        return wrapper
+
+    op, kernels = forward.EpiloraForward.__call__, epilora_kernels.lora_linear
+    forward.EpiloraForward.__call__ = timing("op", op)
+    epilora_kernels.lora_linear = timing("kernels", kernels)
+    step_ms = []
+    try:
+        for _ in range(steps):
+            begin = time.perf_counter()
+            step()
+            step_ms.append((time.perf_counter() - begin) * 1e3)
+    finally:
+        forward.EpiloraForward.__call__, epilora_kernels.lora_linear = op, kernels
+    result = {"steps": steps, "step_ms_median": round(statistics.median(step_ms), 2),
+              "threads": sorted(t.name for t in threading.enumerate())}
+    for name, (walls, cpus) in timed.items():
+        result[name] = {"calls_per_step": len(walls) / steps,
+                        "wall_us_median": round(statistics.median(walls), 1) if walls else None,
+                        "cpu_us_median": round(statistics.median(cpus), 1) if cpus else None,
+                        "wall_ms_per_step": round(sum(walls) / steps / 1e3, 2)}
+    print(f"op timing: {json.dumps(result)}", flush=True)
+    return result
 
 
 def sample_stacks(step, out: Path, seconds: float) -> int:
