@@ -89,14 +89,36 @@ def test_a_launch_that_specializes_differently_goes_through_triton(kernel, chang
     assert len(kernel.triton_launches) == 2 and len(kernel.runs) == 1
 
 
-def test_tensor_descriptors_by_shape_block_and_base_alignment(kernel):
+def test_tensor_descriptors_by_block_strides_and_base_alignment_not_shape(kernel):
+    # Triton keys a descriptor on its dtype and block shape; its shape (a token count's rows)
+    # is a runtime value, so fewer rows take the same kernel.
     base = torch.zeros(64, 64, dtype=torch.bfloat16)
     first = TensorDescriptor.from_tensor(base, [16, 16])
     same = TensorDescriptor.from_tensor(base.clone(), [16, 16])
+    fewer_rows = TensorDescriptor.from_tensor(base[:40], [16, 16])
     other_block = TensorDescriptor.from_tensor(base, [16, 32])
-    for desc in (first, same, other_block):
+    other_strides = TensorDescriptor.from_tensor(
+        torch.zeros(64, 128, dtype=base.dtype)[:, :64], [16, 16])
+    for desc in (first, same, fewer_rows, other_block, other_strides):
         _fast_launch.launch(kernel, (1,), {"T": 1, "x_ptr": desc})
-    assert len(kernel.triton_launches) == 2 and len(kernel.runs) == 1
+    assert len(kernel.triton_launches) == 3 and len(kernel.runs) == 2
+
+
+@pytest.mark.parametrize(("first", "then", "same_kernel"), [
+    (300, 301, True), (40, 7, True), (32, 48, True), (300, 304, False), (2, 1, False),
+    (5, 2**31, False), (True, 1, False)])
+def test_an_int_slot_specializes_as_triton_does(kernel, first, then, same_kernel):
+    # Triton compiles an int argument apart where it is 1, a multiple of 16, or beyond 32 bits:
+    # a template's int slot (the token count) takes an earlier launch's kernel only where
+    # none of those differ.
+    template = _fast_launch.Template(kernel, {}, ("T", "x_ptr"))
+    x = _buffer(0)
+    template.launch((1,), (first, x))
+    template.launch((1,), (then, x))
+    assert len(kernel.triton_launches) == (1 if same_kernel else 2)
+    assert len(kernel.runs) == (1 if same_kernel else 0)
+    if same_kernel:
+        assert kernel.runs[0][9:11] == (x, then)
 
 
 def test_every_launch_goes_through_triton_while_a_launch_hook_is_installed(kernel):

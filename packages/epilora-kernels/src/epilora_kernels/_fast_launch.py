@@ -6,18 +6,19 @@ a fast host for K2's 48 arguments, more on slower ones, and a projection launche
 In a step vLLM runs outside CUDA graphs (prefill above its largest graph size) those launches
 are most of the step's time: the GPU waits for the host.
 
-A `Template` is one launch's arguments with every one fixed but its tensors (the launchers
-make one per launch setting and shape, `epilora_kernels._launchers`): a launch through it
-fills in the tensors, and a launch whose tensors specialize as an earlier one's did goes
+A `Template` is one launch's arguments with every one fixed but its slots, the tensors and the
+token count (the launchers make one per launch setting and shape, `epilora_kernels._launchers`,
+so that an engine's steps of ever new token counts find their templates made): a launch through
+it fills in the slots, and a launch whose slots specialize as an earlier one's did goes
 straight to that launch's compiled kernel (its launcher, on the current stream); any other goes
-through Triton, whose compiled kernel is remembered for the next. Only the tensors are
+through Triton, whose compiled kernel is remembered for the next. Only the slots are
 specialized per launch: a tensor as Triton does, by its dtype and whether its address is
-16-byte aligned; a tensor descriptor more finely than Triton (which keys on its dtype and block
-shape): by its base's dtype and alignment, its shape, strides, block shape and padding. The
-fixed arguments (ints, flags, constexprs, each by value) and the launch options are the
-template's own. While a Triton launch hook or a kernel's pre-run hook is installed (a profiler
-such as proton), or Triton's debug or instrumentation mode is on, every launch goes through
-Triton, so they see it.
+16-byte aligned; an int as Triton does, by whether it is 1, a multiple of 16 and 32-bit; a
+tensor descriptor more finely than Triton (which keys on its dtype and block shape): by its
+base's dtype and alignment, its strides, block shape and padding. The fixed arguments (ints,
+flags, constexprs, each by value) and the launch options are the template's own. While a
+Triton launch hook or a kernel's pre-run hook is installed (a profiler such as proton), or
+Triton's debug or instrumentation mode is on, every launch goes through Triton, so they see it.
 
 `launch` does the same for a launch given by name, each argument specialized per launch (the
 launches that are not on the eager path of a projection).
@@ -41,10 +42,26 @@ def _specialization(value):
     if isinstance(value, torch.Tensor):
         return value.dtype, value.data_ptr() % 16 == 0
     if isinstance(value, TensorDescriptor):
-        base = value.base
-        return (base.dtype, base.data_ptr() % 16 == 0, tuple(value.shape),
-                tuple(value.strides), tuple(value.block_shape), value.padding)
+        return _descriptor_specialization(value)
     return value.__class__, value  # True and 1 are one key by value, two to Triton
+
+
+def _descriptor_specialization(value: TensorDescriptor) -> tuple:
+    # Triton keys a descriptor on its dtype and block shape; its base's alignment, strides and
+    # padding besides, but not its shape (the rows: the token count), which is a runtime value.
+    base = value.base
+    return (base.dtype, base.data_ptr() % 16 == 0, tuple(value.strides),
+            tuple(value.block_shape), value.padding)
+
+
+def _slot_specialization(value) -> tuple:
+    # A slot that is not a plain tensor: a descriptor, or an int (the token count), which Triton
+    # specializes by whether it is 1, a multiple of 16, and 32-bit; so does this key.
+    if isinstance(value, TensorDescriptor):
+        return _descriptor_specialization(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return int, value == 1, value % 16 == 0, -(2**31) <= value < 2**31
+    return _specialization(value)
 
 
 def _hooked(kernel) -> bool:
@@ -87,7 +104,8 @@ def _remember(cache: dict, key: tuple, kernel, compiled) -> None:
 
 class Template:
     """`kernel`'s launch with `arguments` (by name, launch options included), every argument
-    fixed but the tensors named in `slots`, which each launch gives in that order."""
+    fixed but those named in `slots` (tensors, descriptors, ints), which each launch gives in
+    that order."""
 
     def __init__(self, kernel, arguments: dict, slots: tuple[str, ...]) -> None:
         params, names = _params(kernel)
@@ -122,12 +140,12 @@ class Template:
 
     def launch(self, grid: tuple, tensors) -> None:
         """`kernel[grid](**self.arguments(tensors))`, past Triton once it has compiled the
-        kernel for tensors that specialize so."""
+        kernel for slot values that specialize so."""
         device = driver.active.get_current_device()
         # _specialization inlined for plain tensors (most of them): a call a tensor is most of
         # this launch's host time.
         key = (device, *[(t.dtype, t.data_ptr() % 16 == 0) if t.__class__ is _TENSOR
-                         else _specialization(t) for t in tensors])
+                         else _slot_specialization(t) for t in tensors])
         compiled = self._compiled.get(key)
         if compiled is None or _hooked(self.kernel):
             _remember(self._compiled, key, self.kernel,

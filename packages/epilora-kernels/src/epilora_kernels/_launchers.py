@@ -112,17 +112,18 @@ def _start_template(template: _fast_launch.Template, grid: tuple, tensors: tuple
         template.launch(grid, tensors)
 
 
-# K1's and K2's launch templates with their grids and counter tiles, by everything their fixed
-# arguments are functions of (shapes, strides, settings, flags): an eager prefill step launches
-# each projection shape layer after layer with one token count, and building and specializing
-# every argument by name took most of a call's host time (docs/plugin.md, "Status").
+# K1's and K2's launch templates, by everything their fixed arguments are functions of (shapes,
+# strides, settings, flags) but the token count, a slot: an eager prefill step launches each
+# projection shape layer after layer, and building and specializing every argument by name took
+# most of a call's host time (docs/plugin.md, "Status"); an engine's eager steps come with ever
+# new token counts (prompts plus the running decodes), which find their templates made.
 _K1_TEMPLATES: dict[tuple, tuple] = {}
 _K2_TEMPLATES: dict[tuple, tuple] = {}
 _MAX_TEMPLATES = 1 << 12  # a process launching ever new shapes starts over past this
-_K1_SLOTS = ("x_ptr", "codes_ptr", "scales_ptr", "h_ptr", "partial_ptr", "a0_ptr", "a1_ptr",
+_K1_SLOTS = ("T", "x_ptr", "codes_ptr", "scales_ptr", "h_ptr", "partial_ptr", "a0_ptr", "a1_ptr",
              "a2_ptr", "sorted_ptr", "lora_ids_ptr", "counts_ptr", "start_ptr", "counter_ptr",
              "ready_ptr", "trace_ptr")
-_K2_SLOTS = ("a_ptr", "a_desc", "a_scale_ptr", "w_ptr", "w_desc", "w_scale_ptr", "y_ptr",
+_K2_SLOTS = ("T", "a_ptr", "a_desc", "a_scale_ptr", "w_ptr", "w_desc", "w_scale_ptr", "y_ptr",
              "h_ptr", "b0_ptr", "b1_ptr", "b2_ptr", "sorted_ptr", "lora_ids_ptr", "start_ptr",
              "partial_ptr", "counter_ptr", "ready_ptr", "trace_ptr")
 
@@ -188,13 +189,13 @@ def launch_k1(support: DeviceSupport, workspace: Workspace, x, lora: LoraWeights
         codes = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
         scales = torch.empty(t, 1, dtype=torch.float32, device=x.device)
     interpreter = _env.triton_interpreter()
-    key = (t, k, x.stride(0), rank, s_count, batch.num_entries, cfg, quantize, signal_codes,
+    key = (k, x.stride(0), rank, s_count, batch.num_entries, cfg, quantize, signal_codes,
            codes_sorted, use_pdl(support, pdl), trace is not None, h_dtype,
            x_scales is not None, interpreter)
-    entry = _K1_TEMPLATES.get(key)
-    if entry is None:
+    template = _K1_TEMPLATES.get(key)
+    if template is None:
         fixed = dict(
-            T=t, K=k, R=rank, stride_x=x.stride(0), NUM_ENTRIES=batch.num_entries,
+            K=k, R=rank, stride_x=x.stride(0), NUM_ENTRIES=batch.num_entries,
             QUANTIZE=quantize, SIGNAL_CODES=signal_codes, CODES_SORTED=codes_sorted,
             NUM_SLICES=s_count, SPLIT_K=cfg.split_k,
             BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
@@ -205,15 +206,13 @@ def launch_k1(support: DeviceSupport, workspace: Workspace, x, lora: LoraWeights
             H_BF16=h_dtype == torch.bfloat16, X_CODES=x_scales is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-        grid = ((t if quantize else 0) + _tiling.shrink_programs(t, lora, batch, cfg),)
-        entry = _keep_template(_K1_TEMPLATES, key, (
-            _fast_launch.Template(_quantize_shrink_kernel, fixed, _K1_SLOTS), grid,
-            _tiling.k1_tiles(t, lora, batch, cfg)))
-    template, grid, tiles = entry
+        template = _keep_template(_K1_TEMPLATES, key, _fast_launch.Template(
+            _quantize_shrink_kernel, fixed, _K1_SLOTS))
+    grid = ((t if quantize else 0) + _tiling.shrink_programs(t, lora, batch, cfg),)
     a, _, _, _ = _slices(lora)
-    counters = workspace.counters(tiles)
+    counters = workspace.counters(_tiling.k1_tiles(t, lora, batch, cfg))
     _start_template(template, grid, (
-        x, partials if codes is None else codes,
+        t, x, partials if codes is None else codes,
         scales if quantize else partials if x_scales is None else x_scales,
         h, partials, a[0], a[1], a[2],
         batch.sorted_token_indices, batch.lora_ids, batch.num_tokens_per_lora,
@@ -301,25 +300,25 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
     a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]) if a_sorted else a
     per_channel = mode != EXPAND and weight_scale.numel() > 1
     traced = trace is not None
-    key = (mode, t, n, lora.in_features, lora.max_rank, tuple(lora.output_slices),
-           batch.num_entries, cfg, a.stride(0), y.stride(0), h.shape[0], grid, pdl, wait_codes,
-           warm_l2, traced, w_operand is not weight, wait_k1_first, a_sorted, per_channel,
-           _env.triton_interpreter())
+    key = (mode, n, lora.in_features, lora.max_rank, tuple(lora.output_slices),
+           batch.num_entries, cfg, a.stride(0), y.stride(0), h.shape[0], grid[2], pdl,
+           wait_codes, warm_l2, traced, w_operand is not weight, wait_k1_first, a_sorted,
+           per_channel, _env.triton_interpreter())
     partial = y if partial is None else partial
     trace = trace_arg(trace, counters, grid[0] * grid[1] * grid[2])
-    entry = _K2_TEMPLATES.get(key)
-    if entry is None:
+    template = _K2_TEMPLATES.get(key)
+    if template is None:
         arguments = _k2_arguments(
             mode, a=a, a_desc=a_desc, a_scale=a_scale, weight=weight, w_operand=w_operand,
             weight_scale=weight_scale, y=y, h=h, lora=lora, batch=batch, cfg=cfg,
             split=grid[2], partial=partial, counters=counters[TILES:], ready=counters,
             trace=trace, traced=traced, pdl=pdl, wait_codes=wait_codes, warm_l2=warm_l2,
             wait_k1_first=wait_k1_first, a_sorted=a_sorted)
-        entry = _keep_template(_K2_TEMPLATES, key, (
-            _fast_launch.Template(_lora_gemm_kernel, arguments, _K2_SLOTS),))
+        template = _keep_template(_K2_TEMPLATES, key, _fast_launch.Template(
+            _lora_gemm_kernel, arguments, _K2_SLOTS))
     _, b, _, _ = _slices(lora)
-    _start_template(entry[0], grid, (
-        a, a_desc, a_scale, weight, w_operand, weight_scale, y, h, b[0], b[1], b[2],
+    _start_template(template, grid, (
+        t, a, a_desc, a_scale, weight, w_operand, weight_scale, y, h, b[0], b[1], b[2],
         batch.sorted_token_indices,
         batch.lora_ids, batch.lora_token_start, partial, counters[TILES:], counters, trace))
     return y

@@ -94,9 +94,9 @@ def test_launches_past_triton_give_tritons_bits_and_respecialize(path, tokens):
     from epilora_kernels import _launchers
 
     def remembered() -> int:
-        return sum(len(entry[0]._compiled) for templates in (_launchers._K1_TEMPLATES,
-                                                             _launchers._K2_TEMPLATES)
-                   for entry in templates.values())
+        return sum(len(template._compiled) for templates in (_launchers._K1_TEMPLATES,
+                                                               _launchers._K2_TEMPLATES)
+                   for template in templates.values())
 
     _, _, _, weight, w_scale, _, lora, batch = make_integer_problem(
         18, tokens, 4096, (4096, 1024, 1024), 64, 4, "mixed_with_base", device=CUDA)
@@ -131,6 +131,43 @@ def test_launches_past_triton_give_tritons_bits_and_respecialize(path, tokens):
                                x_quantized=(shifted, scales))
     assert remembered() == remembered_before + 2
     assert_bitwise_equal(unaligned, first, name="unaligned codes")
+
+
+@pytest.mark.parametrize("path", ["decode", "fused"])
+@pytest.mark.parametrize("tokens", [40, 300])
+def test_a_new_token_count_takes_the_templates_and_kernels_triton_would(path, tokens):
+    # The token count is a template's slot (an engine's eager steps come with ever new counts):
+    # one more token, in the same specialization (neither 1 nor a multiple of 16) and the same
+    # launch settings, launches through the templates made for `tokens`, on their compiled
+    # kernels; Triton, asked by name with the templates gone, compiles nothing new either but
+    # returns those very kernels, and its launch gives the same bits.
+    from epilora_kernels import _launchers
+
+    def compiled() -> list:
+        return [kernel for templates in (_launchers._K1_TEMPLATES, _launchers._K2_TEMPLATES)
+                for template in templates.values() for kernel in template._compiled.values()]
+
+    def call(t: int):
+        _, _, _, weight, w_scale, _, lora, batch = make_integer_problem(
+            19, t, 4096, (4096, 1024, 1024), 64, 4, "mixed_with_base", device=CUDA)
+        codes, scales, _ = exact_codes(19, t, 4096, device=CUDA)
+        return ek.lora_linear(None, weight, w_scale, lora, batch, path=path,
+                              x_quantized=(codes, scales))
+
+    _launchers._K1_TEMPLATES.clear()
+    _launchers._K2_TEMPLATES.clear()
+    call(tokens)
+    first = compiled()
+    assert len(first) == 2  # K1 and K2
+    templates = (len(_launchers._K1_TEMPLATES), len(_launchers._K2_TEMPLATES))
+    past = call(tokens + 1)
+    assert (len(_launchers._K1_TEMPLATES), len(_launchers._K2_TEMPLATES)) == templates
+    assert compiled() == first
+    _launchers._K1_TEMPLATES.clear()
+    _launchers._K2_TEMPLATES.clear()
+    through = call(tokens + 1)
+    assert all(a is b for a, b in zip(compiled(), first, strict=True))
+    assert_bitwise_equal(past, through, name="a new token count past Triton")
 
 
 @pytest.mark.parametrize("path", ["decode", "fused"])
