@@ -45,10 +45,10 @@ def main() -> None:
     parser.add_argument("--sample", type=Path, help="collapsed stacks of eager steps, here")
     parser.add_argument("--sample-seconds", type=float, default=8.0)
     parser.add_argument("--op-timing", type=int, default=0, metavar="STEPS",
-                        help="also run this many eager 520-token steps timing the plugin's op "
-                             "and the kernels' call inside it: wall time against the calling "
-                             "thread's CPU time (a gap: the thread waits, e.g. for the GIL), "
-                             "and the process's threads")
+                        help="also run this many eager steps of 521 tokens and up timing the "
+                             "plugin's op and the kernels' call inside it: wall time against "
+                             "the calling thread's CPU time (a gap: the thread waits, e.g. for "
+                             "the GIL), and the process's threads")
     args = parser.parse_args()
     os.environ.update(system_env(args.system))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine here: the profiler sees it
@@ -107,7 +107,8 @@ def main() -> None:
                                                        round(e.self_cpu_time_total / 1e3, 2)}
                                                   for e in cpu_top]}}
     if args.op_timing:
-        result["op_timing"] = time_ops(lambda: run(520, 1, rep), args.op_timing)
+        # A new token count each step, as online serving's eager steps (prompts and decodes)
+        result["op_timing"] = time_ops(lambda i: run(521 + i, 1, rep), args.op_timing)
     if args.sample:
         result["sampled_steps"] = sample_stacks(lambda: run(520, 1, rep), args.sample,
                                                 args.sample_seconds)
@@ -117,7 +118,7 @@ def main() -> None:
 
 
 def time_ops(step, steps: int) -> dict:
-    """Run `step` `steps` times with the plugin's op (`EpiloraForward.__call__`) and the
+    """Run `step(i)` for i < `steps` with the plugin's op (`EpiloraForward.__call__`) and the
     kernels' call inside it (`epilora_kernels.lora_linear`, as forward.py looks it up) timed:
     per call, wall and thread CPU microseconds (medians), and the steps' wall time."""
     import threading
@@ -144,9 +145,9 @@ def time_ops(step, steps: int) -> dict:
     epilora_kernels.lora_linear = timing("kernels", kernels)
     step_ms = []
     try:
-        for _ in range(steps):
+        for i in range(steps):
             begin = time.perf_counter()
-            step()
+            step(i)
             step_ms.append((time.perf_counter() - begin) * 1e3)
     finally:
         forward.EpiloraForward.__call__, epilora_kernels.lora_linear = op, kernels
