@@ -71,9 +71,8 @@ def main() -> None:
         get_current_device=lambda: 0, get_current_stream=lambda device: 0))
     # The GPU's branch of the launch (the interpreter's goes by name through Triton); before
     # the templates (f227d5d) every launch went by name through `_fast_launch.launch`.
-    if hasattr(_launchers, "_start_template"):
-        _launchers._start_template = lambda template, grid, tensors: template.launch(grid,
-                                                                                     tensors)
+    if hasattr(_launchers, "_start_template"):  # (its support argument since this commit)
+        _launchers._start_template = lambda *args: args[-3].launch(*args[-2:])
     else:
         _launchers._start = lambda kernel, grid, **arguments: _fast_launch.launch(
             kernel, grid, arguments)

@@ -1,6 +1,8 @@
 """The public API (`from epilora_kernels import ...`): the dispatcher, the capability query, the
 hybrid path, and clear errors for bad input before any kernel launches (interpreter)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -130,19 +132,21 @@ def test_lora_linear_refuses_what_is_not_supported(monkeypatch):
 
 def test_sm89_launches_without_pdl_or_tma(monkeypatch):
     # An sm_89 part (L40S) runs the fused path with both launches plain and pointer loads: the
-    # launchers run with its DeviceSupport (the interpreter runs the kernels whatever it says).
+    # launchers run with its DeviceSupport, which says the kernels run in the interpreter here
+    # (the launchers read that from the call's support, not from the environment per launch).
+    sm89 = dataclasses.replace(SM89, interpreter=True)
     x, weight, w_scale, lora, batch = make_problem(9, 70, 64, (32,), 8, 2, "one_adapter")
     seen, operands = [], []
     launch_k2, w_operand = _launchers.launch_k2, _launchers._w_operand
-    monkeypatch.setattr(fused, "device_support", lambda device=None: SM89)
+    monkeypatch.setattr(fused, "device_support", lambda device=None: sm89)
     monkeypatch.setattr(_launchers, "launch_k2", lambda support, *a, **kw: seen.append(
         (support, kw["pdl"], kw["a_sorted"])) or launch_k2(support, *a, **kw))
     monkeypatch.setattr(_launchers, "_w_operand", lambda support, weight, cfg: operands.append(
         w_operand(support, weight, cfg)) or operands[-1])
     k2 = ek.LaunchConfig(block_m=64, block_n=16, block_k=32, block_r=16)
     y = ek.fused_lora_fp8_linear(x, weight, w_scale, lora, batch, k2_config=k2)
-    assert seen == [(SM89, True, False)]  # asked for PDL, sorted codes not (no TMA)
-    assert not _launchers.use_pdl(SM89, True)  # ... and launch_k2 launches without it
+    assert seen == [(sm89, True, False)]  # asked for PDL, sorted codes not (no TMA)
+    assert not _launchers.use_pdl(sm89, True)  # ... and launch_k2 launches without it
     assert len(operands) == 1 and operands[0] is weight  # the weight by pointer loads
     assert _tiling.w_tma(INTERPRETER, weight, k2)  # where TMA exists, these tiles would use it
     want = reference.fused_lora_fp8_linear(x, weight, w_scale, lora, batch,

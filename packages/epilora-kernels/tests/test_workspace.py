@@ -28,6 +28,18 @@ def test_grows_until_frozen_then_refuses_with_the_size_it_needs():
         ek.Workspace("cpu", tiles=-1)
 
 
+def test_tile_counters_view_each_buffer_past_ready_and_passed_made_once():
+    ws = ek.Workspace("cpu", tiles=8)
+    first = ws.counters(8)
+    tiles = ws.tile_counters(first)
+    assert tiles.data_ptr() == first[TILES:].data_ptr() and tiles.numel() == ws.tiles
+    assert ws.tile_counters(first) is tiles
+    grown = ws.counters(10_000)
+    again = ws.tile_counters(grown)
+    assert again is not tiles and again.data_ptr() == grown[TILES:].data_ptr()
+    assert again.numel() == ws.tiles
+
+
 BLOCKS = st.sampled_from([16, 32, 64, 128])
 
 

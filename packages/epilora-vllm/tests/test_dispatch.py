@@ -174,10 +174,10 @@ def _timed_forward() -> EpiloraForward:
     # A layer's forward with an 8 x 4 FP8 weight and one rank-16 slot, which may time bucket 4.
     layer = _Layer()
     layer.applied = []
-    weight = torch.zeros(8, 4, dtype=torch.float8_e4m3fn)
-    layer._base = SimpleNamespace(weight=lambda base: weight,
+    weight = torch.zeros(4, 8, dtype=torch.float8_e4m3fn)  # vLLM's [K, N] view
+    layer._base = SimpleNamespace(weight_name="weight", weight=lambda base: base.weight.t(),
                                   scale=lambda base: torch.ones(1))
-    layer.base_layer = None
+    layer.base_layer = SimpleNamespace(weight=weight)
     forward = EpiloraForward(layer)
     forward.lora = SimpleNamespace(in_features=4, output_slices=(8,), max_rank=16, max_loras=1)
     forward._start_buckets = frozenset({4})
@@ -273,3 +273,21 @@ def test_cpu_codes_give_a_row_with_nan_or_inf_a_nan_scale_and_leave_the_others()
     alone, alone_scales = EpiloraForward.quantize_on_cpu(x[[0, 2]])
     assert torch.equal(codes[[0, 2]].view(torch.uint8), alone.view(torch.uint8))
     assert torch.equal(scales[[0, 2]], alone_scales)
+
+
+def test_the_weight_view_is_made_once_and_again_where_vllm_replaces_or_moves_it():
+    # _weights keeps the [N, K] view of vLLM's weight across calls (eager steps make hundreds);
+    # a reload that gives the layer another tensor, or moves the parameter's data, is seen.
+    forward = _timed_forward()
+    layer = forward.layer.base_layer
+    layer.weight = torch.nn.Parameter(layer.weight, requires_grad=False)
+    first, _ = forward._weights()
+    assert first.shape == (8, 4) and first.data_ptr() == layer.weight.data_ptr()
+    assert forward._weights()[0] is first
+    layer.weight.data = torch.zeros(4, 8, dtype=torch.float8_e4m3fn)  # the same parameter, moved
+    moved, _ = forward._weights()
+    assert moved is not first and moved.data_ptr() == layer.weight.data_ptr()
+    layer.weight = torch.nn.Parameter(torch.zeros(4, 8, dtype=torch.float8_e4m3fn),
+                                      requires_grad=False)  # another parameter
+    other, _ = forward._weights()
+    assert other is not moved and other.data_ptr() == layer.weight.data_ptr()

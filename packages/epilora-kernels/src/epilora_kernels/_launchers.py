@@ -103,10 +103,12 @@ def _start(kernel, grid: tuple, **arguments) -> None:
         kernel.warmup(grid=grid, **arguments)
 
 
-def _start_template(template: _fast_launch.Template, grid: tuple, tensors: tuple) -> None:
+def _start_template(support: DeviceSupport, template: _fast_launch.Template, grid: tuple,
+                    tensors: tuple) -> None:
     # `_start` of a template's launch: on a GPU through the template (its tensors alone
-    # specialized), in compile_only and under the interpreter by name.
-    if compiling_only() or _env.triton_interpreter():
+    # specialized), in compile_only and under the interpreter by name (`support.interpreter`:
+    # TRITON_INTERPRET as the call found it, read once a call rather than once a launch).
+    if compiling_only() or support.interpreter:
         _start(template.kernel, grid, **template.arguments(tensors))
     else:
         template.launch(grid, tensors)
@@ -172,9 +174,11 @@ def launch_k1(support: DeviceSupport, workspace: Workspace, x, lora: LoraWeights
               batch: AdapterBatch, cfg: LaunchConfig, *, quantize: bool, pdl: bool = False,
               signal_codes: bool = False, trace: torch.Tensor | None = None,
               codes_sorted: bool = False, h_dtype: torch.dtype = torch.float32,
-              x_scales: torch.Tensor | None = None):
+              x_scales: torch.Tensor | None = None, counters: torch.Tensor | None = None):
     """K1: `(codes, scales, h)` (codes and scales None without `quantize`). With `x_scales`,
-    x is per-token FP8 codes and those their scales: the shrink reads them (no quantizing)."""
+    x is per-token FP8 codes and those their scales: the shrink reads them (no quantizing).
+    `counters`: the workspace's buffer, where the caller already asked it for this launch's
+    tiles (`Workspace.counters`)."""
     if x_scales is not None and quantize:
         raise ValueError("K1 quantizes bf16 activations: codes (x_scales given) need none")
     t, k = x.shape
@@ -188,7 +192,7 @@ def launch_k1(support: DeviceSupport, workspace: Workspace, x, lora: LoraWeights
     if quantize:
         codes = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
         scales = torch.empty(t, 1, dtype=torch.float32, device=x.device)
-    interpreter = _env.triton_interpreter()
+    interpreter = support.interpreter
     key = (k, x.stride(0), rank, s_count, batch.num_entries, cfg, quantize, signal_codes,
            codes_sorted, use_pdl(support, pdl), trace is not None, h_dtype,
            x_scales is not None, interpreter)
@@ -210,13 +214,14 @@ def launch_k1(support: DeviceSupport, workspace: Workspace, x, lora: LoraWeights
             _quantize_shrink_kernel, fixed, _K1_SLOTS))
     grid = ((t if quantize else 0) + _tiling.shrink_programs(t, lora, batch, cfg),)
     a, _, _, _ = _slices(lora)
-    counters = workspace.counters(_tiling.k1_tiles(t, lora, batch, cfg))
-    _start_template(template, grid, (
+    if counters is None:
+        counters = workspace.counters(_tiling.k1_tiles(t, lora, batch, cfg))
+    _start_template(support, template, grid, (
         t, x, partials if codes is None else codes,
         scales if quantize else partials if x_scales is None else x_scales,
         h, partials, a[0], a[1], a[2],
         batch.sorted_token_indices, batch.lora_ids, batch.num_tokens_per_lora,
-        batch.lora_token_start, counters[TILES:], counters,
+        batch.lora_token_start, workspace.tile_counters(counters), counters,
         trace_arg(trace, counters, grid[0])))
     return codes, scales, h
 
@@ -241,13 +246,17 @@ def launch_quantize(x: torch.Tensor):
     return codes, scales
 
 
-def _gemm_buffers(workspace: Workspace, mode: int, t: int, n: int, cfg: LaunchConfig, device):
-    """The grid, the split-K partials (None without split-K) and the counter buffer."""
+def _gemm_buffers(workspace: Workspace, mode: int, t: int, n: int, cfg: LaunchConfig, device,
+                  counters: torch.Tensor | None = None):
+    """The grid, the split-K partials (None without split-K) and the counter buffer (`counters`
+    where the caller already asked the workspace for this launch's tiles)."""
     grid = _tiling.gemm_grid(mode, t, n, cfg)
     if grid[2] == 1:
-        return grid, None, workspace.counters(0)
+        return grid, None, workspace.counters(0) if counters is None else counters
     partial = torch.empty(grid[2], grid[0] * cfg.block_m, n, dtype=torch.float32, device=device)
-    return grid, partial, workspace.counters(_tiling.k2_tiles(mode, t, n, cfg))
+    if counters is None:
+        counters = workspace.counters(_tiling.k2_tiles(mode, t, n, cfg))
+    return grid, partial, counters
 
 
 def _w_operand(support: DeviceSupport, weight: torch.Tensor, cfg: LaunchConfig):
@@ -261,7 +270,8 @@ def _w_operand(support: DeviceSupport, weight: torch.Tensor, cfg: LaunchConfig):
 def _k2_arguments(mode: int, *, a, a_desc, a_scale, weight, w_operand, weight_scale, y, h,
                   lora: LoraWeights, batch: AdapterBatch, cfg: LaunchConfig, split: int,
                   partial, counters, ready, trace, traced: bool, pdl: bool, wait_codes: bool,
-                  warm_l2: int, wait_k1_first: bool, a_sorted: bool) -> dict:
+                  warm_l2: int, wait_k1_first: bool, a_sorted: bool,
+                  interpreter: bool) -> dict:
     # K2's arguments with adapters, by name: what launch_k2 launches and k2_blocks_per_sm
     # compiles (there with MockTensors for the buffers not yet made).
     t, n = y.shape
@@ -277,7 +287,7 @@ def _k2_arguments(mode: int, *, a, a_desc, a_scale, weight, w_operand, weight_sc
         MODE=mode, HAS_LORA=True, NUM_SLICES=len(lora.output_slices), H_PLANES=h.shape[0],
         SPLIT_K=split, ENTRIES_BLOCK=_tiling.next_power_of_2(batch.num_entries),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=cfg.block_r,
-        INTERPRETER=_env.triton_interpreter(), USE_PDL=pdl,
+        INTERPRETER=interpreter, USE_PDL=pdl,
         WAIT_CODES=wait_codes, WARM_L2=warm_l2 if wait_codes else 0, TRACE=traced,
         B_IN_REGS=_tiling.b_in_registers(cfg), R_CHUNK=_tiling.epilogue_rank_chunk(cfg),
         W_TMA=w_operand is not weight, WAIT_K1_FIRST=wait_k1_first and pdl, A_TMA=a_sorted,
@@ -290,11 +300,12 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
               weight_scale, y, h, lora: LoraWeights, batch: AdapterBatch, cfg: LaunchConfig, *,
               pdl: bool = False, wait_codes: bool = False, warm_l2: int = 0,
               trace: torch.Tensor | None = None, wait_k1_first: bool = False,
-              a_sorted: bool = False):
-    """K2 with the adapters' epilogue into `y` (MODE EXPAND: y is also its input)."""
+              a_sorted: bool = False, counters: torch.Tensor | None = None):
+    """K2 with the adapters' epilogue into `y` (MODE EXPAND: y is also its input). `counters`:
+    as for `launch_k1`."""
     t, n = y.shape
     _tiling.check_gemm_config(cfg, lora)
-    grid, partial, counters = _gemm_buffers(workspace, mode, t, n, cfg, y.device)
+    grid, partial, counters = _gemm_buffers(workspace, mode, t, n, cfg, y.device, counters)
     w_operand = _w_operand(support, weight, cfg)
     pdl = use_pdl(support, pdl)
     a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]) if a_sorted else a
@@ -303,24 +314,25 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
     key = (mode, n, lora.in_features, lora.max_rank, tuple(lora.output_slices),
            batch.num_entries, cfg, a.stride(0), y.stride(0), h.shape[0], grid[2], pdl,
            wait_codes, warm_l2, traced, w_operand is not weight, wait_k1_first, a_sorted,
-           per_channel, _env.triton_interpreter())
+           per_channel, support.interpreter)
     partial = y if partial is None else partial
     trace = trace_arg(trace, counters, grid[0] * grid[1] * grid[2])
+    tile_counters = workspace.tile_counters(counters)
     template = _K2_TEMPLATES.get(key)
     if template is None:
         arguments = _k2_arguments(
             mode, a=a, a_desc=a_desc, a_scale=a_scale, weight=weight, w_operand=w_operand,
             weight_scale=weight_scale, y=y, h=h, lora=lora, batch=batch, cfg=cfg,
-            split=grid[2], partial=partial, counters=counters[TILES:], ready=counters,
+            split=grid[2], partial=partial, counters=tile_counters, ready=counters,
             trace=trace, traced=traced, pdl=pdl, wait_codes=wait_codes, warm_l2=warm_l2,
-            wait_k1_first=wait_k1_first, a_sorted=a_sorted)
+            wait_k1_first=wait_k1_first, a_sorted=a_sorted, interpreter=support.interpreter)
         template = _keep_template(_K2_TEMPLATES, key, _fast_launch.Template(
             _lora_gemm_kernel, arguments, _K2_SLOTS))
     _, b, _, _ = _slices(lora)
-    _start_template(template, grid, (
+    _start_template(support, template, grid, (
         t, a, a_desc, a_scale, weight, w_operand, weight_scale, y, h, b[0], b[1], b[2],
         batch.sorted_token_indices,
-        batch.lora_ids, batch.lora_token_start, partial, counters[TILES:], counters, trace))
+        batch.lora_ids, batch.lora_token_start, partial, tile_counters, counters, trace))
     return y
 
 
@@ -354,7 +366,7 @@ def k2_blocks_per_sm(support: DeviceSupport, mode: int, a_dtype: torch.dtype, we
             w_operand=weight, weight_scale=weight_scale, y=y, h=h, lora=lora, batch=batch, cfg=cfg,
             split=split, partial=partial, counters=_TileCounters(torch.int32), ready=ready,
             trace=ready, traced=False, pdl=pdl, wait_codes=wait_codes, warm_l2=warm_l2,
-            wait_k1_first=wait_k1_first, a_sorted=False))
+            wait_k1_first=wait_k1_first, a_sorted=False, interpreter=support.interpreter))
     kernel._init_handles()  # loads it: the registers are known from here
     props = torch.cuda.get_device_properties(weight.device)
     return _tiling.blocks_per_sm(kernel.n_regs, kernel.metadata.shared, cfg.num_warps,

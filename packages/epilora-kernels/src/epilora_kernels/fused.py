@@ -370,20 +370,22 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
     # would leave K1's count of quantized rows set, and a counter buffer grown between the
     # launches would put a fill kernel between K1 and its dependent and free K1's counters
     # while K1 runs.
-    workspace.counters(tiles)
+    counters = workspace.counters(tiles)  # K1's and K2's, asked once
     y = torch.empty(t, lora.out_features, dtype=torch.bfloat16, device=x.device)
     codes, scales, h = _launchers.launch_k1(support, workspace, x, lora, batch, cfg1,
                                             quantize=quantize, pdl=pdl,
                                             signal_codes=counted, trace=traces[0],
                                             codes_sorted=a_sorted, h_dtype=h_dtype,
-                                            x_scales=x_quantized[1] if shrink_codes else None)
+                                            x_scales=x_quantized[1] if shrink_codes else None,
+                                            counters=counters)
     a, a_scale = ((codes, scales) if quantize else x_quantized if mode == FP8
                   else (x, weight_scale))
     try:
         return _launchers.launch_k2(support, workspace, mode, a, a_scale, weight, weight_scale,
                                     y, h, lora, batch, cfg2, pdl=pdl, wait_codes=counted,
                                     warm_l2=warm_l2, trace=traces[1],
-                                    wait_k1_first=wait_k1_first, a_sorted=a_sorted)
+                                    wait_k1_first=wait_k1_first, a_sorted=a_sorted,
+                                    counters=counters)
     except BaseException:
         # K2 did not launch (a compile error, an interrupt): K1's counts would make the next
         # K2 on this workspace pass its wait early. Zeroed in stream order, after K1 (under

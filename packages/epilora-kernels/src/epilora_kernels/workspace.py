@@ -68,6 +68,7 @@ class Workspace:
         self._captured = False  # whether a graph captured the current buffer
         self._kept: list[torch.Tensor] = []  # buffers graphs captured, replaced since
         self.frozen = False
+        self._tiles_of: tuple[torch.Tensor, torch.Tensor] | None = None  # tile_counters'
 
     @classmethod
     def for_batches(cls, device: torch.device | str, *, max_tokens: int, max_out_features: int,
@@ -117,6 +118,15 @@ class Workspace:
         if capturing:
             self._captured = True
         return self._buffer
+
+    def tile_counters(self, counters: torch.Tensor) -> torch.Tensor:
+        """`counters[TILES:]`, the split-K tile counters of a buffer `counters` returned: the
+        view made once per buffer (a slice is a few microseconds of host time a launch, and
+        eager steps launch hundreds)."""
+        kept = self._tiles_of
+        if kept is None or kept[0] is not counters:
+            kept = self._tiles_of = (counters, counters[TILES:])
+        return kept[1]
 
     def reset(self) -> None:
         """Zero every counter, in stream order (recovery after a failed launch)."""
