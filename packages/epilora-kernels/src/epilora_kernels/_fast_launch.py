@@ -13,7 +13,8 @@ it fills in the slots, and a launch whose slots specialize as an earlier one's d
 straight to that launch's compiled kernel (its launcher, on the current stream); any other goes
 through Triton, whose compiled kernel is remembered for the next. Only the slots are
 specialized per launch: a tensor as Triton does, by its dtype and whether its address is
-16-byte aligned; an int as Triton does, by whether it is 1, a multiple of 16 and 32-bit; a
+16-byte aligned; an int by whether it is 1, a multiple of 16 and 32-bit (as Triton specializes
+an int, and finer than it does one marked `do_not_specialize`, as K1's and K2's T); a
 tensor descriptor more finely than Triton (which keys on its dtype and block shape): by its
 base's dtype and alignment, its strides, block shape and padding. The fixed arguments (ints,
 flags, constexprs, each by value) and the launch options are the template's own. While a
@@ -56,7 +57,8 @@ def _descriptor_specialization(value: TensorDescriptor) -> tuple:
 
 def _slot_specialization(value) -> tuple:
     # A slot that is not a plain tensor: a descriptor, or an int (the token count), which Triton
-    # specializes by whether it is 1, a multiple of 16, and 32-bit; so does this key.
+    # specializes by whether it is 1, a multiple of 16, and 32-bit (by its width alone where
+    # the kernel says `do_not_specialize`); this key by all three, at least as finely.
     if isinstance(value, TensorDescriptor):
         return _descriptor_specialization(value)
     if isinstance(value, int) and not isinstance(value, bool):
