@@ -291,3 +291,6 @@ def test_the_weight_view_is_made_once_and_again_where_vllm_replaces_or_moves_it(
                                       requires_grad=False)  # another parameter
     other, _ = forward._weights()
     assert other is not moved and other.data_ptr() == layer.weight.data_ptr()
+    layer.weight.as_strided_((8, 4), (4, 1))  # the same address, another layout
+    restrided, _ = forward._weights()
+    assert restrided is not other and restrided.shape == (4, 8)

@@ -109,7 +109,7 @@ class EpiloraForward:
         self._timed: dict[int, str] = {}  # token bucket -> the timed dispatch's path
         self._start_buckets: frozenset[int] = frozenset()  # the buckets it may time
         self._precompiling = False  # epilora_vllm.precompile's jobs not yet waited for
-        self._weight_view: tuple | None = None  # _weights': (parameter, its address, view)
+        self._weight_view: tuple | None = None  # _weights': (parameter, its layout, view)
 
     def adapters_created(self, *, matched: bool, path: str | None, quantize: str = "kernels",
                          timed: bool = False) -> None:
@@ -217,12 +217,13 @@ class EpiloraForward:
     def _weights(self):
         # The [N, K] view of vLLM's weight made once, not per call (a few microseconds of host
         # time each, in eager steps that make hundreds of calls); made again where vLLM gave
-        # the layer another weight tensor or moved its data (a reload, a wake from sleep).
+        # the layer another weight tensor, or moved or restrided its data in place.
         base, layer = self.layer._base, self.layer.base_layer
         param = getattr(layer, base.weight_name)
         kept = self._weight_view
-        if kept is None or kept[0] is not param or kept[1] != param.data_ptr():
-            kept = self._weight_view = (param, param.data_ptr(), base.weight(layer))
+        where = (param.data_ptr(), param.shape, param.stride())
+        if kept is None or kept[0] is not param or kept[1] != where:
+            kept = self._weight_view = (param, where, base.weight(layer))
         return kept[2], base.scale(layer)
 
     def _on_cpu(self, x: torch.Tensor) -> torch.Tensor:
