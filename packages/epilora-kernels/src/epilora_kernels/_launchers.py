@@ -119,8 +119,8 @@ def _start_template(support: DeviceSupport, template: _fast_launch.Template, gri
 # projection shape layer after layer, and building and specializing every argument by name took
 # most of a call's host time (docs/plugin.md, "Status"); an engine's eager steps come with ever
 # new token counts (prompts plus the running decodes), which find their templates made.
-_K1_TEMPLATES: dict[tuple, tuple] = {}
-_K2_TEMPLATES: dict[tuple, tuple] = {}
+_K1_TEMPLATES: dict[tuple, _fast_launch.Template] = {}
+_K2_TEMPLATES: dict[tuple, _fast_launch.Template] = {}
 _MAX_TEMPLATES = 1 << 12  # a process launching ever new shapes starts over past this
 _K1_SLOTS = ("T", "x_ptr", "codes_ptr", "scales_ptr", "h_ptr", "partial_ptr", "a0_ptr", "a1_ptr",
              "a2_ptr", "sorted_ptr", "lora_ids_ptr", "counts_ptr", "start_ptr", "counter_ptr",
@@ -130,11 +130,12 @@ _K2_SLOTS = ("T", "a_ptr", "a_desc", "a_scale_ptr", "w_ptr", "w_desc", "w_scale_
              "partial_ptr", "counter_ptr", "ready_ptr", "trace_ptr")
 
 
-def _keep_template(templates: dict, key: tuple, entry: tuple) -> tuple:
+def _keep_template(templates: dict, key: tuple,
+                   template: _fast_launch.Template) -> _fast_launch.Template:
     if len(templates) >= _MAX_TEMPLATES:
         templates.clear()
-    templates[key] = entry
-    return entry
+    templates[key] = template
+    return template
 
 
 # Mode of K2: the FP8 GEMM, the W8A16 GEMM, or no GEMM (the hybrid path's expand).
