@@ -64,6 +64,9 @@ def main() -> None:
     parser.add_argument("--new-counts", action="store_true",
                         help="each call a token count not seen before (--tokens and up), as "
                              "online serving's eager steps (prompts plus running decodes)")
+    parser.add_argument("--bound", action="store_true",
+                        help="call a LoraProjection (the weight and adapters bound once), as "
+                             "the plugin does, rather than lora_linear")
     args = parser.parse_args()
     _launchers._quantize_shrink_kernel = _Kernel(_launchers._quantize_shrink_kernel)
     _launchers._lora_gemm_kernel = _Kernel(_launchers._lora_gemm_kernel)
@@ -88,13 +91,17 @@ def main() -> None:
     full_codes = (torch.zeros(most, k, dtype=torch.float8_e4m3fn), torch.ones(most, 1))
     scale = torch.ones(1)
     counts = iter(range(t, most))
+    projection = ek.LoraProjection(weight, scale, lora) if args.bound else None
 
     def call():
         n = next(counts) if args.new_counts else t
         batch = ek.AdapterBatch(full.token_lora_mapping[:n], full.sorted_token_indices[:n],
                                 full.lora_ids, full.num_tokens_per_lora, full.lora_token_start)
         codes = (full_codes[0][:n], full_codes[1][:n])
-        ek.lora_linear(None, weight, scale, lora, batch, x_quantized=codes, path="fused")
+        if projection is not None:
+            projection(None, batch, x_quantized=codes, path="fused")
+        else:
+            ek.lora_linear(None, weight, scale, lora, batch, x_quantized=codes, path="fused")
 
     for _ in range(50):
         call()

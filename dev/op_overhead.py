@@ -1,5 +1,6 @@
 """The host time of one eager `epilora_kernels.lora_linear` call on the fused path (a prefill
-batch above vLLM's CUDA-graph sizes), and where it goes (cProfile), on a GPU: a model's qkv, o,
+batch above vLLM's CUDA-graph sizes), and of the same call through a `LoraProjection` (`-bound`,
+as the plugin calls), and where the latter's goes (cProfile), on a GPU: a model's qkv, o,
 gate_up and down shapes (benchmarks/models.py; Qwen3-8B's by default), 32 rank-64 slots, 520
 tokens round robin, vLLM's codes.
 
@@ -53,7 +54,13 @@ def main() -> None:
         scale = torch.ones(1, device=device)
         calls[name] = (lambda weight=weight, lora=lora, batch=batch, codes=codes, scale=scale:
                        ek.lora_linear(None, weight, scale, lora, batch, x_quantized=codes))
+        # The same call through a LoraProjection (the weight and adapters bound once), as the
+        # plugin makes it.
+        projection = ek.LoraProjection(weight, scale, lora)
+        calls[f"{name}-bound"] = (lambda bound=projection, batch=batch, codes=codes:
+                                  bound(None, batch, x_quantized=codes))
         calls[name]()  # compiled
+        calls[f"{name}-bound"]()
     torch.cuda.synchronize()
     result["gpu_us"] = {}
     for name, call in calls.items():
@@ -82,15 +89,15 @@ def main() -> None:
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(100):
-        calls["qkv"]()
+        calls["qkv-bound"]()
     profiler.disable()
     torch.cuda.synchronize()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
     pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
-    result["profile_qkv_100_calls"] = text.getvalue()
+    result["profile_qkv_bound_100_calls"] = text.getvalue()
     print(text.getvalue(), flush=True)
-    result["torch_ops_qkv_20_calls"] = torch_ops(calls["qkv"], 20)
+    result["torch_ops_qkv_bound_20_calls"] = torch_ops(calls["qkv-bound"], 20)
     args.out.write_text(json.dumps(result, indent=1))
 
 

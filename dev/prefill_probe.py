@@ -119,7 +119,7 @@ def main() -> None:
 
 def time_ops(step, steps: int) -> dict:
     """Run `step(i)` for i < `steps` with the plugin's op (`EpiloraForward.__call__`) and the
-    kernels' call inside it (`epilora_kernels.lora_linear`, as forward.py looks it up) timed:
+    kernels' call inside it (`LoraProjection.__call__`, which forward.py calls) timed:
     per call, wall and thread CPU microseconds (medians), and the steps' wall time."""
     import threading
 
@@ -140,9 +140,10 @@ def time_ops(step, steps: int) -> dict:
                 walls.append((time.perf_counter() - wall) * 1e6)
         return wrapper
 
-    op, kernels = forward.EpiloraForward.__call__, epilora_kernels.lora_linear
+    projection = epilora_kernels.LoraProjection
+    op, kernels = forward.EpiloraForward.__call__, projection.__call__
     forward.EpiloraForward.__call__ = timing("op", op)
-    epilora_kernels.lora_linear = timing("kernels", kernels)
+    projection.__call__ = timing("kernels", kernels)
     step_ms = []
     try:
         for i in range(steps):
@@ -150,7 +151,7 @@ def time_ops(step, steps: int) -> dict:
             step(i)
             step_ms.append((time.perf_counter() - begin) * 1e3)
     finally:
-        forward.EpiloraForward.__call__, epilora_kernels.lora_linear = op, kernels
+        forward.EpiloraForward.__call__, projection.__call__ = op, kernels
     result = {"steps": steps, "step_ms_median": round(statistics.median(step_ms), 2),
               "threads": sorted(t.name for t in threading.enumerate())}
     for name, (walls, cpus) in timed.items():

@@ -153,6 +153,21 @@ def test_a_template_fills_in_its_tensors_and_keeps_its_fixed_arguments(kernel):
     assert len(kernel.triton_launches) == 2 and len(kernel.runs) == 1
 
 
+def test_a_bound_template_launches_its_tensors_and_the_remaining_slots(kernel):
+    # `bind` fixes slots once (a projection's weight): each launch gives the rest, in order,
+    # and reaches the kernel with the bound tensor in its place; the parent is unchanged.
+    template = _fast_launch.Template(kernel, {"FLAG": True}, ("T", "x_ptr"))
+    x = _buffer(0)
+    bound = template.bind(x_ptr=x)
+    assert bound.slots == ("T",) and template.slots == ("T", "x_ptr")
+    assert bound.arguments((5,)) == {"x_ptr": x, "T": 5, "FLAG": True}
+    bound.launch((1,), (5,))
+    bound.launch((2,), (6,))  # past Triton: the bound tensor in its place
+    assert len(kernel.triton_launches) == 1 and kernel.runs[0][9:11] == (x, 6)
+    with pytest.raises(ValueError, match="not slots"):
+        template.bind(FLAG=False)
+
+
 def test_a_template_refuses_slots_the_kernel_does_not_have(kernel):
     with pytest.raises(ValueError, match="y_ptr"):
         _fast_launch.Template(kernel, {"T": 1}, ("x_ptr", "y_ptr"))

@@ -294,3 +294,28 @@ def test_the_weight_view_is_made_once_and_again_where_vllm_replaces_or_moves_it(
     layer.weight.as_strided_((8, 4), (4, 1))  # the same address, another layout
     restrided, _ = forward._weights()
     assert restrided is not other and restrided.shape == (4, 8)
+
+
+def test_the_projection_is_bound_once_and_again_where_its_weight_or_scale_changes(monkeypatch):
+    # _bound keeps the kernels' LoraProjection (the weight and adapters checked and bound once)
+    # across calls, and makes it again for a new weight view or a scale vLLM replaced or moved.
+    import epilora_kernels as ek
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # a projection on CPU tensors: no launch here
+    forward = _timed_forward()
+    layer = forward.layer.base_layer
+    # vLLM's weight: the [K, N] transpose view of an [N, K] tensor
+    layer.weight = torch.nn.Parameter(torch.zeros(8, 4, dtype=torch.float8_e4m3fn).t(),
+                                      requires_grad=False)
+    forward.lora = ek.LoraWeights((torch.zeros(1, 1, 16, 4, dtype=torch.bfloat16),),
+                                  (torch.zeros(1, 1, 8, 16, dtype=torch.bfloat16),), (8,))
+    scale = torch.nn.Parameter(torch.ones(1), requires_grad=False)
+    forward.layer._base.scale = lambda base: scale
+    first = forward._bound(*forward._weights())
+    assert first.weight.shape == (8, 4) and forward._bound(*forward._weights()) is first
+    scale.data = torch.full((1,), 2.0)  # the same parameter, moved
+    moved = forward._bound(*forward._weights())
+    assert moved is not first and moved.weight_scale.data_ptr() == scale.data_ptr()
+    layer.weight.data = torch.zeros(8, 4, dtype=torch.float8_e4m3fn).t()  # moved: a new view
+    reloaded = forward._bound(*forward._weights())
+    assert reloaded is not moved and reloaded.weight.data_ptr() == layer.weight.data_ptr()

@@ -5,6 +5,8 @@ One call for an engine, `lora_linear(x, weight, weight_scale, lora, batch)`: a p
 `fused`, `hybrid`, or `w8a16` when asked). The paths are here for callers that choose
 (`decode_lora_fp8_linear`, ...), with their kernels (`quantize_and_shrink` = K1,
 `lora_fp8_gemm` = K2, ...) and torch twins of the same signatures in `epilora_kernels.reference`.
+`LoraProjection(weight, weight_scale, lora)` binds a projection's weight and adapters once, for
+an engine's calls (`projection(x, batch)`: the same result, with a fraction of the host time).
 `supports(path, ...)` says whether a case can be served and why not; `Workspace` holds the
 counters the kernels synchronize with (own one per stream, sized before CUDA-graph capture);
 `with compile_only(): ...` compiles what the calls inside would launch, running nothing (an
@@ -29,6 +31,7 @@ _PUBLIC = {
                               "lora_expand", "lora_fp8_gemm", "lora_shrink", "lora_w8a16_gemm",
                               "quantize", "quantize_and_shrink"),
     "epilora_kernels.launch": ("LaunchConfig",),
+    "epilora_kernels.projection": ("LoraProjection",),
     "epilora_kernels.workspace": ("Workspace", "WorkspaceTooSmall", "default_workspace",
                                   "set_default_workspace"),
 }
@@ -37,6 +40,7 @@ __all__ = [
     "AdapterBatch",
     "DeviceSupport",
     "LaunchConfig",
+    "LoraProjection",
     "LoraWeights",
     "PATHS",
     "Support",
@@ -92,6 +96,7 @@ if TYPE_CHECKING:
         quantize_and_shrink,
     )
     from epilora_kernels.launch import LaunchConfig
+    from epilora_kernels.projection import LoraProjection
     from epilora_kernels.workspace import (
         Workspace,
         WorkspaceTooSmall,

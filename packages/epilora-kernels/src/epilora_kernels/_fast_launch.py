@@ -129,6 +129,24 @@ class Template:
         self._options = {k: v for k, v in arguments.items() if k not in names}
         self._compiled: dict[tuple, object] = {}
 
+    def bind(self, **tensors) -> "Template":
+        """This launch with the slots named here fixed to these tensors, for a caller that
+        launches it with the same ones every time (an engine's weights and adapter buffers,
+        `epilora_kernels.projection`): they are specialized once, here, and each launch gives
+        the remaining slots, in their order. The bound template keeps them alive."""
+        unknown = [name for name in tensors if name not in self.slots]
+        if unknown:
+            raise ValueError(f"{unknown} are not slots of this template ({self.slots})")
+        bound = object.__new__(Template)
+        bound.kernel, bound._names, bound._options = self.kernel, self._names, self._options
+        bound._values = self._values.copy()
+        for name, tensor in tensors.items():
+            bound._values[self._names.index(name)] = tensor
+        bound.slots = tuple(slot for slot in self.slots if slot not in tensors)
+        bound._positions = tuple(self._names.index(slot) for slot in bound.slots)
+        bound._compiled = {}  # its launches' keys leave out the bound tensors
+        return bound
+
     def _filled(self, tensors) -> list:
         # Every argument in the kernel's parameter order, these tensors in their slots.
         values = self._values.copy()

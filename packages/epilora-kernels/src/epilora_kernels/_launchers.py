@@ -171,6 +171,49 @@ def _slices(lora: LoraWeights) -> tuple[list, list, int, int]:
             list(lora.lora_b) + [lora.lora_b[0]] * pad, off1, off2)
 
 
+def k1_buffers(t: int, k: int, lora: LoraWeights, cfg: LaunchConfig, *, quantize: bool,
+               h_dtype: torch.dtype, device) -> tuple:
+    """K1's outputs for `t` rows: `(partials, h, codes, scales)` (codes and scales None without
+    `quantize`). Split-K partials in fp32 planes, which K1 sums into h [1, S, T, R] of
+    `h_dtype`: fp32 h is plane 0 itself, bf16 h a buffer of its own."""
+    s_count, rank = len(lora.output_slices), lora.max_rank
+    partials = torch.empty(cfg.split_k, s_count, t, rank, dtype=torch.float32, device=device)
+    h = (partials[:1] if h_dtype == torch.float32 else
+         torch.empty(1, s_count, t, rank, dtype=h_dtype, device=device))
+    if not quantize:
+        return partials, h, None, None
+    return (partials, h, torch.empty(t, k, dtype=torch.float8_e4m3fn, device=device),
+            torch.empty(t, 1, dtype=torch.float32, device=device))
+
+
+def k1_template(support: DeviceSupport, lora: LoraWeights, num_entries: int, cfg: LaunchConfig,
+                *, stride_x: int, quantize: bool, signal_codes: bool, codes_sorted: bool,
+                pdl: bool, traced: bool, h_dtype: torch.dtype,
+                x_codes: bool) -> _fast_launch.Template:
+    """K1's launch template (slots `_K1_SLOTS`) for these settings, made once."""
+    k, rank, s_count = lora.in_features, lora.max_rank, len(lora.output_slices)
+    interpreter = support.interpreter
+    key = (k, stride_x, rank, s_count, num_entries, cfg, quantize, signal_codes,
+           codes_sorted, use_pdl(support, pdl), traced, h_dtype, x_codes, interpreter)
+    template = _K1_TEMPLATES.get(key)
+    if template is None:
+        fixed = dict(
+            K=k, R=rank, stride_x=stride_x, NUM_ENTRIES=num_entries,
+            QUANTIZE=quantize, SIGNAL_CODES=signal_codes, CODES_SORTED=codes_sorted,
+            NUM_SLICES=s_count, SPLIT_K=cfg.split_k,
+            BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
+            QUANT_BLOCK=_tiling.quant_block(k, 16384 if cfg.num_warps >= 8 else 4096),
+            INTERPRETER=interpreter,
+            ENTRIES_BLOCK=_tiling.next_power_of_2(num_entries),
+            USE_PDL=use_pdl(support, pdl), TRACE=traced,
+            H_BF16=h_dtype == torch.bfloat16, X_CODES=x_codes,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        template = _keep_template(_K1_TEMPLATES, key, _fast_launch.Template(
+            _quantize_shrink_kernel, fixed, _K1_SLOTS))
+    return template
+
+
 def launch_k1(support: DeviceSupport, workspace: Workspace, x, lora: LoraWeights,
               batch: AdapterBatch, cfg: LaunchConfig, *, quantize: bool, pdl: bool = False,
               signal_codes: bool = False, trace: torch.Tensor | None = None,
@@ -183,36 +226,12 @@ def launch_k1(support: DeviceSupport, workspace: Workspace, x, lora: LoraWeights
     if x_scales is not None and quantize:
         raise ValueError("K1 quantizes bf16 activations: codes (x_scales given) need none")
     t, k = x.shape
-    s_count, rank = len(lora.output_slices), lora.max_rank
-    # Split-K partials in fp32 planes, which K1 sums into h [1, S, T, R] of `h_dtype`: fp32 h
-    # is plane 0 itself, bf16 h a buffer of its own.
-    partials = torch.empty(cfg.split_k, s_count, t, rank, dtype=torch.float32, device=x.device)
-    h = (partials[:1] if h_dtype == torch.float32 else
-         torch.empty(1, s_count, t, rank, dtype=h_dtype, device=x.device))
-    codes = scales = None
-    if quantize:
-        codes = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
-        scales = torch.empty(t, 1, dtype=torch.float32, device=x.device)
-    interpreter = support.interpreter
-    key = (k, x.stride(0), rank, s_count, batch.num_entries, cfg, quantize, signal_codes,
-           codes_sorted, use_pdl(support, pdl), trace is not None, h_dtype,
-           x_scales is not None, interpreter)
-    template = _K1_TEMPLATES.get(key)
-    if template is None:
-        fixed = dict(
-            K=k, R=rank, stride_x=x.stride(0), NUM_ENTRIES=batch.num_entries,
-            QUANTIZE=quantize, SIGNAL_CODES=signal_codes, CODES_SORTED=codes_sorted,
-            NUM_SLICES=s_count, SPLIT_K=cfg.split_k,
-            BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
-            QUANT_BLOCK=_tiling.quant_block(k, 16384 if cfg.num_warps >= 8 else 4096),
-            INTERPRETER=interpreter,
-            ENTRIES_BLOCK=_tiling.next_power_of_2(batch.num_entries),
-            USE_PDL=use_pdl(support, pdl), TRACE=trace is not None,
-            H_BF16=h_dtype == torch.bfloat16, X_CODES=x_scales is not None,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        template = _keep_template(_K1_TEMPLATES, key, _fast_launch.Template(
-            _quantize_shrink_kernel, fixed, _K1_SLOTS))
+    partials, h, codes, scales = k1_buffers(t, k, lora, cfg, quantize=quantize,
+                                            h_dtype=h_dtype, device=x.device)
+    template = k1_template(support, lora, batch.num_entries, cfg, stride_x=x.stride(0),
+                           quantize=quantize, signal_codes=signal_codes,
+                           codes_sorted=codes_sorted, pdl=pdl, traced=trace is not None,
+                           h_dtype=h_dtype, x_codes=x_scales is not None)
     grid = ((t if quantize else 0) + _tiling.shrink_programs(t, lora, batch, cfg),)
     a, _, _, _ = _slices(lora)
     if counters is None:
@@ -268,33 +287,50 @@ def _w_operand(support: DeviceSupport, weight: torch.Tensor, cfg: LaunchConfig):
     return weight
 
 
-def _k2_arguments(mode: int, *, a, a_desc, a_scale, weight, w_operand, weight_scale, y, h,
-                  lora: LoraWeights, batch: AdapterBatch, cfg: LaunchConfig, split: int,
-                  partial, counters, ready, trace, traced: bool, pdl: bool, wait_codes: bool,
-                  warm_l2: int, wait_k1_first: bool, a_sorted: bool,
-                  interpreter: bool) -> dict:
-    # K2's arguments with adapters, by name: what launch_k2 launches and k2_blocks_per_sm
-    # compiles (there with MockTensors for the buffers not yet made).
-    t, n = y.shape
-    _, b, off1, off2 = _slices(lora)
+def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchConfig, *,
+                  n: int, stride_a: int, stride_y: int, h_planes: int, split: int, w_tma: bool,
+                  per_channel: bool, traced: bool, pdl: bool, wait_codes: bool, warm_l2: int,
+                  wait_k1_first: bool, a_sorted: bool, interpreter: bool,
+                  **pointers) -> dict:
+    # K2's arguments with adapters, by name: what launch_k2's templates launch (their
+    # pointers in slots, none given here) and k2_blocks_per_sm compiles (with MockTensors).
+    _, _, off1, off2 = _slices(lora)
     return dict(
-        a_ptr=a, a_desc=a_desc, a_scale_ptr=a_scale, w_ptr=weight, w_desc=w_operand,
-        w_scale_ptr=weight_scale, y_ptr=y, h_ptr=h, b0_ptr=b[0], b1_ptr=b[1], b2_ptr=b[2],
-        sorted_ptr=batch.sorted_token_indices, lora_ids_ptr=batch.lora_ids,
-        start_ptr=batch.lora_token_start, partial_ptr=partial, counter_ptr=counters,
-        ready_ptr=ready, trace_ptr=trace,
-        T=t, N=n, K=lora.in_features, R=lora.max_rank, NUM_ENTRIES=batch.num_entries,
-        stride_a=a.stride()[0], stride_y=y.stride()[0], N_OFF1=off1, N_OFF2=off2,
-        MODE=mode, HAS_LORA=True, NUM_SLICES=len(lora.output_slices), H_PLANES=h.shape[0],
-        SPLIT_K=split, ENTRIES_BLOCK=_tiling.next_power_of_2(batch.num_entries),
+        pointers,
+        N=n, K=lora.in_features, R=lora.max_rank, NUM_ENTRIES=num_entries,
+        stride_a=stride_a, stride_y=stride_y, N_OFF1=off1, N_OFF2=off2,
+        MODE=mode, HAS_LORA=True, NUM_SLICES=len(lora.output_slices), H_PLANES=h_planes,
+        SPLIT_K=split, ENTRIES_BLOCK=_tiling.next_power_of_2(num_entries),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=cfg.block_r,
         INTERPRETER=interpreter, USE_PDL=pdl,
         WAIT_CODES=wait_codes, WARM_L2=warm_l2 if wait_codes else 0, TRACE=traced,
         B_IN_REGS=_tiling.b_in_registers(cfg), R_CHUNK=_tiling.epilogue_rank_chunk(cfg),
-        W_TMA=w_operand is not weight, WAIT_K1_FIRST=wait_k1_first and pdl, A_TMA=a_sorted,
-        W_SCALE_PER_CHANNEL=mode != EXPAND and weight_scale.numel() > 1,
+        W_TMA=w_tma, WAIT_K1_FIRST=wait_k1_first and pdl, A_TMA=a_sorted,
+        W_SCALE_PER_CHANNEL=per_channel,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
+
+
+def k2_template(support: DeviceSupport, mode: int, lora: LoraWeights, num_entries: int,
+                cfg: LaunchConfig, *, stride_a: int, stride_y: int, h_planes: int, split: int,
+                w_tma: bool, per_channel: bool, pdl: bool, wait_codes: bool, warm_l2: int,
+                traced: bool, wait_k1_first: bool, a_sorted: bool) -> _fast_launch.Template:
+    """K2's launch template (slots `_K2_SLOTS`) for these settings, made once; `pdl` as
+    `use_pdl` made it."""
+    n = lora.out_features
+    key = (mode, n, lora.in_features, lora.max_rank, tuple(lora.output_slices), num_entries,
+           cfg, stride_a, stride_y, h_planes, split, pdl, wait_codes, warm_l2, traced, w_tma,
+           wait_k1_first, a_sorted, per_channel, support.interpreter)
+    template = _K2_TEMPLATES.get(key)
+    if template is None:
+        arguments = _k2_arguments(
+            mode, lora, num_entries, cfg, n=n, stride_a=stride_a, stride_y=stride_y,
+            h_planes=h_planes, split=split, w_tma=w_tma, per_channel=per_channel,
+            traced=traced, pdl=pdl, wait_codes=wait_codes, warm_l2=warm_l2,
+            wait_k1_first=wait_k1_first, a_sorted=a_sorted, interpreter=support.interpreter)
+        template = _keep_template(_K2_TEMPLATES, key, _fast_launch.Template(
+            _lora_gemm_kernel, arguments, _K2_SLOTS))
+    return template
 
 
 def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scale, weight,
@@ -308,32 +344,20 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
     _tiling.check_gemm_config(cfg, lora)
     grid, partial, counters = _gemm_buffers(workspace, mode, t, n, cfg, y.device, counters)
     w_operand = _w_operand(support, weight, cfg)
-    pdl = use_pdl(support, pdl)
     a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]) if a_sorted else a
-    per_channel = mode != EXPAND and weight_scale.numel() > 1
-    traced = trace is not None
-    key = (mode, n, lora.in_features, lora.max_rank, tuple(lora.output_slices),
-           batch.num_entries, cfg, a.stride(0), y.stride(0), h.shape[0], grid[2], pdl,
-           wait_codes, warm_l2, traced, w_operand is not weight, wait_k1_first, a_sorted,
-           per_channel, support.interpreter)
+    template = k2_template(
+        support, mode, lora, batch.num_entries, cfg, stride_a=a.stride(0), stride_y=y.stride(0),
+        h_planes=h.shape[0], split=grid[2], w_tma=w_operand is not weight,
+        per_channel=mode != EXPAND and weight_scale.numel() > 1, pdl=use_pdl(support, pdl),
+        wait_codes=wait_codes, warm_l2=warm_l2, traced=trace is not None,
+        wait_k1_first=wait_k1_first, a_sorted=a_sorted)
     partial = y if partial is None else partial
     trace = trace_arg(trace, counters, grid[0] * grid[1] * grid[2])
-    tile_counters = workspace.tile_counters(counters)
-    template = _K2_TEMPLATES.get(key)
-    if template is None:
-        arguments = _k2_arguments(
-            mode, a=a, a_desc=a_desc, a_scale=a_scale, weight=weight, w_operand=w_operand,
-            weight_scale=weight_scale, y=y, h=h, lora=lora, batch=batch, cfg=cfg,
-            split=grid[2], partial=partial, counters=tile_counters, ready=counters,
-            trace=trace, traced=traced, pdl=pdl, wait_codes=wait_codes, warm_l2=warm_l2,
-            wait_k1_first=wait_k1_first, a_sorted=a_sorted, interpreter=support.interpreter)
-        template = _keep_template(_K2_TEMPLATES, key, _fast_launch.Template(
-            _lora_gemm_kernel, arguments, _K2_SLOTS))
     _, b, _, _ = _slices(lora)
     _start_template(support, template, grid, (
         t, a, a_desc, a_scale, weight, w_operand, weight_scale, y, h, b[0], b[1], b[2],
-        batch.sorted_token_indices,
-        batch.lora_ids, batch.lora_token_start, partial, tile_counters, counters, trace))
+        batch.sorted_token_indices, batch.lora_ids, batch.lora_token_start, partial,
+        workspace.tile_counters(counters), counters, trace))
     return y
 
 
@@ -361,13 +385,19 @@ def k2_blocks_per_sm(support: DeviceSupport, mode: int, a_dtype: torch.dtype, we
     partial = MockTensor(torch.float32) if split > 1 else y
     ready = MockTensor(torch.int32)
     pdl = use_pdl(support, pdl)
+    _, b, _, _ = _slices(lora)
     with _compiling_in_this_thread():  # its registers are wanted now
-        kernel = _lora_gemm_kernel.warmup(grid=(1,), **_k2_arguments(
-            mode, a=a, a_desc=a, a_scale=MockTensor(torch.float32), weight=weight,
-            w_operand=weight, weight_scale=weight_scale, y=y, h=h, lora=lora, batch=batch, cfg=cfg,
-            split=split, partial=partial, counters=_TileCounters(torch.int32), ready=ready,
-            trace=ready, traced=False, pdl=pdl, wait_codes=wait_codes, warm_l2=warm_l2,
-            wait_k1_first=wait_k1_first, a_sorted=False, interpreter=support.interpreter))
+        kernel = _lora_gemm_kernel.warmup(grid=(1,), T=t, **_k2_arguments(
+            mode, lora, batch.num_entries, cfg, n=n, stride_a=k, stride_y=n, h_planes=1,
+            split=split, w_tma=False, per_channel=weight_scale.numel() > 1, traced=False,
+            pdl=pdl, wait_codes=wait_codes, warm_l2=warm_l2, wait_k1_first=wait_k1_first,
+            a_sorted=False, interpreter=support.interpreter,
+            a_ptr=a, a_desc=a, a_scale_ptr=MockTensor(torch.float32), w_ptr=weight,
+            w_desc=weight, w_scale_ptr=weight_scale, y_ptr=y, h_ptr=h, b0_ptr=b[0],
+            b1_ptr=b[1], b2_ptr=b[2], sorted_ptr=batch.sorted_token_indices,
+            lora_ids_ptr=batch.lora_ids, start_ptr=batch.lora_token_start,
+            partial_ptr=partial, counter_ptr=_TileCounters(torch.int32), ready_ptr=ready,
+            trace_ptr=ready))
     kernel._init_handles()  # loads it: the registers are known from here
     props = torch.cuda.get_device_properties(weight.device)
     return _tiling.blocks_per_sm(kernel.n_regs, kernel.metadata.shared, cfg.num_warps,

