@@ -1,8 +1,10 @@
 """One projection's forward on vLLM's buffers: the base `x W^T` plus every token's adapter.
 
-On a GPU the kernels compute it (`epilora_kernels.lora_linear` on the path `choose_path` picks
-for the batch's size, or the one EPILORA_VLLM_PATH names, or with EPILORA_VLLM_DISPATCH=timed the
-fastest of theirs and vLLM's own, timed: `epilora_vllm.dispatch`), on x as vLLM's own QuantFP8
+On a GPU the kernels compute it (an `epilora_kernels.LoraProjection` over the layer's weight and
+vLLM's adapter buffers, bound once: `lora_linear` with a fraction of its host time, which eager
+prefill steps pay hundreds of times; on the path `choose_path` picks for the batch's size, or
+the one EPILORA_VLLM_PATH names, or with EPILORA_VLLM_DISPATCH=timed the fastest of theirs and
+vLLM's own, timed: `epilora_vllm.dispatch`), on x as vLLM's own QuantFP8
 quantized it before the op (EPILORA_VLLM_QUANTIZE=codes, the default: the shrink reads those
 codes, the op never sees x; `vllm`: the shrink reads x) or quantized by the kernels (`kernels`);
 the hybrid path's base GEMM and batches without adapters are vLLM's own FP8 GEMM.
