@@ -5,6 +5,7 @@ settings with the other projections of its shapes, and refuses bad input as clea
 
 import pytest
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 import epilora_kernels as ek
 from epilora_kernels import _launchers, launch, projection
@@ -26,19 +27,88 @@ CALLS = [(path, kind) for path in (None, "decode", "fused") for kind in ("x", "c
 CALLS += [("w8a16", "x"), ("hybrid", "x")]
 
 
+def _launch_record(value):
+    # A launch argument as what the kernel sees of it: a tensor's dtype, shape, strides and
+    # alignment (each call allocates its own outputs), a descriptor's besides its block; the
+    # rest by value.
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(value.shape), value.stride(),
+                value.data_ptr() % 16)
+    if isinstance(value, TensorDescriptor):
+        return ("descriptor", _launch_record(value.base), tuple(value.shape),
+                tuple(value.strides), tuple(value.block_shape), value.padding)
+    return value
+
+
+def _launches(monkeypatch) -> list:
+    # Every launch made from here on, as (kernel, grid, arguments) records.
+    launched = []
+    start = _launchers._start_template
+
+    def recording(support, template, grid, tensors):
+        arguments = template.arguments(tensors)
+        launched.append((template.kernel, grid,
+                         {name: _launch_record(value) for name, value in arguments.items()}))
+        return start(support, template, grid, tensors)
+
+    monkeypatch.setattr(_launchers, "_start_template", recording)
+    return launched
+
+
 @pytest.mark.parametrize(("path", "kind"), CALLS)
-@pytest.mark.parametrize("tokens", [6, 40])  # 40: the fused path's K2 as K1's PDL dependent
-def test_a_projection_gives_the_bits_of_lora_linear(path, kind, tokens):
+@pytest.mark.parametrize("tokens", [6, 40, 70])  # 40: fused K2 as K1's PDL dependent; 70: TMA
+def test_a_projection_launches_and_computes_what_lora_linear_does(path, kind, tokens,
+                                                                  monkeypatch):
+    # The same launches (kernel, grid, every argument but the buffers' addresses) and the
+    # same bits; on the decode, fused and W8A16 paths by the bound launch (lora_linear, which
+    # it hands the hybrid path and empty batches, must not be called there).
     x, weight, w_scale, lora, batch = make_problem(3, tokens, K, SLICES, RANK, SLOTS,
                                                    "mixed_with_base")
     given, quantized = _inputs(kind, x)
     bound = ek.LoraProjection(weight, w_scale, lora)
+    launched = _launches(monkeypatch)
     want = ek.lora_linear(given, weight, w_scale, lora, batch, path=path,
                           x_quantized=quantized)
+    unbound = launched.copy()
+    launched.clear()
+    if path != "hybrid":
+        monkeypatch.setattr(projection, "lora_linear", None)  # called: a TypeError
     assert_bitwise_equal(bound(given, batch, path=path, x_quantized=quantized), want,
                          name="bound")
+    assert launched == unbound and len(unbound) >= 2
     assert_bitwise_equal(bound(given, batch, path=path, x_quantized=quantized), want,
                          name="bound, again")
+
+
+def test_padded_rows_and_an_unaligned_weight_launch_as_lora_linear_does(monkeypatch):
+    # Activations and codes in rows wider than K (a slice of a wider buffer), and a weight 8
+    # bytes past an aligned address (no TMA for it): the strides and alignment reach the
+    # templates' keys and the launches as lora_linear's.
+    x, weight, w_scale, lora, batch = make_problem(8, 70, K, SLICES, RANK, SLOTS, "one_adapter")
+    wide = torch.zeros(70, K + 16, dtype=torch.bfloat16)
+    wide[:, :K] = x
+    codes, scales = ek.quantize(x)
+    wide_codes = torch.zeros(70, K + 16, dtype=torch.float8_e4m3fn)
+    wide_codes[:, :K] = codes
+    shifted = torch.empty(weight.numel() + 8, dtype=torch.uint8)[8:]
+    shifted = shifted.view(torch.float8_e4m3fn).view(weight.shape)
+    shifted.copy_(weight)
+    assert shifted.data_ptr() % 16 == 8
+    launched = _launches(monkeypatch)
+    for w in (weight, shifted):
+        bound = ek.LoraProjection(w, w_scale, lora)
+        for path, given, quantized in (("fused", wide[:, :K], None),
+                                       ("fused", None, (wide_codes[:, :K], scales)),
+                                       ("decode", wide[:, :K], (wide_codes[:, :K], scales)),
+                                       ("w8a16", wide[:, :K], None)):
+            launched.clear()
+            want = ek.lora_linear(given, w, w_scale, lora, batch, path=path,
+                                  x_quantized=quantized)
+            unbound = launched.copy()
+            launched.clear()
+            assert_bitwise_equal(bound(given, batch, path=path, x_quantized=quantized), want,
+                                 name=path)
+            assert launched == unbound
 
 
 def test_per_channel_scales_and_every_slot_in_a_prefill_tile():
@@ -94,44 +164,51 @@ def test_a_launch_failing_after_k1_leaves_the_counters_clean(monkeypatch):
 
 
 def _bad_calls():
+    # name -> (the call, its message, and for a call's input (not the projection's own) the
+    # keywords of the same call to lora_linear, which must raise the same error)
     x, weight, w_scale, lora, batch = make_problem(10, 6, K, SLICES, 8, 2, "mixed_with_base")
     codes, scales = ek.quantize(x)
     bound = ek.LoraProjection(weight, w_scale, lora)
     other = ek.AdapterBatch.from_token_mapping(torch.zeros(5, dtype=torch.int32), 2)
     longs = ek.AdapterBatch(batch.token_lora_mapping.long(), *list(vars(batch).values())[1:])
-    return {
-        "weight shape": (lambda: ek.LoraProjection(weight[:32], w_scale, lora),
-                         r"float8_e4m3fn \[64, 64\]"),
-        "adapter dtype": (lambda: ek.LoraProjection(weight, w_scale, ek.LoraWeights(
-            tuple(a.float() for a in lora.lora_a), lora.lora_b, lora.output_slices)),
-            "bfloat16"),
-        "workspace device": (lambda: ek.LoraProjection(weight, w_scale, lora,
-                                                       workspace=ek.Workspace("meta")),
-                             "workspace is on meta"),
-        "batch tokens": (lambda: bound(x, other, path="fused"), "batch maps 5 tokens"),
-        "batch dtype": (lambda: bound(x, longs, path="fused"),
-                        "token_lora_mapping must be contiguous int32"),
-        "slots": (lambda: bound(x, ek.AdapterBatch.from_token_mapping(
-            batch.token_lora_mapping, 3), path="fused"), "slots"),
-        "x rows": (lambda: bound(x.t().contiguous().t(), batch, path="decode"),
-                   "contiguous rows"),
-        "x features": (lambda: bound(x[:, :32], batch, path="fused"), "32 features"),
-        "codes dtype": (lambda: bound(None, batch, path="fused",
-                                      x_quantized=(codes.float(), scales)), "codes must be"),
-        "codes rows": (lambda: bound(x, batch, path="fused",
-                                     x_quantized=(codes[:5], scales[:5])), "5 rows"),
-        "codes for w8a16": (lambda: bound(x, batch, path="w8a16", x_quantized=(codes, scales)),
-                            "bf16 activations"),
-        "codes alone for hybrid": (lambda: bound(None, batch, path="hybrid",
-                                                 x_quantized=(codes, scales)), "bf16"),
-        "nothing": (lambda: bound(None, batch, path="fused"), "x_quantized"),
-        "path": (lambda: bound(x, batch, path="nonesuch"), "unknown path"),
+    three = ek.AdapterBatch.from_token_mapping(batch.token_lora_mapping, 3)
+    calls = {
+        "batch tokens": ("batch maps 5 tokens", dict(x=x, batch=other, path="fused")),
+        "batch dtype": ("token_lora_mapping must be contiguous int32",
+                        dict(x=x, batch=longs, path="fused")),
+        "slots": ("slots", dict(x=x, batch=three, path="fused")),
+        "x rows": ("contiguous rows", dict(x=x.t().contiguous().t(), batch=batch,
+                                           path="decode")),
+        "x features": ("32 features", dict(x=x[:, :32], batch=batch, path="fused")),
+        "x device": ("one device|on meta", dict(x=x.to("meta"), batch=batch, path="fused")),
+        "codes dtype": ("codes must be", dict(x=None, batch=batch, path="fused",
+                                              x_quantized=(codes.float(), scales))),
+        "codes rows": ("5 rows", dict(x=x, batch=batch, path="fused",
+                                      x_quantized=(codes[:5], scales[:5]))),
+        "codes for w8a16": ("bf16 activations", dict(x=x, batch=batch, path="w8a16",
+                                                     x_quantized=(codes, scales))),
+        "codes alone for hybrid": ("bf16", dict(x=None, batch=batch, path="hybrid",
+                                                x_quantized=(codes, scales))),
+        "nothing": ("x_quantized", dict(x=None, batch=batch, path="fused")),
+        "path": ("unknown path", dict(x=x, batch=batch, path="nonesuch")),
     }
+    cases = {name: ((lambda kw=kw: bound(kw.pop("x"), kw.pop("batch"), **kw)), message,
+                    dict(kw, weight=weight, weight_scale=w_scale, lora=lora))
+             for name, (message, kw) in calls.items()}
+    cases["weight shape"] = (lambda: ek.LoraProjection(weight[:32], w_scale, lora),
+                             r"float8_e4m3fn \[64, 64\]", None)
+    cases["adapter dtype"] = (lambda: ek.LoraProjection(weight, w_scale, ek.LoraWeights(
+        tuple(a.float() for a in lora.lora_a), lora.lora_b, lora.output_slices)),
+        "bfloat16", None)
+    cases["workspace device"] = (lambda: ek.LoraProjection(weight, w_scale, lora,
+                                                           workspace=ek.Workspace("meta")),
+                                 "workspace is on meta", None)
+    return cases
 
 
 BAD_CALLS = ["adapter dtype", "batch dtype", "batch tokens", "codes alone for hybrid",
              "codes dtype", "codes for w8a16", "codes rows", "nothing", "path", "slots",
-             "weight shape", "workspace device", "x features", "x rows"]
+             "weight shape", "workspace device", "x device", "x features", "x rows"]
 
 
 def test_every_bad_call_is_run():
@@ -139,7 +216,11 @@ def test_every_bad_call_is_run():
 
 
 @pytest.mark.parametrize("case", BAD_CALLS)
-def test_bad_input_is_refused_the_same(case):
-    call, message = _bad_calls()[case]
-    with pytest.raises(ValueError, match=message):
+def test_bad_input_is_refused_as_lora_linear_refuses_it(case):
+    call, message, unbound = _bad_calls()[case]
+    with pytest.raises(ValueError, match=message) as bound_error:
         call()
+    if unbound is not None:
+        with pytest.raises(ValueError, match=message) as lora_linear_error:
+            ek.lora_linear(**unbound)
+        assert bound_error.type is lora_linear_error.type

@@ -298,7 +298,8 @@ def test_the_weight_view_is_made_once_and_again_where_vllm_replaces_or_moves_it(
 
 def test_the_projection_is_bound_once_and_again_where_its_weight_or_scale_changes(monkeypatch):
     # _bound keeps the kernels' LoraProjection (the weight and adapters checked and bound once)
-    # across calls, and makes it again for a new weight view or a scale vLLM replaced or moved.
+    # across calls, and makes it again for a new weight view, a scale vLLM replaced or moved,
+    # or new adapter buffers.
     import epilora_kernels as ek
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # a projection on CPU tensors: no launch here
@@ -319,3 +320,5 @@ def test_the_projection_is_bound_once_and_again_where_its_weight_or_scale_change
     layer.weight.data = torch.zeros(8, 4, dtype=torch.float8_e4m3fn).t()  # moved: a new view
     reloaded = forward._bound(*forward._weights())
     assert reloaded is not moved and reloaded.weight.data_ptr() == layer.weight.data_ptr()
+    forward.lora = ek.LoraWeights(forward.lora.lora_a, forward.lora.lora_b, (8,))  # new buffers
+    assert forward._bound(*forward._weights()).lora is forward.lora

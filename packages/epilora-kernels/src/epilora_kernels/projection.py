@@ -15,8 +15,13 @@ them once per shape, not once per layer.
 It computes what `lora_linear` computes given the same arguments, with the same launch settings
 and kernels, hence the same bits. The decode, fused and W8A16 paths take the bound launch; the
 hybrid path and empty batches go through `lora_linear`. The tensors given at construction must
-keep their storage: an engine that replaces or moves a weight makes a new projection.
+keep their storage: an engine that replaces or moves a weight makes a new projection. The launch
+tables a projection reads are those of its construction (EPILORA_LAUNCH_TABLES read then);
+settings a tuner writes later reach it through `launch.clear_table_cache`, as they reach
+`lora_linear`.
 """
+
+import itertools
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -49,6 +54,7 @@ class _Step:
 # once. Emptied with the launch settings it comes from (`launch.clear_table_cache`).
 _STEPS: dict[tuple, _Step] = {}
 _SHAPES: dict[tuple, int] = {}  # a projection's shapes -> their number in _STEPS' keys
+_NUMBERS = itertools.count()  # drawn atomically: two threads never get one number
 _MAX_STEPS = 1 << 16  # a process calling with ever new token counts starts over past this
 _MAX_BOUND = 256  # a projection's bound templates (a few launch settings each in practice)
 # The batch last checked, with the device and slots it was checked against: the calls of one
@@ -86,7 +92,9 @@ class LoraProjection:
                            for path in PATHS}
         shapes = (support, _tiling.table_of(support), tuple(weight.shape), weight.stride(),
                   weight.data_ptr() % 16, weight_scale.numel(), slices, lora.max_rank)
-        self._shapes = _SHAPES.setdefault(shapes, len(_SHAPES))
+        self._shapes = _SHAPES.get(shapes)
+        if self._shapes is None:
+            self._shapes = _SHAPES.setdefault(shapes, next(_NUMBERS))
         self._bound: dict = {}  # a shared template -> this projection's binding of it
         a, b, _, _ = _launchers._slices(lora)
         self._k1_tensors = dict(a0_ptr=a[0], a1_ptr=a[1], a2_ptr=a[2])

@@ -232,10 +232,11 @@ class EpiloraForward:
     def _bound(self, weight: torch.Tensor, scale: torch.Tensor) -> ek.LoraProjection:
         # The kernels' projection over this weight view, scale and vLLM's adapter buffers,
         # bound once (`ek.LoraProjection`: a fraction of lora_linear's host time a call); made
-        # again with a new weight view (`_weights`) or a scale vLLM replaced or moved.
+        # again with a new weight view (`_weights`), a scale vLLM replaced or moved, or new
+        # adapter buffers (`adapters_created` again).
         kept = self._projection
-        if (kept is None or kept[1].weight is not weight or kept[0][0] is not scale
-                or kept[0][1] != scale.data_ptr()):
+        if (kept is None or kept[1].weight is not weight or kept[1].lora is not self.lora
+                or kept[0][0] is not scale or kept[0][1] != scale.data_ptr()):
             kept = self._projection = ((scale, scale.data_ptr()),
                                        ek.LoraProjection(weight, scale, self.lora))
         return kept[1]
