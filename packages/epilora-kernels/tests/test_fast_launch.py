@@ -168,6 +168,17 @@ def test_a_bound_template_launches_its_tensors_and_the_remaining_slots(kernel):
         template.bind(FLAG=False)
 
 
+def test_a_bound_descriptor_reaches_every_launch(kernel):
+    # A projection binds its weight's TMA descriptor: each launch passes that very descriptor
+    # (Triton's launcher expands it), the token count filled in per launch.
+    desc = TensorDescriptor.from_tensor(torch.zeros(64, 64, dtype=torch.bfloat16), [16, 16])
+    bound = _fast_launch.Template(kernel, {"FLAG": False}, ("T", "x_ptr")).bind(x_ptr=desc)
+    bound.launch((1,), (3,))
+    bound.launch((1,), (5,))
+    assert kernel.triton_launches[0][1]["x_ptr"] is desc
+    assert len(kernel.triton_launches) == 1 and kernel.runs[0][9:12] == (desc, 5, False)
+
+
 def test_a_template_refuses_slots_the_kernel_does_not_have(kernel):
     with pytest.raises(ValueError, match="y_ptr"):
         _fast_launch.Template(kernel, {"T": 1}, ("x_ptr", "y_ptr"))
