@@ -104,6 +104,14 @@ def check_codes(codes: torch.Tensor, scales: torch.Tensor, k: int) -> None:
     check_device(codes.device, scales=scales)
 
 
+def check_codes_beside(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """The caller's codes and scales of x (`x_quantized` given with x): one row per row of x."""
+    check_codes(codes, scales, x.shape[1])
+    if codes.shape[0] != x.shape[0]:
+        raise ValueError(f"x_quantized has {codes.shape[0]} rows, x {x.shape[0]}")
+    check_device(x.device, codes=codes, scales=scales)
+
+
 def check_h(h: torch.Tensor, lora: LoraWeights, tokens: int) -> None:
     want = (len(lora.output_slices), tokens, lora.max_rank)
     if (h.ndim != 4 or tuple(h.shape[1:]) != want or h.shape[0] < 1

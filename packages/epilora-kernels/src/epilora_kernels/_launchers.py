@@ -214,6 +214,12 @@ def k1_template(support: DeviceSupport, lora: LoraWeights, num_entries: int, cfg
     return template
 
 
+def k1_grid(t: int, lora: LoraWeights, batch: AdapterBatch, cfg: LaunchConfig, *,
+            quantize: bool) -> tuple[int]:
+    """K1's programs: one per row where it quantizes, then the shrink's."""
+    return ((t if quantize else 0) + _tiling.shrink_programs(t, lora, batch, cfg),)
+
+
 def launch_k1(support: DeviceSupport, workspace: Workspace, x, lora: LoraWeights,
               batch: AdapterBatch, cfg: LaunchConfig, *, quantize: bool, pdl: bool = False,
               signal_codes: bool = False, trace: torch.Tensor | None = None,
@@ -232,7 +238,7 @@ def launch_k1(support: DeviceSupport, workspace: Workspace, x, lora: LoraWeights
                            quantize=quantize, signal_codes=signal_codes,
                            codes_sorted=codes_sorted, pdl=pdl, traced=trace is not None,
                            h_dtype=h_dtype, x_codes=x_scales is not None)
-    grid = ((t if quantize else 0) + _tiling.shrink_programs(t, lora, batch, cfg),)
+    grid = k1_grid(t, lora, batch, cfg, quantize=quantize)
     a, _, _, _ = _slices(lora)
     if counters is None:
         counters = workspace.counters(_tiling.k1_tiles(t, lora, batch, cfg))
@@ -266,6 +272,11 @@ def launch_quantize(x: torch.Tensor):
     return codes, scales
 
 
+def gemm_partial_shape(grid: tuple[int, int, int], n: int, cfg: LaunchConfig) -> tuple:
+    """K2's split-K partials for its `grid`: a plane per split of every row tile's rows."""
+    return (grid[2], grid[0] * cfg.block_m, n)
+
+
 def _gemm_buffers(workspace: Workspace, mode: int, t: int, n: int, cfg: LaunchConfig, device,
                   counters: torch.Tensor | None = None):
     """The grid, the split-K partials (None without split-K) and the counter buffer (`counters`
@@ -273,7 +284,7 @@ def _gemm_buffers(workspace: Workspace, mode: int, t: int, n: int, cfg: LaunchCo
     grid = _tiling.gemm_grid(mode, t, n, cfg)
     if grid[2] == 1:
         return grid, None, workspace.counters(0) if counters is None else counters
-    partial = torch.empty(grid[2], grid[0] * cfg.block_m, n, dtype=torch.float32, device=device)
+    partial = torch.empty(gemm_partial_shape(grid, n, cfg), dtype=torch.float32, device=device)
     if counters is None:
         counters = workspace.counters(_tiling.k2_tiles(mode, t, n, cfg))
     return grid, partial, counters

@@ -219,13 +219,18 @@ def fused_lora_fp8_linear(
     waits for all of K1 before its K loop (the same bits as `pdl=False`). Without PDL on the
     device (sm_89) the two launch one after the other. `x_quantized` as in
     `decode_lora_fp8_linear`."""
-    # Only beyond the decode path's token counts: at 16-32 tokens PDL made the fused layer
-    # slower (layer.json of a1a405a against 80936cc's).
     rows = x if x is not None else x_quantized[0] if x_quantized is not None else None
     tokens = 0 if rows is None else rows.shape[0]  # no rows: _linear says what is missing
     return _linear(FP8, x, weight, weight_scale, lora, batch, k1_config, k2_config,
-                   pdl=pdl and tokens > DECODE_SHRINK_MAX_TOKENS, wait_k1_first=True,
+                   pdl=pdl and fused_pdl(tokens), wait_k1_first=True,
                    workspace=workspace, x_quantized=x_quantized)
+
+
+def fused_pdl(tokens: int) -> bool:
+    """Whether the fused path launches K2 as K1's programmatic dependent for `tokens` rows:
+    only beyond the decode path's token counts (at 16-32 tokens PDL made the fused layer
+    slower: layer.json of a1a405a against 80936cc's)."""
+    return tokens > DECODE_SHRINK_MAX_TOKENS
 
 
 def fused_lora_w8a16_linear(
@@ -348,11 +353,7 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
         _checks.check_inputs(x, lora, batch)
     _checks.check_weight(weight, weight_scale, lora.in_features, lora.out_features, x.device)
     if x_quantized is not None and not shrink_codes:
-        codes, scales = x_quantized
-        _checks.check_codes(codes, scales, x.shape[1])
-        if codes.shape[0] != x.shape[0]:
-            raise ValueError(f"x_quantized has {codes.shape[0]} rows, x {x.shape[0]}")
-        _checks.check_device(x.device, codes=codes, scales=scales)
+        _checks.check_codes_beside(x, *x_quantized)
     quantize = mode == FP8 and x_quantized is None  # K1 quantizes
     support = _support(x, path)
     if decode and pdl and not (support.pdl or support.interpreter):

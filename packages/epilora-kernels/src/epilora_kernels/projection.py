@@ -31,7 +31,6 @@ from epilora_kernels._launchers import FP8, W8A16
 from epilora_kernels.arch import UnsupportedError, device_support
 from epilora_kernels.batch import AdapterBatch, LoraWeights
 from epilora_kernels.dispatch import PATHS, _supports_on, choose_path, lora_linear
-from epilora_kernels.launch import DECODE_SHRINK_MAX_TOKENS
 from epilora_kernels.workspace import Workspace, default_workspace, normalized_device
 
 _BOUND_PATHS = ("decode", "fused", "w8a16")
@@ -41,8 +40,8 @@ class _Step:
     """What a call of one path, shapes and token count launches, tensors aside: shared by every
     projection of those shapes (`_STEPS`)."""
 
-    __slots__ = ("k1", "k2", "grid1", "grid2", "tiles", "split", "rows_m", "cfg1", "a_sorted",
-                 "h_dtype", "quantize", "block_a", "w_tma")
+    __slots__ = ("k1", "k2", "grid1", "grid2", "partial_shape", "tiles", "cfg1", "block_a",
+                 "a_sorted", "h_dtype", "quantize", "cfg2")
 
     def __init__(self, **values) -> None:
         for name, value in values.items():
@@ -138,11 +137,7 @@ class LoraProjection:
                 if path == "w8a16":
                     raise ValueError("the w8a16 path computes on bf16 activations: x_quantized "
                                      "is for the FP8 paths")
-                codes, scales = x_quantized
-                _checks.check_codes(codes, scales, k)
-                if codes.shape[0] != x.shape[0]:
-                    raise ValueError(f"x_quantized has {codes.shape[0]} rows, x {x.shape[0]}")
-                _checks.check_device(x.device, codes=codes, scales=scales)
+                _checks.check_codes_beside(x, *x_quantized)
             rows = x
         if rows.device != self.device:
             raise ValueError(f"x is on {rows.device}, the weight on {self.device}")
@@ -194,11 +189,11 @@ class LoraProjection:
                 pdl=_launchers.use_pdl(support, pdl), wait_codes=counted,
                 warm_l2=fused.DECODE_WARM_L2, traced=False, wait_k1_first=wait_k1_first,
                 a_sorted=a_sorted),
-            grid1=((t if quantize else 0) + _tiling.shrink_programs(t, lora, batch, cfg1),),
-            grid2=grid2, tiles=tiles, split=grid2[2], rows_m=grid2[0] * cfg2.block_m,
-            cfg1=cfg1, a_sorted=a_sorted, h_dtype=h_dtype, quantize=quantize,
-            block_a=[cfg2.block_m, cfg2.block_k], w_tma=(cfg2.block_n, cfg2.block_k) if w_tma
-            else None)
+            grid1=_launchers.k1_grid(t, lora, batch, cfg1, quantize=quantize), grid2=grid2,
+            partial_shape=(None if grid2[2] == 1 else
+                           _launchers.gemm_partial_shape(grid2, lora.out_features, cfg2)),
+            tiles=tiles, cfg1=cfg1, cfg2=cfg2, block_a=[cfg2.block_m, cfg2.block_k],
+            a_sorted=a_sorted, h_dtype=h_dtype, quantize=quantize)
         if len(_STEPS) >= _MAX_STEPS:
             _STEPS.clear()
         _STEPS[key] = step
@@ -210,8 +205,7 @@ class LoraProjection:
             bound = template.bind(**self._k1_tensors)
         else:
             weight, b = self.weight, self._b
-            w_operand = (weight if step.w_tma is None
-                         else TensorDescriptor.from_tensor(weight, list(step.w_tma)))
+            w_operand = _launchers._w_operand(self._support, weight, step.cfg2)
             bound = template.bind(w_ptr=weight, w_desc=w_operand, w_scale_ptr=self.weight_scale,
                                   b0_ptr=b[0], b1_ptr=b[1], b2_ptr=b[2])
         if len(self._bound) >= _MAX_BOUND:  # the shared templates were made anew
@@ -240,8 +234,8 @@ class LoraProjection:
             a, a_scale = x_quantized
         else:  # W8A16: the bf16 activations (a_scale is not read)
             a, a_scale = x, self.weight_scale
-        partial = (y if step.split == 1 else torch.empty(
-            step.split, step.rows_m, lora.out_features, dtype=torch.float32, device=device))
+        partial = (y if step.partial_shape is None else
+                   torch.empty(step.partial_shape, dtype=torch.float32, device=device))
         a_desc = TensorDescriptor.from_tensor(a, step.block_a) if step.a_sorted else a
         x_scales = x_quantized[1] if x is None else None
         sorted_indices, lora_ids = batch.sorted_token_indices, batch.lora_ids
@@ -268,5 +262,5 @@ def _flags(path: str, tokens: int) -> tuple[int, bool, bool, bool]:
     if path == "decode":
         return FP8, True, True, False
     if path == "fused":
-        return FP8, False, tokens > DECODE_SHRINK_MAX_TOKENS, True
+        return FP8, False, fused.fused_pdl(tokens), True
     return W8A16, False, False, False

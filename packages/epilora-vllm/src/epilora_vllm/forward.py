@@ -112,7 +112,7 @@ class EpiloraForward:
         self._start_buckets: frozenset[int] = frozenset()  # the buckets it may time
         self._precompiling = False  # epilora_vllm.precompile's jobs not yet waited for
         self._weight_view: tuple | None = None  # _weights': (parameter, its layout, view)
-        self._projection: tuple | None = None  # _bound's: (its scale and address, projection)
+        self._projection: tuple | None = None  # _bound's: (its scale's address, projection)
 
     def adapters_created(self, *, matched: bool, path: str | None, quantize: str = "kernels",
                          timed: bool = False) -> None:
@@ -235,9 +235,9 @@ class EpiloraForward:
         # again with a new weight view (`_weights`), a scale vLLM replaced or moved, or new
         # adapter buffers (`adapters_created` again).
         kept = self._projection
-        if (kept is None or kept[1].weight is not weight or kept[1].lora is not self.lora
-                or kept[0][0] is not scale or kept[0][1] != scale.data_ptr()):
-            kept = self._projection = ((scale, scale.data_ptr()),
+        if (kept is None or kept[1].weight is not weight or kept[1].weight_scale is not scale
+                or kept[1].lora is not self.lora or kept[0] != scale.data_ptr()):
+            kept = self._projection = (scale.data_ptr(),
                                        ek.LoraProjection(weight, scale, self.lora))
         return kept[1]
 
