@@ -17,11 +17,16 @@ Run `tools/serve_demo.py` first (it makes the checkpoints and adapters under `--
 
     python3 benchmarks/equivalence.py --root ~/.cache/epilora/serve-demo \
         --out results/h200/equivalence.json
+
+`--collect LOG_DIR ...` runs no engine: the result file from the engines' logs, a later
+folder's log of a base and system replacing an earlier one's (the engines of a run cut off by
+its time limit, or of several device calls, in one file).
 """
 
 import argparse
 import itertools
 import json
+import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -100,14 +105,65 @@ def pair_rows(base: str, tokens: dict) -> list:
     return rows
 
 
+LOG_NAME = re.compile(rf"equivalence-(?P<base>{'|'.join(BASES)})-"
+                      rf"(?P<system>{'|'.join(SYSTEMS)})\.log$")
+
+
+def print_pairs(rows: list) -> None:
+    for r in rows:
+        if r["metric"] == "same_greedy_outputs":
+            print(f"{r['base']:15} {r['system']:16} vs {r['against']:16} "
+                  f"{r['value']:2} of {r['n']}")
+
+
+def log_name(base: str, system: str) -> str:
+    return f"equivalence-{base}-{system}.log"
+
+
+def collect(log_dirs: list[Path]) -> dict:
+    """{(base, system): the engine's result} from every engine log under `log_dirs` that has
+    one (a later directory's log of a base and system replacing an earlier one's)."""
+    results = {}
+    for directory in log_dirs:
+        for path in sorted(Path(directory).glob("equivalence-*.log")):
+            match = LOG_NAME.search(path.name)
+            found = results_of(path.read_text()) if match else []
+            if found:
+                results[(match["base"], match["system"])] = found[0]
+    return results
+
+
+def result_rows(results: dict) -> tuple[list, dict]:
+    """The pair rows of every base, then each system's texts; and the engines' environment."""
+    rows, env = [], {}
+    for base in BASES:
+        finished = {s: r for (b, s), r in results.items() if b == base and r}
+        rows += pair_rows(base, {s: r["tokens"] for s, r in finished.items()})
+        for s in (s for s in SYSTEMS if s in finished):
+            env = {k: finished[s][k] for k in ("gpu", "torch", "vllm")}
+            rows.append({"bench": "equivalence", "model": "smollm2-135m", "base": base,
+                         "system": s, "metric": "texts", "value": len(finished[s]["texts"]),
+                         "texts": finished[s]["texts"]})
+    return rows, env
+
+
+def write(path: str, git_sha: str | None, command: str, rows: list, env: dict) -> None:
+    meta = {**run_meta(git_sha), **env, "command": command, "questions": QUESTIONS,
+            "tenants": list(TENANTS), "reference": REFERENCE}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(results_text(meta, rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--root", required=True, help="tools/serve_demo.py's work folder")
+    parser.add_argument("--root", help="tools/serve_demo.py's work folder (to run engines)")
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     parser.add_argument("--bases", nargs="+", default=list(BASES), choices=BASES)
     parser.add_argument("--jobs", type=int, default=5, help="engines at once on the GPU")
     parser.add_argument("--timeout", type=int, default=400, help="seconds per engine")
     parser.add_argument("--logs", default="/tmp/epilora-equivalence")
+    parser.add_argument("--collect", nargs="+", default=None, metavar="LOG_DIR",
+                        help="run no engine: the result file from these folders' engine logs")
     parser.add_argument("--out", default=None)
     parser.add_argument("--git-sha", default=None)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -117,6 +173,16 @@ def main() -> None:
     if args.worker:
         return worker(args)
     kill_workers_on_term()
+    if args.collect:
+        rows, env = result_rows(collect([Path(d) for d in args.collect]))
+        print_pairs(rows)
+        if args.out:
+            write(args.out, args.git_sha, "python3 benchmarks/equivalence.py --collect "
+                  "(the engines' logs of these runs: " + ", ".join(
+                      sorted({Path(d).name for d in args.collect})) + ")", rows, env)
+        return None
+    if not args.root:
+        parser.error("--root is required to run engines (or --collect LOG_DIR ...)")
     for tenant in TENANTS:
         if not (Path(args.root) / tenant / "adapter_config.json").exists():
             sys.exit(f"{args.root}/{tenant}: no adapter (run tools/serve_demo.py first)")
@@ -129,35 +195,19 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--worker", "--root", args.root, "--system", system,
                "--base", base]
         log, ok = run_worker(cmd, env=system_env(system), timeout=args.timeout)
-        (logs / f"equivalence-{base}-{system}.log").write_text(log)
+        (logs / log_name(base, system)).write_text(log)
         results = results_of(log)
         print(f"{base} {system}: {'done' if ok and results else 'FAILED'}", flush=True)
         return case, (results[0] if ok and results else None)
 
     with ThreadPoolExecutor(args.jobs) as pool:
         results = dict(pool.map(run, cases))
-    rows, env = [], {}
-    for base in args.bases:
-        tokens = {s: results[(base, s)]["tokens"] for s in args.systems if results[(base, s)]}
-        rows += pair_rows(base, tokens)
-        for s in args.systems:
-            if results[(base, s)]:
-                env = {k: results[(base, s)][k] for k in ("gpu", "torch", "vllm")}
-                rows.append({"bench": "equivalence", "model": "smollm2-135m", "base": base,
-                             "system": s, "metric": "texts",
-                             "value": len(results[(base, s)]["texts"]),
-                             "texts": results[(base, s)]["texts"]})
-    for r in rows:
-        if r["metric"] == "same_greedy_outputs":
-            print(f"{r['base']:15} {r['system']:16} vs {r['against']:16} "
-                  f"{r['value']:2} of {r['n']}")
+    rows, env = result_rows(results)
+    print_pairs(rows)
     if args.out:
-        command = " ".join(["python3 benchmarks/equivalence.py", "--systems", *args.systems,
-                            "--bases", *args.bases])
-        meta = {**run_meta(args.git_sha), **env, "command": command, "questions": QUESTIONS,
-                "tenants": list(TENANTS), "reference": REFERENCE}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(results_text(meta, rows))
+        write(args.out, args.git_sha, " ".join(["python3 benchmarks/equivalence.py", "--systems",
+                                                *args.systems, "--bases", *args.bases]),
+              rows, env)
     failed = [f"{b} {s}" for (b, s), r in results.items() if r is None]
     if failed:
         sys.exit("failed: " + ", ".join(failed) + f" (logs in {logs})")

@@ -18,8 +18,15 @@ Scenarios (`--scenarios`), each in its own engines (their settings differ):
   512 random prompt tokens and 256 output tokens, tenants round-robin: median TPOT and p99
   TTFT per rate. The dummy model gets a word-level tokenizer of its vocabulary (one word, one
   token), which the client needs to make prompts.
-Every scenario records the engine's start, KV-cache tokens and CUDA graph capture time and
-memory (vLLM's log lines).
+* `start`: each system's engine with the 32 tenants' settings (`max_loras=32`,
+  `max_num_seqs=256`) started twice on caches of its own, emptied before the first (vLLM's
+  compile cache, Triton's, Inductor's and the plugin's tuning, below `--work`): a first start,
+  then a later one on what the first left (its log: scenario `restart`). Each serves one
+  request, then exits. The other scenarios' engines share the machine's caches, so their start
+  depends on what ran before them in the call.
+Every scenario records the engine's start, its parts that vLLM and the plugin log (model
+loading, which includes the plugin's tuning, torch.compile, the tuning alone), KV-cache tokens
+and CUDA graph capture time and memory.
 
 Systems: `epilora` (the plugin), `vllm-default` (stock LoRA; the plugin off), `vllm-dual-stream`
 (stock LoRA on a second stream, VLLM_LORA_ENABLE_DUAL_STREAM=1), `no-lora` (stock, LoRA off).
@@ -36,6 +43,7 @@ import datetime
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -72,7 +80,7 @@ def system_env(system: str) -> dict:
     return {**os.environ, **env}
 
 
-SCENARIOS = ("tpot1", "tenants32", "online")
+SCENARIOS = ("tpot1", "tenants32", "online", "start")
 RATES = (2, 4, 8, 16)  # online: requests per second
 TENANTS, TENANT_FILES = 32, 8  # tenants32: adapter ids (slots) and distinct adapter files
 REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS = 256, 512, 256  # tenants32's batch
@@ -129,7 +137,32 @@ def greedy(tokens: int):
 
 def worker(args) -> None:
     """One engine of one scenario: start it, time it; print a JSON line of results."""
-    {"tpot1": tpot1, "tenants32": tenants32, "online": online}[args.scenario](args)
+    {"tpot1": tpot1, "tenants32": tenants32, "online": online, "start": start,
+     "restart": start}[args.scenario](args)
+
+
+def start(args) -> None:
+    """The 32 tenants' engine started, one request served (it works), then exit."""
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    llm, start_s = engine(args, max_loras=TENANTS, max_num_seqs=REQUESTS)
+    request = (LoRARequest("tenant", 1, args.adapters[0]) if args.system != "no-lora" else None)
+    out = llm.generate([TokensPrompt(prompt_token_ids=CHECK_PROMPTS[0])], greedy(16),
+                       lora_request=request, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 16
+    print("RESULT " + json.dumps({"start_s": start_s, **environment()}), flush=True)
+
+
+def cache_env(root: Path) -> dict:
+    """The environment that gives an engine the caches under `root` alone: vLLM's (compile
+    cache and the rest under XDG_CACHE_HOME), Triton's, Inductor's, CUDA's JIT cache, and the
+    plugin's tuning (EPILORA_CACHE_DIR dropped, so it follows XDG_CACHE_HOME)."""
+    env = {k: v for k, v in os.environ.items() if k != "EPILORA_CACHE_DIR"}
+    return {**env, "XDG_CACHE_HOME": str(root / "xdg"), "VLLM_CACHE_ROOT": str(root / "xdg/vllm"),
+            "TRITON_CACHE_DIR": str(root / "triton"),
+            "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+            "CUDA_CACHE_PATH": str(root / "nv")}
 
 
 def tpot1(args) -> None:
@@ -307,6 +340,23 @@ def kv_cache_tokens(log: str) -> int | None:
     return int(match.group(1).replace(",", "")) if match else None
 
 
+def start_parts(log: str, system: str) -> dict:
+    """The parts of a start that vLLM and the plugin log, in seconds: model loading (the
+    plugin's tuning runs inside it), torch.compile, and for the plugin its tuning (0 when it
+    tuned nothing: a later start, or shapes it has settings for)."""
+    parts = {}
+    match = re.search(r"Model loading took [\d.]+ GiB and ([\d.]+) seconds", log)
+    if match:
+        parts["model_load_s"] = float(match.group(1))
+    match = re.search(r"torch\.compile took ([\d.]+) s in total", log)
+    if match:
+        parts["torch_compile_s"] = float(match.group(1))
+    if system == "epilora" and "Model loading took" in log:
+        parts["epilora_tune_s"] = sum(
+            float(s) for s in re.findall(r"epilora tune: .*? in ([\d.]+) s \(compiles", log))
+    return parts
+
+
 def graph_capture(log: str) -> tuple[float, float] | None:
     """vLLM's CUDA graph capture: seconds and GiB (its log line)."""
     match = re.search(r"Graph capturing finished in ([\d.]+) secs, took (-?[\d.]+) GiB", log)
@@ -315,7 +365,8 @@ def graph_capture(log: str) -> tuple[float, float] | None:
 
 # serving-MODEL-SYSTEM.log (tpot1, the first scenario, kept its name) or
 # serving-MODEL-SCENARIO-SYSTEM.log.
-LOG_NAME = re.compile(r"serving-(?P<model>[\w.-]+?)-(?:(?P<scenario>tenants32|online)-)?"
+LOG_NAME = re.compile(r"serving-(?P<model>[\w.-]+?)-"
+                      r"(?:(?P<scenario>tenants32|online|start|restart)-)?"
                       r"(?P<system>epilora|vllm-default|vllm-dual-stream|no-lora)\.log$")
 
 
@@ -351,6 +402,8 @@ def rows_from_log(model: str, system: str, log: str,
                              "value": metrics[metric], "n": metrics.get("completed"),
                              "failed": metrics.get("failed"), "prompt_tokens": PROMPT_TOKENS,
                              "output_tokens": OUTPUT_TOKENS})
+    rows += [{**base, "metric": metric, "value": value, "n": 1}
+             for metric, value in start_parts(log, system).items()]
     kv = kv_cache_tokens(log)
     if kv is not None:
         rows.append({**base, "metric": "kv_cache_tokens", "value": kv, "n": 1})
@@ -448,27 +501,42 @@ def main() -> None:
                                             tokenizer="online" in args.scenarios)
         for scenario in args.scenarios:
             for system in args.systems:
-                log_path = logs / log_name(model, scenario, system)
-                cmd = [sys.executable, __file__, "--worker", "--scenario", scenario,
-                       "--system", system, "--model-dir", str(model_dir),
-                       "--adapters", *map(str, adapters), "--reps", str(args.reps),
-                       "--prompt-tokens", str(args.prompt_tokens),
-                       "--output-tokens", str(args.output_tokens),
-                       "--rates", *map(str, args.rates),
-                       "--online-seconds", str(args.online_seconds)]
-                print(f"{model} {scenario} {system} ...", flush=True)
-                timeout = args.timeout or (560 if scenario == "online" else 400)
-                log, ok = run_worker(cmd, env=system_env(system), timeout=timeout)
-                log_path.write_text(f"COMMAND {_command()}\n{log}")
-                if not ok or not rows_from_log(model, system, log, scenario)[0]:
-                    failures.append(f"{model} {scenario} {system}: failed, see {log_path}")
-                    print(failures[-1], flush=True)
-                rows = collect([logs])  # after every engine: a later timeout loses none
-                if args.out:
-                    write(args, rows)
+                env = system_env(system)
+                if scenario == "start":  # caches of its own, empty for the first start
+                    caches = work / "caches" / f"{model}-{system}"
+                    shutil.rmtree(caches, ignore_errors=True)
+                    env = {**env, **cache_env(caches)}
+                for run in ("start", "restart") if scenario == "start" else (scenario,):
+                    cmd = [sys.executable, __file__, "--worker", "--scenario", run,
+                           "--system", system, "--model-dir", str(model_dir),
+                           "--adapters", *map(str, adapters), "--reps", str(args.reps),
+                           "--prompt-tokens", str(args.prompt_tokens),
+                           "--output-tokens", str(args.output_tokens),
+                           "--rates", *map(str, args.rates),
+                           "--online-seconds", str(args.online_seconds)]
+                    if not engine_run(model, run, system, cmd, env, args, logs, failures):
+                        break  # a later start on what a failed one left would tell nothing
+                    rows = collect([logs])  # after every engine: a later timeout loses none
+                    if args.out:
+                        write(args, rows)
     print(table(rows))
     if failures:
         sys.exit("\n".join(failures))
+
+
+def engine_run(model: str, scenario: str, system: str, cmd: list[str], env: dict, args,
+               logs: Path, failures: list) -> bool:
+    """One engine's worker, its log written; whether it gave results (else a failure noted)."""
+    log_path = logs / log_name(model, scenario, system)
+    print(f"{model} {scenario} {system} ...", flush=True)
+    timeout = args.timeout or (560 if scenario == "online" else 400)
+    log, ok = run_worker(cmd, env=env, timeout=timeout)
+    log_path.write_text(f"COMMAND {_command()}\n{log}")
+    if ok and rows_from_log(model, system, log, scenario)[0]:
+        return True
+    failures.append(f"{model} {scenario} {system}: failed, see {log_path}")
+    print(failures[-1], flush=True)
+    return False
 
 
 def table(rows: list) -> str:

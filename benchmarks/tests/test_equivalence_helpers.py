@@ -26,3 +26,27 @@ def test_pair_rows_count_identical_requests_for_every_pair_that_finished():
     ours = rows[("epilora", "vllm-default")]
     assert (ours["value"], ours["n"], ours["first_difference"]) == (2, 3, [None, 1, None])
     assert rows[("epilora", "vllm-eager")]["value"] == 3
+
+
+def test_collect_merges_the_engines_logs_of_two_runs_the_later_replacing_the_earlier(tmp_path):
+    import json
+
+    def log(tokens):
+        result = {"tokens": tokens, "texts": ["a"] * len(tokens), "gpu": "NVIDIA H200",
+                  "torch": "2.11.0", "vllm": "0.26.0"}
+        return f"INFO engine\nRESULT {json.dumps(result)}\n"
+
+    first, second = tmp_path / "aaa", tmp_path / "bbb"
+    first.mkdir(), second.mkdir()
+    name = EQUIVALENCE["log_name"]
+    (first / name("fp8-online", "epilora")).write_text(log([[1], [9]]))
+    (first / name("fp8-online", "vllm-default")).write_text(log([[1], [2]]))
+    (first / name("fp8-online", "vllm-eager")).write_text("a run cut off: no RESULT\n")
+    (second / name("fp8-online", "epilora")).write_text(log([[1], [2]]))
+    results = EQUIVALENCE["collect"]([first, second])
+    assert set(results) == {("fp8-online", "epilora"), ("fp8-online", "vllm-default")}
+    rows, env = EQUIVALENCE["result_rows"](results)
+    (pair,) = [r for r in rows if r["metric"] == "same_greedy_outputs"]
+    assert (pair["system"], pair["against"], pair["value"], pair["n"]) == (
+        "epilora", "vllm-default", 2, 2)
+    assert env["gpu"] == "NVIDIA H200"

@@ -111,3 +111,56 @@ def test_an_online_engine_stopped_at_its_third_rate_keeps_the_two_it_finished(tm
     rows = SERVING["collect"]([run])
     assert sorted((r["request_rate"], r["value"]) for r in rows
                   if r["metric"] == "median_tpot_ms") == [(2.0, 20.0), (4.0, 40.0)]
+
+
+def _start_log(start_s, *, load_s, compile_s, tunes=()):
+    result = {"start_s": start_s, "gpu": "NVIDIA H200", "torch": "2.11.0", "vllm": "0.26.0"}
+    tuned = "".join(f"INFO [tuning.py:96] epilora tune: 4096x4096 r64 l32 on codes in {s} s "
+                    f"(compiles {s - 1} s, complete): 5 token buckets\n" for s in tunes)
+    return (f"COMMAND python3 benchmarks/serving.py --scenarios start\n{tuned}"
+            f"INFO [model_runner.py:305] Model loading took 20.73 GiB and {load_s} seconds\n"
+            f"INFO [monitor.py:53] torch.compile took {compile_s} s in total\n"
+            f"RESULT {json.dumps(result)}\n")
+
+
+def test_the_start_scenario_gives_first_and_later_starts_with_their_parts_and_the_page_judges(
+        tmp_path):
+    run = tmp_path / "0123abc"
+    run.mkdir()
+    logs = {("start", "epilora"): _start_log(250.0, load_s=60.0, compile_s=130.0,
+                                             tunes=(14.5, 16.0)),
+            ("restart", "epilora"): _start_log(95.0, load_s=4.0, compile_s=8.0),
+            ("start", "vllm-default"): _start_log(170.0, load_s=3.5, compile_s=80.0),
+            ("restart", "vllm-default"): _start_log(80.0, load_s=3.5, compile_s=7.0)}
+    for (scenario, system), log in logs.items():
+        (run / SERVING["log_name"]("qwen3-8b", scenario, system)).write_text(log)
+    rows = SERVING["collect"]([run])
+    got = {(r["scenario"], r["system"], r["metric"]): r["value"] for r in rows}
+    assert got[("start", "epilora", "start_s")] == 250.0
+    assert got[("start", "epilora", "epilora_tune_s")] == 30.5
+    assert got[("restart", "epilora", "epilora_tune_s")] == 0  # tuned nothing: a row of 0
+    assert ("start", "vllm-default", "epilora_tune_s") not in got
+    assert got[("start", "vllm-default", "torch_compile_s")] == 80.0
+    assert got[("restart", "vllm-default", "model_load_s")] == 3.5
+
+    render = runpy.run_path(str(Path(__file__).parents[2] / "tools/render_serving_docs.py"))
+    starts: dict = {}
+    for r in rows:
+        starts.setdefault(r["scenario"], {}).setdefault(r["system"], {})[r["metric"]] = r
+    lines = "\n".join(render["start_lines"](starts))
+    assert "| epilora | 250 | 60 | 30 | 130 | - | 95 | 8 |" in lines
+    assert "First start against stock's vllm-default: **+80 s** (target at most +90 s: met)" \
+        in lines
+    assert "Later start against stock's vllm-default: **+15 s** (target at most +10 s: not " \
+           "met)" in lines
+
+
+def test_an_engine_of_the_start_scenario_gets_every_cache_under_its_own_root(tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.setenv("EPILORA_CACHE_DIR", "/shared/epilora")
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/shared/triton")
+    env = SERVING["cache_env"](tmp_path)
+    assert "EPILORA_CACHE_DIR" not in env  # the plugin's tuning then follows XDG_CACHE_HOME
+    for name in ("XDG_CACHE_HOME", "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR",
+                 "TORCHINDUCTOR_CACHE_DIR", "CUDA_CACHE_PATH"):
+        assert Path(env[name]).is_relative_to(tmp_path), name
