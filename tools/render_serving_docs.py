@@ -186,22 +186,18 @@ def main() -> None:
         lines += [f"## {model}", ""]
         for scenario in (s for s in SCENARIO_TITLES if s in scenarios):
             systems = scenarios[scenario]
-            if scenario == "start":
-                logged = {r.get("command") or "?" for run in ("start", "restart")
-                          for s in scenarios.get(run, {}).values() for r in s.values()}
-                commits = sorted({r.get("commit") or "?" for s in systems.values()
-                                  for r in s.values()})
-                lines += [f"### {SCENARIO_TITLES[scenario]}", "",
-                          f"Commit {', '.join(f'`{c}`' for c in commits)}: "
-                          + "; ".join(f"`{c}`" for c in sorted(logged)) + ".", "",
-                          *start_lines(scenarios), ""]
-                continue
-            present = [s for s in SYSTEMS if s in systems]
-            runs = sorted({(r.get("commit") or "?", r.get("command") or "?") for s in present
-                           for r in systems[s].values() if "against" not in r})
-            columns = COLUMNS.get(scenario, []) + COMMON
+            # The start scenario's engines are logged under `start` and `restart`.
+            logged = ([scenarios.get(run, {}) for run in ("start", "restart")]
+                      if scenario == "start" else [systems])
+            runs = sorted({(r.get("commit") or "?", r.get("command") or "?") for group in logged
+                           for s in group.values() for r in s.values() if "against" not in r})
             lines += [f"### {SCENARIO_TITLES[scenario]}", "",
                       "; ".join(f"Commit `{c}`: `{cmd}`" for c, cmd in runs) + ".", ""]
+            if scenario == "start":
+                lines += [*start_lines(scenarios), ""]
+                continue
+            present = [s for s in SYSTEMS if s in systems]
+            columns = COLUMNS.get(scenario, []) + COMMON
             if scenario == "online":
                 lines += online_lines([r for s in present for r in systems[s].values()]) + [""]
             lines += ["| system | " + " | ".join(h for _, h, _ in columns) + " |",
