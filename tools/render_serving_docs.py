@@ -140,6 +140,9 @@ def online_lines(rows: list) -> list[str]:
         for metric, bound, what in (("median_tpot_ms", ONLINE_TPOT, "median TPOT"),
                                     ("p99_ttft_ms", ONLINE_TTFT, "p99 TTFT")):
             stock = [cell[(s, rate, metric)] for s in STOCK_LORA if (s, rate, metric) in cell]
+            if ours[metric] and not stock:
+                lines.append(f"- {rate:g} requests/s, {what}: no stock LoRA configuration "
+                             "measured at this rate (no target judged).")
             if ours[metric] and stock:
                 best = min(stock, key=lambda r: r["value"])
                 ratio = ours[metric]["value"] / best["value"]

@@ -113,6 +113,21 @@ def test_an_online_engine_stopped_at_its_third_rate_keeps_the_two_it_finished(tm
                   if r["metric"] == "median_tpot_ms") == [(2.0, 20.0), (4.0, 40.0)]
 
 
+def test_a_rate_stock_did_not_reach_is_named_and_not_judged():
+    def row(system, rate, metric, value):
+        return {"system": system, "request_rate": rate, "metric": metric, "value": value,
+                "n": 40, "failed": 0}
+
+    rows = [row("epilora", rate, metric, 1.0) for rate in (2.0, 4.0)
+            for metric in ("median_tpot_ms", "p99_ttft_ms")]
+    rows += [row("vllm-default", 2.0, metric, 2.0) for metric in ("median_tpot_ms", "p99_ttft_ms")]
+    render = runpy.run_path(str(Path(__file__).parents[2] / "tools/render_serving_docs.py"))
+    lines = "\n".join(render["online_lines"](rows))
+    assert "2 requests/s, median TPOT against vllm-default: **0.500x**" in lines
+    assert "4 requests/s, median TPOT: no stock LoRA configuration measured" in lines
+    assert "4 requests/s, median TPOT against" not in lines
+
+
 def _start_log(start_s, *, load_s, compile_s, tunes=()):
     result = {"start_s": start_s, "gpu": "NVIDIA H200", "torch": "2.11.0", "vllm": "0.26.0"}
     tuned = "".join(f"INFO [tuning.py:96] epilora tune: 4096x4096 r64 l32 on codes in {s} s "
