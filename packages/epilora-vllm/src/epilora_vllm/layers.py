@@ -30,6 +30,7 @@ from vllm.model_executor.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from vllm.utils.torch_utils import _encode_layer_name
 
 from epilora_vllm import _env
 from epilora_vllm.forward import EpiloraForward
@@ -139,8 +140,8 @@ class _Epilora:
             codes, scales = (self._base.quantize(self.base_layer, x2) if x.is_cuda
                              else self.epilora.quantize_on_cpu(x2))
             out = sum(self.output_slices)
-            y = (torch.ops.epilora_vllm.lora_linear_codes(self.epilora_name, out, codes, scales,
-                                                          bias)
+            y = (torch.ops.epilora_vllm.lora_linear_codes(_encode_layer_name(self.epilora_name),
+                                                          out, codes, scales, bias)
                  if is_forward_context_available() else self.epilora(None, codes, scales, bias))
             return y.reshape(*x.shape[:-1], out)
         if x.is_cuda and mode.vllm_quantizes:
@@ -149,8 +150,10 @@ class _Epilora:
             codes, scales = self._base.quantize(self.base_layer, x.reshape(-1, x.shape[-1]))
         if not is_forward_context_available():  # e.g. a call outside a model step
             return self.epilora(x, codes, scales, bias)
-        return torch.ops.epilora_vllm.lora_linear(self.epilora_name, sum(self.output_slices),
-                                                   x, codes, scales, bias)
+        # encoded here, as vLLM's attention does in its forward: torch.compile lifts the name
+        # as a graph input (epilora_vllm.ops)
+        return torch.ops.epilora_vllm.lora_linear(_encode_layer_name(self.epilora_name),
+                                                   sum(self.output_slices), x, codes, scales, bias)
 
 
 class EpiloraColumnParallelLinearWithLoRA(_Epilora, ColumnParallelLinearWithLoRA):

@@ -9,35 +9,46 @@ The op finds its layer by name in vLLM's forward context, as vLLM's dual-stream 
 (a layer registers itself in `static_forward_context` when it is built), so its module state
 (weights, adapter buffers, Punica metadata) needs no arguments. To torch.compile it is one
 opaque node whose fake gives the output's shape; CUDA graphs capture its kernels.
+
+The caller passes the name as vLLM's `_encode_layer_name` gives it, as vLLM's attention
+passes its own: a `LayerName` (torch 2.11's opaque value type; VLLM_USE_LAYERNAME=0 keeps the
+string), which torch.compile lifts as a graph input instead of baking it in as a constant. As
+constants, the names made every decoder layer's piece of vLLM's piecewise graph a graph of its
+own to Inductor (vLLM's reason for `LayerName`); with a plain string Inductor compiled the
+plugin's graph in 107 s against stock's 29 s on empty caches (Qwen3-8B's shapes, H200,
+d70eddb; docs/plugin.md, Start time).
 """
 
 import torch
 from torch.library import Library
 from vllm.forward_context import get_forward_context
-from vllm.utils.torch_utils import direct_register_custom_op
+from vllm.utils.torch_utils import LayerNameType, _resolve_layer_name, direct_register_custom_op
 
 _LIBRARY = Library("epilora_vllm", "FRAGMENT")  # kept alive at module scope
 
 
-def lora_linear(layer_name: str, output_size: int, x: torch.Tensor, codes: torch.Tensor | None,
-                scales: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    layer = get_forward_context().no_compile_layers[layer_name]
-    return layer.epilora(x, codes, scales, bias)
+def _layer(layer_name: LayerNameType):
+    return get_forward_context().no_compile_layers[_resolve_layer_name(layer_name)]
 
 
-def lora_linear_fake(layer_name: str, output_size: int, x: torch.Tensor,
+def lora_linear(layer_name: LayerNameType, output_size: int, x: torch.Tensor,
+                codes: torch.Tensor | None, scales: torch.Tensor | None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    return _layer(layer_name).epilora(x, codes, scales, bias)
+
+
+def lora_linear_fake(layer_name: LayerNameType, output_size: int, x: torch.Tensor,
                      codes: torch.Tensor | None, scales: torch.Tensor | None,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], output_size))
 
 
-def lora_linear_codes(layer_name: str, output_size: int, codes: torch.Tensor,
+def lora_linear_codes(layer_name: LayerNameType, output_size: int, codes: torch.Tensor,
                       scales: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    layer = get_forward_context().no_compile_layers[layer_name]
-    return layer.epilora(None, codes, scales, bias)
+    return _layer(layer_name).epilora(None, codes, scales, bias)
 
 
-def lora_linear_codes_fake(layer_name: str, output_size: int, codes: torch.Tensor,
+def lora_linear_codes_fake(layer_name: LayerNameType, output_size: int, codes: torch.Tensor,
                            scales: torch.Tensor, bias: torch.Tensor | None = None
                            ) -> torch.Tensor:
     return codes.new_empty((codes.shape[0], output_size), dtype=torch.bfloat16)
