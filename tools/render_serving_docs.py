@@ -143,7 +143,7 @@ def online_lines(rows: list) -> list[str]:
             if ours[metric] and not stock:
                 lines.append(f"- {rate:g} requests/s, {what}: no stock LoRA configuration "
                              "measured at this rate (no target judged).")
-            if ours[metric] and stock:
+            elif ours[metric]:
                 best = min(stock, key=lambda r: r["value"])
                 ratio = ours[metric]["value"] / best["value"]
                 lines.append(f"- {rate:g} requests/s, {what} against {best['system']}: "

@@ -14,9 +14,8 @@ The caller passes the name as vLLM's `_encode_layer_name` gives it, as vLLM's at
 passes its own: a `LayerName` (torch 2.11's opaque value type; VLLM_USE_LAYERNAME=0 keeps the
 string), which torch.compile lifts as a graph input instead of baking it in as a constant. As
 constants, the names made every decoder layer's piece of vLLM's piecewise graph a graph of its
-own to Inductor (vLLM's reason for `LayerName`); with a plain string Inductor compiled the
-plugin's graph in 107 s against stock's 29 s on empty caches (Qwen3-8B's shapes, H200,
-d70eddb; docs/plugin.md, Start time).
+own to Inductor (vLLM's reason for `LayerName`; what it cost the plugin's start: docs/plugin.md,
+Start time).
 """
 
 import torch
