@@ -225,3 +225,16 @@ def test_codes_mode_is_tuned_on_the_codes_and_cached_apart(cache, monkeypatch):
                                  one_slot=True)
             == launch.select_config("triton-interpreter", "decode_shrink", 8, 64, 4096, 16,
                                     one_slot=True))
+
+
+def test_the_settings_identity_changes_with_what_decides_the_settings(cache, monkeypatch):
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    before = launch.settings_identity(h100)
+    assert launch.settings_identity(h100) == before == launch.settings_identity(h200)
+    tuner._write(h100, {"lora_gemm": {"64x4096@r16/one-slot": {"1": {"block_n": 32}}}})
+    tuned = launch.settings_identity(h100)
+    assert tuned != before and launch.settings_identity(h200) == before  # its own cache only
+    tuner._write(h100, {"lora_gemm": {"64x4096@r16/one-slot": {"1": {"block_n": 64}}}})
+    assert launch.settings_identity(h100) not in (before, tuned)
+    monkeypatch.setenv("EPILORA_LAUNCH_TABLES", "0")
+    assert launch.settings_identity(h200) != before

@@ -19,8 +19,11 @@ from epilora_vllm.forward import EpiloraForward, _Mode
 
 
 @pytest.fixture(autouse=True)
-def _no_cuda_device(monkeypatch):
+def _no_cuda_device(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    # Each test a process's first start: no job yet, Triton's cache (and its records) empty.
+    monkeypatch.setattr(precompile, "_jobs", {})
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
 
 
 class _Recorder:
@@ -57,6 +60,39 @@ def test_a_failing_job_says_why_and_leaves_the_rest_to_the_forward(caplog):
         assert precompile.start(forward, ("case", 2), (1, 2, 4)).result(timeout=60) is None
     assert [tokens for tokens, _, _ in forward.calls] == [1, 2]  # none after the failure
     assert "RuntimeError: no such kernel" in caplog.text
+
+
+def test_a_later_start_skips_the_jobs_an_earlier_one_compiled_with_the_same_settings(
+        monkeypatch, tmp_path, caplog):
+    settings = ["cpu", "tuned once"]
+    monkeypatch.setattr(precompile, "_settings", lambda device: settings)
+    first, failing = _Recorder(), _Recorder(fail_at=2)
+    precompile.start(first, ("case", 1), (1, 2))
+    precompile.start(failing, ("case", 2), (1, 2))
+    assert not list(tmp_path.glob("triton/epilora-precompiled/*"))  # until every job is done
+    precompile.wait_all()
+    records = list(tmp_path.glob("triton/epilora-precompiled/*.json"))
+    assert len(records) == 1  # the failed job is not recorded: the next start runs it again
+
+    def later_start() -> tuple[_Recorder, _Recorder]:
+        monkeypatch.setattr(precompile, "_jobs", {})  # a new process, the same caches
+        again, retried = _Recorder(), _Recorder()
+        with caplog.at_level(logging.INFO, logger="vllm.epilora_vllm"):
+            assert precompile.start(again, ("case", 1), (1, 2)).result(timeout=60) is None
+            precompile.start(retried, ("case", 2), (1, 2))
+            precompile.wait_all()
+        return again, retried
+
+    again, retried = later_start()
+    assert again.calls == [] and "compiled by an earlier start" in caplog.text
+    assert [tokens for tokens, _, _ in retried.calls] == [1, 2]
+    settings[1] = "tuned again"  # a case tuned since: other settings, other kernels
+    again, _ = later_start()
+    assert [tokens for tokens, _, _ in again.calls] == [1, 2]
+    monkeypatch.setattr(precompile, "_jobs", {})
+    other_sizes = _Recorder()
+    precompile.start(other_sizes, ("case", 1), (1, 2, 4)).result(timeout=60)
+    assert [tokens for tokens, _, _ in other_sizes.calls] == [1, 2, 4]
 
 
 @pytest.mark.parametrize(("quantize", "path", "want"), [

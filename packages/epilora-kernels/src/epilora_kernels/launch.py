@@ -15,6 +15,7 @@ devices a table lacks (beyond that) get the heuristic.
 
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -260,6 +261,21 @@ def _load_table(device_name: str, cache_device: str | None = None) -> dict | Non
         if op != "_meta":
             merged.setdefault(op, {}).update(shapes)
     return merged
+
+
+def settings_identity(device_name: str) -> str:
+    """A digest of what decides, besides a call's own shapes, the launch settings the launchers
+    use on `device_name`: whether they read tables at all, the shipped tables and the tuner's
+    cache for the device. Work that depends on those settings (an engine's kernels compiled
+    ahead) stays valid while this is unchanged."""
+    from epilora_kernels import _env, tuner
+
+    digest = hashlib.sha256(b"tables" if _env.launch_tables() else b"heuristic")
+    shipped = resources.files("epilora_kernels").joinpath("configs")
+    for path in [*sorted(shipped.iterdir(), key=lambda p: p.name), tuner.cache_path(device_name)]:
+        if path.is_file():
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 def clear_table_cache() -> None:

@@ -19,14 +19,28 @@ The first real forward of any served layer (vLLM's profiling run, before any cap
 every job, so no job allocates or synchronizes during a capture. A job that fails says why once
 and leaves the compiles to the forward, as without it. The thread is a daemon: an engine that
 fails to start exits without finishing the queue.
+
+A later start runs no job whose kernels an earlier one compiled: that wait then records each
+finished job beside the kernels, in Triton's cache directory (clearing that cache forgets the
+records too), under a name made of everything that decides which kernels the job compiles: the
+case and its sizes, the GPU, the versions, and the launch settings in force (the kernels' tuned
+cache, whole: a case tuned later renames every record, and the next start compiles once more).
+Running the layer's computation over two thousand sizes costs seconds of Python even when every
+kernel is in Triton's cache (11 s for Qwen3-8B's four cases at d70eddb, while vLLM's own compile
+waited); skipped, a kernel the capture meets first is loaded from Triton's cache, milliseconds.
 """
 
+import dataclasses
+import hashlib
+import json
 import logging
 import os
 import queue
 import threading
 import time
 from concurrent.futures import Future
+from importlib.metadata import version
+from pathlib import Path
 
 import torch
 
@@ -38,8 +52,19 @@ logger = logging.getLogger("vllm.epilora_vllm")
 # torch.compile, which runs beside the jobs, compiles in processes of its own.
 THREADS = min(8, os.cpu_count() or 1)
 
-_jobs: dict[tuple, Future] = {}  # (a case's key, its sizes) -> its job
-_queue: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+
+@dataclasses.dataclass
+class _Job:
+    key: tuple  # the case's
+    sizes: tuple[int, ...]
+    forward: object  # the first layer of the case: its `warm` runs
+    done: Future
+    record: Path | None  # where it is recorded once compiled (None: no record kept)
+    compiled: bool = False  # every size compiled, no error
+
+
+_jobs: dict[tuple, _Job] = {}  # (a case's key, its sizes) -> its job
+_queue: "queue.SimpleQueue[_Job]" = queue.SimpleQueue()
 _lock = threading.Lock()
 _worker: threading.Thread | None = None  # started with the first job (no thread at import)
 
@@ -73,35 +98,46 @@ def eager_sizes(above: int, most: int) -> tuple[int, ...]:
 
 def start(forward, key: tuple, sizes: tuple[int, ...]) -> Future:
     """The job compiling `forward`'s kernels at `sizes`, queued unless one of the same case
-    `key` and sizes exists (then that one)."""
+    `key` and sizes exists (then that one) or an earlier start recorded it (then it is done)."""
     global _worker
     with _lock:
         if (key, sizes) not in _jobs:
-            _jobs[key, sizes] = Future()
-            _queue.put((forward, key, sizes, _jobs[key, sizes]))
-            if _worker is None:
-                _worker = threading.Thread(target=_work, name="epilora-precompile", daemon=True)
-                _worker.start()
-        return _jobs[key, sizes]
+            job = _jobs[key, sizes] = _Job(key, sizes, forward, Future(),
+                                            _record(forward, key, sizes))
+            if job.record is not None and job.record.is_file():
+                logger.info("epilora precompile: %s: compiled by an earlier start (%s)", key,
+                            job.record)
+                job.done.set_result(None)
+            else:
+                _queue.put(job)
+                if _worker is None:
+                    _worker = threading.Thread(target=_work, name="epilora-precompile",
+                                               daemon=True)
+                    _worker.start()
+        return _jobs[key, sizes].done
 
 
 def wait_all() -> None:
-    """Until every job queued so far is done."""
+    """Until every job queued so far is done; then record the ones that compiled (once)."""
     with _lock:
         jobs = list(_jobs.values())
     for job in jobs:
-        job.result()
+        job.done.result()
+    for job in jobs:
+        if job.compiled and job.record is not None and not job.record.is_file():
+            _write_record(job)
 
 
 def _work() -> None:
     while True:
-        forward, key, sizes, job = _queue.get()
-        if job.set_running_or_notify_cancel():
-            _compile(forward, key, sizes)
-            job.set_result(None)
+        job = _queue.get()
+        if job.done.set_running_or_notify_cancel():
+            job.compiled = _compile(job)
+            job.done.set_result(None)
 
 
-def _compile(forward, key: tuple, sizes: tuple[int, ...]) -> None:
+def _compile(job: _Job) -> bool:
+    forward, key, sizes = job.forward, job.key, job.sizes
     begin = time.perf_counter()
     try:
         with (torch.cuda.device(forward.layer.device),  # a thread's device is 0 until set
@@ -110,6 +146,43 @@ def _compile(forward, key: tuple, sizes: tuple[int, ...]) -> None:
     except Exception as e:  # noqa: BLE001 - an optimization: the forward compiles without it
         logger.warning("epilora precompile: %s stopped (%s: %s); the forward compiles what is "
                        "left", key, type(e).__name__, str(e)[:300])
-        return
+        return False
     logger.info("epilora precompile: %s: the kernels of %d batch sizes (%d-%d tokens) in %.1f s",
                 key, len(sizes), sizes[0], sizes[-1], time.perf_counter() - begin)
+    return True
+
+
+def _record(forward, key: tuple, sizes: tuple[int, ...]) -> Path | None:
+    # The record's path (module docstring), or None where Triton's cache is not its files.
+    from triton import knobs
+
+    if knobs.cache.manager_class is not None:  # a cache of the user's own making
+        return None
+    identity = [repr(key), list(sizes), *_settings(forward.layer.device),
+                *(f"{name}-{version(name)}" for name in ("torch", "triton", "epilora-kernels",
+                                                         "epilora-vllm"))]
+    digest = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:32]
+    return Path(knobs.cache.dir) / "epilora-precompiled" / f"{digest}.json"
+
+
+def _settings(device: torch.device) -> list[str]:
+    # The GPU and the launch settings in force on it (the kernels' tables and tuned cache).
+    if device.type != "cuda":
+        return [device.type]
+    from epilora_kernels.launch import settings_identity
+
+    name = torch.cuda.get_device_name(device)
+    return [name, settings_identity(name)]
+
+
+def _write_record(job: _Job) -> None:
+    # Atomically: a start reading it sees all of it or nothing.
+    key, sizes = job.key, job.sizes
+    try:
+        job.record.parent.mkdir(parents=True, exist_ok=True)
+        partial = job.record.with_suffix(f".tmp{os.getpid()}")
+        partial.write_text(json.dumps({"case": repr(key), "sizes": [sizes[0], sizes[-1],
+                                                                    len(sizes)]}))
+        partial.replace(job.record)
+    except OSError as e:  # a read-only cache: every start compiles, as before records
+        logger.warning("epilora precompile: no record of %s (%s)", key, e)
