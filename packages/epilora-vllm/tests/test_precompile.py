@@ -64,12 +64,13 @@ def test_a_failing_job_says_why_and_leaves_the_rest_to_the_forward(caplog):
 
 def test_a_later_start_skips_the_jobs_an_earlier_one_compiled_with_the_same_settings(
         monkeypatch, tmp_path, caplog):
-    settings = ["cpu", "tuned once"]
+    settings = ["cpu", "tuned once"]  # the launch settings in force, as _settings names them
     monkeypatch.setattr(precompile, "_settings", lambda device: settings)
     first, failing = _Recorder(), _Recorder(fail_at=2)
     precompile.start(first, ("case", 1), (1, 2))
     precompile.start(failing, ("case", 2), (1, 2))
     assert not list(tmp_path.glob("triton/epilora-precompiled/*"))  # until every job is done
+    settings[1] = "tuned twice"  # a later case tuned after these jobs were queued
     precompile.wait_all()
     records = list(tmp_path.glob("triton/epilora-precompiled/*.json"))
     assert len(records) == 1  # the failed job is not recorded: the next start runs it again
@@ -86,7 +87,7 @@ def test_a_later_start_skips_the_jobs_an_earlier_one_compiled_with_the_same_sett
     again, retried = later_start()
     assert again.calls == [] and "compiled by an earlier start" in caplog.text
     assert [tokens for tokens, _, _ in retried.calls] == [1, 2]
-    settings[1] = "tuned again"  # a case tuned since: other settings, other kernels
+    settings[1] = "tuned thrice"  # a case tuned since: other settings, other kernels
     again, _ = later_start()
     assert [tokens for tokens, _, _ in again.calls] == [1, 2]
     monkeypatch.setattr(precompile, "_jobs", {})

@@ -59,7 +59,7 @@ class _Job:
     sizes: tuple[int, ...]
     forward: object  # the first layer of the case: its `warm` runs
     done: Future
-    record: Path | None  # where it is recorded once compiled (None: no record kept)
+    record: Path | None  # where it is (or would be) recorded (None: no record kept)
     compiled: bool = False  # every size compiled, no error
 
 
@@ -124,8 +124,10 @@ def wait_all() -> None:
     for job in jobs:
         job.done.result()
     for job in jobs:
-        if job.compiled and job.record is not None and not job.record.is_file():
-            _write_record(job)
+        if job.compiled:  # named by the settings now, every case tuned: as a later start sees
+            job.record = _record(job.forward, job.key, job.sizes)
+            if job.record is not None and not job.record.is_file():
+                _write_record(job)
 
 
 def _work() -> None:
