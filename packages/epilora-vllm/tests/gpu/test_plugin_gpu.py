@@ -89,14 +89,14 @@ def test_timed_dispatch_chooses_per_shape_and_bucket_then_a_later_start_times_no
 
 
 def test_precompile_compiles_our_kernels_before_the_capture_and_answers_the_same(
-        checkpoints, graphed, monkeypatch):
+        checkpoints, graphed, monkeypatch, tmp_path):
     # EPILORA_VLLM_PRECOMPILE=1 with the kernels' in-memory caches emptied (the engines above
     # compiled these shapes): while the engine starts, the precompile thread compiles our two
     # kernels, as warmups, and vLLM's graph capture (its eager warm-up run before each size
     # included) compiles none of them (had the thread compiled other variants than the capture
-    # launches, the capture would compile them); one job per projection shape, all done; the
-    # answers are the graphed engine's. vLLM's profiling run (dummy adapters at its largest
-    # batch, a size the jobs leave out) may compile in the main thread.
+    # launches, the capture would compile them); one job per projection shape, all done and
+    # recorded; the answers are the graphed engine's. vLLM's profiling run (dummy adapters at
+    # its largest batch, a size the jobs leave out) may compile in the main thread.
     import threading
 
     import triton
@@ -129,13 +129,18 @@ def test_precompile_compiles_our_kernels_before_the_capture_and_answers_the_same
     monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", hook)
     monkeypatch.setattr(GPUModelRunner, "capture_model", capturing)
     monkeypatch.setenv("EPILORA_VLLM_PRECOMPILE", "1")
+    # A Triton cache without the earlier engines' records (they would skip every job) or
+    # kernels; each finished job is recorded there for a later start.
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     for kernel in kernels:
         kernel.device_caches.clear()
     precompile._jobs.clear()
     llm = engine(checkpoints["fp8"])
     assert phase == ["started"], "the engine captured no graphs"
     started = list(compiles)  # before generate's eager batches of other sizes
-    assert len(precompile._jobs) == 4 and all(job.done() for job in precompile._jobs.values())
+    assert len(precompile._jobs) == 4
+    assert all(job.done.done() and job.compiled for job in precompile._jobs.values())
+    assert len(list(tmp_path.glob("epilora-precompiled/*.json"))) == 4
     ahead = {name for name, thread, warmup, _ in started
              if thread == "epilora-precompile" and warmup}
     assert ahead == names, started
