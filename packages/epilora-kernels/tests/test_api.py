@@ -365,8 +365,11 @@ def test_compile_only_with_threads_waits_for_its_compiles_and_leaves_no_mode(mon
         submit("good", lambda: "kernel")
         submit("bad", broken)
     assert _async_compile.active_mode.get() is None
-    with ek.compile_only(threads=2):
+    with ek.compile_only(threads=2) as compiles:
+        assert compiles.variants == 0
         submit("again", lambda: "kernel again")
+        submit("again", lambda: "kernel again")  # one kernel met twice: one compile
+        assert compiles.variants == 1
         with _launchers._compiling_in_this_thread():
             assert _async_compile.active_mode.get() is None
     assert "kernel again" in finished and _async_compile.active_mode.get() is None
@@ -374,3 +377,5 @@ def test_compile_only_with_threads_waits_for_its_compiles_and_leaves_no_mode(mon
         submit("bad too", broken)
         raise KeyError("the block's own")
     assert _async_compile.active_mode.get() is None and not _launchers.compiling_only()
+    with ek.compile_only() as compiles:  # no threads of its own: nothing counted
+        assert compiles.variants is None

@@ -7,6 +7,7 @@ the H200 (test_plugin_gpu.py, and the serving benchmark's graph-capture time); o
 import contextlib
 import logging
 import threading
+from importlib.metadata import PackageNotFoundError
 from types import SimpleNamespace
 
 import pytest
@@ -21,23 +22,46 @@ from epilora_vllm.forward import EpiloraForward, _Mode
 @pytest.fixture(autouse=True)
 def _no_cuda_device(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    # Each test a process's first start: no job yet, Triton's cache (and its records) empty.
+    # Each test a process's first start: no job yet, no record.
     monkeypatch.setattr(precompile, "_jobs", {})
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setenv("EPILORA_CACHE_DIR", str(tmp_path))
 
 
 class _Recorder:
-    def __init__(self, fail_at: int | None = None):
+    def __init__(self, fail_at: int | None = None, kernels: dict | None = None):
         self.layer = SimpleNamespace(device=torch.device("cpu"))
         self.calls = []
         self.fail_at = fail_at
+        self.kernels = kernels  # size -> the kernel it launches (counted compiles), or None
 
-    def warm(self, sizes: tuple[int, ...]) -> None:
+    def warm(self, sizes: tuple[int, ...], after=None) -> None:
         for tokens in sizes:  # as EpiloraForward.warm: one size after another
             self.calls.append((tokens, threading.current_thread().name,
                                _launchers.compiling_only()))
             if tokens == self.fail_at:
                 raise RuntimeError("no such kernel")
+            if self.kernels is not None:
+                _Counted.met.add(self.kernels[tokens])
+            if after is not None:
+                after(tokens)
+
+
+class _Counted:
+    """compile_only with counted compiles (threads of its own) without a GPU: `variants`, the
+    distinct kernels the recorders met in this block."""
+
+    met: set = set()
+
+    @property
+    def variants(self) -> int:
+        return len(_Counted.met)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def compile_only(threads: int = 1):
+        _Counted.met = set()
+        with _launchers.compile_only(threads=1):
+            yield _Counted()
 
 
 def test_a_case_compiles_every_size_once_in_a_background_thread():
@@ -62,38 +86,65 @@ def test_a_failing_job_says_why_and_leaves_the_rest_to_the_forward(caplog):
     assert "RuntimeError: no such kernel" in caplog.text
 
 
-def test_a_later_start_skips_the_jobs_an_earlier_one_compiled_with_the_same_settings(
+def test_a_later_start_runs_only_the_sizes_that_met_new_kernels_under_the_same_settings(
         monkeypatch, tmp_path, caplog):
     settings = ["cpu", "tuned once"]  # the launch settings in force, as _settings names them
     monkeypatch.setattr(precompile, "_settings", lambda device: settings)
-    first, failing = _Recorder(), _Recorder(fail_at=2)
-    precompile.start(first, ("case", 1), (1, 2))
+    monkeypatch.setattr(precompile.ek, "compile_only", _Counted.compile_only)
+    kernels = {1: "k-1", 2: "k-small", 3: "k-small", 4: "k-4"}  # 3 meets 2's kernel
+    first, failing = _Recorder(kernels=kernels), _Recorder(fail_at=2, kernels=kernels)
+    precompile.start(first, ("case", 1), (1, 2, 3, 4))
     precompile.start(failing, ("case", 2), (1, 2))
-    assert not list(tmp_path.glob("triton/epilora-precompiled/*"))  # until every job is done
     settings[1] = "tuned twice"  # a later case tuned after these jobs were queued
     precompile.wait_all()
-    records = list(tmp_path.glob("triton/epilora-precompiled/*.json"))
-    assert len(records) == 1  # the failed job is not recorded: the next start runs it again
+    records = list(tmp_path.glob("vllm/precompiled/*.json"))
+    assert len(records) == 1  # the failed job is not recorded: the next start runs it whole
+    precompile.wait_all()  # every layer's first forward waits: recorded once
+    assert list(tmp_path.glob("vllm/precompiled/*")) == records
 
-    def later_start() -> tuple[_Recorder, _Recorder]:
+    def later_start(sizes=(1, 2, 3, 4)) -> tuple[_Recorder, _Recorder]:
         monkeypatch.setattr(precompile, "_jobs", {})  # a new process, the same caches
-        again, retried = _Recorder(), _Recorder()
+        again, retried = _Recorder(kernels=kernels), _Recorder(kernels=kernels)
         with caplog.at_level(logging.INFO, logger="vllm.epilora_vllm"):
-            assert precompile.start(again, ("case", 1), (1, 2)).result(timeout=60) is None
+            precompile.start(again, ("case", 1), sizes)
             precompile.start(retried, ("case", 2), (1, 2))
             precompile.wait_all()
         return again, retried
 
     again, retried = later_start()
-    assert again.calls == [] and "compiled by an earlier start" in caplog.text
+    assert [tokens for tokens, _, _ in again.calls] == [1, 2, 4]  # each kernel met once
+    assert "an earlier start's record" in caplog.text
     assert [tokens for tokens, _, _ in retried.calls] == [1, 2]
     settings[1] = "tuned thrice"  # a case tuned since: other settings, other kernels
     again, _ = later_start()
-    assert [tokens for tokens, _, _ in again.calls] == [1, 2]
-    monkeypatch.setattr(precompile, "_jobs", {})
-    other_sizes = _Recorder()
-    precompile.start(other_sizes, ("case", 1), (1, 2, 4)).result(timeout=60)
-    assert [tokens for tokens, _, _ in other_sizes.calls] == [1, 2, 4]
+    assert [tokens for tokens, _, _ in again.calls] == [1, 2, 3, 4]
+    again, _ = later_start(sizes=(1, 2, 3, 4, 5))  # other sizes: other kernels
+    assert [tokens for tokens, _, _ in again.calls] == [1, 2, 3, 4, 5]
+
+
+def test_an_unreadable_record_is_said_and_every_size_runs(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(precompile, "_settings", lambda device: ["cpu"])
+    forward = _Recorder()
+    path = precompile._record_path(forward, ("case", 4), (1, 2))
+    path.parent.mkdir(parents=True)
+    path.write_text('{"new_kernels": [1, 7]}')  # a size the job does not have
+    with caplog.at_level(logging.WARNING, logger="vllm.epilora_vllm"):
+        precompile.start(forward, ("case", 4), (1, 2)).result(timeout=60)
+    assert [tokens for tokens, _, _ in forward.calls] == [1, 2]
+    assert "is not usable" in caplog.text
+
+
+def test_a_record_that_cannot_be_named_is_said_and_the_start_goes_on(monkeypatch, caplog):
+    def no_version(name):
+        raise PackageNotFoundError(name)  # Triton as pytorch-triton, say
+
+    monkeypatch.setattr(precompile, "version", no_version)
+    forward = _Recorder()
+    with caplog.at_level(logging.WARNING, logger="vllm.epilora_vllm"):
+        precompile.start(forward, ("case", 5), (1, 2)).result(timeout=60)
+        precompile.wait_all()
+    assert [tokens for tokens, _, _ in forward.calls] == [1, 2]
+    assert "no record of ('case', 5)" in caplog.text
 
 
 @pytest.mark.parametrize(("quantize", "path", "want"), [

@@ -32,6 +32,18 @@ TRACE_EVENTS = 8  # int64 slots per program in a trace buffer (dev/decode_timeli
 _THREAD = threading.local()  # compile_only's flag: per thread, so other threads launch
 
 
+class CompileCount:
+    """What a `compile_only` block has compiled so far (its value)."""
+
+    def __init__(self, mode) -> None:
+        self._mode = mode  # the block's Triton asynchronous mode, or None
+
+    @property
+    def variants(self) -> int | None:
+        """Distinct kernels submitted to the block's threads so far, or None without them."""
+        return None if self._mode is None else len(self._mode.raw_futures)
+
+
 @contextlib.contextmanager
 def compile_only(threads: int = 1):
     """Inside, the calls this thread makes compile the kernels they would launch, with the
@@ -43,7 +55,11 @@ def compile_only(threads: int = 1):
     `threads` > 1: the compiles run in that many threads (Triton's compiler and ptxas release
     the GIL: a third to half off on two cores); leaving the block waits for them all and raises
     the first compile's error, if any (none while another exception leaves it). Inside an
-    outer `compile_only` with threads, the outer one's threads compile and its exit waits."""
+    outer `compile_only` with threads, the outer one's threads compile and its exit waits.
+
+    The block's value is a `CompileCount`: with threads of its own, `variants` is how many
+    distinct kernels the calls so far met that were not in Triton's in-memory cache (each
+    compiled, or loaded from Triton's disk cache, once); otherwise None (not counted)."""
     if threads < 1:
         raise ValueError(f"threads must be at least 1, got {threads}")
     previous = compiling_only()
@@ -56,7 +72,7 @@ def compile_only(threads: int = 1):
         token = _async.active_mode.set(mode)  # this thread's (a context variable)
     failed = True
     try:
-        yield
+        yield CompileCount(mode)
         failed = False
     finally:
         _THREAD.compile_only = previous

@@ -319,13 +319,14 @@ class EpiloraForward:
                                        x_quantized=quantized if path != "w8a16" else None)
         return y if bias is None else y.add_(bias)
 
-    def warm(self, sizes: tuple[int, ...]) -> None:
+    def warm(self, sizes: tuple[int, ...], after=None) -> None:
         """This layer's computation on batches of each of `sizes` tokens round robin over the
         adapter slots (as vLLM's dummy adapters while it captures graphs), on the path each
         batch would take, for `epilora_kernels.compile_only` (`epilora_vllm.precompile`): the
         kernels' paths only (the hybrid path's base GEMM and vLLM's LoRA kernels are not ours).
         The inputs are made once, for the largest size, and each batch is their first rows:
-        under `compile_only` nothing reads them, and a slice's alignment is its whole's."""
+        under `compile_only` nothing reads them, and a slice's alignment is its whole's.
+        `after(tokens)`, if given, is called after each size whose path is the kernels'."""
         device, lora, most = self.layer.device, self.lora, max(sizes)
         full = ek.AdapterBatch.from_token_mapping(
             torch.arange(most, dtype=torch.int32, device=device) % lora.max_loras,
@@ -349,6 +350,8 @@ class EpiloraForward:
                       None if quantized is None else (quantized[0][:tokens],
                                                       quantized[1][:tokens]),
                       None, batch)
+            if after is not None:
+                after(tokens)
 
     def _vllm_apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # The vLLM class ours subclasses (after _Epilora in the MRO) computes as without us.

@@ -20,14 +20,20 @@ every job, so no job allocates or synchronizes during a capture. A job that fail
 and leaves the compiles to the forward, as without it. The thread is a daemon: an engine that
 fails to start exits without finishing the queue.
 
-A later start runs no job whose kernels an earlier one compiled: that wait then records each
-finished job beside the kernels, in Triton's cache directory (clearing that cache forgets the
-records too), under a name made of everything that decides which kernels the job compiles: the
-case and its sizes, the GPU, the versions, and the launch settings in force (the kernels' tuned
-cache, whole: a case tuned later renames every record, and the next start compiles once more).
-Running the layer's computation over two thousand sizes costs seconds of Python even when every
-kernel is in Triton's cache (11 s for Qwen3-8B's four cases at d70eddb, while vLLM's own compile
-waited); skipped, a kernel the capture meets first is loaded from Triton's cache, milliseconds.
+A later start runs, of a job an earlier start finished, only the sizes that met kernels new to
+it: running the layer's computation over two thousand sizes costs seconds of Python even when
+every kernel is in Triton's disk cache (11 s for Qwen3-8B's four cases at d70eddb, while vLLM's
+own compile waited), and a few dozen sizes load the same kernels into Triton's in-memory cache,
+so that nothing loads or compiles while serving. When every job is done, each one that compiled
+all its sizes with counted compiles (`compile_only(threads > 1)`) is recorded in the plugin's
+cache directory (`EPILORA_CACHE_DIR`'s `vllm/precompiled/`), its sizes that met new kernels in
+it, under a name made of the case and its sizes, the GPU, the versions and the launch settings
+in force then (the kernels' tables and tuned cache, whole: a case tuned later renames every
+record, and the next start runs every size once more). A job of sizes whose kernels another
+case's job met first lists none of them; every case's job, whole or recorded, runs in the same
+start, so together they meet every kernel. A record is only as good as the versions it names:
+a development install whose code changed without its version gets kernels compiled while the
+engine captures or serves, as without the precompile (delete the folder).
 """
 
 import dataclasses
@@ -45,6 +51,7 @@ from pathlib import Path
 import torch
 
 import epilora_kernels as ek
+from epilora_vllm import _env
 
 logger = logging.getLogger("vllm.epilora_vllm")
 
@@ -56,11 +63,13 @@ THREADS = min(8, os.cpu_count() or 1)
 @dataclasses.dataclass
 class _Job:
     key: tuple  # the case's
-    sizes: tuple[int, ...]
+    sizes: tuple[int, ...]  # the sizes it stands for
     forward: object  # the first layer of the case: its `warm` runs
     done: Future
-    record: Path | None  # where it is (or would be) recorded (None: no record kept)
-    compiled: bool = False  # every size compiled, no error
+    run: tuple[int, ...]  # the sizes it runs: `sizes`, or an earlier start's record of them
+    recorded: bool  # from a record, or written to one
+    compiled: bool = False  # every size of `run` compiled, no error
+    new_kernels: list[int] | None = None  # the sizes that met kernels new to it (None: not counted)
 
 
 _jobs: dict[tuple, _Job] = {}  # (a case's key, its sizes) -> its job
@@ -98,15 +107,17 @@ def eager_sizes(above: int, most: int) -> tuple[int, ...]:
 
 def start(forward, key: tuple, sizes: tuple[int, ...]) -> Future:
     """The job compiling `forward`'s kernels at `sizes`, queued unless one of the same case
-    `key` and sizes exists (then that one) or an earlier start recorded it (then it is done)."""
+    `key` and sizes exists (then that one); an earlier start's record of it cuts it to the
+    sizes that met new kernels."""
     global _worker
     with _lock:
         if (key, sizes) not in _jobs:
+            earlier = _read_record(forward, key, sizes)
             job = _jobs[key, sizes] = _Job(key, sizes, forward, Future(),
-                                            _record(forward, key, sizes))
-            if job.record is not None and job.record.is_file():
-                logger.info("epilora precompile: %s: compiled by an earlier start (%s)", key,
-                            job.record)
+                                           run=sizes if earlier is None else earlier,
+                                           recorded=earlier is not None)
+            if not job.run:  # an earlier start's job met no kernel of its own
+                job.compiled = True
                 job.done.set_result(None)
             else:
                 _queue.put(job)
@@ -118,16 +129,15 @@ def start(forward, key: tuple, sizes: tuple[int, ...]) -> Future:
 
 
 def wait_all() -> None:
-    """Until every job queued so far is done; then record the ones that compiled (once)."""
+    """Until every job queued so far is done; then record each whole one not recorded yet."""
     with _lock:
         jobs = list(_jobs.values())
     for job in jobs:
         job.done.result()
     for job in jobs:
-        if job.compiled:  # named by the settings now, every case tuned: as a later start sees
-            job.record = _record(job.forward, job.key, job.sizes)
-            if job.record is not None and not job.record.is_file():
-                _write_record(job)
+        if not job.recorded and job.compiled and job.new_kernels is not None:
+            job.recorded = True  # written or not, once
+            _write_record(job)
 
 
 def _work() -> None:
@@ -139,32 +149,45 @@ def _work() -> None:
 
 
 def _compile(job: _Job) -> bool:
-    forward, key, sizes = job.forward, job.key, job.sizes
+    key, run = job.key, job.run
     begin = time.perf_counter()
+    new_kernels, counted = [], [0]
+
+    def after(tokens: int) -> None:
+        variants = compiles.variants
+        if variants is not None and variants > counted[0]:
+            new_kernels.append(tokens)
+            counted[0] = variants
+
     try:
-        with (torch.cuda.device(forward.layer.device),  # a thread's device is 0 until set
-              ek.compile_only(threads=THREADS)):
-            forward.warm(sizes)
+        with (torch.cuda.device(job.forward.layer.device),  # a thread's device is 0 until set
+              ek.compile_only(threads=THREADS) as compiles):
+            job.forward.warm(run, after=after)
     except Exception as e:  # noqa: BLE001 - an optimization: the forward compiles without it
         logger.warning("epilora precompile: %s stopped (%s: %s); the forward compiles what is "
                        "left", key, type(e).__name__, str(e)[:300])
         return False
-    logger.info("epilora precompile: %s: the kernels of %d batch sizes (%d-%d tokens) in %.1f s",
-                key, len(sizes), sizes[0], sizes[-1], time.perf_counter() - begin)
+    job.new_kernels = None if compiles.variants is None else new_kernels
+    logger.info("epilora precompile: %s: the kernels of %d batch sizes (%d-%d tokens%s) in "
+                "%.1f s", key, len(run), run[0], run[-1],
+                f"; {len(job.sizes)} sizes, an earlier start's record" if job.recorded else "",
+                time.perf_counter() - begin)
     return True
 
 
-def _record(forward, key: tuple, sizes: tuple[int, ...]) -> Path | None:
-    # The record's path (module docstring), or None where Triton's cache is not its files.
-    from triton import knobs
+def _record_path(forward, key: tuple, sizes: tuple[int, ...]) -> Path | None:
+    # The record's path (module docstring), or None (said once) where it cannot be named.
+    try:
+        import triton
 
-    if knobs.cache.manager_class is not None:  # a cache of the user's own making
+        identity = [repr(key), list(sizes), *_settings(forward.layer.device),
+                    torch.__version__, triton.__version__,
+                    *(f"{name}-{version(name)}" for name in ("epilora-kernels", "epilora-vllm"))]
+        digest = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:32]
+    except Exception as e:  # noqa: BLE001 - no record: every size compiles, as before records
+        logger.warning("epilora precompile: no record of %s (%s: %s)", key, type(e).__name__, e)
         return None
-    identity = [repr(key), list(sizes), *_settings(forward.layer.device),
-                *(f"{name}-{version(name)}" for name in ("torch", "triton", "epilora-kernels",
-                                                         "epilora-vllm"))]
-    digest = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:32]
-    return Path(knobs.cache.dir) / "epilora-precompiled" / f"{digest}.json"
+    return Path(_env.cache_dir()) / "precompiled" / f"{digest}.json"
 
 
 def _settings(device: torch.device) -> list[str]:
@@ -177,14 +200,32 @@ def _settings(device: torch.device) -> list[str]:
     return [name, settings_identity(name)]
 
 
-def _write_record(job: _Job) -> None:
-    # Atomically: a start reading it sees all of it or nothing.
-    key, sizes = job.key, job.sizes
+def _read_record(forward, key: tuple, sizes: tuple[int, ...]) -> tuple[int, ...] | None:
+    # An earlier start's record of this job: the sizes to run, or None (none, or unreadable).
+    path = _record_path(forward, key, sizes)
     try:
-        job.record.parent.mkdir(parents=True, exist_ok=True)
-        partial = job.record.with_suffix(f".tmp{os.getpid()}")
-        partial.write_text(json.dumps({"case": repr(key), "sizes": [sizes[0], sizes[-1],
-                                                                    len(sizes)]}))
-        partial.replace(job.record)
-    except OSError as e:  # a read-only cache: every start compiles, as before records
-        logger.warning("epilora precompile: no record of %s (%s)", key, e)
+        if path is None or not path.is_file():
+            return None
+        run = json.loads(path.read_text())["new_kernels"]
+        if not all(isinstance(tokens, int) and tokens in sizes for tokens in run):
+            raise ValueError("sizes outside the job's")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        logger.warning("epilora precompile: the record %s is not usable (%s); every size "
+                       "compiles", path, e)
+        return None
+    return tuple(run)
+
+
+def _write_record(job: _Job) -> None:
+    # Named by the settings now, every case tuned, as a later start sees them; atomically.
+    path = _record_path(job.forward, job.key, job.sizes)
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".tmp{os.getpid()}")
+        partial.write_text(json.dumps({"case": repr(job.key), "sizes": [
+            job.sizes[0], job.sizes[-1], len(job.sizes)], "new_kernels": job.new_kernels}))
+        partial.replace(path)
+    except OSError as e:  # a read-only cache: every start compiles every size
+        logger.warning("epilora precompile: no record of %s (%s)", job.key, e)

@@ -129,9 +129,9 @@ def test_precompile_compiles_our_kernels_before_the_capture_and_answers_the_same
     monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", hook)
     monkeypatch.setattr(GPUModelRunner, "capture_model", capturing)
     monkeypatch.setenv("EPILORA_VLLM_PRECOMPILE", "1")
-    # A Triton cache without the earlier engines' records (they would skip every job) or
-    # kernels; each finished job is recorded there for a later start.
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    # Records of the plugin's own, apart from the earlier engines' (which would cut every job
+    # to the sizes that met kernels new to it then); each whole job is recorded there.
+    monkeypatch.setattr(precompile._env, "cache_dir", lambda: str(tmp_path))
     for kernel in kernels:
         kernel.device_caches.clear()
     precompile._jobs.clear()
@@ -140,7 +140,7 @@ def test_precompile_compiles_our_kernels_before_the_capture_and_answers_the_same
     started = list(compiles)  # before generate's eager batches of other sizes
     assert len(precompile._jobs) == 4
     assert all(job.done.done() and job.compiled for job in precompile._jobs.values())
-    assert len(list(tmp_path.glob("epilora-precompiled/*.json"))) == 4
+    assert len(list(tmp_path.glob("precompiled/*.json"))) == 4
     ahead = {name for name, thread, warmup, _ in started
              if thread == "epilora-precompile" and warmup}
     assert ahead == names, started
