@@ -365,11 +365,8 @@ def test_compile_only_with_threads_waits_for_its_compiles_and_leaves_no_mode(mon
         submit("good", lambda: "kernel")
         submit("bad", broken)
     assert _async_compile.active_mode.get() is None
-    with ek.compile_only(threads=2) as compiles:
-        assert compiles.variants == 0
+    with ek.compile_only(threads=2):
         submit("again", lambda: "kernel again")
-        submit("again", lambda: "kernel again")  # one kernel met twice: one compile
-        assert compiles.variants == 1
         with _launchers._compiling_in_this_thread():
             assert _async_compile.active_mode.get() is None
     assert "kernel again" in finished and _async_compile.active_mode.get() is None
@@ -377,5 +374,24 @@ def test_compile_only_with_threads_waits_for_its_compiles_and_leaves_no_mode(mon
         submit("bad too", broken)
         raise KeyError("the block's own")
     assert _async_compile.active_mode.get() is None and not _launchers.compiling_only()
-    with ek.compile_only() as compiles:  # no threads of its own: nothing counted
-        assert compiles.variants is None
+
+
+def test_compile_only_counts_the_distinct_kernels_its_calls_meet(monkeypatch):
+    # Triton's warmup gives one object per specialization (in memory, or a compile's future);
+    # a block counts those it met, nested blocks their own.
+    monkeypatch.setattr(_launchers._env, "triton_interpreter", lambda: False)
+    variants = {0: object(), 1: object()}
+
+    class Kernel:
+        @staticmethod
+        def warmup(grid, T):
+            return variants[T % 16 == 0]
+
+    with ek.compile_only() as compiles:
+        _launchers._start(Kernel, (1,), T=3)
+        _launchers._start(Kernel, (1,), T=5)  # the same kernel as 3's
+        assert compiles.variants == 1
+        with ek.compile_only() as inner:
+            _launchers._start(Kernel, (1,), T=16)
+        _launchers._start(Kernel, (1,), T=32)
+        assert (compiles.variants, inner.variants) == (2, 1)

@@ -86,6 +86,9 @@ def test_a_failing_job_says_why_and_leaves_the_rest_to_the_forward(caplog):
     assert "RuntimeError: no such kernel" in caplog.text
 
 
+_write_record = precompile._write_record
+
+
 def test_a_later_start_runs_only_the_sizes_that_met_new_kernels_under_the_same_settings(
         monkeypatch, tmp_path, caplog):
     settings = ["cpu", "tuned once"]  # the launch settings in force, as _settings names them
@@ -99,8 +102,11 @@ def test_a_later_start_runs_only_the_sizes_that_met_new_kernels_under_the_same_s
     precompile.wait_all()
     records = list(tmp_path.glob("vllm/precompiled/*.json"))
     assert len(records) == 1  # the failed job is not recorded: the next start runs it whole
+    writes = []
+    monkeypatch.setattr(precompile, "_write_record", writes.append)
     precompile.wait_all()  # every layer's first forward waits: recorded once
-    assert list(tmp_path.glob("vllm/precompiled/*")) == records
+    assert writes == []
+    monkeypatch.setattr(precompile, "_write_record", _write_record)
 
     def later_start(sizes=(1, 2, 3, 4)) -> tuple[_Recorder, _Recorder]:
         monkeypatch.setattr(precompile, "_jobs", {})  # a new process, the same caches
@@ -120,6 +126,31 @@ def test_a_later_start_runs_only_the_sizes_that_met_new_kernels_under_the_same_s
     assert [tokens for tokens, _, _ in again.calls] == [1, 2, 3, 4]
     again, _ = later_start(sizes=(1, 2, 3, 4, 5))  # other sizes: other kernels
     assert [tokens for tokens, _, _ in again.calls] == [1, 2, 3, 4, 5]
+
+
+def test_a_record_stands_on_its_own_when_another_case_shares_its_kernels(monkeypatch):
+    # o and down's jobs meet one kernel; a later start serving down alone still loads it.
+    monkeypatch.setattr(precompile, "_settings", lambda device: ["cpu"])
+    monkeypatch.setattr(precompile.ek, "compile_only", _Counted.compile_only)
+    shared = {1: "shared", 2: "own"}
+    precompile.start(_Recorder(kernels=shared), ("o", 1), (1, 2))
+    precompile.start(_Recorder(kernels=shared), ("down", 1), (1, 2))
+    precompile.wait_all()
+    monkeypatch.setattr(precompile, "_jobs", {})
+    down = _Recorder(kernels=shared)
+    precompile.start(down, ("down", 1), (1, 2))
+    precompile.wait_all()
+    assert [tokens for tokens, _, _ in down.calls] == [1, 2]
+
+
+def test_a_record_of_no_new_kernel_runs_nothing(monkeypatch):
+    monkeypatch.setattr(precompile, "_settings", lambda device: ["cpu"])
+    forward = _Recorder()
+    path = precompile._record_path(forward, ("case", 6), (1, 2))
+    path.parent.mkdir(parents=True)
+    path.write_text('{"new_kernels": []}')
+    assert precompile.start(forward, ("case", 6), (1, 2)).result(timeout=60) is None
+    assert forward.calls == []
 
 
 def test_an_unreadable_record_is_said_and_every_size_runs(monkeypatch, tmp_path, caplog):

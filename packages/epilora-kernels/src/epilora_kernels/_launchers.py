@@ -33,15 +33,15 @@ _THREAD = threading.local()  # compile_only's flag: per thread, so other threads
 
 
 class CompileCount:
-    """What a `compile_only` block has compiled so far (its value)."""
+    """The kernels a `compile_only` block's calls have met so far (its value)."""
 
-    def __init__(self, mode) -> None:
-        self._mode = mode  # the block's Triton asynchronous mode, or None
+    def __init__(self) -> None:
+        self.kernels: dict[int, object] = {}  # id -> Triton's kernel (or its future compile)
 
     @property
-    def variants(self) -> int | None:
-        """Distinct kernels submitted to the block's threads so far, or None without them."""
-        return None if self._mode is None else len(self._mode.raw_futures)
+    def variants(self) -> int:
+        """Distinct kernels the block's calls would have launched so far."""
+        return len(self.kernels)
 
 
 @contextlib.contextmanager
@@ -57,13 +57,15 @@ def compile_only(threads: int = 1):
     the first compile's error, if any (none while another exception leaves it). Inside an
     outer `compile_only` with threads, the outer one's threads compile and its exit waits.
 
-    The block's value is a `CompileCount`: with threads of its own, `variants` is how many
-    distinct kernels the calls so far met that were not in Triton's in-memory cache (each
-    compiled, or loaded from Triton's disk cache, once); otherwise None (not counted)."""
+    The block's value is a `CompileCount`: `variants` is how many distinct kernels the calls
+    in the block so far would have launched (each compiled, loaded from Triton's disk cache or
+    found in memory), so that a caller can tell which of its calls met kernels new to the
+    block."""
     if threads < 1:
         raise ValueError(f"threads must be at least 1, got {threads}")
-    previous = compiling_only()
+    previous, previous_count = compiling_only(), getattr(_THREAD, "compile_count", None)
     _THREAD.compile_only = True
+    count = _THREAD.compile_count = CompileCount()
     pool = mode = None
     if (threads > 1 and _async is not None and not _env.triton_interpreter()
             and _async.active_mode.get() is None):
@@ -72,10 +74,10 @@ def compile_only(threads: int = 1):
         token = _async.active_mode.set(mode)  # this thread's (a context variable)
     failed = True
     try:
-        yield CompileCount(mode)
+        yield count
         failed = False
     finally:
-        _THREAD.compile_only = previous
+        _THREAD.compile_only, _THREAD.compile_count = previous, previous_count
         if mode is not None:
             _async.active_mode.reset(token)
             try:  # each compile's kernel into its JIT cache, as Triton's own mode's exit does
@@ -116,7 +118,10 @@ def _start(kernel, grid: tuple, **arguments) -> None:
         else:
             _fast_launch.launch(kernel, grid, arguments)
     elif not interpreter:
-        kernel.warmup(grid=grid, **arguments)
+        # Triton's kernel for these arguments: the same object for every call that specializes
+        # the same within the block (in memory, or the one future of an asynchronous compile).
+        compiled = kernel.warmup(grid=grid, **arguments)
+        _THREAD.compile_count.kernels.setdefault(id(compiled), compiled)
 
 
 def _start_template(support: DeviceSupport, template: _fast_launch.Template, grid: tuple,

@@ -20,20 +20,20 @@ every job, so no job allocates or synchronizes during a capture. A job that fail
 and leaves the compiles to the forward, as without it. The thread is a daemon: an engine that
 fails to start exits without finishing the queue.
 
-A later start runs, of a job an earlier start finished, only the sizes that met kernels new to
-it: running the layer's computation over two thousand sizes costs seconds of Python even when
-every kernel is in Triton's disk cache (11 s for Qwen3-8B's four cases at d70eddb, while vLLM's
-own compile waited), and a few dozen sizes load the same kernels into Triton's in-memory cache,
-so that nothing loads or compiles while serving. When every job is done, each one that compiled
-all its sizes with counted compiles (`compile_only(threads > 1)`) is recorded in the plugin's
-cache directory (`EPILORA_CACHE_DIR`'s `vllm/precompiled/`), its sizes that met new kernels in
-it, under a name made of the case and its sizes, the GPU, the versions and the launch settings
-in force then (the kernels' tables and tuned cache, whole: a case tuned later renames every
-record, and the next start runs every size once more). A job of sizes whose kernels another
-case's job met first lists none of them; every case's job, whole or recorded, runs in the same
-start, so together they meet every kernel. A record is only as good as the versions it names:
-a development install whose code changed without its version gets kernels compiled while the
-engine captures or serves, as without the precompile (delete the folder).
+A later start runs, of a job an earlier start did whole, only the sizes that met kernels new to
+that job: running the layer's computation over two thousand sizes costs seconds of Python even
+when every kernel is in Triton's disk cache (11 s for Qwen3-8B's four cases at d70eddb, while
+vLLM's own compile waited), and a few dozen sizes load the same kernels into Triton's in-memory
+cache, so that nothing loads or compiles while serving. When every job is done, each one that
+compiled all its sizes is recorded in the plugin's cache (`$EPILORA_CACHE_DIR/vllm/precompiled/`,
+by default `~/.cache/epilora/vllm/precompiled/`) with the sizes whose calls met a kernel the job
+had not met before (`compile_only`'s count: kernels found in memory, the tuner's say, count
+too, so a record stands on its own), under a name made of the case and its sizes, the GPU, the
+versions and the launch settings in force then (the kernels' tables and tuned cache, whole: a
+case tuned later renames every record, and the next start runs every size once more). A record
+is only as good as the versions it names: a development install whose code changed without its
+version gets kernels compiled while the engine captures or serves, as without the precompile
+(delete the folder).
 """
 
 import dataclasses
@@ -69,7 +69,7 @@ class _Job:
     run: tuple[int, ...]  # the sizes it runs: `sizes`, or an earlier start's record of them
     recorded: bool  # from a record, or written to one
     compiled: bool = False  # every size of `run` compiled, no error
-    new_kernels: list[int] | None = None  # the sizes that met kernels new to it (None: not counted)
+    new_kernels: list[int] = dataclasses.field(default_factory=list)  # sizes meeting new kernels
 
 
 _jobs: dict[tuple, _Job] = {}  # (a case's key, its sizes) -> its job
@@ -135,7 +135,7 @@ def wait_all() -> None:
     for job in jobs:
         job.done.result()
     for job in jobs:
-        if not job.recorded and job.compiled and job.new_kernels is not None:
+        if not job.recorded and job.compiled:
             job.recorded = True  # written or not, once
             _write_record(job)
 
@@ -154,10 +154,9 @@ def _compile(job: _Job) -> bool:
     new_kernels, counted = [], [0]
 
     def after(tokens: int) -> None:
-        variants = compiles.variants
-        if variants is not None and variants > counted[0]:
+        if compiles.variants > counted[0]:
             new_kernels.append(tokens)
-            counted[0] = variants
+            counted[0] = compiles.variants
 
     try:
         with (torch.cuda.device(job.forward.layer.device),  # a thread's device is 0 until set
@@ -167,7 +166,7 @@ def _compile(job: _Job) -> bool:
         logger.warning("epilora precompile: %s stopped (%s: %s); the forward compiles what is "
                        "left", key, type(e).__name__, str(e)[:300])
         return False
-    job.new_kernels = None if compiles.variants is None else new_kernels
+    job.new_kernels = new_kernels
     logger.info("epilora precompile: %s: the kernels of %d batch sizes (%d-%d tokens%s) in "
                 "%.1f s", key, len(run), run[0], run[-1],
                 f"; {len(job.sizes)} sizes, an earlier start's record" if job.recorded else "",
@@ -176,7 +175,7 @@ def _compile(job: _Job) -> bool:
 
 
 def _record_path(forward, key: tuple, sizes: tuple[int, ...]) -> Path | None:
-    # The record's path (module docstring), or None (said once) where it cannot be named.
+    # The record's path (module docstring), or None (said) where it cannot be named.
     try:
         import triton
 
@@ -207,7 +206,7 @@ def _read_record(forward, key: tuple, sizes: tuple[int, ...]) -> tuple[int, ...]
         if path is None or not path.is_file():
             return None
         run = json.loads(path.read_text())["new_kernels"]
-        if not all(isinstance(tokens, int) and tokens in sizes for tokens in run):
+        if not all(type(tokens) is int and tokens in sizes for tokens in run):
             raise ValueError("sizes outside the job's")
     except (OSError, ValueError, KeyError, TypeError) as e:
         logger.warning("epilora precompile: the record %s is not usable (%s); every size "
@@ -223,7 +222,7 @@ def _write_record(job: _Job) -> None:
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".tmp{os.getpid()}")
+        partial = path.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")
         partial.write_text(json.dumps({"case": repr(job.key), "sizes": [
             job.sizes[0], job.sizes[-1], len(job.sizes)], "new_kernels": job.new_kernels}))
         partial.replace(path)
