@@ -16,14 +16,13 @@ bucket's path).
 
 import json
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from epilora_vllm import _env
+from epilora_vllm import _env, _files
 
 logger = logging.getLogger("vllm.epilora_vllm")
 
@@ -158,10 +157,7 @@ class TimedDispatch:
         # written (a read-only cache directory) costs the next start its timing, not this
         # engine its step: said once, the choices kept in memory.
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(self.choices, indent=1, sort_keys=True))
-            tmp.replace(self.path)
+            _files.write_json(self.path, self.choices, indent=1, sort_keys=True)
         except OSError as e:
             if not self._unwritable:
                 logger.warning("epilora dispatch: cannot write %s (%s): the choices stay in "

@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 import epilora_kernels as ek
-from epilora_vllm import _env
+from epilora_vllm import _env, _files
 
 logger = logging.getLogger("vllm.epilora_vllm")
 
@@ -216,15 +216,12 @@ def _read_record(forward, key: tuple, sizes: tuple[int, ...]) -> tuple[int, ...]
 
 
 def _write_record(job: _Job) -> None:
-    # Named by the settings now, every case tuned, as a later start sees them; atomically.
+    # Named by the settings now, every case tuned, as a later start sees them.
     path = _record_path(job.forward, job.key, job.sizes)
     if path is None:
         return
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")
-        partial.write_text(json.dumps({"case": repr(job.key), "sizes": [
-            job.sizes[0], job.sizes[-1], len(job.sizes)], "new_kernels": job.new_kernels}))
-        partial.replace(path)
+        _files.write_json(path, {"case": repr(job.key), "sizes": [
+            job.sizes[0], job.sizes[-1], len(job.sizes)], "new_kernels": job.new_kernels})
     except OSError as e:  # a read-only cache: every start compiles every size
         logger.warning("epilora precompile: no record of %s (%s)", job.key, e)
