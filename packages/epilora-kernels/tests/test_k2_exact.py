@@ -100,3 +100,24 @@ def test_k2_with_per_channel_scales_equals_reference_bitwise(case):
         want = (codes.float() @ weight.float().T) * w_scale[None, :]
         assert_bitwise_equal(base, want.to(torch.bfloat16), name="per-channel GEMM columns")
         _check_rows(y, base, h, lora, batch, "per-channel K2")
+
+
+@pytest.mark.parametrize("cfg", ["decode-tile", "prefill-tma"])
+def test_fp8_k2_rounds_the_base_before_the_adapter_as_vllms_expand(cfg):
+    # vLLM's LoRA adds the delta to its GEMM's bf16 output; K2 must give the same bits as its
+    # own GEMM followed by the expand. Scales that are not powers of two make the base inexact
+    # in bf16, so that one rounding of base + delta differs (checked, else the test proves
+    # nothing).
+    x, codes, _, weight, w_scale, h, lora, batch = make_integer_problem(
+        4, 70, 64, (32, 16, 16), 16, 8, "one_token_each")
+    scales = torch.rand(codes.shape[0], 1, generator=torch.Generator().manual_seed(4)) + 0.1
+    k2 = K2_CONFIGS[cfg]
+    y = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2)
+    base = fused.fp8_gemm(codes, scales, weight, w_scale, config=k2)
+    assert_bitwise_equal(y, fused.lora_expand(base.clone(), h, lora, batch, config=k2),
+                         name="K2 vs GEMM then expand")
+    assert_bitwise_equal(y, reference.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora,
+                                                    batch), name="K2 vs reference")
+    exact_base = scales * (w_scale * (codes.float() @ weight.float().T))
+    once = (exact_base.double() + exact_lora_delta(h, lora, batch)).to(torch.bfloat16)
+    assert not torch.equal(once, y), "the case does not tell one rounding from two"

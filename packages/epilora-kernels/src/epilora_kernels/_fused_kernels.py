@@ -154,7 +154,20 @@ def _b_step(b_base, slot, b_stride, n, n_mask, slice_begin, slice_end, R, rr):
 
 
 @triton.jit
-def _h_bf16(h_ptr, tok, rows, s, T, R, r, NUM_SLICES: tl.constexpr, H_PLANES: tl.constexpr):
+def _to_bf16(x, INTERPRETER: tl.constexpr):
+    # fp32 -> bf16, rounded to nearest even as the GPU's cvt.rn does. Triton's interpreter
+    # truncates instead, so there the bits are rounded first (finite values; the truncation
+    # that follows is then exact).
+    if INTERPRETER:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _h_bf16(h_ptr, tok, rows, s, T, R, r, NUM_SLICES: tl.constexpr, H_PLANES: tl.constexpr,
+            INTERPRETER: tl.constexpr):
     # bf16(h) of slice s for the tile's tokens (`rows` masks them) at rank columns r, its
     # planes summed in a fixed order (deterministic; plane 0 first, so one plane is exact).
     mask = rows[:, None] & (r[None, :] < R)
@@ -163,7 +176,7 @@ def _h_bf16(h_ptr, tok, rows, s, T, R, r, NUM_SLICES: tl.constexpr, H_PLANES: tl
     for split in tl.static_range(1, H_PLANES):
         plane = h_ptr + ((split * NUM_SLICES + s) * T + tok[:, None]).to(tl.int64) * R
         total += tl.load(plane + r[None, :], mask=mask, other=0.0)
-    return total.to(tl.bfloat16)
+    return _to_bf16(total, INTERPRETER)
 
 
 @triton.jit
@@ -518,6 +531,12 @@ def _lora_gemm_kernel(
     elif MODE == 1:
         acc = w_scale * acc
 
+    if HAS_LORA and MODE == 0:
+        # vLLM's LoRA adds the adapters to its FP8 GEMM's bf16 output (the expand's
+        # add_inputs): the base rounded first, so that served answers are stock's. W8A16
+        # (MODE 1) keeps one rounding, the trainer's arithmetic (epilora_rl.reference); the
+        # expand (MODE 2) loaded a bf16 base.
+        acc = _to_bf16(acc, INTERPRETER).to(tl.float32)
     if HAS_LORA:
         b_stride = (slice_end - slice_begin) * R  # one slot's slice of B
         if R_CHUNK > 0 and R_CHUNK < BLOCK_R and ENTRIES_BLOCK > 2:
@@ -528,7 +547,8 @@ def _lora_gemm_kernel(
             steps: tl.constexpr = BLOCK_R // R_CHUNK
             for step in tl.static_range(steps):
                 rr = step * R_CHUNK + tl.arange(0, R_CHUNK)
-                hs = _h_bf16(h_ptr, tok, pos_mask, s, T, R, rr, NUM_SLICES, H_PLANES)
+                hs = _h_bf16(h_ptr, tok, pos_mask, s, T, R, rr, NUM_SLICES, H_PLANES,
+                             INTERPRETER)
                 for z in range(z_first, z_last + 1):
                     slot = tl.load(lora_ids_ptr + z)
                     in_seg = ((pos >= tl.load(start_ptr + z))
@@ -545,7 +565,8 @@ def _lora_gemm_kernel(
                     rr = step * R_CHUNK + tl.arange(0, R_CHUNK)
                     bt = _b_step(b_base, first_slot, b_stride, n, n_mask, slice_begin,
                                  slice_end, R, rr)
-                    hz = _h_bf16(h_ptr, tok, in_seg, s, T, R, rr, NUM_SLICES, H_PLANES)
+                    hz = _h_bf16(h_ptr, tok, in_seg, s, T, R, rr, NUM_SLICES, H_PLANES,
+                                 INTERPRETER)
                     acc = _dot_acc(acc, hz, bt, INTERPRETER)
         elif ENTRIES_BLOCK > 2:
             # Several slots: a tile may meet many segments (32 adapters at 128 tokens, 16 per
@@ -553,7 +574,7 @@ def _lora_gemm_kernel(
             # B masked to zero for tokens without an adapter), so Triton's pipeliner keeps
             # num_stages - 1 segments' slices of B in flight.
             hb = _h_bf16(h_ptr, tok, pos_mask, s, T, R, tl.arange(0, BLOCK_R), NUM_SLICES,
-                         H_PLANES)
+                         H_PLANES, INTERPRETER)
             for z in range(z_first, z_last + 1):
                 slot = tl.load(lora_ids_ptr + z)
                 in_seg = (pos >= tl.load(start_ptr + z)) & (pos < tl.load(start_ptr + z + 1))
@@ -562,7 +583,7 @@ def _lora_gemm_kernel(
                 acc = _add_rows(acc, hb, in_seg, bt, INTERPRETER)
         else:  # one slot: at most one segment with an adapter
             hb = _h_bf16(h_ptr, tok, pos_mask, s, T, R, tl.arange(0, BLOCK_R), NUM_SLICES,
-                         H_PLANES)
+                         H_PLANES, INTERPRETER)
             if not B_IN_REGS and first_slot >= 0:  # B's load waits on no load of the slot
                 bt = tl.load(first_b + b_offs, mask=b_mask, other=0.0)
                 acc = _add_rows(acc, hb, (pos >= first_begin) & (pos < first_end), bt,
@@ -583,5 +604,5 @@ def _lora_gemm_kernel(
                                          mask=b_mask, other=0.0)
                         acc = _add_rows(acc, hb, (pos >= seg_begin) & (pos < seg_end), bt,
                                         INTERPRETER)
-    tl.store(y_tile, acc.to(tl.bfloat16), mask=out_mask)
+    tl.store(y_tile, _to_bf16(acc, INTERPRETER), mask=out_mask)
     _stamp(trace_ptr, 4, TRACE)

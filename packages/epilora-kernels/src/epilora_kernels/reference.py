@@ -9,9 +9,11 @@ Arithmetic (the contract the kernels keep):
 * the FP8 GEMM accumulates in fp32 and scales as vLLM's CUTLASS epilogue,
   `x_scale * (w_scale * acc)`, with one weight scale or one per output channel; the W8A16 GEMM
   widens the FP8 weight to bf16 (exact) and multiplies bf16 activations;
-* the up-projection rounds h to bf16 (as vLLM's expand does), multiplies by bf16 B in fp32 and
-  adds that fp32 delta to the fp32 GEMM result before the single rounding to bf16 (vLLM adds two
-  bf16 values instead, so its result can differ in the last bit: ours is the more accurate one).
+* the up-projection rounds h to bf16 (as vLLM's expand does) and multiplies by bf16 B in fp32;
+  the FP8 paths add that fp32 delta to the GEMM's result rounded to bf16 and round again, as
+  vLLM's expand adds into its GEMM's bf16 output (so that served answers are stock's); the
+  W8A16 path adds it to the fp32 GEMM result before one rounding (the trainer's arithmetic,
+  epilora_rl.reference).
 """
 
 import torch
@@ -86,9 +88,9 @@ def lora_fp8_gemm(
     lora: LoraWeights,
     batch: AdapterBatch,
 ) -> torch.Tensor:
-    """K2: bf16 `[T, N]` = x_scale * (w_scale * codes @ weight^T) + bf16(h) @ B^T, rounded once."""
+    """K2: bf16 `[T, N]` = bf16(x_scale * (w_scale * codes @ weight^T)) + bf16(h) @ B^T."""
     acc = codes.float() @ weight.float().T
-    base = scales.float() * (_w_scale(weight_scale) * acc)
+    base = (scales.float() * (_w_scale(weight_scale) * acc)).to(torch.bfloat16).float()
     return (base + _lora_delta(h, lora, batch, codes.shape[0])).to(torch.bfloat16)
 
 

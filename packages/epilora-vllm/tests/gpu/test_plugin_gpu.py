@@ -88,7 +88,7 @@ def test_timed_dispatch_chooses_per_shape_and_bucket_then_a_later_start_times_no
     assert generate(again, requests) == mixed
 
 
-def test_precompile_compiles_our_kernels_before_the_capture_and_answers_the_same(
+def test_precompile_compiles_our_kernels_before_the_capture_and_a_later_start_on_its_records(
         checkpoints, graphed, monkeypatch, tmp_path):
     # EPILORA_VLLM_PRECOMPILE=1 with the kernels' in-memory caches emptied (the engines above
     # compiled these shapes): while the engine starts, the precompile thread compiles our two
@@ -96,7 +96,11 @@ def test_precompile_compiles_our_kernels_before_the_capture_and_answers_the_same
     # included) compiles none of them (had the thread compiled other variants than the capture
     # launches, the capture would compile them); one job per projection shape, all done and
     # recorded; the answers are the graphed engine's. vLLM's profiling run (dummy adapters at
-    # its largest batch, a size the jobs leave out) may compile in the main thread.
+    # its largest batch, a size the jobs leave out) may compile in the main thread. Then a
+    # second engine, the in-memory caches emptied again (a new process's), on the first's
+    # records: each job runs only the sizes its record names, the capture still compiles
+    # nothing of ours (what the other sizes need was loaded with those), nor does serving
+    # compile anything the first engine did not, and the answers are the same.
     import threading
 
     import triton
@@ -146,6 +150,24 @@ def test_precompile_compiles_our_kernels_before_the_capture_and_answers_the_same
     assert ahead == names, started
     assert not [c for c in started if c[3] == "capture"], started
     assert generate(llm, requests) == want
+    served_first = compiles[len(started):]
+    del llm
+
+    compiles.clear()
+    phase[0] = "start"
+    for kernel in kernels:
+        kernel.device_caches.clear()
+    precompile._jobs.clear()
+    again = engine(checkpoints["fp8"])
+    assert phase == ["started"], "the second engine captured no graphs"
+    jobs = list(precompile._jobs.values())
+    assert len(jobs) == 4 and all(job.done.done() and job.compiled for job in jobs)
+    assert all(job.recorded and len(job.run) < len(job.sizes) for job in jobs), [
+        (job.key, len(job.run), len(job.sizes), job.recorded) for job in jobs]
+    started_again = list(compiles)
+    assert not [c for c in started_again if c[3] == "capture"], started_again
+    assert generate(again, requests) == want
+    assert len(compiles) - len(started_again) <= len(served_first), (compiles, served_first)
 
 
 @pytest.fixture(scope="module")
