@@ -157,9 +157,9 @@ def _b_step(b_base, slot, b_stride, n, n_mask, slice_begin, slice_end, R, rr):
 def _to_bf16(x, INTERPRETER: tl.constexpr):
     # fp32 -> bf16, rounded to nearest even as the GPU's cvt.rn does. Triton's interpreter
     # truncates instead, so there the bits are rounded first (finite values; the truncation
-    # that follows is then exact).
+    # that follows is then exact). A bf16 `x` (a bf16 h's planes) passes through unchanged.
     if INTERPRETER:
-        bits = x.to(tl.uint32, bitcast=True)
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         x = bits.to(tl.float32, bitcast=True)
     return x.to(tl.bfloat16)
@@ -355,7 +355,10 @@ def _quantize_shrink_kernel(
             return
     if X_CODES:  # once, on the summed rows: the same bits at every split
         acc = acc * tl.load(scales_ptr + tok, mask=row_mask, other=0.0)[:, None]
-    tl.store(h_tile, acc.to(h_ptr.dtype.element_ty), mask=h_mask)
+    if H_BF16:  # rounded as K2 rounds an fp32 h: the same bits either way
+        tl.store(h_tile, _to_bf16(acc, INTERPRETER), mask=h_mask)
+    else:
+        tl.store(h_tile, acc, mask=h_mask)
     _stamp(trace_ptr, 1, TRACE)
 
 
