@@ -18,9 +18,11 @@ Run `tools/serve_demo.py` first (it makes the checkpoints and adapters under `--
     python3 benchmarks/equivalence.py --root ~/.cache/epilora/serve-demo \
         --out results/h200/equivalence.json
 
-`--collect LOG_DIR ...` runs no engine: the result file from the engines' logs, a later
-folder's log of a base and system replacing an earlier one's (the engines of a run cut off by
-its time limit, or of several device calls, in one file).
+`--collect RUN_DIR ...` runs no engine: the result file from the engines' logs, each folder one
+run (its engines' logs, e.g. of several device calls while the machine kept the demo's files),
+named by the folder. Systems are paired within a run only: the demo trains its adapters afresh
+on the GPU in every run, and stock's answers of two runs were not all the same
+(results/h200/equivalence-logs/96d2a0d and 4b45e7b).
 """
 
 import argparse
@@ -112,7 +114,7 @@ LOG_NAME = re.compile(rf"equivalence-(?P<base>{'|'.join(BASES)})-"
 def print_pairs(rows: list) -> None:
     for r in rows:
         if r["metric"] == "same_greedy_outputs":
-            print(f"{r['base']:15} {r['system']:16} vs {r['against']:16} "
+            print(f"{r.get('run', ''):8} {r['base']:15} {r['system']:16} vs {r['against']:18} "
                   f"{r['value']:2} of {r['n']}")
 
 
@@ -120,17 +122,27 @@ def log_name(base: str, system: str) -> str:
     return f"equivalence-{base}-{system}.log"
 
 
-def collect(log_dirs: list[Path]) -> dict:
-    """{(base, system): the engine's result} from every engine log under `log_dirs` that has
-    one (a later directory's log of a base and system replacing an earlier one's)."""
+def collect(run_dir: Path) -> dict:
+    """{(base, system): the engine's result} from every engine log in one run's folder that
+    has one (an engine cut off by its time limit has none)."""
     results = {}
-    for directory in log_dirs:
-        for path in sorted(Path(directory).glob("equivalence-*.log")):
-            match = LOG_NAME.search(path.name)
-            found = results_of(path.read_text()) if match else []
-            if found:
-                results[(match["base"], match["system"])] = found[0]
+    for path in sorted(Path(run_dir).glob("equivalence-*.log")):
+        match = LOG_NAME.search(path.name)
+        found = results_of(path.read_text()) if match else []
+        if found:
+            results[(match["base"], match["system"])] = found[0]
     return results
+
+
+def collect_runs(run_dirs: list[Path]) -> tuple[list, dict]:
+    """`result_rows` of each run's folder, every row marked with its run (the folder's name);
+    the environment of the last run that has one."""
+    rows, env = [], {}
+    for run_dir in run_dirs:
+        run_rows, run_env = result_rows(collect(run_dir))
+        rows += [{**row, "run": Path(run_dir).name} for row in run_rows]
+        env = run_env or env
+    return rows, env
 
 
 def result_rows(results: dict) -> tuple[list, dict]:
@@ -162,8 +174,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=5, help="engines at once on the GPU")
     parser.add_argument("--timeout", type=int, default=400, help="seconds per engine")
     parser.add_argument("--logs", default="/tmp/epilora-equivalence")
-    parser.add_argument("--collect", nargs="+", default=None, metavar="LOG_DIR",
-                        help="run no engine: the result file from these folders' engine logs")
+    parser.add_argument("--collect", nargs="+", default=None, metavar="RUN_DIR",
+                        help="run no engine: the result file from these runs' engine logs")
     parser.add_argument("--out", default=None)
     parser.add_argument("--git-sha", default=None)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -174,15 +186,15 @@ def main() -> None:
         return worker(args)
     kill_workers_on_term()
     if args.collect:
-        rows, env = result_rows(collect([Path(d) for d in args.collect]))
+        rows, env = collect_runs([Path(d) for d in args.collect])
         print_pairs(rows)
         if args.out:
             write(args.out, args.git_sha, "python3 benchmarks/equivalence.py --collect "
-                  "(the engines' logs of these runs: " + ", ".join(
-                      sorted({Path(d).name for d in args.collect})) + ")", rows, env)
+                  "(the engines' logs of the runs " + ", ".join(
+                      Path(d).name for d in args.collect) + ")", rows, env)
         return None
     if not args.root:
-        parser.error("--root is required to run engines (or --collect LOG_DIR ...)")
+        parser.error("--root is required to run engines (or --collect RUN_DIR ...)")
     for tenant in TENANTS:
         if not (Path(args.root) / tenant / "adapter_config.json").exists():
             sys.exit(f"{args.root}/{tenant}: no adapter (run tools/serve_demo.py first)")

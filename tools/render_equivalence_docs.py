@@ -1,6 +1,7 @@
 """Render docs/benchmarks/equivalence.md from benchmarks/results/h200/equivalence.json (if it
-exists): per FP8 base, how many of the 16 requests each pair of systems answers with identical
-greedy tokens, the plugin's against stock's LoRA path judged by the plugin issue's bound.
+exists): per run and FP8 base, how many of the 16 requests each pair of the run's systems
+answers with identical greedy tokens, the plugin's against stock's LoRA path judged by the
+plugin issue's bound.
 
     python tools/render_equivalence_docs.py
 """
@@ -12,6 +13,30 @@ ROOT = Path(__file__).parents[1]
 SOURCE = ROOT / "benchmarks/results/h200/equivalence.json"
 PAGE = ROOT / "docs/benchmarks/equivalence.md"
 AT_LEAST = 14  # of 16: the plugin issue's bound against stock's LoRA path
+
+
+def _run_lines(run: str, rows: list, reference: str, heading: str) -> list[str]:
+    # One run's pairs, base by base, and its plugin rows judged against stock's LoRA path.
+    lines = [] if heading == "##" else [f"## Run {run}", ""]
+    for base in dict.fromkeys(r["base"] for r in rows):
+        pairs = [r for r in rows if r["base"] == base and r["metric"] == "same_greedy_outputs"]
+        lines += [f"{heading} {base}", "",
+                  "| system | against | identical | first difference (request: token) |",
+                  "|---|---|---|---|"]
+        for r in pairs:
+            where = [f"{i}: {w}" for i, w in enumerate(r["first_difference"]) if w is not None]
+            lines.append(f"| {r['system']} | {r['against']} | {r['value']} of {r['n']} | "
+                         f"{', '.join(where) or '-'} |")
+        ours = [r for r in pairs if r["system"].startswith("epilora")
+                and r["against"] == reference]
+        lines.append("")
+        for r in ours:
+            met = r["value"] >= AT_LEAST
+            lines.append(f"- {r['system']} against stock's LoRA path ({reference}): "
+                         f"**{r['value']} of {r['n']}** identical (target at least {AT_LEAST}: "
+                         f"{'met' if met else 'not met'}).")
+        lines.append("")
+    return lines
 
 
 def main() -> None:
@@ -34,29 +59,21 @@ def main() -> None:
         f"{len(meta['tenants'])}), 64 greedy tokens. *identical*: on how many requests the two "
         "systems' tokens are identical; *first difference*: for each other request, its index "
         "and the first token position where the two differ.", ""]
-    for base in dict.fromkeys(r["base"] for r in rows):
-        pairs = [r for r in rows if r["base"] == base and r["metric"] == "same_greedy_outputs"]
-        lines += [f"## {base}", "",
-                  "| system | against | identical | first difference (request: token) |",
-                  "|---|---|---|---|"]
-        for r in pairs:
-            where = [f"{i}: {w}" for i, w in enumerate(r["first_difference"]) if w is not None]
-            lines.append(f"| {r['system']} | {r['against']} | {r['value']} of {r['n']} | "
-                         f"{', '.join(where) or '-'} |")
-        ours = [r for r in pairs if r["system"].startswith("epilora")
-                and r["against"] == reference]
-        lines.append("")
-        for r in ours:
-            met = r["value"] >= AT_LEAST
-            lines.append(f"- {r['system']} against stock's LoRA path ({reference}): "
-                         f"**{r['value']} of {r['n']}** identical (target at least {AT_LEAST}: "
-                         f"{'met' if met else 'not met'}).")
-        lines.append("")
-    texts = {(r["base"], r["system"]): r["texts"] for r in rows if r["metric"] == "texts"}
+    runs = list(dict.fromkeys(r.get("run", meta["git_sha"]) for r in rows))
+    if len(runs) > 1:
+        lines += [f"{len(runs)} runs ({', '.join(runs)}, each named by its commit), each "
+                  "pairing only its own systems: the serving demo trains its adapters afresh in "
+                  "every run, so two runs' answers are not compared.", ""]
+    for run in runs:
+        run_rows = [r for r in rows if r.get("run", meta["git_sha"]) == run]
+        lines += _run_lines(run, run_rows, reference, heading="##" if len(runs) == 1 else "###")
+    texts = {(r["base"], r["system"]): r["texts"] for r in rows
+             if r["metric"] == "texts" and r.get("run", meta["git_sha"]) == runs[-1]}
     first = next(iter(texts.items()), None)
     if first:
         (base, system), answers = first
-        lines += [f"Answers of {system} on {base} (the first four, one per tenant):", ""]
+        lines += [f"Answers of {system} on {base} in run {runs[-1]} (the first four, one per "
+                  "tenant):", ""]
         for question, tenant, text in zip(meta["questions"][:4], meta["tenants"], answers,
                                           strict=False):
             lines.append(f"- *{tenant}*, {question} {' '.join(text.split())[:160]}")

@@ -28,7 +28,7 @@ def test_pair_rows_count_identical_requests_for_every_pair_that_finished():
     assert rows[("epilora", "vllm-eager")]["value"] == 3
 
 
-def test_collect_merges_the_engines_logs_of_two_runs_the_later_replacing_the_earlier(tmp_path):
+def test_collect_pairs_systems_within_each_run_only(tmp_path):
     import json
 
     def log(tokens):
@@ -43,10 +43,16 @@ def test_collect_merges_the_engines_logs_of_two_runs_the_later_replacing_the_ear
     (first / name("fp8-online", "vllm-default")).write_text(log([[1], [2]]))
     (first / name("fp8-online", "vllm-eager")).write_text("a run cut off: no RESULT\n")
     (second / name("fp8-online", "epilora")).write_text(log([[1], [2]]))
-    results = EQUIVALENCE["collect"]([first, second])
-    assert set(results) == {("fp8-online", "epilora"), ("fp8-online", "vllm-default")}
-    rows, env = EQUIVALENCE["result_rows"](results)
-    (pair,) = [r for r in rows if r["metric"] == "same_greedy_outputs"]
-    assert (pair["system"], pair["against"], pair["value"], pair["n"]) == (
-        "epilora", "vllm-default", 2, 2)
+    (second / name("fp8-online", "vllm-dual-stream")).write_text(log([[1], [2]]))
+    assert set(EQUIVALENCE["collect"](first)) == {("fp8-online", "epilora"),
+                                                  ("fp8-online", "vllm-default")}
+    rows, env = EQUIVALENCE["collect_runs"]([first, second])
+    pairs = {(r["run"], r["system"], r["against"]): r["value"] for r in rows
+             if r["metric"] == "same_greedy_outputs"}
+    # aaa's epilora against aaa's stock (1 of 2), bbb's against bbb's (2 of 2): never across
+    assert pairs == {("aaa", "epilora", "vllm-default"): 1,
+                     ("bbb", "epilora", "vllm-dual-stream"): 2}
+    texts = [(r["run"], r["system"]) for r in rows if r["metric"] == "texts"]
+    assert texts == [("aaa", "epilora"), ("aaa", "vllm-default"), ("bbb", "epilora"),
+                     ("bbb", "vllm-dual-stream")]
     assert env["gpu"] == "NVIDIA H200"

@@ -40,8 +40,9 @@
 #           benchmarks/equivalence.py $EQUIVALENCE_ARGS on its checkpoints and adapters
 #           -> $OUT/equivalence.json, engine logs in $OUT/equivalence-logs/ (SmolLM2 and the
 #           wheels staged as for rl-accuracy; the demo and all twelve engines take about ten
-#           minutes, so split them over calls with EQUIVALENCE_ARGS="--systems ..." and merge
-#           the calls' logs with `equivalence.py --collect`)                EQUIVALENCE_TIMEOUT
+#           minutes, so split them over calls held one after another (the demo's files stay)
+#           with EQUIVALENCE_ARGS="--systems ...", their logs in one folder per run for
+#           `equivalence.py --collect`)                                    EQUIVALENCE_TIMEOUT
 #   serving benchmarks/serving.py $SERVING_ARGS -> $OUT/serving.json, engine logs in
 #           $OUT/serving-logs/ (`--scenarios start`: each system's first start on empty caches
 #           of its own, then a later one)                                     SERVING_TIMEOUT
