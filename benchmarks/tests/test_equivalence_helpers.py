@@ -4,6 +4,8 @@ import runpy
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).parents[1]
 sys.path.insert(0, str(BENCHMARKS))  # the script imports the serving benchmark's helpers
 EQUIVALENCE = runpy.run_path(str(BENCHMARKS / "equivalence.py"))
@@ -56,3 +58,12 @@ def test_collect_pairs_systems_within_each_run_only(tmp_path):
     assert texts == [("aaa", "epilora"), ("aaa", "vllm-default"), ("bbb", "epilora"),
                      ("bbb", "vllm-dual-stream")]
     assert env["gpu"] == "NVIDIA H200"
+
+
+def test_collect_refuses_a_folder_without_results_and_two_runs_of_one_name(tmp_path):
+    (tmp_path / "a" / "run").mkdir(parents=True)
+    (tmp_path / "b" / "run").mkdir(parents=True)
+    with pytest.raises(ValueError, match="no engine log"):
+        EQUIVALENCE["collect_runs"]([tmp_path / "a" / "run"])
+    with pytest.raises(ValueError, match="two runs of one name"):
+        EQUIVALENCE["collect_runs"]([tmp_path / "a" / "run", tmp_path / "b" / "run"])

@@ -154,3 +154,35 @@ def vllm_layout_batch(mapping: torch.Tensor, max_loras: int) -> AdapterBatch:
     device = mapping.device
     return AdapterBatch(mapping.to(torch.int32), order.to(device), ids.to(device),
                         counts.to(device), start.to(device))
+
+
+def check_k2_adds_the_adapters_as_vllms_expand(k2_config, *, seed, tokens, widths, device="cpu"):
+    """K2 (FP8), and the hybrid path's expand on K2's GEMM alone, against that GEMM followed by
+    vLLM's own expand (its CPU op, `vllm_oracles.lora_expand_cpu`), bit for bit: vLLM rounds
+    each delta to bf16 and adds it to its GEMM's bf16 output. Integer operands keep every fp32
+    sum exact; per-token scales that are not powers of two make the base inexact in bf16, and h
+    up to 80 the delta (sums past 256): one rounding of base + delta, or the fp32 delta added
+    to the bf16 base, then differ from vLLM's (checked, else the case proves nothing)."""
+    from epilora_kernels import fused, reference
+    from epilora_testing import assert_bitwise_equal, vllm_oracles
+
+    _, codes, _, weight, w_scale, h, lora, batch = make_integer_problem(
+        seed, tokens, 64, widths, 16, 8, "one_token_each", device=device)
+    gen = torch.Generator().manual_seed(seed)
+    scales = (torch.rand(tokens, 1, generator=gen) + 0.1).to(device)
+    h = h * torch.randint(20, 41, h.shape, generator=gen).float().to(device)
+    y = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2_config)
+    base = fused.fp8_gemm(codes, scales, weight, w_scale, config=k2_config)
+    want = vllm_oracles.lora_expand_cpu(base.cpu().clone(), h[0].cpu(),
+                                        tuple(b.cpu() for b in lora.lora_b),
+                                        batch.token_lora_mapping.cpu())
+    assert_bitwise_equal(y.cpu(), want, name="K2 vs its GEMM then vLLM's expand")
+    ours = fused.lora_expand(base.clone(), h, lora, batch, config=k2_config)
+    assert_bitwise_equal(ours.cpu(), want, name="the hybrid expand vs vLLM's")
+    assert_bitwise_equal(reference.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch)
+                         .cpu(), want, name="the reference vs vLLM's")
+    delta = exact_lora_delta(h, lora, batch)
+    exact_base = (scales * (w_scale * (codes.float() @ weight.float().T))).double().cpu()
+    for name, other in (("one rounding", exact_base + delta),
+                        ("an fp32 delta", base.double().cpu() + delta)):
+        assert not torch.equal(other.to(torch.bfloat16), want), f"{name} gives vLLM's bits too"

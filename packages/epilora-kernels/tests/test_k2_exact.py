@@ -9,7 +9,11 @@ import torch
 from epilora_kernels import LaunchConfig, fused, reference
 from epilora_testing import assert_bitwise_equal
 
-from kernel_cases import exact_lora_delta, make_integer_problem
+from kernel_cases import (
+    check_k2_adds_the_adapters_as_vllms_expand,
+    exact_lora_delta,
+    make_integer_problem,
+)
 
 K2_CONFIGS = {
     "decode-tile": LaunchConfig(block_m=16, block_n=16, block_k=32, block_r=16, num_stages=2),
@@ -102,22 +106,25 @@ def test_k2_with_per_channel_scales_equals_reference_bitwise(case):
         _check_rows(y, base, h, lora, batch, "per-channel K2")
 
 
+@pytest.mark.vllm
+@pytest.mark.parametrize("cfg", ["decode-tile", "split-k", "prefill-tma", "rank-steps"])
+def test_fp8_k2_adds_the_adapters_as_vllms_expand(cfg):
+    check_k2_adds_the_adapters_as_vllms_expand(K2_CONFIGS[cfg], seed=4, tokens=70,
+                                               widths=(32, 16, 16))
+
+
 @pytest.mark.parametrize("cfg", ["decode-tile", "prefill-tma"])
-def test_fp8_k2_rounds_the_base_before_the_adapter_as_vllms_expand(cfg):
-    # vLLM's LoRA adds the delta to its GEMM's bf16 output; K2 must give the same bits as its
-    # own GEMM followed by the expand. Scales that are not powers of two make the base inexact
-    # in bf16, so that one rounding of base + delta differs (checked, else the test proves
-    # nothing).
-    x, codes, _, weight, w_scale, h, lora, batch = make_integer_problem(
-        4, 70, 64, (32, 16, 16), 16, 8, "one_token_each")
-    scales = torch.rand(codes.shape[0], 1, generator=torch.Generator().manual_seed(4)) + 0.1
-    k2 = K2_CONFIGS[cfg]
-    y = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2)
-    base = fused.fp8_gemm(codes, scales, weight, w_scale, config=k2)
-    assert_bitwise_equal(y, fused.lora_expand(base.clone(), h, lora, batch, config=k2),
-                         name="K2 vs GEMM then expand")
-    assert_bitwise_equal(y, reference.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora,
-                                                    batch), name="K2 vs reference")
-    exact_base = scales * (w_scale * (codes.float() @ weight.float().T))
-    once = (exact_base.double() + exact_lora_delta(h, lora, batch)).to(torch.bfloat16)
-    assert not torch.equal(once, y), "the case does not tell one rounding from two"
+def test_w8a16_k2_adds_the_adapters_before_one_rounding(cfg):
+    # The trainer's arithmetic: w_scale * acc + delta in fp32, one rounding. A weight scale that
+    # is not a power of two makes the base inexact in bf16, so the FP8 paths' two roundings
+    # differ (checked). Here only: the interpreter's dot adds the delta to the accumulator in
+    # one addition, as the reference does (the rank whole, no rank steps); an MMA need not.
+    x, _, _, weight, _, h, lora, batch = make_integer_problem(
+        6, 21, 96, (16, 32), 8, 3, "reversed_runs")
+    w_scale = torch.tensor([0.37])
+    y = fused.lora_w8a16_gemm(x, weight, w_scale, h * 37, lora, batch, config=K2_CONFIGS[cfg])
+    want = reference.lora_w8a16_gemm(x, weight, w_scale, h * 37, lora, batch)
+    assert_bitwise_equal(y, want, name="W8A16 K2 vs reference")
+    base = w_scale * (x.float() @ weight.to(torch.bfloat16).float().T)
+    twice = (base.to(torch.bfloat16).double() + exact_lora_delta(h * 37, lora, batch))
+    assert not torch.equal(twice.to(torch.bfloat16), want), "two roundings give its bits too"

@@ -13,14 +13,16 @@ they finished, for the K2 that runs beside them.
 vLLM's CUTLASS epilogue, `x_scale * (w_scale * acc)`, with one weight scale or one per output
 channel (`W_SCALE_PER_CHANNEL`); MODE 1: W8A16 (FP8 weight widened to bf16 in registers); MODE 2: no
 GEMM, the tile starts from an existing output (the hybrid path's expand). Tiles of 64 rows or
-more (`W_TMA`) read the weight tile through a TMA descriptor (`w_desc`). Its epilogue adds
+more (`W_TMA`) read the weight tile through a TMA descriptor (`w_desc`). Its epilogue sums
 `bf16(h) B_slot^T` for each adapter segment that meets the tile, reading only the tile's columns
-of B, and writes the bf16 tile once. In the fused path with PDL (`WAIT_K1_FIRST`) it is
-launched as K1's programmatic dependent only to hide its launch, and waits for all of K1
-before its K loop. In the decode path (`USE_PDL`, `WAIT_CODES`) it is K1's
-programmatic dependent: it waits for K1's count of quantized rows before its K loop (prefetching
-the first `WARM_L2` bytes of its weight rows into L2 meanwhile), streams its weights while K1's
-shrink runs, and waits for all of K1 (`gdc_wait`) only before its epilogue.
+of B, and writes the bf16 tile once: in MODEs 0 and 2 as vLLM's expand adds into its GEMM's
+output, `bf16(bf16(base) + bf16(delta))`; in MODE 1 rounded once, `bf16(base + delta)`. In
+the fused path with PDL (`WAIT_K1_FIRST`) it is launched as K1's programmatic dependent only to
+hide its launch, and waits for all of K1 before its K loop. In the decode path (`USE_PDL`,
+`WAIT_CODES`) it is K1's programmatic dependent: it waits for K1's count of quantized rows
+before its K loop (prefetching the first `WARM_L2` bytes of its weight rows into L2
+meanwhile), streams its weights while K1's shrink runs, and waits for all of K1 (`gdc_wait`)
+only before its epilogue.
 With `SPLIT_K` > 1 the K loop is split over programs and the last split of each tile reduces in
 a fixed order. Counters (split-K tiles, the decode path's counts) are zero at rest
 (epilora_kernels.workspace): whoever arrives last resets them.
@@ -29,10 +31,11 @@ a fixed order. Counters (split-K tiles, the decode path's counts) are zero at re
 its SM and global clock at its start, after each wait and at its end; it is compiled out
 otherwise (checked in tests/test_compile_sm90.py).
 
-`INTERPRETER` works around two bugs of Triton's CPU interpreter: its bf16 arithmetic (bf16 dots
-become fp32 dots; h is still rounded to bf16 first) and its fp32 -> e4m3 cast, which loses the
-carry when rounding overflows the mantissa (1.9 * 64 became 64.0 instead of 128.0); there the
-cast is done by integer arithmetic, round to nearest even exactly as the hardware's `cvt.rn`.
+`INTERPRETER` works around three bugs of Triton's CPU interpreter: its bf16 arithmetic (bf16
+dots become fp32 dots; h is still rounded to bf16 first), its fp32 -> bf16 cast, which truncates
+(`_to_bf16` rounds the bits first), and its fp32 -> e4m3 cast, which loses the carry when
+rounding overflows the mantissa (1.9 * 64 became 64.0 instead of 128.0); there the casts are
+done by integer arithmetic, round to nearest even exactly as the hardware's `cvt.rn`.
 """
 
 import triton
@@ -156,12 +159,14 @@ def _b_step(b_base, slot, b_stride, n, n_mask, slice_begin, slice_end, R, rr):
 @triton.jit
 def _to_bf16(x, INTERPRETER: tl.constexpr):
     # fp32 -> bf16, rounded to nearest even as the GPU's cvt.rn does. Triton's interpreter
-    # truncates instead, so there the bits are rounded first (finite values; the truncation
-    # that follows is then exact). A bf16 `x` (a bf16 h's planes) passes through unchanged.
+    # truncates instead, so there the bits are rounded first (normal values and infinities;
+    # the truncation that follows is then exact; NaNs pass as they are). A bf16 `x` (a bf16
+    # h's planes) passes through unchanged.
     if INTERPRETER:
-        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        x = x.to(tl.float32)
+        bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
+        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
     return x.to(tl.bfloat16)
 
 
@@ -534,12 +539,20 @@ def _lora_gemm_kernel(
     elif MODE == 1:
         acc = w_scale * acc
 
-    if HAS_LORA and MODE == 0:
-        # vLLM's LoRA adds the adapters to its FP8 GEMM's bf16 output (the expand's
-        # add_inputs): the base rounded first, so that served answers are stock's. W8A16
-        # (MODE 1) keeps one rounding, the trainer's arithmetic (epilora_rl.reference); the
-        # expand (MODE 2) loaded a bf16 base.
-        acc = _to_bf16(acc, INTERPRETER).to(tl.float32)
+    if HAS_LORA and MODE != 1:
+        # As vLLM's expand (do_expand_kernel, add_inputs): the delta summed from zero, rounded
+        # to bf16, then added to the GEMM's bf16 output (the expand's MODE 2 loaded it), so
+        # that served answers are stock's up to the base's own sums. W8A16 (MODE 1) adds the
+        # fp32 delta before one rounding, the trainer's arithmetic (epilora_rl.reference).
+        if BLOCK_M >= 64:
+            # A second tile in registers beside the delta's spilled the 64- and 128-row tiles
+            # (gate_up's 128 x 256 prefill tile 1.5 KB a thread, dev/sm90_occupancy.py): the
+            # bf16 base waits in y instead, in L2 (the expand's base is there already).
+            if MODE == 0:
+                tl.store(y_tile, _to_bf16(acc, INTERPRETER), mask=out_mask)
+        else:
+            base = _to_bf16(acc, INTERPRETER)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if HAS_LORA:
         b_stride = (slice_end - slice_begin) * R  # one slot's slice of B
         if R_CHUNK > 0 and R_CHUNK < BLOCK_R and ENTRIES_BLOCK > 2:
@@ -607,5 +620,11 @@ def _lora_gemm_kernel(
                                          mask=b_mask, other=0.0)
                         acc = _add_rows(acc, hb, (pos >= seg_begin) & (pos < seg_end), bt,
                                         INTERPRETER)
+    if HAS_LORA and MODE != 1:
+        delta = _to_bf16(acc, INTERPRETER)  # rounded first: the fp32 tile's registers free
+        if BLOCK_M >= 64:
+            tl.debug_barrier()  # the base's stores, whichever thread made them, before its load
+            base = tl.load(y_tile, mask=out_mask, other=0.0)
+        acc = base.to(tl.float32) + delta.to(tl.float32)
     tl.store(y_tile, _to_bf16(acc, INTERPRETER), mask=out_mask)
     _stamp(trace_ptr, 4, TRACE)

@@ -130,7 +130,8 @@ def lora_fp8_gemm(
     h: torch.Tensor, lora: LoraWeights, batch: AdapterBatch, *,
     config: LaunchConfig | None = None, pdl: bool = False, workspace: Workspace | None = None,
 ) -> torch.Tensor:
-    """K2: bf16 `[T, N]` = x_scale * (w_scale * codes @ weight^T) + bf16(h) @ B_slot^T.
+    """K2: bf16 `[T, N]` = x_scale * (w_scale * codes @ weight^T) + bf16(h) @ B_slot^T, the
+    two terms rounded to bf16 before their sum is (vLLM's expand into its GEMM's output).
 
     `pdl=True` launches it as the programmatic dependent of the kernel before it, which it
     waits for only before its epilogue: that kernel may compute h, not the codes or scales."""
@@ -154,7 +155,8 @@ def lora_w8a16_gemm(
     lora: LoraWeights, batch: AdapterBatch, *,
     config: LaunchConfig | None = None, workspace: Workspace | None = None,
 ) -> torch.Tensor:
-    """W8A16 K2: bf16 `[T, N]` = w_scale * (x @ bf16(weight)^T) + bf16(h) @ B_slot^T."""
+    """W8A16 K2: bf16 `[T, N]` = w_scale * (x @ bf16(weight)^T) + bf16(h) @ B_slot^T, rounded
+    once (the trainer's arithmetic)."""
     _checks.check_inputs(x, lora, batch)
     _checks.check_weight(weight, weight_scale, lora.in_features, lora.out_features, x.device)
     _checks.check_h(h, lora, x.shape[0])
@@ -170,8 +172,8 @@ def lora_expand(
     y: torch.Tensor, h: torch.Tensor, lora: LoraWeights, batch: AdapterBatch, *,
     config: LaunchConfig | None = None, workspace: Workspace | None = None,
 ) -> torch.Tensor:
-    """The hybrid path's expand: y (bf16 `[T, N]`, a vendor GEMM's output) += bf16(h) B^T, in
-    place; returns y."""
+    """The hybrid path's expand: y (bf16 `[T, N]`, a vendor GEMM's output) += bf16(bf16(h)
+    B^T), in place, as vLLM's expand; returns y."""
     if not isinstance(y, torch.Tensor) or y.ndim != 2:
         raise ValueError(f"y must be a 2-D bf16 tensor [T, {lora.out_features}]")
     _checks.check_output(y, y.shape[0], lora.out_features)

@@ -9,11 +9,12 @@ Arithmetic (the contract the kernels keep):
 * the FP8 GEMM accumulates in fp32 and scales as vLLM's CUTLASS epilogue,
   `x_scale * (w_scale * acc)`, with one weight scale or one per output channel; the W8A16 GEMM
   widens the FP8 weight to bf16 (exact) and multiplies bf16 activations;
-* the up-projection rounds h to bf16 (as vLLM's expand does) and multiplies by bf16 B in fp32;
-  the FP8 paths add that fp32 delta to the GEMM's result rounded to bf16 and round again, as
-  vLLM's expand adds into its GEMM's bf16 output (so that served answers are stock's); the
-  W8A16 path adds it to the fp32 GEMM result before one rounding (the trainer's arithmetic,
-  epilora_rl.reference).
+* the up-projection rounds h to bf16 and multiplies by bf16 B in fp32; the FP8 paths and the
+  expand round that delta to bf16 and add it to the GEMM's result rounded to bf16, rounding
+  the sum, `bf16(bf16(base) + bf16(delta))`, as vLLM's expand adds into its GEMM's bf16 output
+  (its `do_expand_kernel`, add_inputs; so that served answers are stock's up to the base's
+  own sums); the W8A16 path adds the fp32 delta to the fp32 GEMM result before one rounding
+  (the trainer's arithmetic, epilora_rl.reference).
 """
 
 import torch
@@ -79,6 +80,11 @@ def _lora_delta(h: torch.Tensor, lora: LoraWeights, batch: AdapterBatch, t: int)
     return delta
 
 
+def _add_as_vllms_expand(base: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """bf16(bf16(base) + bf16(delta)): vLLM's expand adding its bf16 delta to a bf16 output."""
+    return (base.to(torch.bfloat16).float() + delta.to(torch.bfloat16).float()).to(torch.bfloat16)
+
+
 def lora_fp8_gemm(
     codes: torch.Tensor,
     scales: torch.Tensor,
@@ -88,10 +94,11 @@ def lora_fp8_gemm(
     lora: LoraWeights,
     batch: AdapterBatch,
 ) -> torch.Tensor:
-    """K2: bf16 `[T, N]` = bf16(x_scale * (w_scale * codes @ weight^T)) + bf16(h) @ B^T."""
+    """K2: bf16 `[T, N]` = x_scale * (w_scale * codes @ weight^T) + bf16(h) @ B^T, each term
+    rounded to bf16, then their sum (`_add_as_vllms_expand`)."""
     acc = codes.float() @ weight.float().T
-    base = (scales.float() * (_w_scale(weight_scale) * acc)).to(torch.bfloat16).float()
-    return (base + _lora_delta(h, lora, batch, codes.shape[0])).to(torch.bfloat16)
+    base = scales.float() * (_w_scale(weight_scale) * acc)
+    return _add_as_vllms_expand(base, _lora_delta(h, lora, batch, codes.shape[0]))
 
 
 def lora_w8a16_gemm(
@@ -109,8 +116,9 @@ def lora_w8a16_gemm(
 
 
 def lora_expand(y: torch.Tensor, h: torch.Tensor, lora: LoraWeights, batch: AdapterBatch):
-    """Hybrid path: y (a vendor GEMM's bf16 output) += bf16(h) @ B^T, in place; returns y."""
-    y.copy_((y.float() + _lora_delta(h, lora, batch, y.shape[0])).to(y.dtype))
+    """Hybrid path: y (a vendor GEMM's bf16 output) += bf16(bf16(h) @ B^T), in place; returns
+    y."""
+    y.copy_(_add_as_vllms_expand(y, _lora_delta(h, lora, batch, y.shape[0])))
     return y
 
 

@@ -13,6 +13,7 @@ from epilora_testing import assert_bitwise_equal
 from epilora_testing.cuda_graphs import capture
 
 from kernel_cases import (
+    check_k2_adds_the_adapters_as_vllms_expand,
     exact_codes,
     exact_lora_delta,
     make_integer_problem,
@@ -242,26 +243,13 @@ def test_k2_bitwise_on_integer_operands_and_every_rows_delta(tokens, mapping, cf
 
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("cfg", K2_GPU)
 @pytest.mark.parametrize("tokens", [3, 300])
-def test_k2_rounds_the_base_before_the_adapter_as_vllms_expand(tokens, cfg):
-    # vLLM adds the adapters to its GEMM's bf16 output: K2 must give the bits of its own GEMM
-    # followed by the expand. Integer operands keep the sums exact; scales that are not powers
-    # of two make the base inexact in bf16, where one rounding of base + delta would differ
-    # (checked, else the case proves nothing).
-    x, codes, _, weight, w_scale, h, lora, batch = make_integer_problem(
-        5, tokens, 64, (256, 128, 128), 16, 8, "one_token_each", device=CUDA)
-    scales = torch.rand(tokens, 1, device=CUDA) + 0.1
-    k2 = K2_GPU[cfg]
-    y = ek.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2)
-    base = ek.fp8_gemm(codes, scales, weight, w_scale, config=k2)
-    assert_bitwise_equal(y, ek.lora_expand(base.clone(), h, lora, batch, config=k2),
-                         name="K2 vs GEMM then expand")
-    assert_bitwise_equal(y, reference.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora,
-                                                    batch), name="K2 vs reference")
-    exact_base = scales * (w_scale * (codes.float() @ weight.float().T))
-    once = (exact_base.double().cpu() + exact_lora_delta(h, lora, batch)).to(torch.bfloat16)
-    assert not torch.equal(once, y.cpu()), "the case does not tell one rounding from two"
+def test_k2_adds_the_adapters_as_vllms_expand(tokens, cfg):
+    check_k2_adds_the_adapters_as_vllms_expand(K2_GPU[cfg], seed=5, tokens=tokens,
+                                               widths=(256, 128, 128), device=CUDA)
+
 
 def test_the_callers_workspace_in_cuda_graphs():
     # Sized before capture for every batch the graphs will see, frozen by the capture; graphs

