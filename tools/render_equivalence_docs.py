@@ -15,9 +15,11 @@ PAGE = ROOT / "docs/benchmarks/equivalence.md"
 AT_LEAST = 14  # of 16: the plugin issue's bound against stock's LoRA path
 
 
-def _run_lines(run: str, rows: list, reference: str, heading: str) -> list[str]:
-    # One run's pairs, base by base, and its plugin rows judged against stock's LoRA path.
-    lines = [] if heading == "##" else [f"## Run {run}", ""]
+def _run_lines(run: str, rows: list, reference: str, *, several: bool) -> list[str]:
+    # One run's pairs, base by base, and its plugin rows judged against stock's LoRA path;
+    # `several`: under a heading of the run's own.
+    heading = "###" if several else "##"
+    lines = [f"## Run {run}", ""] if several else []
     for base in dict.fromkeys(r["base"] for r in rows):
         pairs = [r for r in rows if r["base"] == base and r["metric"] == "same_greedy_outputs"]
         lines += [f"{heading} {base}", "",
@@ -59,16 +61,19 @@ def main() -> None:
         f"{len(meta['tenants'])}), 64 greedy tokens. *identical*: on how many requests the two "
         "systems' tokens are identical; *first difference*: for each other request, its index "
         "and the first token position where the two differ.", ""]
-    runs = list(dict.fromkeys(r.get("run", meta["git_sha"]) for r in rows))
+    def run_of(row: dict) -> str:  # a file of one run (before --collect's runs) has no "run"
+        return row.get("run", meta["git_sha"])
+
+    runs = list(dict.fromkeys(run_of(r) for r in rows))
     if len(runs) > 1:
         lines += [f"{len(runs)} runs ({', '.join(runs)}, each named by its commit), each "
                   "pairing only its own systems: the serving demo trains its adapters afresh in "
                   "every run, so two runs' answers are not compared.", ""]
     for run in runs:
-        run_rows = [r for r in rows if r.get("run", meta["git_sha"]) == run]
-        lines += _run_lines(run, run_rows, reference, heading="##" if len(runs) == 1 else "###")
+        lines += _run_lines(run, [r for r in rows if run_of(r) == run], reference,
+                            several=len(runs) > 1)
     texts = {(r["base"], r["system"]): r["texts"] for r in rows
-             if r["metric"] == "texts" and r.get("run", meta["git_sha"]) == runs[-1]}
+             if r["metric"] == "texts" and run_of(r) == runs[-1]}
     first = next(iter(texts.items()), None)
     if first:
         (base, system), answers = first
