@@ -186,3 +186,40 @@ def check_k2_adds_the_adapters_as_vllms_expand(k2_config, *, seed, tokens, width
     for name, other in (("one rounding", exact_base + delta),
                         ("an fp32 delta", base.double().cpu() + delta)):
         assert not torch.equal(other.to(torch.bfloat16), want), f"{name} gives vLLM's bits too"
+
+
+def check_the_bias_is_added_before_rounding(path, tokens, *, device="cpu", bound=False,
+                                            k=64, widths=(32, 16, 16), rank=16):
+    """`lora_linear` (or a `LoraProjection` bound once, `bound`) on `path` with a projection's
+    bias, bit for bit against the reference: the bias added to the GEMM's fp32 result before
+    it is rounded, as vLLM's CUTLASS epilogue adds it. Integer operands with a weight scale of
+    16 make bases up to 8192, integers exact in fp32 and many inexact in bf16, and a bias of
+    halves keeps base + bias exact in fp32 (an FMA and a multiply then an add agree): adding
+    the bias after the rounding then differs (checked, else the case proves nothing)."""
+    from epilora_kernels import LoraProjection, lora_linear, reference
+    from epilora_testing import assert_bitwise_equal
+
+    x, codes, scales, weight, _, _, lora, batch = make_integer_problem(
+        7, tokens, k, widths, rank, 4, "mixed_with_base", device=device)
+    w_scale = torch.tensor([16.0], device=device)
+    gen = torch.Generator().manual_seed(7)
+    bias = (torch.randint(-60, 61, (lora.out_features,), generator=gen) + 0.5)
+    bias = bias.to(torch.bfloat16).to(device)
+    quantized = None if path == "w8a16" else (codes, scales)  # exact scales: the caller's
+    if bound:
+        y = LoraProjection(weight, w_scale, lora)(x, batch, path=path, x_quantized=quantized,
+                                                  bias=bias)
+    else:
+        y = lora_linear(x, weight, w_scale, lora, batch, path=path, x_quantized=quantized,
+                        bias=bias)
+
+    def expected(b):
+        if path == "w8a16":
+            return reference.fused_lora_w8a16_linear(x, weight, w_scale, lora, batch, bias=b)
+        return reference.fused_lora_fp8_linear(x, weight, w_scale, lora, batch,
+                                               x_quantized=quantized, bias=b)
+
+    want = expected(bias)
+    assert_bitwise_equal(y, want, name=f"{path} path with a bias, {tokens} tokens")
+    after = (expected(None).float() + bias.float()).to(torch.bfloat16)
+    assert not torch.equal(after, want), "the bias added after rounding gives its bits too"

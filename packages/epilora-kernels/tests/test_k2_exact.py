@@ -6,11 +6,13 @@ applied twice or given another slot's fails, which a norm over the whole output 
 import pytest
 import torch
 
+import epilora_kernels as ek
 from epilora_kernels import LaunchConfig, fused, reference
 from epilora_testing import assert_bitwise_equal
 
 from kernel_cases import (
     check_k2_adds_the_adapters_as_vllms_expand,
+    check_the_bias_is_added_before_rounding,
     exact_lora_delta,
     make_integer_problem,
 )
@@ -128,3 +130,54 @@ def test_w8a16_k2_adds_the_adapters_before_one_rounding(cfg):
     base = w_scale * (x.float() @ weight.to(torch.bfloat16).float().T)
     twice = (base.to(torch.bfloat16).double() + exact_lora_delta(h * 37, lora, batch))
     assert not torch.equal(twice.to(torch.bfloat16), want), "two roundings give its bits too"
+
+
+@pytest.mark.parametrize("cfg", ["decode-tile", "split-k", "prefill-tma", "rank-steps"])
+def test_k2_adds_the_bias_before_rounding_the_base(cfg):
+    # K2 given the bias directly (FP8 and W8A16, and without adapters), each tile kind: the
+    # 64-row tiles keep the rounded base in y while the delta is summed.
+    x, codes, _, weight, _, h, lora, batch = make_integer_problem(
+        8, 70, 64, (32, 16, 16), 16, 8, "one_token_each")
+    w_scale = torch.tensor([16.0])  # bases past 256: inexact in bf16, exact in fp32
+    scales = torch.ones(70, 1)
+    bias = (torch.randint(-60, 61, (lora.out_features,),
+                          generator=torch.Generator().manual_seed(8)) + 0.5).to(torch.bfloat16)
+    k2 = K2_CONFIGS[cfg]
+    y = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2,
+                            bias=bias)
+    want = reference.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, bias=bias)
+    assert_bitwise_equal(y, want, name="FP8 K2 with a bias")
+    after = (reference.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch).float()
+             + bias.float()).to(torch.bfloat16)
+    assert not torch.equal(after, want), "the bias added after rounding gives its bits too"
+    assert_bitwise_equal(fused.fp8_gemm(codes, scales, weight, w_scale, config=k2, bias=bias),
+                         reference.fp8_gemm(codes, scales, weight, w_scale, bias=bias),
+                         name="K2 without adapters, with a bias")
+    if k2.split_k == 1:
+        assert_bitwise_equal(
+            fused.lora_w8a16_gemm(x, weight, w_scale, h, lora, batch, config=k2, bias=bias),
+            reference.lora_w8a16_gemm(x, weight, w_scale, h, lora, batch, bias=bias),
+            name="W8A16 K2 with a bias")
+
+
+@pytest.mark.parametrize(("path", "tokens"), [("decode", 5), ("fused", 9), ("fused", 70),
+                                              ("w8a16", 9)])
+@pytest.mark.parametrize("bound", [False, True], ids=["lora_linear", "projection"])
+def test_every_path_adds_the_bias_before_rounding(path, tokens, bound):
+    check_the_bias_is_added_before_rounding(path, tokens, bound=bound)
+
+
+def test_a_bad_bias_is_refused():
+    x, codes, scales, weight, w_scale, h, lora, batch = make_integer_problem(
+        8, 5, 64, (32, 16, 16), 16, 4, "mixed_with_base")
+    n = lora.out_features
+    for bias, match in ((torch.zeros(n - 1, dtype=torch.bfloat16), r"bias must be .*\[64\]"),
+                        (torch.zeros(n, dtype=torch.float16), "bf16 or fp32"),
+                        (torch.zeros(n, 2, dtype=torch.bfloat16)[:, 0], "contiguous")):
+        with pytest.raises(ValueError, match=match):
+            fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, bias=bias)
+        with pytest.raises(ValueError, match=match):
+            ek.lora_linear(x, weight, w_scale, lora, batch, bias=bias)
+    with pytest.raises(ValueError, match="base GEMM adds the bias"):
+        ek.lora_linear(x, weight, w_scale, lora, batch, path="hybrid",
+                       base_gemm=ek.vendor_fp8_gemm, bias=torch.zeros(n, dtype=torch.bfloat16))

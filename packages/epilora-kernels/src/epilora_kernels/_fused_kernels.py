@@ -11,18 +11,19 @@ they finished, for the K2 that runs beside them.
 
 `_lora_gemm_kernel` (K2) walks the tokens in adapter order. MODE 0: FP8 x FP8 GEMM scaled as
 vLLM's CUTLASS epilogue, `x_scale * (w_scale * acc)`, with one weight scale or one per output
-channel (`W_SCALE_PER_CHANNEL`); MODE 1: W8A16 (FP8 weight widened to bf16 in registers); MODE 2: no
-GEMM, the tile starts from an existing output (the hybrid path's expand). Tiles of 64 rows or
-more (`W_TMA`) read the weight tile through a TMA descriptor (`w_desc`). Its epilogue sums
-`bf16(h) B_slot^T` for each adapter segment that meets the tile, reading only the tile's columns
-of B, and writes the bf16 tile once: in MODEs 0 and 2 as vLLM's expand adds into its GEMM's
-output, `bf16(bf16(base) + bf16(delta))`; in MODE 1 rounded once, `bf16(base + delta)`. In
-the fused path with PDL (`WAIT_K1_FIRST`) it is launched as K1's programmatic dependent only to
-hide its launch, and waits for all of K1 before its K loop. In the decode path (`USE_PDL`,
-`WAIT_CODES`) it is K1's programmatic dependent: it waits for K1's count of quantized rows
-before its K loop (prefetching the first `WARM_L2` bytes of its weight rows into L2
-meanwhile), streams its weights while K1's shrink runs, and waits for all of K1 (`gdc_wait`)
-only before its epilogue.
+channel (`W_SCALE_PER_CHANNEL`); MODE 1: W8A16 (FP8 weight widened to bf16 in registers). In
+both the projection's bias (`HAS_BIAS`) is added to the scaled fp32 result, before any rounding,
+as CUTLASS's epilogue adds it. MODE 2: no GEMM, the tile starts from an existing output (the
+hybrid path's expand). Tiles of 64 rows or more (`W_TMA`) read the weight tile through a TMA
+descriptor (`w_desc`). Its epilogue sums `bf16(h) B_slot^T` for each adapter segment that meets
+the tile, reading only the tile's columns of B, and writes the bf16 tile once: in MODEs 0 and 2
+as vLLM's expand adds into its GEMM's output, `bf16(bf16(base) + bf16(delta))`; in MODE 1
+rounded once, `bf16(base + delta)`. In the fused path with PDL (`WAIT_K1_FIRST`) it is launched
+as K1's programmatic dependent only to hide its launch, and waits for all of K1 before its K
+loop. In the decode path (`USE_PDL`, `WAIT_CODES`) it is K1's programmatic dependent: it waits
+for K1's count of quantized rows before its K loop (prefetching the first `WARM_L2` bytes of its
+weight rows into L2 meanwhile), streams its weights while K1's shrink runs, and waits for all of
+K1 (`gdc_wait`) only before its epilogue.
 With `SPLIT_K` > 1 the K loop is split over programs and the last split of each tile reduces in
 a fixed order. Counters (split-K tiles, the decode path's counts) are zero at rest
 (epilora_kernels.workspace): whoever arrives last resets them.
@@ -379,7 +380,7 @@ def _pass_and_reset(ready_ptr, programs):
 
 @triton.jit(do_not_specialize=["T"])  # T: as _quantize_shrink_kernel's
 def _lora_gemm_kernel(
-    a_ptr, a_desc, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, y_ptr, h_ptr,
+    a_ptr, a_desc, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, bias_ptr, y_ptr, h_ptr,
     b0_ptr, b1_ptr, b2_ptr,
     sorted_ptr, lora_ids_ptr, start_ptr, partial_ptr, counter_ptr, ready_ptr, trace_ptr,
     T, N, K, R, NUM_ENTRIES,
@@ -392,6 +393,7 @@ def _lora_gemm_kernel(
     B_IN_REGS: tl.constexpr = True, R_CHUNK: tl.constexpr = 0,  # 0: the whole rank at once
     W_TMA: tl.constexpr = False, WAIT_K1_FIRST: tl.constexpr = False,
     A_TMA: tl.constexpr = False, W_SCALE_PER_CHANNEL: tl.constexpr = False,
+    HAS_BIAS: tl.constexpr = False,
 ):
     _stamp(trace_ptr, 0, TRACE)
     pid_m = tl.program_id(0)
@@ -538,6 +540,8 @@ def _lora_gemm_kernel(
         acc = x_scale[:, None] * (w_scale * acc)
     elif MODE == 1:
         acc = w_scale * acc
+    if HAS_BIAS:  # in fp32 before any rounding, as vLLM's CUTLASS epilogue adds it
+        acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
 
     if HAS_LORA and MODE != 1:
         # As vLLM's expand (do_expand_kernel, add_inputs): the delta summed from zero, rounded

@@ -146,9 +146,9 @@ _MAX_TEMPLATES = 1 << 12  # a process launching ever new shapes starts over past
 _K1_SLOTS = ("T", "x_ptr", "codes_ptr", "scales_ptr", "h_ptr", "partial_ptr", "a0_ptr", "a1_ptr",
              "a2_ptr", "sorted_ptr", "lora_ids_ptr", "counts_ptr", "start_ptr", "counter_ptr",
              "ready_ptr", "trace_ptr")
-_K2_SLOTS = ("T", "a_ptr", "a_desc", "a_scale_ptr", "w_ptr", "w_desc", "w_scale_ptr", "y_ptr",
-             "h_ptr", "b0_ptr", "b1_ptr", "b2_ptr", "sorted_ptr", "lora_ids_ptr", "start_ptr",
-             "partial_ptr", "counter_ptr", "ready_ptr", "trace_ptr")
+_K2_SLOTS = ("T", "a_ptr", "a_desc", "a_scale_ptr", "w_ptr", "w_desc", "w_scale_ptr",
+             "bias_ptr", "y_ptr", "h_ptr", "b0_ptr", "b1_ptr", "b2_ptr", "sorted_ptr",
+             "lora_ids_ptr", "start_ptr", "partial_ptr", "counter_ptr", "ready_ptr", "trace_ptr")
 
 
 def _keep_template(templates: dict, key: tuple,
@@ -322,7 +322,7 @@ def _w_operand(support: DeviceSupport, weight: torch.Tensor, cfg: LaunchConfig):
 def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchConfig, *,
                   n: int, stride_a: int, stride_y: int, h_planes: int, split: int, w_tma: bool,
                   per_channel: bool, traced: bool, pdl: bool, wait_codes: bool, warm_l2: int,
-                  wait_k1_first: bool, a_sorted: bool, interpreter: bool,
+                  wait_k1_first: bool, a_sorted: bool, interpreter: bool, has_bias: bool,
                   **pointers) -> dict:
     # K2's arguments with adapters, by name: what launch_k2's templates launch (their
     # pointers in slots, none given here) and k2_blocks_per_sm compiles (with MockTensors).
@@ -338,7 +338,7 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
         WAIT_CODES=wait_codes, WARM_L2=warm_l2 if wait_codes else 0, TRACE=traced,
         B_IN_REGS=_tiling.b_in_registers(cfg), R_CHUNK=_tiling.epilogue_rank_chunk(cfg),
         W_TMA=w_tma, WAIT_K1_FIRST=wait_k1_first and pdl, A_TMA=a_sorted,
-        W_SCALE_PER_CHANNEL=per_channel,
+        W_SCALE_PER_CHANNEL=per_channel, HAS_BIAS=has_bias,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
 
@@ -346,20 +346,22 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
 def k2_template(support: DeviceSupport, mode: int, lora: LoraWeights, num_entries: int,
                 cfg: LaunchConfig, *, stride_a: int, stride_y: int, h_planes: int, split: int,
                 w_tma: bool, per_channel: bool, pdl: bool, wait_codes: bool, warm_l2: int,
-                traced: bool, wait_k1_first: bool, a_sorted: bool) -> _fast_launch.Template:
+                traced: bool, wait_k1_first: bool, a_sorted: bool,
+                has_bias: bool = False) -> _fast_launch.Template:
     """K2's launch template (slots `_K2_SLOTS`) for these settings, made once; `pdl` as
     `use_pdl` made it."""
     n = lora.out_features
     key = (mode, n, lora.in_features, lora.max_rank, tuple(lora.output_slices), num_entries,
            cfg, stride_a, stride_y, h_planes, split, pdl, wait_codes, warm_l2, traced, w_tma,
-           wait_k1_first, a_sorted, per_channel, support.interpreter)
+           wait_k1_first, a_sorted, per_channel, has_bias, support.interpreter)
     template = _K2_TEMPLATES.get(key)
     if template is None:
         arguments = _k2_arguments(
             mode, lora, num_entries, cfg, n=n, stride_a=stride_a, stride_y=stride_y,
             h_planes=h_planes, split=split, w_tma=w_tma, per_channel=per_channel,
             traced=traced, pdl=pdl, wait_codes=wait_codes, warm_l2=warm_l2,
-            wait_k1_first=wait_k1_first, a_sorted=a_sorted, interpreter=support.interpreter)
+            wait_k1_first=wait_k1_first, a_sorted=a_sorted, interpreter=support.interpreter,
+            has_bias=has_bias)
         template = _keep_template(_K2_TEMPLATES, key, _fast_launch.Template(
             _lora_gemm_kernel, arguments, _K2_SLOTS))
     return template
@@ -369,9 +371,12 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
               weight_scale, y, h, lora: LoraWeights, batch: AdapterBatch, cfg: LaunchConfig, *,
               pdl: bool = False, wait_codes: bool = False, warm_l2: int = 0,
               trace: torch.Tensor | None = None, wait_k1_first: bool = False,
-              a_sorted: bool = False, counters: torch.Tensor | None = None):
-    """K2 with the adapters' epilogue into `y` (MODE EXPAND: y is also its input). `counters`:
-    as for `launch_k1`."""
+              a_sorted: bool = False, counters: torch.Tensor | None = None,
+              bias: torch.Tensor | None = None):
+    """K2 with the adapters' epilogue into `y` (MODE EXPAND: y is also its input, and no `bias`:
+    the GEMM that made y added it). `counters`: as for `launch_k1`."""
+    if bias is not None and mode == EXPAND:
+        raise ValueError("the expand adds no bias: the GEMM that made y adds it")
     t, n = y.shape
     _tiling.check_gemm_config(cfg, lora)
     grid, partial, counters = _gemm_buffers(workspace, mode, t, n, cfg, y.device, counters)
@@ -382,12 +387,13 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
         h_planes=h.shape[0], split=grid[2], w_tma=w_operand is not weight,
         per_channel=mode != EXPAND and weight_scale.numel() > 1, pdl=use_pdl(support, pdl),
         wait_codes=wait_codes, warm_l2=warm_l2, traced=trace is not None,
-        wait_k1_first=wait_k1_first, a_sorted=a_sorted)
+        wait_k1_first=wait_k1_first, a_sorted=a_sorted, has_bias=bias is not None)
     partial = y if partial is None else partial
     trace = trace_arg(trace, counters, grid[0] * grid[1] * grid[2])
     _, b, _, _ = _slices(lora)
     _start_template(support, template, grid, (
-        t, a, a_desc, a_scale, weight, w_operand, weight_scale, y, h, b[0], b[1], b[2],
+        t, a, a_desc, a_scale, weight, w_operand, weight_scale,
+        weight_scale if bias is None else bias, y, h, b[0], b[1], b[2],
         batch.sorted_token_indices, batch.lora_ids, batch.lora_token_start, partial,
         workspace.tile_counters(counters), counters, trace))
     return y
@@ -423,10 +429,10 @@ def k2_blocks_per_sm(support: DeviceSupport, mode: int, a_dtype: torch.dtype, we
             mode, lora, batch.num_entries, cfg, n=n, stride_a=k, stride_y=n, h_planes=1,
             split=split, w_tma=False, per_channel=weight_scale.numel() > 1, traced=False,
             pdl=pdl, wait_codes=wait_codes, warm_l2=warm_l2, wait_k1_first=wait_k1_first,
-            a_sorted=False, interpreter=support.interpreter,
+            a_sorted=False, interpreter=support.interpreter, has_bias=False,
             a_ptr=a, a_desc=a, a_scale_ptr=MockTensor(torch.float32), w_ptr=weight,
-            w_desc=weight, w_scale_ptr=weight_scale, y_ptr=y, h_ptr=h, b0_ptr=b[0],
-            b1_ptr=b[1], b2_ptr=b[2], sorted_ptr=batch.sorted_token_indices,
+            w_desc=weight, w_scale_ptr=weight_scale, bias_ptr=weight_scale, y_ptr=y, h_ptr=h,
+            b0_ptr=b[0], b1_ptr=b[1], b2_ptr=b[2], sorted_ptr=batch.sorted_token_indices,
             lora_ids_ptr=batch.lora_ids, start_ptr=batch.lora_token_start,
             partial_ptr=partial, counter_ptr=_TileCounters(torch.int32), ready_ptr=ready,
             trace_ptr=ready))
@@ -470,7 +476,8 @@ def fit_k2_waves(support: DeviceSupport, mode: int, a_dtype: torch.dtype, weight
 
 
 def launch_gemm_only(support: DeviceSupport, workspace: Workspace, a, a_scale, weight,
-                     weight_scale, cfg: LaunchConfig, trace: torch.Tensor | None = None):
+                     weight_scale, cfg: LaunchConfig, trace: torch.Tensor | None = None,
+                     bias: torch.Tensor | None = None):
     """K2 without adapters (FP8): rows in their own order."""
     t, k = a.shape
     n = weight.shape[0]
@@ -483,7 +490,8 @@ def launch_gemm_only(support: DeviceSupport, workspace: Workspace, a, a_scale, w
         _lora_gemm_kernel, grid,
         a_ptr=a, a_desc=TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
         if by_tma else a, a_scale_ptr=a_scale, w_ptr=weight, w_desc=w_operand,
-        w_scale_ptr=weight_scale, y_ptr=y, h_ptr=weight_scale, b0_ptr=weight, b1_ptr=weight,
+        w_scale_ptr=weight_scale, bias_ptr=weight_scale if bias is None else bias, y_ptr=y,
+        h_ptr=weight_scale, b0_ptr=weight, b1_ptr=weight,
         b2_ptr=weight, sorted_ptr=unused, lora_ids_ptr=unused, start_ptr=unused,
         partial_ptr=y if partial is None else partial, counter_ptr=counters[TILES:],
         ready_ptr=counters, trace_ptr=trace_arg(trace, unused, grid[0] * grid[1] * grid[2]),
@@ -492,7 +500,7 @@ def launch_gemm_only(support: DeviceSupport, workspace: Workspace, a, a_scale, w
         MODE=FP8, HAS_LORA=False, NUM_SLICES=1, H_PLANES=1, SPLIT_K=grid[2], ENTRIES_BLOCK=16,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=16,
         INTERPRETER=_env.triton_interpreter(), W_TMA=w_operand is not weight, A_TMA=by_tma,
-        W_SCALE_PER_CHANNEL=weight_scale.numel() > 1,
+        W_SCALE_PER_CHANNEL=weight_scale.numel() > 1, HAS_BIAS=bias is not None,
         TRACE=trace is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y

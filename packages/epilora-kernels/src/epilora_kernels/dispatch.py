@@ -114,28 +114,37 @@ def choose_path(tokens: int, batch: AdapterBatch, support: DeviceSupport) -> str
 BaseGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def vendor_fp8_gemm(x: torch.Tensor, weight: torch.Tensor,
-                    weight_scale: torch.Tensor) -> torch.Tensor:
+def vendor_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """The hybrid path's default base GEMM: our per-token quantizer (vLLM's codes, bit for bit)
-    and cuBLASLt's FP8 GEMM (`torch._scaled_mm`, row-wise scales); under the interpreter, our
-    FP8 GEMM. Engines pass their own (vLLM's CUTLASS) as `base_gemm`."""
+    and cuBLASLt's FP8 GEMM (`torch._scaled_mm`, row-wise scales; a `bias` in bf16, the only
+    dtype it adds to a bf16 output); under the interpreter, our FP8 GEMM. Engines pass their
+    own (vLLM's CUTLASS) as `base_gemm`."""
     codes, scales = fused.quantize(x)
     if device_support(x.device).interpreter:
-        return fused.fp8_gemm(codes, scales, weight, weight_scale)
+        return fused.fp8_gemm(codes, scales, weight, weight_scale, bias=bias)
     w_scales = weight_scale.float().reshape(1, -1).expand(1, weight.shape[0]).contiguous()
     return torch._scaled_mm(codes, weight.t(), scale_a=scales, scale_b=w_scales,
+                            bias=None if bias is None else bias.to(torch.bfloat16),
                             out_dtype=torch.bfloat16)
 
 
 def hybrid_lora_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                            lora: LoraWeights, batch: AdapterBatch, *,
                            base_gemm: BaseGemm | None = None,
-                           workspace: Workspace | None = None) -> torch.Tensor:
-    """The hybrid path: `base_gemm(x, weight, weight_scale)` (default `vendor_fp8_gemm`), then
-    our shrink and expand (`y += bf16(x A^T) B^T`) over every token's adapter."""
+                           workspace: Workspace | None = None,
+                           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The hybrid path: `base_gemm(x, weight, weight_scale)` (default `vendor_fp8_gemm`, which
+    adds `bias`; a caller's base GEMM adds its own), then our shrink and expand
+    (`y += bf16(x A^T) B^T`) over every token's adapter."""
     _checks.check_inputs(x, lora, batch)
     _checks.check_weight(weight, weight_scale, lora.in_features, lora.out_features, x.device)
-    y = (base_gemm or vendor_fp8_gemm)(x, weight, weight_scale)
+    _checks.check_bias(bias, lora.out_features, x.device)
+    if base_gemm is not None and bias is not None:
+        raise ValueError("bias with a base_gemm: the caller's base GEMM adds the bias (as "
+                         "vLLM's CUTLASS does in its epilogue); pass it there")
+    y = (base_gemm(x, weight, weight_scale) if base_gemm is not None
+         else vendor_fp8_gemm(x, weight, weight_scale, bias))
     _checks.check_output(y, x.shape[0], lora.out_features)
     h = fused.lora_shrink(x, lora, batch, workspace=workspace)
     return fused.lora_expand(y, h, lora, batch, workspace=workspace)
@@ -145,7 +154,8 @@ def lora_linear(x: torch.Tensor | None, weight: torch.Tensor, weight_scale: torc
                 lora: LoraWeights, batch: AdapterBatch, *, path: str | None = None,
                 workspace: Workspace | None = None,
                 base_gemm: BaseGemm | None = None,
-                x_quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                x_quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
     """bf16 `[T, N]` = x W^T (per-token FP8 activations, FP8 weight) + every token's adapter,
     `bf16(x A_slot^T) B_slot^T` (none for slot -1), by `path` or the one `choose_path` picks.
 
@@ -158,7 +168,9 @@ def lora_linear(x: torch.Tensor | None, weight: torch.Tensor, weight_scale: torc
     the caller (the decode and fused paths then skip their own quantization; the hybrid path
     leaves them to its `base_gemm`, the W8A16 path refuses them). x may be None where
     `x_quantized` is given, on the decode and fused paths: their shrink then reads the codes,
-    `h = s_t (q_t A^T)`."""
+    `h = s_t (q_t A^T)`. `bias` (`[N]`, bf16 or fp32): the projection's, added to x W^T in
+    fp32 before it is rounded, as vLLM's CUTLASS epilogue adds it (the hybrid path: by its
+    default base GEMM; a caller's `base_gemm` adds its own)."""
     if x is None:
         if x_quantized is None:
             raise ValueError("x is None: give x_quantized, the codes the paths then read")
@@ -183,18 +195,21 @@ def lora_linear(x: torch.Tensor | None, weight: torch.Tensor, weight_scale: torc
             _checks.check_quantized_inputs(*x_quantized, lora, batch)
         else:
             _checks.check_inputs(x, lora, batch)
+        _checks.check_bias(bias, lora.out_features, rows.device)
         return torch.empty((0, lora.out_features), dtype=torch.bfloat16, device=rows.device)
     if path == "decode":
         return fused.decode_lora_fp8_linear(x, weight, weight_scale, lora, batch,
-                                            workspace=workspace, x_quantized=x_quantized)
+                                            workspace=workspace, x_quantized=x_quantized,
+                                            bias=bias)
     if path == "fused":
         return fused.fused_lora_fp8_linear(x, weight, weight_scale, lora, batch,
-                                           workspace=workspace, x_quantized=x_quantized)
+                                           workspace=workspace, x_quantized=x_quantized,
+                                           bias=bias)
     if path == "w8a16":
         if x_quantized is not None:
             raise ValueError("the w8a16 path computes on bf16 activations: x_quantized is for "
                              "the FP8 paths")
         return fused.fused_lora_w8a16_linear(x, weight, weight_scale, lora, batch,
-                                             workspace=workspace)
+                                             workspace=workspace, bias=bias)
     return hybrid_lora_fp8_linear(x, weight, weight_scale, lora, batch, base_gemm=base_gemm,
-                                  workspace=workspace)
+                                  workspace=workspace, bias=bias)

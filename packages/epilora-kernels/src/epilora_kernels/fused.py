@@ -102,36 +102,42 @@ def lora_shrink(
 def fp8_gemm(
     codes: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     *, config: LaunchConfig | None = None, workspace: Workspace | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """K2 without adapters: bf16 `[T, N]` = x_scale * (w_scale * codes @ weight^T), the GEMM
-    that competes with vLLM's CUTLASS."""
+    """K2 without adapters: bf16 `[T, N]` = x_scale * (w_scale * codes @ weight^T) (+ `bias`,
+    in fp32), the GEMM that competes with vLLM's CUTLASS."""
     _checks.check_codes(codes, scales, weight.shape[-1])
     _checks.check_weight(weight, weight_scale, codes.shape[1], weight.shape[0], codes.device)
+    _checks.check_bias(bias, weight.shape[0], codes.device)
     support = _support(codes, "fp8_gemm")
     t, k = codes.shape
     cfg = config or _tiling.shape_config(support, "lora_gemm", t, weight.shape[0], k, 16, ())
     return _launchers.launch_gemm_only(support, _workspace(workspace, codes.device), codes,
-                                       scales, weight, weight_scale, cfg)
+                                       scales, weight, weight_scale, cfg, bias=bias)
 
 
 def fp8_gemm_from_bf16(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,
     config: LaunchConfig | None = None, workspace: Workspace | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`quantize` then `fp8_gemm`: the same two steps as vLLM's quantizer + CUTLASS."""
     _checks.check_activations(x)
     _checks.check_weight(weight, weight_scale, x.shape[1], weight.shape[0], x.device)
     codes, scales = quantize(x)
-    return fp8_gemm(codes, scales, weight, weight_scale, config=config, workspace=workspace)
+    return fp8_gemm(codes, scales, weight, weight_scale, config=config, workspace=workspace,
+                    bias=bias)
 
 
 def lora_fp8_gemm(
     codes: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     h: torch.Tensor, lora: LoraWeights, batch: AdapterBatch, *,
     config: LaunchConfig | None = None, pdl: bool = False, workspace: Workspace | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """K2: bf16 `[T, N]` = x_scale * (w_scale * codes @ weight^T) + bf16(h) @ B_slot^T, the
-    two terms rounded to bf16 before their sum is (vLLM's expand into its GEMM's output).
+    """K2: bf16 `[T, N]` = x_scale * (w_scale * codes @ weight^T) (+ `bias`, in fp32) +
+    bf16(h) @ B_slot^T, the two terms rounded to bf16 before their sum is (vLLM's expand into
+    its GEMM's output).
 
     `pdl=True` launches it as the programmatic dependent of the kernel before it, which it
     waits for only before its epilogue: that kernel may compute h, not the codes or scales."""
@@ -142,30 +148,35 @@ def lora_fp8_gemm(
     _checks.check_weight(weight, weight_scale, lora.in_features, lora.out_features,
                          codes.device)
     _checks.check_h(h, lora, t)
+    _checks.check_bias(bias, lora.out_features, codes.device)
     support = _support(codes, "fused")
     y = torch.empty(t, lora.out_features, dtype=torch.bfloat16, device=codes.device)
     cfg = _k2_config(support, FP8, codes.dtype, weight, weight_scale, lora, batch, config,
                      pdl=pdl)
     return _launchers.launch_k2(support, _workspace(workspace, codes.device), FP8, codes,
-                                scales, weight, weight_scale, y, h, lora, batch, cfg, pdl=pdl)
+                                scales, weight, weight_scale, y, h, lora, batch, cfg, pdl=pdl,
+                                bias=bias)
 
 
 def lora_w8a16_gemm(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, h: torch.Tensor,
     lora: LoraWeights, batch: AdapterBatch, *,
     config: LaunchConfig | None = None, workspace: Workspace | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """W8A16 K2: bf16 `[T, N]` = w_scale * (x @ bf16(weight)^T) + bf16(h) @ B_slot^T, rounded
-    once (the trainer's arithmetic)."""
+    """W8A16 K2: bf16 `[T, N]` = w_scale * (x @ bf16(weight)^T) (+ `bias`) + bf16(h) @ B_slot^T,
+    rounded once (the trainer's arithmetic)."""
     _checks.check_inputs(x, lora, batch)
     _checks.check_weight(weight, weight_scale, lora.in_features, lora.out_features, x.device)
     _checks.check_h(h, lora, x.shape[0])
+    _checks.check_bias(bias, lora.out_features, x.device)
     support = _support(x, "w8a16")
     y = torch.empty(x.shape[0], lora.out_features, dtype=torch.bfloat16, device=x.device)
     cfg = _k2_config(support, W8A16, x.dtype, weight, weight_scale, lora, batch, config,
                      pdl=False)
     return _launchers.launch_k2(support, _workspace(workspace, x.device), W8A16, x,
-                                weight_scale, weight, weight_scale, y, h, lora, batch, cfg)
+                                weight_scale, weight, weight_scale, y, h, lora, batch, cfg,
+                                bias=bias)
 
 
 def lora_expand(
@@ -191,6 +202,7 @@ def decode_lora_fp8_linear(
     batch: AdapterBatch, *, k1_config: LaunchConfig | None = None,
     k2_config: LaunchConfig | None = None, pdl: bool = True,
     workspace: Workspace | None = None, x_quantized: Quantized | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The decode path: K1 (quantize + shrink), and K2 launched as K1's programmatic dependent
     while K1 runs. K2 waits for K1's quantizing programs (their count of finished rows, a spin
@@ -205,9 +217,13 @@ def decode_lora_fp8_linear(
     vLLM's fuses it into RMSNorm): K1 then only shrinks, and K2 reads those codes from the
     start, waiting only for h before its epilogue. With x None the shrink reads the codes too,
     `h = s_t (q_t A^T)`: the caller need not keep bf16 activations (vLLM's compiler fuses the
-    quantization into the RMSNorm only when nothing else reads the RMSNorm's output)."""
+    quantization into the RMSNorm only when nothing else reads the RMSNorm's output).
+
+    `bias` (`[N]`, bf16 or fp32): added to the GEMM's fp32 result before it is rounded, as
+    vLLM's CUTLASS epilogue adds a biased projection's (Qwen2's qkv); likewise in every path."""
     return _linear(FP8, x, weight, weight_scale, lora, batch, k1_config, k2_config,
-                   decode=True, pdl=pdl, workspace=workspace, x_quantized=x_quantized)
+                   decode=True, pdl=pdl, workspace=workspace, x_quantized=x_quantized,
+                   bias=bias)
 
 
 def fused_lora_fp8_linear(
@@ -215,17 +231,18 @@ def fused_lora_fp8_linear(
     batch: AdapterBatch, *, k1_config: LaunchConfig | None = None,
     k2_config: LaunchConfig | None = None, pdl: bool = True,
     workspace: Workspace | None = None, x_quantized: Quantized | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The fused path: K1 then K2. With `pdl`, beyond 32 tokens (DECODE_SHRINK_MAX_TOKENS), K2
     is launched as K1's programmatic dependent, which hides its launch and its prologue; it
     waits for all of K1 before its K loop (the same bits as `pdl=False`). Without PDL on the
-    device (sm_89) the two launch one after the other. `x_quantized` as in
+    device (sm_89) the two launch one after the other. `x_quantized` and `bias` as in
     `decode_lora_fp8_linear`."""
     rows = x if x is not None else x_quantized[0] if x_quantized is not None else None
     tokens = 0 if rows is None else rows.shape[0]  # no rows: _linear says what is missing
     return _linear(FP8, x, weight, weight_scale, lora, batch, k1_config, k2_config,
                    pdl=pdl and fused_pdl(tokens), wait_k1_first=True,
-                   workspace=workspace, x_quantized=x_quantized)
+                   workspace=workspace, x_quantized=x_quantized, bias=bias)
 
 
 def fused_pdl(tokens: int) -> bool:
@@ -239,10 +256,12 @@ def fused_lora_w8a16_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, lora: LoraWeights,
     batch: AdapterBatch, *, k1_config: LaunchConfig | None = None,
     k2_config: LaunchConfig | None = None, workspace: Workspace | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The matched engine's path: shrink, then the W8A16 GEMM with the up-projection."""
+    """The matched engine's path: shrink, then the W8A16 GEMM with the up-projection (and
+    `bias`, before the one rounding)."""
     return _linear(W8A16, x, weight, weight_scale, lora, batch, k1_config, k2_config,
-                   workspace=workspace)
+                   workspace=workspace, bias=bias)
 
 
 def _settings(support, mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
@@ -338,7 +357,7 @@ def decode_settings(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
 
 def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
             decode=False, pdl=False, warm_l2=DECODE_WARM_L2, traces=(None, None),
-            wait_k1_first=False, workspace=None, x_quantized=None):
+            wait_k1_first=False, workspace=None, x_quantized=None, bias=None):
     # MODE FP8: K1 (quantize + shrink) then K2; MODE W8A16: the shrink then the W8A16 K2.
     # `decode`: the decode path's launch settings. With `pdl` K2 is launched as K1's
     # programmatic dependent, waiting for K1's count of quantized rows before its K loop, or
@@ -356,6 +375,7 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
     _checks.check_weight(weight, weight_scale, lora.in_features, lora.out_features, x.device)
     if x_quantized is not None and not shrink_codes:
         _checks.check_codes_beside(x, *x_quantized)
+    _checks.check_bias(bias, lora.out_features, x.device)
     quantize = mode == FP8 and x_quantized is None  # K1 quantizes
     support = _support(x, path)
     if decode and pdl and not (support.pdl or support.interpreter):
@@ -388,7 +408,7 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
                                     y, h, lora, batch, cfg2, pdl=pdl, wait_codes=counted,
                                     warm_l2=warm_l2, trace=traces[1],
                                     wait_k1_first=wait_k1_first, a_sorted=a_sorted,
-                                    counters=counters)
+                                    counters=counters, bias=bias)
     except BaseException:
         # K2 did not launch (a compile error, an interrupt): K1's counts would make the next
         # K2 on this workspace pass its wait early. Zeroed in stream order, after K1 (under

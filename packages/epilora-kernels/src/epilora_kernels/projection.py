@@ -101,9 +101,11 @@ class LoraProjection:
 
     def __call__(self, x: torch.Tensor | None, batch: AdapterBatch, *, path: str | None = None,
                  base_gemm=None,
-                 x_quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 x_quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
         """bf16 `[T, N]`: `lora_linear(x, weight, weight_scale, lora, batch, path=path,
-        base_gemm=base_gemm, x_quantized=x_quantized)` with this projection's tensors."""
+        base_gemm=base_gemm, x_quantized=x_quantized, bias=bias)` with this projection's
+        tensors."""
         rows = x if x is not None else x_quantized[0] if x_quantized is not None else None
         if (path is None and isinstance(rows, torch.Tensor) and rows.ndim == 2
                 and isinstance(batch, AdapterBatch)):
@@ -113,11 +115,12 @@ class LoraProjection:
             # lora_linear's own checks and paths (and its errors, for every bad input)
             return lora_linear(x, self.weight, self.weight_scale, self.lora, batch, path=path,
                                workspace=self.workspace, base_gemm=base_gemm,
-                               x_quantized=x_quantized)
+                               x_quantized=x_quantized, bias=bias)
         ok = self._supported[path]
         if not ok:
             raise UnsupportedError(f"{path} path: {ok.reason}")
-        return self._launch(path, x, x_quantized, batch)
+        _checks.check_bias(bias, self.lora.out_features, self.device)
+        return self._launch(path, x, x_quantized, batch, bias)
 
     # -- the bound launch ----------------------------------------------------------------------
 
@@ -154,12 +157,13 @@ class LoraProjection:
             _checked_batch = (batch, self.device, self.lora.max_loras)
         return rows
 
-    def _step(self, path: str, x, x_quantized, batch: AdapterBatch) -> _Step:
+    def _step(self, path: str, x, x_quantized, batch: AdapterBatch, biased: bool) -> _Step:
         # `fused._linear`'s settings for this call (`fused._plan`), its templates and grids.
         rows = x if x is not None else x_quantized[0]
         t = rows.shape[0]
         key = (self._shapes, path, t, -1 if x is None else x.stride(0),
-               -1 if x_quantized is None else x_quantized[0].stride(0), batch.num_entries)
+               -1 if x_quantized is None else x_quantized[0].stride(0), batch.num_entries,
+               biased)
         step = _STEPS.get(key)
         if step is not None:
             return step
@@ -188,7 +192,7 @@ class LoraProjection:
                 per_channel=self.weight_scale.numel() > 1,
                 pdl=_launchers.use_pdl(support, pdl), wait_codes=counted,
                 warm_l2=fused.DECODE_WARM_L2, traced=False, wait_k1_first=wait_k1_first,
-                a_sorted=a_sorted),
+                a_sorted=a_sorted, has_bias=biased),
             grid1=_launchers.k1_grid(t, lora, batch, cfg1, quantize=quantize), grid2=grid2,
             partial_shape=(None if grid2[2] == 1 else
                            _launchers.gemm_partial_shape(grid2, lora.out_features, cfg2)),
@@ -213,9 +217,10 @@ class LoraProjection:
         self._bound[template] = bound
         return bound
 
-    def _launch(self, path: str, x, x_quantized, batch: AdapterBatch) -> torch.Tensor:
+    def _launch(self, path: str, x, x_quantized, batch: AdapterBatch,
+                bias: torch.Tensor | None) -> torch.Tensor:
         rows = self._check(path, x, x_quantized, batch)
-        step = self._step(path, x, x_quantized, batch)
+        step = self._step(path, x, x_quantized, batch, bias is not None)
         k1 = self._bound.get(step.k1) or self._bind(step.k1, step)
         k2 = self._bound.get(step.k2) or self._bind(step.k2, step)
         support, lora, device = self._support, self.lora, self.device
@@ -246,8 +251,9 @@ class LoraProjection:
             batch.lora_token_start, tile_counters, counters, counters))
         try:
             _launchers._start_template(support, k2, step.grid2, (
-                t, a, a_desc, a_scale, y, h, sorted_indices, lora_ids, batch.lora_token_start,
-                partial, tile_counters, counters, counters))
+                t, a, a_desc, a_scale, self.weight_scale if bias is None else bias, y, h,
+                sorted_indices, lora_ids, batch.lora_token_start, partial, tile_counters,
+                counters, counters))
         except BaseException:
             # As fused._linear: K1's counts must not make the next K2 pass its wait early.
             if not _launchers.compiling_only():

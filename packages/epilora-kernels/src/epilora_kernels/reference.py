@@ -8,7 +8,8 @@ Arithmetic (the contract the kernels keep):
   in a fixed order (partial 0 first), so results are deterministic;
 * the FP8 GEMM accumulates in fp32 and scales as vLLM's CUTLASS epilogue,
   `x_scale * (w_scale * acc)`, with one weight scale or one per output channel; the W8A16 GEMM
-  widens the FP8 weight to bf16 (exact) and multiplies bf16 activations;
+  widens the FP8 weight to bf16 (exact) and multiplies bf16 activations; a projection's bias is
+  added to that fp32 result, before any rounding (CUTLASS's epilogue adds it there);
 * the up-projection rounds h to bf16 and multiplies by bf16 B in fp32; the FP8 paths and the
   expand round that delta to bf16 and add it to the GEMM's result rounded to bf16, rounding
   the sum, `bf16(bf16(base) + bf16(delta))`, as vLLM's expand adds into its GEMM's bf16 output
@@ -26,6 +27,11 @@ from epilora_quant import Fp8Arithmetic, quantize_fp8_per_token
 def _w_scale(weight_scale: torch.Tensor) -> torch.Tensor:
     """The weight scale as a row to broadcast over `[T, N]`: one value or one per channel."""
     return weight_scale.float().reshape(1, -1)
+
+
+def _plus_bias(base: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The fp32 GEMM result with the projection's bias (if any) added, in fp32."""
+    return base if bias is None else base + bias.float()
 
 
 def _slot_rows(batch: AdapterBatch) -> list[tuple[int, torch.Tensor]]:
@@ -93,11 +99,13 @@ def lora_fp8_gemm(
     h: torch.Tensor,
     lora: LoraWeights,
     batch: AdapterBatch,
+    *,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """K2: bf16 `[T, N]` = x_scale * (w_scale * codes @ weight^T) + bf16(h) @ B^T, each term
-    rounded to bf16, then their sum (`_add_as_vllms_expand`)."""
+    """K2: bf16 `[T, N]` = x_scale * (w_scale * codes @ weight^T) (+ bias) + bf16(h) @ B^T,
+    each term rounded to bf16, then their sum (`_add_as_vllms_expand`)."""
     acc = codes.float() @ weight.float().T
-    base = scales.float() * (_w_scale(weight_scale) * acc)
+    base = _plus_bias(scales.float() * (_w_scale(weight_scale) * acc), bias)
     return _add_as_vllms_expand(base, _lora_delta(h, lora, batch, codes.shape[0]))
 
 
@@ -108,10 +116,13 @@ def lora_w8a16_gemm(
     h: torch.Tensor,
     lora: LoraWeights,
     batch: AdapterBatch,
+    *,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """K2, W8A16: bf16 `[T, N]` = w_scale * (x @ bf16(weight)^T) + bf16(h) @ B^T, rounded once."""
+    """K2, W8A16: bf16 `[T, N]` = w_scale * (x @ bf16(weight)^T) (+ bias) + bf16(h) @ B^T,
+    rounded once."""
     acc = x.float() @ weight.to(torch.bfloat16).float().T
-    base = _w_scale(weight_scale) * acc
+    base = _plus_bias(_w_scale(weight_scale) * acc, bias)
     return (base + _lora_delta(h, lora, batch, x.shape[0])).to(torch.bfloat16)
 
 
@@ -131,6 +142,7 @@ def fused_lora_fp8_linear(
     *,
     arithmetic: Fp8Arithmetic = Fp8Arithmetic.INDUCTOR,
     x_quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The fused path: K1 then K2 (with `x_quantized`, the caller's codes and scales: the shrink
     alone, of x, or of the codes where x is None, then K2 on them)."""
@@ -138,11 +150,11 @@ def fused_lora_fp8_linear(
         codes, scales = x_quantized
         h = (lora_shrink(codes, lora, batch, x_scales=scales) if x is None
              else lora_shrink(x, lora, batch))
-        return lora_fp8_gemm(codes, scales, weight, weight_scale, h, lora, batch)
+        return lora_fp8_gemm(codes, scales, weight, weight_scale, h, lora, batch, bias=bias)
     if x is None:
         raise ValueError("x is None: give x_quantized, the codes the shrink and the GEMM read")
     codes, scales, h = quantize_and_shrink(x, lora, batch, arithmetic=arithmetic)
-    return lora_fp8_gemm(codes, scales, weight, weight_scale, h, lora, batch)
+    return lora_fp8_gemm(codes, scales, weight, weight_scale, h, lora, batch, bias=bias)
 
 
 def fused_lora_w8a16_linear(
@@ -151,9 +163,12 @@ def fused_lora_w8a16_linear(
     weight_scale: torch.Tensor,
     lora: LoraWeights,
     batch: AdapterBatch,
+    *,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The matched engine's path: shrink, then the W8A16 GEMM with the up-projection."""
-    return lora_w8a16_gemm(x, weight, weight_scale, lora_shrink(x, lora, batch), lora, batch)
+    return lora_w8a16_gemm(x, weight, weight_scale, lora_shrink(x, lora, batch), lora, batch,
+                           bias=bias)
 
 
 def decode_lora_fp8_linear(
@@ -165,10 +180,11 @@ def decode_lora_fp8_linear(
     *,
     arithmetic: Fp8Arithmetic = Fp8Arithmetic.INDUCTOR,
     x_quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The decode path computes what the fused path computes."""
     return fused_lora_fp8_linear(x, weight, weight_scale, lora, batch, arithmetic=arithmetic,
-                                 x_quantized=x_quantized)
+                                 x_quantized=x_quantized, bias=bias)
 
 
 def quantize(
@@ -179,11 +195,12 @@ def quantize(
 
 
 def fp8_gemm(
-    codes: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+    codes: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+    *, bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """K2 without adapters: bf16 `[T, N]` = x_scale * (w_scale * codes @ weight^T)."""
+    """K2 without adapters: bf16 `[T, N]` = x_scale * (w_scale * codes @ weight^T) (+ bias)."""
     acc = codes.float() @ weight.float().T
-    return (scales.float() * (_w_scale(weight_scale) * acc)).to(torch.bfloat16)
+    return _plus_bias(scales.float() * (_w_scale(weight_scale) * acc), bias).to(torch.bfloat16)
 
 
 def fp8_gemm_from_bf16(
@@ -192,7 +209,8 @@ def fp8_gemm_from_bf16(
     weight_scale: torch.Tensor,
     *,
     arithmetic: Fp8Arithmetic = Fp8Arithmetic.INDUCTOR,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`fp8_gemm` after quantizing x as K1 does."""
     codes, scales = quantize_fp8_per_token(x, arithmetic=arithmetic)
-    return fp8_gemm(codes, scales, weight, weight_scale)
+    return fp8_gemm(codes, scales, weight, weight_scale, bias=bias)

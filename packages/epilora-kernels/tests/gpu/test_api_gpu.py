@@ -14,6 +14,7 @@ from epilora_testing.cuda_graphs import capture
 
 from kernel_cases import (
     check_k2_adds_the_adapters_as_vllms_expand,
+    check_the_bias_is_added_before_rounding,
     exact_codes,
     exact_lora_delta,
     make_integer_problem,
@@ -249,6 +250,17 @@ def test_k2_bitwise_on_integer_operands_and_every_rows_delta(tokens, mapping, cf
 def test_k2_adds_the_adapters_as_vllms_expand(tokens, cfg):
     check_k2_adds_the_adapters_as_vllms_expand(K2_GPU[cfg], seed=5, tokens=tokens,
                                                widths=(256, 128, 128), device=CUDA)
+
+
+@pytest.mark.parametrize(("path", "tokens"), [("decode", 2), ("decode", 16), ("fused", 16),
+                                              ("fused", 256), ("w8a16", 16), ("w8a16", 256)])
+@pytest.mark.parametrize("bound", [False, True], ids=["lora_linear", "projection"])
+def test_every_path_adds_the_bias_before_rounding(path, tokens, bound):
+    # Qwen2's biased qkv: the bias in K2's epilogue, in fp32 before the base is rounded (the
+    # 256-token tiles keep the rounded base in y while the delta is summed). K = 512 keeps
+    # every FP8 sum exact in wgmma's accumulator.
+    check_the_bias_is_added_before_rounding(path, tokens, device=CUDA, bound=bound, k=512,
+                                            widths=(2048, 512, 512), rank=64)
 
 
 def test_the_callers_workspace_in_cuda_graphs():

