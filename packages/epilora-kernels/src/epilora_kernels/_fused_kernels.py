@@ -17,7 +17,9 @@ as CUTLASS's epilogue adds it. MODE 2: no GEMM, the tile starts from an existing
 hybrid path's expand). Tiles of 64 rows or more (`W_TMA`) read the weight tile through a TMA
 descriptor (`w_desc`). Its epilogue sums `bf16(h) B_slot^T` for each adapter segment that meets
 the tile, reading only the tile's columns of B, and writes the bf16 tile once: in MODEs 0 and 2
-as vLLM's expand adds into its GEMM's output, `bf16(bf16(base) + bf16(delta))`; in MODE 1
+as vLLM's expand adds into its GEMM's output, `bf16(bf16(base) + bf16(delta))` (with several
+slots in tiles of 64 rows or more whose h is whole before the K loop, the delta is summed
+first and waits in y: `DELTA_FIRST`); in MODE 1
 rounded once, `bf16(base + delta)`. In the fused path with PDL (`WAIT_K1_FIRST`) it is launched
 as K1's programmatic dependent only to hide its launch, and waits for all of K1 before its K
 loop. In the decode path (`USE_PDL`, `WAIT_CODES`) it is K1's programmatic dependent: it waits
@@ -197,6 +199,44 @@ def _dot_acc(acc, hz, bt, INTERPRETER: tl.constexpr):
     if INTERPRETER:
         return tl.dot(hz.to(tl.float32), tl.trans(bt.to(tl.float32)), acc)
     return tl.dot(hz, tl.trans(bt), acc)
+
+
+@triton.jit
+def _several_slots_delta(acc, h_ptr, tok, pos, pos_mask, s, T, R, n, n_mask, slice_begin,
+                         slice_end, b_base, b_offs, b_mask, lora_ids_ptr, start_ptr, z_first,
+                         z_last, NUM_SLICES: tl.constexpr, H_PLANES: tl.constexpr,
+                         BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr,
+                         INTERPRETER: tl.constexpr):
+    # acc += bf16(h) B_slot^T for every adapter segment z_first..z_last that meets the tile.
+    b_stride = (slice_end - slice_begin) * R  # one slot's slice of B
+    if R_CHUNK > 0 and R_CHUNK < BLOCK_R:
+        # The rank in R_CHUNK-wide steps: each step's columns of h are loaded once for all
+        # segments, then the segments' slices of B for that step in a loop Triton pipelines
+        # (branch-free, as below). Whole, h and B took gate_up's K2 at 128 tokens past 200
+        # registers and to one and a half waves.
+        steps: tl.constexpr = BLOCK_R // R_CHUNK
+        for step in tl.static_range(steps):
+            rr = step * R_CHUNK + tl.arange(0, R_CHUNK)
+            hs = _h_bf16(h_ptr, tok, pos_mask, s, T, R, rr, NUM_SLICES, H_PLANES, INTERPRETER)
+            for z in range(z_first, z_last + 1):
+                slot = tl.load(lora_ids_ptr + z)
+                in_seg = (pos >= tl.load(start_ptr + z)) & (pos < tl.load(start_ptr + z + 1))
+                bt = _b_step(b_base, slot, b_stride, n, n_mask, slice_begin, slice_end, R, rr)
+                acc = _add_rows(acc, hs, in_seg, bt, INTERPRETER)
+    else:
+        # A tile may meet many segments (32 adapters at 128 tokens, 16 per 64-row tile). The
+        # loop over them is a K loop of its own, branch-free (a slot's B masked to zero for
+        # tokens without an adapter), so Triton's pipeliner keeps num_stages - 1 segments'
+        # slices of B in flight.
+        hb = _h_bf16(h_ptr, tok, pos_mask, s, T, R, tl.arange(0, BLOCK_R), NUM_SLICES,
+                     H_PLANES, INTERPRETER)
+        for z in range(z_first, z_last + 1):
+            slot = tl.load(lora_ids_ptr + z)
+            in_seg = (pos >= tl.load(start_ptr + z)) & (pos < tl.load(start_ptr + z + 1))
+            bt = tl.load(b_base + slot.to(tl.int64) * b_stride + b_offs,
+                         mask=b_mask & (slot >= 0), other=0.0)
+            acc = _add_rows(acc, hb, in_seg, bt, INTERPRETER)
+    return acc
 
 
 @triton.jit
@@ -393,7 +433,7 @@ def _lora_gemm_kernel(
     B_IN_REGS: tl.constexpr = True, R_CHUNK: tl.constexpr = 0,  # 0: the whole rank at once
     W_TMA: tl.constexpr = False, WAIT_K1_FIRST: tl.constexpr = False,
     A_TMA: tl.constexpr = False, W_SCALE_PER_CHANNEL: tl.constexpr = False,
-    HAS_BIAS: tl.constexpr = False,
+    HAS_BIAS: tl.constexpr = False, DELTA_FIRST: tl.constexpr = False,
 ):
     _stamp(trace_ptr, 0, TRACE)
     pid_m = tl.program_id(0)
@@ -484,6 +524,17 @@ def _lora_gemm_kernel(
         tl.extra.cuda.gdc_wait()
         _stamp(trace_ptr, 1, TRACE)
 
+    if DELTA_FIRST:
+        # Several slots in 64- and 128-row FP8 tiles where h is whole before the K loop (K1
+        # done): the adapters' delta first, rounded to bf16 and kept in y (L2), then the GEMM.
+        # Summed after the GEMM, beside its stored base, the tile spilled 1.6 KB a thread
+        # (dev/sm90_occupancy.py --adapters 8 --tokens 512 2048) and the layer's 8x16 cells at
+        # 512-2048 tokens took 1.15-1.57x as long on the H200 (docs/kernels.md).
+        delta = _several_slots_delta(
+            tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), h_ptr, tok, pos, pos_mask, s, T, R,
+            n, n_mask, slice_begin, slice_end, b_base, b_offs, b_mask, lora_ids_ptr, start_ptr,
+            z_first, z_last, NUM_SLICES, H_PLANES, BLOCK_R, R_CHUNK, INTERPRETER)
+        tl.store(y_tile, _to_bf16(delta, INTERPRETER), mask=out_mask)
     if MODE == 2:
         acc = tl.load(y_tile, mask=out_mask, other=0.0).to(tl.float32)
     else:
@@ -543,7 +594,7 @@ def _lora_gemm_kernel(
     if HAS_BIAS:  # in fp32 before any rounding, as vLLM's CUTLASS epilogue adds it
         acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
 
-    if HAS_LORA and MODE != 1:
+    if HAS_LORA and MODE != 1 and not DELTA_FIRST:
         # As vLLM's expand (do_expand_kernel, add_inputs): the delta summed from zero, rounded
         # to bf16, then added to the GEMM's bf16 output (the expand's MODE 2 loaded it), so
         # that served answers are stock's up to the base's own sums. W8A16 (MODE 1) adds the
@@ -557,26 +608,14 @@ def _lora_gemm_kernel(
         else:
             base = _to_bf16(acc, INTERPRETER)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if HAS_LORA:
+    if HAS_LORA and not DELTA_FIRST:
         b_stride = (slice_end - slice_begin) * R  # one slot's slice of B
-        if R_CHUNK > 0 and R_CHUNK < BLOCK_R and ENTRIES_BLOCK > 2:
-            # Several slots, the rank in R_CHUNK-wide steps: each step's columns of h are
-            # loaded once for all segments, then the segments' slices of B for that step in a
-            # loop Triton pipelines (branch-free, as below). Whole, h and B took gate_up's K2
-            # at 128 tokens past 200 registers and to one and a half waves.
-            steps: tl.constexpr = BLOCK_R // R_CHUNK
-            for step in tl.static_range(steps):
-                rr = step * R_CHUNK + tl.arange(0, R_CHUNK)
-                hs = _h_bf16(h_ptr, tok, pos_mask, s, T, R, rr, NUM_SLICES, H_PLANES,
-                             INTERPRETER)
-                for z in range(z_first, z_last + 1):
-                    slot = tl.load(lora_ids_ptr + z)
-                    in_seg = ((pos >= tl.load(start_ptr + z))
-                              & (pos < tl.load(start_ptr + z + 1)))
-                    bt = _b_step(b_base, slot, b_stride, n, n_mask, slice_begin, slice_end, R,
-                                 rr)
-                    acc = _add_rows(acc, hs, in_seg, bt, INTERPRETER)
-        elif R_CHUNK > 0 and R_CHUNK < BLOCK_R and ENTRIES_BLOCK <= 2:
+        if ENTRIES_BLOCK > 2:
+            acc = _several_slots_delta(
+                acc, h_ptr, tok, pos, pos_mask, s, T, R, n, n_mask, slice_begin, slice_end,
+                b_base, b_offs, b_mask, lora_ids_ptr, start_ptr, z_first, z_last, NUM_SLICES,
+                H_PLANES, BLOCK_R, R_CHUNK, INTERPRETER)
+        elif R_CHUNK > 0 and R_CHUNK < BLOCK_R:
             # One slot, the rank in R_CHUNK-wide steps: a loop Triton pipelines, no step's
             # loads waiting on another load.
             if first_slot >= 0:
@@ -588,19 +627,6 @@ def _lora_gemm_kernel(
                     hz = _h_bf16(h_ptr, tok, in_seg, s, T, R, rr, NUM_SLICES, H_PLANES,
                                  INTERPRETER)
                     acc = _dot_acc(acc, hz, bt, INTERPRETER)
-        elif ENTRIES_BLOCK > 2:
-            # Several slots: a tile may meet many segments (32 adapters at 128 tokens, 16 per
-            # 64-row tile). The loop over them is a K loop of its own, branch-free (a slot's
-            # B masked to zero for tokens without an adapter), so Triton's pipeliner keeps
-            # num_stages - 1 segments' slices of B in flight.
-            hb = _h_bf16(h_ptr, tok, pos_mask, s, T, R, tl.arange(0, BLOCK_R), NUM_SLICES,
-                         H_PLANES, INTERPRETER)
-            for z in range(z_first, z_last + 1):
-                slot = tl.load(lora_ids_ptr + z)
-                in_seg = (pos >= tl.load(start_ptr + z)) & (pos < tl.load(start_ptr + z + 1))
-                bt = tl.load(b_base + slot.to(tl.int64) * b_stride + b_offs,
-                             mask=b_mask & (slot >= 0), other=0.0)
-                acc = _add_rows(acc, hb, in_seg, bt, INTERPRETER)
         else:  # one slot: at most one segment with an adapter
             hb = _h_bf16(h_ptr, tok, pos_mask, s, T, R, tl.arange(0, BLOCK_R), NUM_SLICES,
                          H_PLANES, INTERPRETER)
@@ -624,7 +650,12 @@ def _lora_gemm_kernel(
                                          mask=b_mask, other=0.0)
                         acc = _add_rows(acc, hb, (pos >= seg_begin) & (pos < seg_end), bt,
                                         INTERPRETER)
-    if HAS_LORA and MODE != 1:
+    if DELTA_FIRST:
+        base = _to_bf16(acc, INTERPRETER)
+        tl.debug_barrier()  # the delta's stores, whichever thread made them, before its load
+        delta = tl.load(y_tile, mask=out_mask, other=0.0)
+        acc = base.to(tl.float32) + delta.to(tl.float32)
+    elif HAS_LORA and MODE != 1:
         delta = _to_bf16(acc, INTERPRETER)  # rounded first: the fp32 tile's registers free
         if BLOCK_M >= 64:
             tl.debug_barrier()  # the base's stores, whichever thread made them, before its load

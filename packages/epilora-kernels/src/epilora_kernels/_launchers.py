@@ -339,6 +339,10 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
         B_IN_REGS=_tiling.b_in_registers(cfg), R_CHUNK=_tiling.epilogue_rank_chunk(cfg),
         W_TMA=w_tma, WAIT_K1_FIRST=wait_k1_first and pdl, A_TMA=a_sorted,
         W_SCALE_PER_CHANNEL=per_channel, HAS_BIAS=has_bias,
+        # Several slots in prefill tiles of the FP8 GEMM, h whole before the K loop (no PDL, or
+        # the fused path's wait for all of K1 first): the delta before the GEMM (the kernel).
+        DELTA_FIRST=(mode == FP8 and cfg.block_m >= 64 and num_entries > 2 and split == 1
+                     and (wait_k1_first or not pdl)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
 
