@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import epilora_kernels as ek
-from epilora_kernels import LaunchConfig, fused, reference
+from epilora_kernels import LaunchConfig, _launchers, fused, reference
+from epilora_kernels._launchers import FP8, W8A16
 from epilora_testing import assert_bitwise_equal
 
 from kernel_cases import (
@@ -181,3 +182,26 @@ def test_a_bad_bias_is_refused():
     with pytest.raises(ValueError, match="base GEMM adds the bias"):
         ek.lora_linear(x, weight, w_scale, lora, batch, path="hybrid",
                        base_gemm=ek.vendor_fp8_gemm, bias=torch.zeros(n, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize(("mode", "block_m", "entries", "split", "pdl", "wait_k1_first", "first"), [
+    (FP8, 64, 9, 1, False, False, True),    # several slots, K1 done before K2 starts
+    (FP8, 128, 9, 1, True, True, True),     # the fused path with PDL: waits for all of K1 first
+    (FP8, 64, 9, 1, True, False, False),    # the decode path: h only after gdc_wait
+    (FP8, 32, 9, 1, False, False, False),   # decode tiles: the delta after the GEMM
+    (FP8, 64, 2, 1, False, False, False),   # one slot: the base waits in y instead
+    (FP8, 64, 9, 2, False, False, False),   # split-K: the last split sums after the K loop
+    (W8A16, 64, 9, 1, False, False, False),  # one rounding of base + delta
+])
+def test_the_delta_goes_first_only_where_h_is_whole_before_the_k_loop(
+        mode, block_m, entries, split, pdl, wait_k1_first, first):
+    # K2 reads h before its K loop with DELTA_FIRST: a wrong answer on a GPU (not under the
+    # interpreter, which runs K1 to its end first) wherever K1 may still be writing h then.
+    _, _, _, _, _, _, lora, _ = make_integer_problem(9, 5, 64, (32, 16, 16), 16, 8, "one_adapter")
+    cfg = LaunchConfig(block_m=block_m, block_n=16, block_k=32, block_r=16)
+    arguments = _launchers._k2_arguments(
+        mode, lora, entries, cfg, n=64, stride_a=64, stride_y=64, h_planes=1, split=split,
+        w_tma=False, per_channel=False, traced=False, pdl=pdl, wait_codes=pdl and not
+        wait_k1_first, warm_l2=0, wait_k1_first=wait_k1_first, a_sorted=False,
+        interpreter=True, has_bias=False)
+    assert arguments["DELTA_FIRST"] is first
