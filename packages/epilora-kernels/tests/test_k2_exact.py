@@ -135,8 +135,8 @@ def test_w8a16_k2_adds_the_adapters_before_one_rounding(cfg):
 
 @pytest.mark.parametrize("cfg", ["decode-tile", "split-k", "prefill-tma", "rank-steps"])
 def test_k2_adds_the_bias_before_rounding_the_base(cfg):
-    # K2 given the bias directly (FP8 and W8A16, and without adapters), each tile kind: the
-    # 64-row tiles keep the rounded base in y while the delta is summed.
+    # K2 given the bias directly (FP8 and W8A16, and without adapters), each tile kind: with
+    # these eight slots the 64-row tiles sum the delta first and keep it in y (DELTA_FIRST).
     x, codes, _, weight, _, h, lora, batch = make_integer_problem(
         8, 70, 64, (32, 16, 16), 16, 8, "one_token_each")
     w_scale = torch.tensor([16.0])  # bases past 256: inexact in bf16, exact in fp32
@@ -162,7 +162,7 @@ def test_k2_adds_the_bias_before_rounding_the_base(cfg):
 
 
 @pytest.mark.parametrize(("path", "tokens"), [("decode", 5), ("fused", 9), ("fused", 70),
-                                              ("w8a16", 9)])
+                                              ("w8a16", 9), ("hybrid", 9)])
 @pytest.mark.parametrize("bound", [False, True], ids=["lora_linear", "projection"])
 def test_every_path_adds_the_bias_before_rounding(path, tokens, bound):
     check_the_bias_is_added_before_rounding(path, tokens, bound=bound)
@@ -179,9 +179,11 @@ def test_a_bad_bias_is_refused():
             fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, bias=bias)
         with pytest.raises(ValueError, match=match):
             ek.lora_linear(x, weight, w_scale, lora, batch, bias=bias)
-    with pytest.raises(ValueError, match="base GEMM adds the bias"):
-        ek.lora_linear(x, weight, w_scale, lora, batch, path="hybrid",
-                       base_gemm=ek.vendor_fp8_gemm, bias=torch.zeros(n, dtype=torch.bfloat16))
+    for path in ("hybrid", None):  # refused whichever path the call takes
+        with pytest.raises(ValueError, match="base GEMM adds the bias"):
+            ek.lora_linear(x, weight, w_scale, lora, batch, path=path,
+                           base_gemm=ek.vendor_fp8_gemm,
+                           bias=torch.zeros(n, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize(("mode", "block_m", "entries", "split", "pdl", "wait_k1_first", "first"), [

@@ -189,12 +189,14 @@ def test_warm_takes_the_batchs_path_on_the_modes_activations(monkeypatch, quanti
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernels' rule on the CPU
     a = (torch.zeros(4, 1, 16, 64, dtype=torch.bfloat16),)
     b = (torch.zeros(4, 1, 32, 16, dtype=torch.bfloat16),)
-    forward = EpiloraForward(SimpleNamespace(device=torch.device("cpu")))
+    forward = EpiloraForward(SimpleNamespace(device=torch.device("cpu"),
+                                             base_layer=SimpleNamespace(bias=None)))
     forward.lora = ek.LoraWeights(a, b, (32,))
     forward.mode = _Mode(matched=False, path=path, quantize=quantize)
     runs = []
 
     def run(path, x, quantized, bias, batch):
+        assert bias is None
         runs.append((path, "none" if x is None else {torch.bfloat16: "bf16"}[x.dtype],
                      "none" if quantized is None else str(quantized[0].dtype), batch))
 
@@ -208,6 +210,38 @@ def test_warm_takes_the_batchs_path_on_the_modes_activations(monkeypatch, quanti
     assert [batch.token_lora_mapping.tolist() for *_, batch in runs] == [[0, 1],
                                                                           [0, 1, 2, 3, 0, 1]]
     assert [batch.num_tokens for *_, batch in runs] == [2, 6]
+
+
+def test_warm_gives_the_kernels_the_bias_vllm_gives_apply(monkeypatch):
+    # A biased layer's kernels compile apart (HAS_BIAS): the precompile must meet those, with
+    # the bias vLLM 0.26's LoRA forwards pass to apply, and none where they pass none.
+    from vllm.lora.layers import ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    bias = torch.zeros(32, dtype=torch.bfloat16)
+
+    class Column(ColumnParallelLinearWithLoRA):
+        def __init__(self, **values):  # no vLLM layer behind it: only what warm reads
+            self.__dict__.update(values)
+
+    class Row(RowParallelLinearWithLoRA):
+        def __init__(self, **values):
+            self.__dict__.update(values)
+
+    cases = [(Column, 0, False, bias), (Column, 1, False, bias), (Column, 0, True, None),
+             (Row, 0, False, bias), (Row, 1, False, None), (Row, 0, True, None)]
+    for kind, rank, skip, want in cases:
+        layer = kind(device=torch.device("cpu"), tp_rank=rank,
+                     base_layer=SimpleNamespace(bias=bias, skip_bias_add=skip))
+        forward = EpiloraForward(layer)
+        forward.lora = ek.LoraWeights((torch.zeros(2, 1, 16, 64, dtype=torch.bfloat16),),
+                                      (torch.zeros(2, 1, 32, 16, dtype=torch.bfloat16),), (32,))
+        forward.mode = _Mode(matched=False, path=None, quantize="codes")
+        given = []
+        monkeypatch.setattr(forward, "_run",
+                            lambda path, x, q, bias, batch, given=given: given.append(bias))
+        forward.warm((2, 4))
+        assert len(given) == 2 and all(b is want for b in given), (kind.__name__, rank, skip)
 
 
 def test_eager_sizes_stand_for_every_size_above_the_graphs():

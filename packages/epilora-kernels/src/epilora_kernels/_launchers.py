@@ -415,7 +415,7 @@ class _TileCounters(MockTensor):
 def k2_blocks_per_sm(support: DeviceSupport, mode: int, a_dtype: torch.dtype, weight,
                      weight_scale, h_dtype: torch.dtype, lora: LoraWeights, batch: AdapterBatch,
                      cfg: LaunchConfig, *, pdl: bool, wait_codes: bool, warm_l2: int,
-                     wait_k1_first: bool) -> int:
+                     wait_k1_first: bool, has_bias: bool = False) -> int:
     """How many of K2's blocks (as launch_k2 would launch it with `cfg`, its weight read by
     pointer loads) one SM of the device holds at once: compiled (Triton's caches keep it),
     never launched; its registers and shared memory against the SM's."""
@@ -433,7 +433,7 @@ def k2_blocks_per_sm(support: DeviceSupport, mode: int, a_dtype: torch.dtype, we
             mode, lora, batch.num_entries, cfg, n=n, stride_a=k, stride_y=n, h_planes=1,
             split=split, w_tma=False, per_channel=weight_scale.numel() > 1, traced=False,
             pdl=pdl, wait_codes=wait_codes, warm_l2=warm_l2, wait_k1_first=wait_k1_first,
-            a_sorted=False, interpreter=support.interpreter, has_bias=False,
+            a_sorted=False, interpreter=support.interpreter, has_bias=has_bias,
             a_ptr=a, a_desc=a, a_scale_ptr=MockTensor(torch.float32), w_ptr=weight,
             w_desc=weight, w_scale_ptr=weight_scale, bias_ptr=weight_scale, y_ptr=y, h_ptr=h,
             b0_ptr=b[0], b1_ptr=b[1], b2_ptr=b[2], sorted_ptr=batch.sorted_token_indices,
@@ -455,20 +455,20 @@ _FITTED: dict = {}
 def fit_k2_waves(support: DeviceSupport, mode: int, a_dtype: torch.dtype, weight,
                  weight_scale, h_dtype: torch.dtype, lora: LoraWeights, batch: AdapterBatch,
                  cfg: LaunchConfig, *, pdl: bool, wait_codes: bool, warm_l2: int,
-                 wait_k1_first: bool) -> LaunchConfig:
+                 wait_k1_first: bool, has_bias: bool = False) -> LaunchConfig:
     """`cfg`, or the K2 tiles around it whose grid fills the device's waves best
     (`_tiling.fit_waves`), each candidate's blocks per SM from its compiled kernel."""
     t, n, k = batch.num_tokens, lora.out_features, lora.in_features
     key = (weight.device, mode, a_dtype, h_dtype, t, batch.num_entries, k, lora.output_slices,
            lora.max_rank, weight_scale.numel() > 1, cfg, pdl, wait_codes, warm_l2,
-           wait_k1_first)
+           wait_k1_first, has_bias)
     if key not in _FITTED:
         def measure(candidate: LaunchConfig) -> tuple[int, int] | None:
             try:
                 per_sm = k2_blocks_per_sm(
                     support, mode, a_dtype, weight, weight_scale, h_dtype, lora, batch,
                     candidate, pdl=pdl, wait_codes=wait_codes, warm_l2=warm_l2,
-                    wait_k1_first=wait_k1_first)
+                    wait_k1_first=wait_k1_first, has_bias=has_bias)
             except (CompilationError, OutOfResources, PTXASError):
                 return None  # a candidate that does not compile or fit is no candidate
             return math.prod(_tiling.gemm_grid(mode, t, n, candidate)), per_sm

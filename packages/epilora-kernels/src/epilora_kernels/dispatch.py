@@ -171,6 +171,9 @@ def lora_linear(x: torch.Tensor | None, weight: torch.Tensor, weight_scale: torc
     `h = s_t (q_t A^T)`. `bias` (`[N]`, bf16 or fp32): the projection's, added to x W^T in
     fp32 before it is rounded, as vLLM's CUTLASS epilogue adds it (the hybrid path: by its
     default base GEMM; a caller's `base_gemm` adds its own)."""
+    if base_gemm is not None and bias is not None:  # on every path: the answer is the same
+        raise ValueError("bias with a base_gemm: the caller's base GEMM adds the bias (as "
+                         "vLLM's CUTLASS does in its epilogue); pass it there")
     if x is None:
         if x_quantized is None:
             raise ValueError("x is None: give x_quantized, the codes the paths then read")

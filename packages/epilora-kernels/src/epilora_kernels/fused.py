@@ -152,7 +152,7 @@ def lora_fp8_gemm(
     support = _support(codes, "fused")
     y = torch.empty(t, lora.out_features, dtype=torch.bfloat16, device=codes.device)
     cfg = _k2_config(support, FP8, codes.dtype, weight, weight_scale, lora, batch, config,
-                     pdl=pdl)
+                     pdl=pdl, has_bias=bias is not None)
     return _launchers.launch_k2(support, _workspace(workspace, codes.device), FP8, codes,
                                 scales, weight, weight_scale, y, h, lora, batch, cfg, pdl=pdl,
                                 bias=bias)
@@ -173,7 +173,7 @@ def lora_w8a16_gemm(
     support = _support(x, "w8a16")
     y = torch.empty(x.shape[0], lora.out_features, dtype=torch.bfloat16, device=x.device)
     cfg = _k2_config(support, W8A16, x.dtype, weight, weight_scale, lora, batch, config,
-                     pdl=False)
+                     pdl=False, has_bias=bias is not None)
     return _launchers.launch_k2(support, _workspace(workspace, x.device), W8A16, x,
                                 weight_scale, weight, weight_scale, y, h, lora, batch, cfg,
                                 bias=bias)
@@ -265,7 +265,7 @@ def fused_lora_w8a16_linear(
 
 
 def _settings(support, mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
-              decode, quantize, pdl, counted, warm_l2, wait_k1_first):
+              decode, quantize, pdl, counted, warm_l2, wait_k1_first, has_bias=False):
     # K1's and K2's launch settings: given, else the table's or the heuristic's (K2's fitted to
     # the device's waves: `_k2_config`).
     t = x.shape[0]
@@ -276,7 +276,7 @@ def _settings(support, mode, x, weight, weight_scale, lora, batch, k1_config, k2
     cfg1 = _tiling.config(support, op1, t, lora, k1_config, one_slot=_tiling.one_slot(batch))
     cfg2 = _k2_config(support, mode, torch.float8_e4m3fn if mode == FP8 else x.dtype, weight,
                       weight_scale, lora, batch, k2_config, pdl=pdl, wait_codes=counted,
-                      warm_l2=warm_l2, wait_k1_first=wait_k1_first)
+                      warm_l2=warm_l2, wait_k1_first=wait_k1_first, has_bias=has_bias)
     return cfg1, cfg2
 
 
@@ -289,20 +289,22 @@ _MAX_PLANS = 1 << 16  # a process calling with ever new shapes starts over past 
 
 
 def _plan(support, mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
-          decode, quantize, pdl, counted, warm_l2, wait_k1_first):
+          decode, quantize, pdl, counted, warm_l2, wait_k1_first, has_bias=False):
     # (K1's and K2's settings, the counter tiles they need, whether K1 sorts the codes for
     # K2's TMA reads, h's dtype): functions of the call's shapes, dtypes, alignment and flags.
     key = (support, _tiling.table_of(support), mode, tuple(x.shape), x.dtype,
            tuple(weight.shape), weight.stride(), weight.dtype, weight.data_ptr() % 16,
            weight_scale.numel(), tuple(lora.output_slices), lora.max_rank, batch.num_entries,
-           k1_config, k2_config, decode, quantize, pdl, counted, warm_l2, wait_k1_first)
+           k1_config, k2_config, decode, quantize, pdl, counted, warm_l2, wait_k1_first,
+           has_bias)
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
     t = x.shape[0]
     cfg1, cfg2 = _settings(support, mode, x, weight, weight_scale, lora, batch, k1_config,
                            k2_config, decode=decode, quantize=quantize, pdl=pdl,
-                           counted=counted, warm_l2=warm_l2, wait_k1_first=wait_k1_first)
+                           counted=counted, warm_l2=warm_l2, wait_k1_first=wait_k1_first,
+                           has_bias=has_bias)
     _tiling.check_gemm_config(cfg2, lora)
     tiles = max(_tiling.k1_tiles(t, lora, batch, cfg1),
                 _tiling.k2_tiles(mode, t, lora.out_features, cfg2))
@@ -321,7 +323,7 @@ def _plan(support, mode, x, weight, weight_scale, lora, batch, k1_config, k2_con
 
 
 def _k2_config(support, mode, a_dtype, weight, weight_scale, lora, batch, given, *, pdl,
-               wait_codes=False, warm_l2=0, wait_k1_first=False):
+               wait_codes=False, warm_l2=0, wait_k1_first=False, has_bias=False):
     # K2's settings: given, else the table's or the heuristic's; at the decode token counts
     # (16- and 32-row tiles) then fitted to the device's waves unless tuned on this very shape
     # (`_launchers.fit_k2_waves`, which loads the compiled candidates, in the variant that will
@@ -339,7 +341,7 @@ def _k2_config(support, mode, a_dtype, weight, weight_scale, lora, batch, given,
         cfg = _launchers.fit_k2_waves(
             support, mode, a_dtype, weight, weight_scale, torch.float32, lora, batch, cfg,
             pdl=_launchers.use_pdl(support, pdl), wait_codes=wait_codes, warm_l2=warm_l2,
-            wait_k1_first=wait_k1_first)
+            wait_k1_first=wait_k1_first, has_bias=has_bias)
     return cfg
 
 
@@ -388,7 +390,7 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
     cfg1, cfg2, tiles, a_sorted, h_dtype = _plan(
         support, mode, x, weight, weight_scale, lora, batch, k1_config, k2_config,
         decode=decode, quantize=quantize, pdl=pdl, counted=counted, warm_l2=warm_l2,
-        wait_k1_first=wait_k1_first)
+        wait_k1_first=wait_k1_first, has_bias=bias is not None)
     # Everything K2 needs is checked and sized before K1 launches: a K2 that failed after it
     # would leave K1's count of quantized rows set, and a counter buffer grown between the
     # launches would put a fill kernel between K1 and its dependent and free K1's counters

@@ -174,7 +174,7 @@ class LoraProjection:
         cfg1, cfg2, tiles, a_sorted, h_dtype = fused._plan(
             support, mode, rows, self.weight, self.weight_scale, lora, batch, None, None,
             decode=decode, quantize=quantize, pdl=pdl, counted=counted,
-            warm_l2=fused.DECODE_WARM_L2, wait_k1_first=wait_k1_first)
+            warm_l2=fused.DECODE_WARM_L2, wait_k1_first=wait_k1_first, has_bias=biased)
         grid2 = _tiling.gemm_grid(mode, t, lora.out_features, cfg2)
         w_tma = _tiling.w_tma(support, self.weight, cfg2)
         # K2's A: K1's codes ([T, K], contiguous), the caller's codes, or (W8A16) x

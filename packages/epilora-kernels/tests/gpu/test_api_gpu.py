@@ -257,10 +257,25 @@ def test_k2_adds_the_adapters_as_vllms_expand(tokens, cfg):
 @pytest.mark.parametrize("bound", [False, True], ids=["lora_linear", "projection"])
 def test_every_path_adds_the_bias_before_rounding(path, tokens, bound):
     # Qwen2's biased qkv: the bias in K2's epilogue, in fp32 before the base is rounded (the
-    # 256-token tiles keep the rounded base in y while the delta is summed). K = 512 keeps
+    # 256-token tiles of these four slots sum the delta first, DELTA_FIRST). K = 512 keeps
     # every FP8 sum exact in wgmma's accumulator.
     check_the_bias_is_added_before_rounding(path, tokens, device=CUDA, bound=bound, k=512,
                                             widths=(2048, 512, 512), rank=64)
+
+
+@pytest.mark.parametrize("tokens", [16, 300])
+def test_the_hybrid_paths_default_base_gemm_adds_the_bias(tokens):
+    # cuBLASLt's epilogue (torch._scaled_mm's bias, bf16) is not our arithmetic: near the
+    # reference with the bias, far from it without.
+    x, weight, w_scale, lora, batch = make_problem(3, tokens, 4096, (4096, 1024, 1024), 64, 4,
+                                                   "mixed_with_base", device=CUDA)
+    unbiased = reference.fused_lora_fp8_linear(x, weight, w_scale, lora, batch)
+    bias = (torch.randn(6144, generator=torch.Generator().manual_seed(3)).to(CUDA)
+            * unbiased.float().std()).to(torch.bfloat16)  # as large as the outputs
+    y = ek.lora_linear(x, weight, w_scale, lora, batch, path="hybrid", bias=bias)
+    want = reference.fused_lora_fp8_linear(x, weight, w_scale, lora, batch, bias=bias)
+    assert relative_error(y, want) < BF16_TOL
+    assert relative_error(y, unbiased) > 0.5
 
 
 def test_the_callers_workspace_in_cuda_graphs():

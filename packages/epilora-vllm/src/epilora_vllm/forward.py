@@ -147,7 +147,8 @@ class EpiloraForward:
             weight, scale = self._weights()
             key = (str(layer.device), self.lora.in_features, tuple(self.lora.output_slices),
                    self.lora.max_rank, self.lora.max_loras, str(weight.dtype),
-                   scale.numel() > 1, self.mode.path, self.mode.quantize, self.mode.matched)
+                   scale.numel() > 1, self.mode.path, self.mode.quantize, self.mode.matched,
+                   self.served_bias() is not None)
             self._precompiling = True
             precompile.start(self, key, sizes)
 
@@ -334,6 +335,7 @@ class EpiloraForward:
         k = lora.in_features
         x = (None if self.mode.shrink_codes
              else torch.zeros(most, k, dtype=torch.bfloat16, device=device))
+        bias = self.served_bias()  # its kernels compile apart from unbiased ones
         quantized = None
         if self.mode.vllm_quantizes:
             quantized = (torch.zeros(most, k, dtype=torch.float8_e4m3fn, device=device),
@@ -348,9 +350,23 @@ class EpiloraForward:
             self._run(path, None if x is None else x[:tokens],
                       None if quantized is None else (quantized[0][:tokens],
                                                       quantized[1][:tokens]),
-                      None, batch)
+                      bias, batch)
             if after is not None:
                 after(tokens)
+
+    def served_bias(self) -> torch.Tensor | None:
+        """The bias vLLM's LoRA classes give `apply` (vLLM 0.26's forwards): the base layer's,
+        unless the layer returns it apart (`skip_bias_add`) or, row-parallel, another rank
+        adds it. The kernels take it into their epilogue, compiled apart (`HAS_BIAS`)."""
+        from vllm.lora.layers import RowParallelLinearWithLoRA
+
+        layer = self.layer
+        bias = getattr(layer.base_layer, "bias", None)
+        if bias is None or getattr(layer.base_layer, "skip_bias_add", False):
+            return None
+        if isinstance(layer, RowParallelLinearWithLoRA) and getattr(layer, "tp_rank", 0) > 0:
+            return None
+        return bias
 
     def _vllm_apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # The vLLM class ours subclasses (after _Epilora in the MRO) computes as without us.
