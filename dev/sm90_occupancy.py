@@ -3,13 +3,14 @@ Qwen3-8B layer, compiled for sm_90 on a CPU (no GPU needed; TRITON_INTERPRET uns
 
 For each projection, token count and adapter rank, the decode path and the fused path record
 their launches with the shipped launch table (`epilora_kernels/configs/NVIDIA_H200.json`; one
-adapter, or `--adapters N` round robin), compile them as Triton's launcher would (16-aligned
-arguments marked), and ask Triton's bundled ptxas for registers and spill stores. Occupancy is
-the H200's limit per SM (65536 registers allocated per warp in units of 256, 228 KB of shared
-memory with 1 KB reserved per block, 32 blocks, 2048 threads); `waves` = programs / (blocks per
-SM x 132).
+adapter, or `--adapters N ...` round robin, rows for each count), compile them as Triton's
+launcher would (16-aligned arguments marked), and ask Triton's bundled ptxas for registers and
+spill stores. Occupancy is the H200's limit per SM (65536 registers allocated per warp in units
+of 256, 228 KB of shared memory with 1 KB reserved per block, 32 blocks, 2048 threads); `waves`
+= programs / (blocks per SM x 132).
 
-    python dev/sm90_occupancy.py --out benchmarks/results/cpu/sm90_occupancy.json
+    python dev/sm90_occupancy.py --out benchmarks/results/cpu/sm90_occupancy.json \
+        --tokens 1 4 8 16 32 64 128 256 512 2048 --adapters 1 8
 
 `--candidates k2` compiles instead every K2 candidate `benchmarks/tune.py` offers (the fused
 path's K2, with its epilogue at the rank), `--candidates k1` every K1 candidate (the fused
@@ -24,6 +25,7 @@ programs need more waves.
 
 import argparse
 import functools
+import itertools
 import re
 import subprocess
 import sys
@@ -57,9 +59,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128, 256])
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64, 128])
     parser.add_argument("--projections", nargs="+", help="these only (default: all four)")
-    parser.add_argument("--adapters", type=int, default=1,
+    parser.add_argument("--adapters", type=int, nargs="+", default=[1],
                         help="the tokens round robin over this many slots, as layer.py's "
-                             "setups (several: K2's several-slot epilogue)")
+                             "setups (several: K2's several-slot epilogue); each count's rows")
     parser.add_argument("--candidates", choices=("k1", "k2"),
                         help="every K1 or K2 candidate of benchmarks/tune.py, in the fused path")
     args = parser.parse_args()
@@ -84,8 +86,7 @@ def main() -> None:
             continue
         n = sum(slices)
         weight = torch.empty(n, k, dtype=torch.float8_e4m3fn)
-        for rank in args.ranks:
-            slots = args.adapters
+        for rank, slots in itertools.product(args.ranks, args.adapters):
             lora = LoraWeights(
                 tuple(torch.empty(slots, 1, rank, k, dtype=torch.bfloat16) for _ in slices),
                 tuple(torch.empty(slots, 1, width, rank, dtype=torch.bfloat16)
@@ -126,7 +127,8 @@ def main() -> None:
                         per_sm = blocks_per_sm(regs, compiled.metadata.shared, warps)
                         programs = grid[0] * (grid[1] if len(grid) > 1 else 1) * (
                             grid[2] if len(grid) > 2 else 1)
-                        row = {"projection": name, "rank": rank, "tokens": tokens, "path": path,
+                        row = {"projection": name, "rank": rank, "adapters": slots,
+                               "tokens": tokens, "path": path,
                                "kernel": kernel_name, "registers": regs, "spill_bytes": spills,
                                "shared_bytes": compiled.metadata.shared, "warps": warps,
                                "blocks_per_sm": per_sm, "programs": programs,
