@@ -188,6 +188,14 @@ def check_k2_adds_the_adapters_as_vllms_expand(k2_config, *, seed, tokens, width
         assert not torch.equal(other.to(torch.bfloat16), want), f"{name} gives vLLM's bits too"
 
 
+def bias_of_halves(n, seed, device="cpu"):
+    """A bf16 bias `[n]` of halves in [-59.5, 60.5]: exact in bf16, and beside the integer
+    problems' bases every fp32 sum base + bias is exact (an FMA and a multiply then an add
+    agree)."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(-60, 61, (n,), generator=gen) + 0.5).to(torch.bfloat16).to(device)
+
+
 def check_the_bias_is_added_before_rounding(path, tokens, *, device="cpu", bound=False,
                                             k=64, widths=(32, 16, 16), rank=16):
     """`lora_linear` (or a `LoraProjection` bound once, `bound`) on `path` with a projection's
@@ -202,9 +210,7 @@ def check_the_bias_is_added_before_rounding(path, tokens, *, device="cpu", bound
     x, codes, scales, weight, _, _, lora, batch = make_integer_problem(
         7, tokens, k, widths, rank, 4, "mixed_with_base", device=device)
     w_scale = torch.tensor([16.0], device=device)
-    gen = torch.Generator().manual_seed(7)
-    bias = (torch.randint(-60, 61, (lora.out_features,), generator=gen) + 0.5)
-    bias = bias.to(torch.bfloat16).to(device)
+    bias = bias_of_halves(lora.out_features, 7, device)
     # The FP8 paths on the caller's codes (exact scales); the W8A16 and hybrid paths on x (the
     # hybrid path's default base GEMM quantizes it and adds the bias: this check is bitwise
     # there under the interpreter only, where that GEMM is ours).

@@ -12,6 +12,7 @@ from epilora_kernels._launchers import FP8, W8A16
 from epilora_testing import assert_bitwise_equal
 
 from kernel_cases import (
+    bias_of_halves,
     check_k2_adds_the_adapters_as_vllms_expand,
     check_the_bias_is_added_before_rounding,
     exact_lora_delta,
@@ -141,8 +142,7 @@ def test_k2_adds_the_bias_before_rounding_the_base(cfg):
         8, 70, 64, (32, 16, 16), 16, 8, "one_token_each")
     w_scale = torch.tensor([16.0])  # bases past 256: inexact in bf16, exact in fp32
     scales = torch.ones(70, 1)
-    bias = (torch.randint(-60, 61, (lora.out_features,),
-                          generator=torch.Generator().manual_seed(8)) + 0.5).to(torch.bfloat16)
+    bias = bias_of_halves(lora.out_features, 8)
     k2 = K2_CONFIGS[cfg]
     y = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2,
                             bias=bias)

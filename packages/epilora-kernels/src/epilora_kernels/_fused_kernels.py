@@ -18,14 +18,13 @@ hybrid path's expand). Tiles of 64 rows or more (`W_TMA`) read the weight tile t
 descriptor (`w_desc`). Its epilogue sums `bf16(h) B_slot^T` for each adapter segment that meets
 the tile, reading only the tile's columns of B, and writes the bf16 tile once: in MODEs 0 and 2
 as vLLM's expand adds into its GEMM's output, `bf16(bf16(base) + bf16(delta))` (with several
-slots in tiles of 64 rows or more whose h is whole before the K loop, the delta is summed
-first and waits in y: `DELTA_FIRST`); in MODE 1
-rounded once, `bf16(base + delta)`. In the fused path with PDL (`WAIT_K1_FIRST`) it is launched
-as K1's programmatic dependent only to hide its launch, and waits for all of K1 before its K
-loop. In the decode path (`USE_PDL`, `WAIT_CODES`) it is K1's programmatic dependent: it waits
-for K1's count of quantized rows before its K loop (prefetching the first `WARM_L2` bytes of its
-weight rows into L2 meanwhile), streams its weights while K1's shrink runs, and waits for all of
-K1 (`gdc_wait`) only before its epilogue.
+slots in tiles of 64 rows or more whose h is whole before the K loop, the delta is summed first
+and waits in y: `DELTA_FIRST`); in MODE 1 rounded once, `bf16(base + delta)`. In the fused path
+with PDL (`WAIT_K1_FIRST`) it is launched as K1's programmatic dependent only to hide its
+launch, and waits for all of K1 before its K loop. In the decode path (`USE_PDL`, `WAIT_CODES`)
+it is K1's programmatic dependent: it waits for K1's count of quantized rows before its K loop
+(prefetching the first `WARM_L2` bytes of its weight rows into L2 meanwhile), streams its
+weights while K1's shrink runs, and waits for all of K1 (`gdc_wait`) only before its epilogue.
 With `SPLIT_K` > 1 the K loop is split over programs and the last split of each tile reduces in
 a fixed order. Counters (split-K tiles, the decode path's counts) are zero at rest
 (epilora_kernels.workspace): whoever arrives last resets them.
@@ -650,16 +649,15 @@ def _lora_gemm_kernel(
                                          mask=b_mask, other=0.0)
                         acc = _add_rows(acc, hb, (pos >= seg_begin) & (pos < seg_end), bt,
                                         INTERPRETER)
-    if DELTA_FIRST:
-        base = _to_bf16(acc, INTERPRETER)
-        tl.debug_barrier()  # the delta's stores, whichever thread made them, before its load
-        delta = tl.load(y_tile, mask=out_mask, other=0.0)
-        acc = base.to(tl.float32) + delta.to(tl.float32)
-    elif HAS_LORA and MODE != 1:
-        delta = _to_bf16(acc, INTERPRETER)  # rounded first: the fp32 tile's registers free
-        if BLOCK_M >= 64:
-            tl.debug_barrier()  # the base's stores, whichever thread made them, before its load
-            base = tl.load(y_tile, mask=out_mask, other=0.0)
-        acc = base.to(tl.float32) + delta.to(tl.float32)
+    if HAS_LORA and MODE != 1:
+        # acc holds the delta, or with DELTA_FIRST the base; the other term, rounded, waits in
+        # y or (base, below 64 rows) in registers. Their sum is the same either way round.
+        held = _to_bf16(acc, INTERPRETER)  # rounded first: the fp32 tile's registers free
+        if DELTA_FIRST or BLOCK_M >= 64:
+            tl.debug_barrier()  # y's stores, whichever thread made them, before its load
+            kept = tl.load(y_tile, mask=out_mask, other=0.0)
+        else:
+            kept = base
+        acc = kept.to(tl.float32) + held.to(tl.float32)
     tl.store(y_tile, _to_bf16(acc, INTERPRETER), mask=out_mask)
     _stamp(trace_ptr, 4, TRACE)

@@ -114,6 +114,12 @@ def choose_path(tokens: int, batch: AdapterBatch, support: DeviceSupport) -> str
 BaseGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def _check_no_bias_beside(base_gemm: BaseGemm | None, bias: torch.Tensor | None) -> None:
+    if base_gemm is not None and bias is not None:
+        raise ValueError("bias with a base_gemm: the caller's base GEMM adds the bias (as "
+                         "vLLM's CUTLASS does in its epilogue); pass it there")
+
+
 def vendor_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """The hybrid path's default base GEMM: our per-token quantizer (vLLM's codes, bit for bit)
@@ -140,9 +146,7 @@ def hybrid_lora_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
     _checks.check_inputs(x, lora, batch)
     _checks.check_weight(weight, weight_scale, lora.in_features, lora.out_features, x.device)
     _checks.check_bias(bias, lora.out_features, x.device)
-    if base_gemm is not None and bias is not None:
-        raise ValueError("bias with a base_gemm: the caller's base GEMM adds the bias (as "
-                         "vLLM's CUTLASS does in its epilogue); pass it there")
+    _check_no_bias_beside(base_gemm, bias)
     y = (base_gemm(x, weight, weight_scale) if base_gemm is not None
          else vendor_fp8_gemm(x, weight, weight_scale, bias))
     _checks.check_output(y, x.shape[0], lora.out_features)
@@ -171,9 +175,7 @@ def lora_linear(x: torch.Tensor | None, weight: torch.Tensor, weight_scale: torc
     `h = s_t (q_t A^T)`. `bias` (`[N]`, bf16 or fp32): the projection's, added to x W^T in
     fp32 before it is rounded, as vLLM's CUTLASS epilogue adds it (the hybrid path: by its
     default base GEMM; a caller's `base_gemm` adds its own)."""
-    if base_gemm is not None and bias is not None:  # on every path: the answer is the same
-        raise ValueError("bias with a base_gemm: the caller's base GEMM adds the bias (as "
-                         "vLLM's CUTLASS does in its epilogue); pass it there")
+    _check_no_bias_beside(base_gemm, bias)  # on every path: the answer is the same
     if x is None:
         if x_quantized is None:
             raise ValueError("x is None: give x_quantized, the codes the paths then read")
