@@ -434,24 +434,32 @@ def agreement_rows(tokens: dict) -> list:
 
 def collect(log_dirs: list[Path]) -> list:
     """Every engine log under `log_dirs` as rows (a later directory's log of the same model,
-    scenario and system replaces an earlier one's), then the agreement rows."""
+    scenario and system replaces an earlier one's; online, only at the rates it served, so a
+    run at one more rate adds to the earlier run's rates), then the agreement rows."""
     logs = {}
     for directory in log_dirs:
         for path in sorted(Path(directory).glob("serving-*.log")):
             match = LOG_NAME.search(path.name)
             if match:
                 key = (match["model"], match["scenario"] or "tpot1", match["system"])
-                logs[key] = (path, path.read_text())
+                logs.setdefault(key, []).append((path, path.read_text()))
     rows, tokens = [], {}
-    for (model, scenario, system), (path, log) in logs.items():
-        engine_rows, engine_tokens = rows_from_log(model, system, log, scenario)
-        # Which run: the log's folder (benchmarks/results/<gpu>/serving-logs/<commit>/).
-        commit = path.parent.name if re.fullmatch(r"[0-9a-f]{7,40}", path.parent.name) else None
-        command = re.match(r"COMMAND (.*)", log)
-        rows += [{**row, "log": f"{path.parent.name}/{path.name}", "commit": commit,
-                  "command": command.group(1) if command else None} for row in engine_rows]
-        if engine_tokens is not None:
-            tokens[(model, system)] = engine_tokens
+    for (model, scenario, system), runs in logs.items():
+        served_rates = set()
+        for path, log in reversed(runs):  # the latest first
+            engine_rows, engine_tokens = rows_from_log(model, system, log, scenario)
+            if path != runs[-1][0]:  # an earlier run: only its rates the later ones lack
+                engine_rows = [row for row in engine_rows
+                               if row.get("request_rate") not in served_rates | {None}]
+            served_rates |= {row["request_rate"] for row in engine_rows if "request_rate" in row}
+            # Which run: the log's folder (benchmarks/results/<gpu>/serving-logs/<commit>/).
+            commit = (path.parent.name if re.fullmatch(r"[0-9a-f]{7,40}", path.parent.name)
+                      else None)
+            command = re.match(r"COMMAND (.*)", log)
+            rows += [{**row, "log": f"{path.parent.name}/{path.name}", "commit": commit,
+                      "command": command.group(1) if command else None} for row in engine_rows]
+            if engine_tokens is not None and (model, system) not in tokens:
+                tokens[(model, system)] = engine_tokens
     return rows + agreement_rows(tokens)
 
 

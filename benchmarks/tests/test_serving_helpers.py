@@ -113,6 +113,26 @@ def test_an_online_engine_stopped_at_its_third_rate_keeps_the_two_it_finished(tm
                   if r["metric"] == "median_tpot_ms") == [(2.0, 20.0), (4.0, 40.0)]
 
 
+def test_a_later_online_run_at_one_more_rate_adds_to_the_earlier_runs_rates(tmp_path):
+    def result(start_s, **tpot_by_rate):
+        return {"start_s": start_s, "gpu": "NVIDIA H200", "torch": "2.11.0", "vllm": "0.26.0",
+                "rates": {rate: {"completed": 40, "failed": 0, "median_tpot_ms": tpot,
+                                 "p99_ttft_ms": 100.0} for rate, tpot in tpot_by_rate.items()}}
+
+    name = SERVING["log_name"]("llama3.1-8b", "online", "vllm-default")
+    for run, res in (("aaaaaaa", result(150.0, **{"2.0": 12.0, "4.0": 25.0})),
+                     ("bbbbbbb", result(220.0, **{"4.0": 30.0, "16.0": 44.0}))):
+        (tmp_path / run).mkdir()
+        (tmp_path / run / name).write_text(f"RESULT {json.dumps(res)}\n")
+    rows = SERVING["collect"]([tmp_path / "aaaaaaa", tmp_path / "bbbbbbb"])
+    tpot = sorted((r["request_rate"], r["value"], r["commit"]) for r in rows
+                  if r["metric"] == "median_tpot_ms")
+    # 4 requests/s from the later run, which served it too; 2 from the earlier, which alone did
+    assert tpot == [(2.0, 12.0, "aaaaaaa"), (4.0, 30.0, "bbbbbbb"), (16.0, 44.0, "bbbbbbb")]
+    assert [(r["value"], r["commit"]) for r in rows if r["metric"] == "start_s"] == [
+        (220.0, "bbbbbbb")]
+
+
 def test_a_rate_stock_did_not_reach_is_named_and_not_judged():
     def row(system, rate, metric, value):
         return {"system": system, "request_rate": rate, "metric": metric, "value": value,
