@@ -4,7 +4,8 @@ One call for an engine, `lora_linear(x, weight, weight_scale, lora, batch)`: a p
 `x W^T` with an FP8 weight plus every token's LoRA adapter, on the path it picks (`decode`,
 `fused`, `hybrid`, or `w8a16` when asked). The paths are here for callers that choose
 (`decode_lora_fp8_linear`, ...), with their kernels (`quantize_and_shrink` = K1,
-`lora_fp8_gemm` = K2, ...) and torch twins in `epilora_kernels.reference` (the same tensor arguments, no launch ones).
+`lora_fp8_gemm` = K2, ...) and torch twins in `epilora_kernels.reference` (the same tensor
+arguments, no launch ones).
 `LoraProjection(weight, weight_scale, lora)` binds a projection's weight and adapters once, for
 an engine's calls (`projection(x, batch)`: the same result, with a fraction of the host time).
 `supports(path, ...)` says whether a case can be served and why not; `Workspace` holds the
