@@ -2,10 +2,10 @@
 
 `tune.py --ops decode` times each projection's K1 with that projection's K2 alone; its winners
 differ by about the decode layer's run-to-run spread, and a setting that makes one projection
-faster can make the layer slower (docs/kernels.md, items 21-23). Here every candidate is timed
-in the layer it serves: one Qwen3-8B layer's decode path (4 projections, tokens round robin over
-`--adapters` adapters of rank `--rank`) in a CUDA graph, the L2 flushed before each replay,
-median of `--reps`. One projection's K1 setting changes at a time, the others keep their
+faster can make the layer slower (docs/kernels-history.md, items 21-23). Here every candidate is
+timed in the layer it serves: one Qwen3-8B layer's decode path (4 projections, tokens round
+robin over `--adapters` adapters of rank `--rank`) in a CUDA graph, the L2 flushed before each
+replay, median of `--reps`. One projection's K1 setting changes at a time, the others keep their
 current ones (the installed table's to begin with): coordinate descent, `--passes` rounds over
 the projections. Before each projection's candidates the current settings are timed again (the
 run's drift), and a candidate replaces the current setting only when it is faster than that

@@ -231,5 +231,5 @@ def epilogue_rank_chunk(cfg: LaunchConfig) -> int:
     # at rank 128, and stepping made the rank-128 layer faster at 64-256 tokens. Stepping every
     # tile of 64 rows or more was slower where B fits (rank 64 in 64-wide tiles) and with
     # several slots, where that loop reloaded h for every segment and step; several slots now
-    # load each step of h once (docs/kernels.md, items on the epilogue). 0: the whole rank.
+    # load each step of h once (docs/kernels.md, "K2's epilogue"). 0: the whole rank.
     return 32 if cfg.block_m >= 64 and not b_fits_registers(cfg) else 0

@@ -313,8 +313,8 @@ def _plan(support, mode, x, weight, weight_scale, lora, batch, k1_config, k2_con
     a_sorted = quantize and _tiling.w_tma(support, weight, cfg2) and x.shape[1] % 16 == 0
     # h in bf16 for K2's tiles of 64 rows or more (their epilogue reads every row's h per output
     # tile; it rounds h to bf16 anyway): at 256 tokens, rank 128, bf16 h everywhere made the
-    # layer ~1 us faster and the 16- and 32-row decode tiles slower (docs/kernels.md, items 27
-    # and 42).
+    # layer ~1 us faster and the 16- and 32-row decode tiles slower (docs/kernels-history.md,
+    # items 27 and 42).
     h_dtype = torch.bfloat16 if cfg2.block_m >= 64 else torch.float32
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
