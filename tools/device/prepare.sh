@@ -14,7 +14,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   platformdirs filelock attrs packaging==25.0 \
   pytest-xdist==3.8.0 execnet==2.1.2  # the GPU tests in processes (gpu_kernels.sh TESTS_JOBS)
 rm -rf .device/dist && uv build --all-packages -q -o .device/dist --wheel
-# vLLM 0.26.0's LoRA layer tests (its sdist's tests/lora, ~100 KB unpacked), which the plugin's
+# vLLM 0.26.0's LoRA layer and Punica op tests (its sdist's tests/lora, ~130 KB), which the plugin's
 # GPU tests run on FP8 bases (packages/epilora-vllm/tests/vllm_suite.py; setup.sh points there).
 # Fetched into the user's cache (vllm_suite.fetch), then copied: with EPILORA_VLLM_TESTS set,
 # fetch only reads, so a fresh machine would find nothing.

@@ -1,5 +1,6 @@
 """vLLM 0.26.0's own LoRA layer tests (`tests/lora/test_layers.py`), run on FP8 bases with the
-plugin's classes.
+plugin's classes, and its Punica op tests (`tests/lora/test_punica_ops.py`) on the kernels'
+shrink and expand (`EpiloraPunicaOps`, below).
 
 vLLM's suite builds fp16 linears without quantization and wraps them in vLLM's LoRA classes;
 the plugin's classes serve FP8 bases in bf16 only (vLLM's own classes keep every other layer).
@@ -38,7 +39,7 @@ SDIST_URL = ("https://files.pythonhosted.org/packages/cd/72/fa30f8459d11ae206f1a
              "90b695fa3dfc9ef6056de0cfe/vllm-0.26.0.tar.gz")
 SDIST_SHA256 = "23e9fa19d7e20ce7dcc1c074d41503e2116d23f19e688f5d5ea91b741f958502"
 MEMBERS = ("tests/lora/__init__.py", "tests/lora/conftest.py", "tests/lora/utils.py",
-           "tests/lora/test_layers.py")
+           "tests/lora/test_layers.py", "tests/lora/test_punica_ops.py")
 
 
 def _suite_dir() -> Path:
@@ -92,6 +93,100 @@ def load():
         sys.path.insert(0, root)
     return (importlib.import_module("tests.lora.test_layers"),
             importlib.import_module("tests.lora.conftest"))
+
+
+def load_punica_ops():
+    """vLLM's `tests.lora.test_punica_ops` module."""
+    load()
+    return importlib.import_module("tests.lora.test_punica_ops")
+
+
+class EpiloraPunicaOps:
+    """vLLM's `vllm.lora.ops.triton_ops` as its Punica op tests call it (`lora_shrink`,
+    `lora_expand`, `LoRAKernelMeta`), computed by epilora-kernels' shrink and expand (the
+    hybrid path's), or on a CPU by their torch twins (`epilora_kernels.reference`), as the
+    plugin computes there. vLLM's five metadata tensors are an `AdapterBatch` as they are (no
+    copies), its per-slice weights `[loras, rows, cols]` the kernels' `[loras, 1, rows, cols]`
+    views; the other operand's weights, which the op does not read, are zeros. A case the
+    kernels do not serve (fp16, which vLLM's tests also draw; a rank above the kernels'
+    largest) is skipped with the reason."""
+
+    def __init__(self):
+        from vllm.lora.ops.triton_ops import LoRAKernelMeta
+
+        self.LoRAKernelMeta = LoRAKernelMeta
+
+    @staticmethod
+    def _kernels(device: torch.device):
+        import epilora_kernels
+        from epilora_kernels import reference
+
+        return epilora_kernels if device.type == "cuda" else reference
+
+    @staticmethod
+    def _skip_unserved(dtype: torch.dtype, in_features: int, slices: tuple[int, ...], rank: int,
+                       device: torch.device) -> None:
+        from epilora_kernels import supports
+        from epilora_kernels.dispatch import MAX_RANK
+
+        if dtype != torch.bfloat16:
+            pytest.skip(f"epilora-kernels serve bf16 activations and adapters, not {dtype}")
+        if device.type == "cuda":
+            support = supports("fused", in_features=in_features, output_slices=slices,
+                               max_rank=rank, device=device)
+            if not support:
+                pytest.skip(f"not served by epilora-kernels: {support.reason}")
+        elif rank > MAX_RANK:
+            pytest.skip(f"rank {rank}: epilora-kernels serve ranks 1..{MAX_RANK}")
+
+    @staticmethod
+    def _adapters(lora_a: list, lora_b: list):
+        from epilora_kernels import LoraWeights
+
+        return LoraWeights(tuple(a.unsqueeze(1) for a in lora_a),
+                           tuple(b.unsqueeze(1) for b in lora_b),
+                           tuple(b.shape[1] for b in lora_b))
+
+    def lora_shrink(self, inputs, lora_a_weights, output_tensor, token_lora_mapping,
+                    token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc,
+                    lora_ids, no_lora_flag_cpu, num_active_loras, scaling):
+        from epilora_kernels import AdapterBatch
+
+        del num_active_loras  # vLLM's grid size: the kernels size their own
+        loras, rank, in_features = lora_a_weights[0].shape
+        self._skip_unserved(inputs.dtype, in_features, (16,) * len(lora_a_weights), rank,
+                            inputs.device)
+        if bool(no_lora_flag_cpu):  # vLLM's op returns at once: no token has an adapter
+            return
+        lora_b = [torch.zeros(loras, 16, rank, dtype=a.dtype, device=a.device)
+                  for a in lora_a_weights]
+        batch = AdapterBatch(token_lora_mapping, token_indices_sorted_by_lora_ids, lora_ids,
+                             num_tokens_per_lora, lora_token_start_loc)
+        h = self._kernels(inputs.device).lora_shrink(
+            inputs, self._adapters(lora_a_weights, lora_b), batch)
+        output_tensor.copy_(h[0] * scaling)  # rows without an adapter: 0, as vLLM leaves them
+
+    def lora_expand(self, inputs, lora_b_weights, output_tensor, token_lora_mapping,
+                    token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc,
+                    lora_ids, no_lora_flag_cpu, num_active_loras, offset_start=0,
+                    add_inputs=False):
+        from epilora_kernels import AdapterBatch
+
+        del num_active_loras
+        loras, _, rank = lora_b_weights[0].shape
+        slices = tuple(b.shape[1] for b in lora_b_weights)
+        self._skip_unserved(output_tensor.dtype, 16, slices, rank, output_tensor.device)
+        if bool(no_lora_flag_cpu):
+            return
+        lora_a = [torch.zeros(loras, rank, 16, dtype=b.dtype, device=b.device)
+                  for b in lora_b_weights]
+        batch = AdapterBatch(token_lora_mapping, token_indices_sorted_by_lora_ids, lora_ids,
+                             num_tokens_per_lora, lora_token_start_loc)
+        y = output_tensor[:, offset_start:offset_start + sum(slices)]
+        if not add_inputs:  # vLLM's op then writes the product alone, in its tokens' rows
+            y[token_lora_mapping >= 0] = 0
+        h = inputs.float().unsqueeze(0).contiguous()  # vLLM's bf16 [S, T, R]: exact in fp32
+        self._kernels(y.device).lora_expand(y, h, self._adapters(lora_a, lora_b_weights), batch)
 
 
 class _TorchWithFp8Equal(types.ModuleType):
