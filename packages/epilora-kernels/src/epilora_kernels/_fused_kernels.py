@@ -485,7 +485,7 @@ def _lora_gemm_kernel(
                 # Too big to hold in registers through the K loop (at rank 128 it cost gate_up's
                 # K2 a third of its blocks per SM: results/cpu/sm90_occupancy.json of f2cbeef):
                 # warm L2 with it, one prefetch per 128-byte line, and load it after the wait.
-                lines = tl.arange(0, BLOCK_R // 64) * 64
+                lines = tl.arange(0, (BLOCK_R + 63) // 64) * 64
                 warm_b = first_b + (n - slice_begin)[:, None] * R + lines[None, :]
                 warm_b = tl.where((n < slice_end)[:, None] & n_mask[:, None]
                                   & (lines[None, :] < R) & (first_slot >= 0), warm_b, b_base)
