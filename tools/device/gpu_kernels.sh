@@ -56,9 +56,10 @@
 #           -> $OUT/stacks_SYSTEM.txt (dev/collapse_stacks.py sums them)
 #   op-overhead dev/op_overhead.py $OVERHEAD_ARGS: the kernels' host time per eager call
 #           -> $OUT/op_overhead.json                                     OVERHEAD_TIMEOUT (120)
-#   epilogue-ab dev/epilogue_variants.py $EPILOGUE_ARGS: K2's one-slot epilogue in 64-row-or-more
-#           tiles, the shipped form against rank steps, per model, rank and token count
-#           -> $OUT/epilogue_variants.json                               LAYER_TIMEOUT (300)
+#   launch-variants dev/launch_variants.py $LAUNCH_VARIANTS_ARGS: variants of the kernels'
+#           launch rules (K2's one-slot epilogue in rank steps, the heuristic, a deeper-K
+#           heuristic at 33-256 tokens) against the shipped ones, per model, rank and tokens
+#           -> $OUT/launch_variants.json                                 LAYER_TIMEOUT (300)
 #   engine-kernels dev/engine_kernels.py $ENGINE_KERNELS_ARGS: one engine decode step's kernels
 #           per system -> $OUT/engine_kernels.json and its engines' logs          SERVING_TIMEOUT
 #   env:NAME=VALUE  sets NAME for the later steps (quote it when VALUE has spaces); setting OUT
@@ -207,9 +208,9 @@ w('/tmp/smollm2-bf16')" 2>&1 | tail -3 || exit 1
                        > "$OUT/prefill_probe_$system.log" 2>&1
                      echo "$system exit $?"; grep -E "prompt|wall|sampled|garbage" "$OUT/prefill_probe_$system.log"
                    done | tee "$OUT/prefill_probe.log" ;;
-    epilogue-ab) timeout "${LAYER_TIMEOUT:-300}" python3 dev/epilogue_variants.py \
-                   --out "$OUT/epilogue_variants.json" ${EPILOGUE_ARGS:-} 2>&1 \
-                   | tee "$OUT/epilogue_variants.log" ;;
+    launch-variants) timeout "${LAYER_TIMEOUT:-300}" python3 dev/launch_variants.py \
+                       --out "$OUT/launch_variants.json" ${LAUNCH_VARIANTS_ARGS:-} 2>&1 \
+                       | tee "$OUT/launch_variants.log" ;;
     op-overhead) timeout "${OVERHEAD_TIMEOUT:-120}" python3 dev/op_overhead.py \
                    --out "$OUT/op_overhead.json" ${OVERHEAD_ARGS:-} 2>&1 | tee "$OUT/op_overhead.log" ;;
     env:*) export "${step#env:}"; mkdir -p "$OUT"; echo "$step"; continue ;;

@@ -1,0 +1,171 @@
+"""GPU: variants of the kernels' launch rules, A/B in one process against the shipped ones.
+
+Each variant is a rule of `epilora_kernels` patched in while its layer's CUDA graph is captured
+(the launch templates and settings memo made again), so one run times them all side by side:
+for each model's layer (its four FP8 projections), one adapter of each rank and each token
+count, the graphs are replayed in turns with the L2 flushed (benchmarks/layer.py's
+`time_graphs`), beside vLLM's quant + CUTLASS (`cutlass`) and the dispatcher `lora_linear` as
+shipped (`epilora`). Each variant's output is compared with the shipped one's first (relative
+error: a variant may sum in another order).
+
+Variants (`--variants`):
+
+* `rank-steps`: K2's one-slot epilogue in tiles of 64 rows or more steps through the rank, 32
+  columns at a time, B loaded after the K loop, where the shipped rule holds B in registers
+  through the K loop wherever it fits (`_tiling.b_in_registers`, `epilogue_rank_chunk`). Since
+  vLLM's expand arithmetic (13d0321) those tiles hold 175 registers at rank 64 (2 blocks per SM
+  where shared memory allows 3); in rank steps 48-72 (`dev/sm90_occupancy.py` with this rule).
+* `heuristic`: no launch table or tuner cache (EPILORA_LAUNCH_TABLES=0), the heuristic alone:
+  the layer benchmark's `epilora-heuristic`.
+* `heuristic-deep-k`: the same with K2's heuristic at 33-256 tokens changed to what the tuned
+  Qwen3-8B entries there share (configs/NVIDIA_H200.json): 256-deep K tiles, 64-wide N tiles
+  where the row tiles times N/64 fill the SMs' one wave, else 32-wide, the K loop split in two
+  where K is at least twice N and the programs do not fill the SMs. Read from one model's
+  table: the other models' shapes are the test.
+
+    source tools/device/setup.sh
+    python3 dev/launch_variants.py --out $OUT/launch_variants.json \
+        [--variants rank-steps] [--models qwen3-8b ...] [--ranks 16 64 128] [--tokens ...]
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from layer import adapter_inputs, l2_flush_buffer, make_layer, time_graphs, vllm_fp8_gemm  # noqa: E402
+from models import MODELS  # noqa: E402
+
+import epilora_kernels as ek  # noqa: E402
+from epilora_kernels import _launchers, _tiling, fused, launch  # noqa: E402
+
+
+def _made_again() -> None:
+    # Launch templates keep the K2 form they were made with; the settings memo its settings.
+    _launchers._K2_TEMPLATES.clear()
+    fused._PLANS.clear()
+
+
+@contextlib.contextmanager
+def _patched(module, **rules):
+    shipped = {name: getattr(module, name) for name in rules}
+    for name, rule in rules.items():
+        setattr(module, name, rule)
+    _made_again()
+    try:
+        yield
+    finally:
+        for name, rule in shipped.items():
+            setattr(module, name, rule)
+        _made_again()
+
+
+def rank_steps():
+    def holds_b(cfg) -> bool:  # B held below 64 rows only (as shipped there)
+        return (_tiling.b_fits_registers(cfg) and cfg.block_m < 64) or cfg.block_m == 32
+
+    def chunk(cfg) -> int:  # 32-wide rank steps in every tile of 64 rows or more
+        return 32 if cfg.block_m >= 64 else 0
+
+    return _patched(_tiling, b_in_registers=holds_b, epilogue_rank_chunk=chunk)
+
+
+@contextlib.contextmanager
+def heuristic():
+    os.environ["EPILORA_LAUNCH_TABLES"] = "0"
+    _made_again()
+    try:
+        yield
+    finally:
+        os.environ.pop("EPILORA_LAUNCH_TABLES", None)
+        _made_again()
+
+
+@contextlib.contextmanager
+def heuristic_deep_k():
+    shipped = launch.heuristic_config
+
+    def deep_k(op, tokens, n, k, rank, slices=(), large_tiles=True):
+        cfg = shipped(op, tokens, n, k, rank, slices, large_tiles)
+        if op != "lora_gemm" or not 32 < tokens <= launch.PREFILL_MIN_TOKENS:
+            return cfg
+        row_tiles = -(-tokens // cfg.block_m)
+        block_n = 64 if row_tiles * (n // 64) >= launch.H200_SMS else 32
+        programs = row_tiles * -(-n // block_n)
+        split = 2 if k >= 2 * n and programs < launch.H200_SMS else 1
+        return dataclasses.replace(cfg, block_n=launch.fit_slices(block_n, slices),
+                                   block_k=256, split_k=split, num_stages=4)
+
+    with heuristic(), _patched(launch, heuristic_config=deep_k):
+        yield
+
+
+VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
+            "heuristic-deep-k": heuristic_deep_k}
+
+
+def run_layer(variant: str | None, xs: dict, layer: dict, batch, out: dict) -> None:
+    for name, (weight, scale, lora) in layer.items():
+        if variant == "cutlass":
+            out[name] = vllm_fp8_gemm(xs[name], weight, scale)
+            continue
+        with VARIANTS[variant]() if variant else contextlib.nullcontext():
+            out[name] = ek.lora_linear(xs[name], weight, scale, lora, batch,
+                                       base_gemm=vllm_fp8_gemm)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS))
+    parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64, 128])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[64, 128, 256, 512, 2048])
+    parser.add_argument("--reps", type=int, default=30)
+    args = parser.parse_args()
+    systems = {"cutlass": "cutlass", "epilora": None, **{v: v for v in args.variants}}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    flush = l2_flush_buffer()
+    rows = []
+    print(f"{'model':12s} {'rank':>4s} {'tokens':>6s} "
+          + " ".join(f"{s:>16s}" for s in systems) + "   (us; a variant's / epilora's)")
+    for model in args.models:
+        projections = MODELS[model]
+        for rank in args.ranks:
+            layer = make_layer(1, rank, gen, projections)
+            for tokens in args.tokens:
+                batch, xs, _ = adapter_inputs(tokens, rank, 1, gen, projections)
+                outs = {system: {} for system in systems}
+                runs = {system: functools.partial(run_layer, variant, xs, layer, batch,
+                                                  outs[system])
+                        for system, variant in systems.items()}
+                for run in runs.values():
+                    run()
+                torch.cuda.synchronize()
+                errs = {v: max(((outs[v][p].float() - outs["epilora"][p].float()).norm()
+                                / outs["epilora"][p].float().norm()).item() for p in layer)
+                        for v in args.variants}
+                times = time_graphs(runs, args.reps, flush)
+                for system, us in times.items():
+                    rows.append({"model": model, "rank": rank, "adapters": 1, "tokens": tokens,
+                                 "system": system, "layer_us": round(us, 2), "n": args.reps,
+                                 "rel_err_vs_epilora": round(errs.get(system, 0.0), 6)})
+                cells = [f"{times['cutlass']:16.1f}", f"{times['epilora']:16.1f}"] + [
+                    f"{times[v]:8.1f} ({times[v] / times['epilora']:.2f})".rjust(16)
+                    for v in args.variants]
+                print(f"{model:12s} {rank:4d} {tokens:6d} " + " ".join(cells)
+                      + f"   rel err <= {max(errs.values(), default=0.0):.0e}", flush=True)
+                Path(args.out).write_text(json.dumps(rows, indent=1))  # a cut-short run keeps
+            del layer
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
