@@ -458,7 +458,7 @@ def collect(log_dirs: list[Path]) -> list:
             command = re.match(r"COMMAND (.*)", log)
             rows += [{**row, "log": f"{path.parent.name}/{path.name}", "commit": commit,
                       "command": command.group(1) if command else None} for row in engine_rows]
-            if engine_tokens is not None and (model, system) not in tokens:
+            if engine_tokens is not None and path == runs[-1][0]:  # the latest run's alone
                 tokens[(model, system)] = engine_tokens
     return rows + agreement_rows(tokens)
 

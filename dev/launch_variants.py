@@ -79,12 +79,16 @@ def rank_steps():
 
 @contextlib.contextmanager
 def heuristic():
+    caller = os.environ.get("EPILORA_LAUNCH_TABLES")  # restored: the shipped run keeps it
     os.environ["EPILORA_LAUNCH_TABLES"] = "0"
     _made_again()
     try:
         yield
     finally:
-        os.environ.pop("EPILORA_LAUNCH_TABLES", None)
+        if caller is None:
+            os.environ.pop("EPILORA_LAUNCH_TABLES", None)
+        else:
+            os.environ["EPILORA_LAUNCH_TABLES"] = caller
         _made_again()
 
 

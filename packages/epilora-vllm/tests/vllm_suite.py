@@ -171,22 +171,34 @@ class EpiloraPunicaOps:
                     lora_ids, no_lora_flag_cpu, num_active_loras, offset_start=0,
                     add_inputs=False):
         from epilora_kernels import AdapterBatch
+        from epilora_kernels.dispatch import SLICE_ALIGN
 
         del num_active_loras
         loras, _, rank = lora_b_weights[0].shape
-        slices = tuple(b.shape[1] for b in lora_b_weights)
-        self._skip_unserved(output_tensor.dtype, 16, slices, rank, output_tensor.device)
+        slices = [b.shape[1] for b in lora_b_weights]
+        # Slices whose boundaries a K2 tile could straddle (vLLM's 2049 features) go one call
+        # each, on their own columns: vLLM's slices are independent, the result the same.
+        groups = ([range(len(slices))] if all(w % SLICE_ALIGN == 0 for w in slices[:-1])
+                  else [[s] for s in range(len(slices))])
+        for group in groups:
+            self._skip_unserved(output_tensor.dtype, 16, tuple(slices[s] for s in group), rank,
+                                output_tensor.device)
         if bool(no_lora_flag_cpu):
             return
-        lora_a = [torch.zeros(loras, rank, 16, dtype=b.dtype, device=b.device)
-                  for b in lora_b_weights]
         batch = AdapterBatch(token_lora_mapping, token_indices_sorted_by_lora_ids, lora_ids,
                              num_tokens_per_lora, lora_token_start_loc)
-        y = output_tensor[:, offset_start:offset_start + sum(slices)]
-        if not add_inputs:  # vLLM's op then writes the product alone, in its tokens' rows
-            y[token_lora_mapping >= 0] = 0
-        h = inputs.float().unsqueeze(0).contiguous()  # vLLM's bf16 [S, T, R]: exact in fp32
-        self._kernels(y.device).lora_expand(y, h, self._adapters(lora_a, lora_b_weights), batch)
+        h = inputs.float()  # vLLM's bf16 [S, T, R]: exact in fp32
+        for group in groups:
+            begin = offset_start + sum(slices[:group[0]])
+            y = output_tensor[:, begin:begin + sum(slices[s] for s in group)]
+            if not add_inputs:  # vLLM's op then writes the product alone, in its tokens' rows
+                y[token_lora_mapping >= 0] = 0
+            lora_b = [lora_b_weights[s] for s in group]
+            lora_a = [torch.zeros(loras, rank, 16, dtype=b.dtype, device=b.device)
+                      for b in lora_b]
+            self._kernels(y.device).lora_expand(
+                y, h[group[0]:group[-1] + 1].unsqueeze(0).contiguous(),
+                self._adapters(lora_a, lora_b), batch)
 
 
 class _TorchWithFp8Equal(types.ModuleType):
