@@ -28,10 +28,12 @@
 #           into $OUT/NAME/ (/, ~ and ^ as dashes: the call brings back no name with ~), e.g.
 #           `use:main layer use:next/x layer` times two branches in one call; the benchmark
 #           scripts and tests stay the working tree's
-#   plugin-tests the plugin's GPU tests (nox -s gpu-sm90 -- ${PLUGIN_TESTS_ARGS:-packages/
-#           epilora-vllm}, e.g. one test file; 289 s at 2568886, before vLLM's Punica op
-#           grids, ~2,500 cases, joined them: not yet timed, so the limit is wider)
-#                                                                   TESTS_TIMEOUT (540)
+#   plugin-tests the plugin's GPU tests but vLLM's Punica op grids (nox -s gpu-sm90 --
+#           ${PLUGIN_TESTS_ARGS:-packages/epilora-vllm --ignore=...punica_ops.py}, e.g. one test
+#           file; 289 s at 2568886)                                   TESTS_TIMEOUT (360)
+#   punica-tests vLLM's Punica op grids on the kernels (tests/test_vllm_punica_ops.py, ~4,300
+#           cases, vLLM's references on the CPU), in $TESTS_JOBS (8) processes; not yet timed
+#           -> gpu-sm90-punica.log                                      TESTS_TIMEOUT (540)
 #   rl-tests the trainer's GPU tests (nox -s gpu-sm90 -- packages/epilora-rl)   TESTS_TIMEOUT
 #   rl-memory benchmarks/rl_memory.py $RL_MEMORY_ARGS -> $OUT/rl.json (the committed file's
 #           and earlier RL steps' parts kept), logs in $OUT/rl-logs/        SERVING_TIMEOUT
@@ -156,9 +158,15 @@ shutil.copy(cache_path(torch.cuda.get_device_name()), '$OUT/tune-cache/')"
     timeline) timeout "${TIMELINE_TIMEOUT:-240}" python3 dev/decode_timeline.py \
                 --out "$OUT/decode_timeline.json" --git-sha "$sha" ${TIMELINE_ARGS:-} 2>&1 \
                 | tee "$OUT/decode_timeline.log" ;;
-    plugin-tests) timeout "${TESTS_TIMEOUT:-540}" python3 -m nox -s gpu-sm90 -- \
-                    ${PLUGIN_TESTS_ARGS:-packages/epilora-vllm} --junitxml="$OUT/gpu-sm90-vllm-junit.xml" 2>&1 \
+    plugin-tests) punica=packages/epilora-vllm/tests/test_vllm_punica_ops.py
+                  timeout "${TESTS_TIMEOUT:-360}" python3 -m nox -s gpu-sm90 -- \
+                    ${PLUGIN_TESTS_ARGS:-packages/epilora-vllm --ignore=$punica} --junitxml="$OUT/gpu-sm90-vllm-junit.xml" 2>&1 \
                     | tee "$OUT/gpu-sm90-vllm.log" ;;
+    punica-tests) workers=(); (( ${TESTS_JOBS:-8} > 0 )) && python3 -c "import xdist" 2>/dev/null \
+                    && workers=(-n "${TESTS_JOBS:-8}")
+                  timeout "${TESTS_TIMEOUT:-540}" python3 -m nox -s gpu-sm90 -- \
+                    packages/epilora-vllm/tests/test_vllm_punica_ops.py "${workers[@]}" \
+                    --junitxml="$OUT/gpu-sm90-punica-junit.xml" 2>&1 | tee "$OUT/gpu-sm90-punica.log" ;;
     rl-tests) timeout "${TESTS_TIMEOUT:-240}" python3 -m nox -s gpu-sm90 -- \
                 packages/epilora-rl --junitxml="$OUT/gpu-sm90-rl-junit.xml" 2>&1 \
                 | tee "$OUT/gpu-sm90-rl.log" ;;
