@@ -446,9 +446,10 @@ def collect(log_dirs: list[Path]) -> list:
     rows, tokens = [], {}
     for (model, scenario, system), runs in logs.items():
         served_rates = set()
-        for path, log in reversed(runs):  # the latest first
+        for age, (path, log) in enumerate(reversed(runs)):  # the latest first
+            latest = age == 0
             engine_rows, engine_tokens = rows_from_log(model, system, log, scenario)
-            if path != runs[-1][0]:  # an earlier run: only its rates the later ones lack
+            if not latest:  # an earlier run: only its rates the later ones lack
                 engine_rows = [row for row in engine_rows
                                if row.get("request_rate") not in served_rates | {None}]
             served_rates |= {row["request_rate"] for row in engine_rows if "request_rate" in row}
@@ -458,7 +459,7 @@ def collect(log_dirs: list[Path]) -> list:
             command = re.match(r"COMMAND (.*)", log)
             rows += [{**row, "log": f"{path.parent.name}/{path.name}", "commit": commit,
                       "command": command.group(1) if command else None} for row in engine_rows]
-            if engine_tokens is not None and path == runs[-1][0]:  # the latest run's alone
+            if engine_tokens is not None and latest:  # the latest run's alone
                 tokens[(model, system)] = engine_tokens
     return rows + agreement_rows(tokens)
 

@@ -36,6 +36,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -54,16 +55,14 @@ def _made_again() -> None:
 
 
 @contextlib.contextmanager
-def _patched(module, **rules):
-    shipped = {name: getattr(module, name) for name in rules}
-    for name, rule in rules.items():
-        setattr(module, name, rule)
-    _made_again()
+def _made_again_around(patch):
+    """`patch` (a unittest.mock patcher) applied inside, the caches made again once it is
+    applied and once it is undone."""
     try:
-        yield
+        with patch:
+            _made_again()
+            yield
     finally:
-        for name, rule in shipped.items():
-            setattr(module, name, rule)
         _made_again()
 
 
@@ -74,22 +73,12 @@ def rank_steps():
     def chunk(cfg) -> int:  # 32-wide rank steps in every tile of 64 rows or more
         return 32 if cfg.block_m >= 64 else 0
 
-    return _patched(_tiling, b_in_registers=holds_b, epilogue_rank_chunk=chunk)
+    return _made_again_around(mock.patch.multiple(_tiling, b_in_registers=holds_b,
+                                                  epilogue_rank_chunk=chunk))
 
 
-@contextlib.contextmanager
 def heuristic():
-    caller = os.environ.get("EPILORA_LAUNCH_TABLES")  # restored: the shipped run keeps it
-    os.environ["EPILORA_LAUNCH_TABLES"] = "0"
-    _made_again()
-    try:
-        yield
-    finally:
-        if caller is None:
-            os.environ.pop("EPILORA_LAUNCH_TABLES", None)
-        else:
-            os.environ["EPILORA_LAUNCH_TABLES"] = caller
-        _made_again()
+    return _made_again_around(mock.patch.dict(os.environ, {"EPILORA_LAUNCH_TABLES": "0"}))
 
 
 @contextlib.contextmanager
@@ -107,7 +96,7 @@ def heuristic_deep_k():
         return dataclasses.replace(cfg, block_n=launch.fit_slices(block_n, slices),
                                    block_k=256, split_k=split, num_stages=4)
 
-    with heuristic(), _patched(launch, heuristic_config=deep_k):
+    with heuristic(), _made_again_around(mock.patch.object(launch, "heuristic_config", deep_k)):
         yield
 
 

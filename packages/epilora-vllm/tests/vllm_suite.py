@@ -140,41 +140,50 @@ class EpiloraPunicaOps:
             pytest.skip(f"rank {rank}: epilora-kernels serve ranks 1..{MAX_RANK}")
 
     @staticmethod
-    def _adapters(lora_a: list, lora_b: list):
+    def _adapters(lora_a: list | None = None, lora_b: list | None = None):
+        """vLLM's per-slice A `[loras, rank, K]` or B `[loras, N_s, rank]` as the kernels'
+        `LoraWeights` views; the operand the op does not read, zeros (K, N_s of 16)."""
         from epilora_kernels import LoraWeights
 
-        return LoraWeights(tuple(a.unsqueeze(1) for a in lora_a),
-                           tuple(b.unsqueeze(1) for b in lora_b),
-                           tuple(b.shape[1] for b in lora_b))
+        known = lora_a if lora_a is not None else lora_b
+        loras, rank = known[0].shape[0], known[0].shape[1 if lora_a is not None else 2]
+        zeros = [torch.zeros(loras, 1, rank, 16, dtype=w.dtype, device=w.device)
+                 for w in known]
+        a = [w.unsqueeze(1) for w in lora_a] if lora_a is not None else zeros
+        b = ([w.unsqueeze(1) for w in lora_b] if lora_b is not None
+             else [z.transpose(2, 3).contiguous() for z in zeros])
+        return LoraWeights(tuple(a), tuple(b), tuple(w.shape[2] for w in b))
+
+    @staticmethod
+    def _batch(*meta):
+        """vLLM's five metadata tensors (`LoRAKernelMeta.meta_args` order) as an AdapterBatch."""
+        from epilora_kernels import AdapterBatch
+
+        return AdapterBatch(*meta)
 
     def lora_shrink(self, inputs, lora_a_weights, output_tensor, token_lora_mapping,
                     token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc,
                     lora_ids, no_lora_flag_cpu, num_active_loras, scaling):
-        from epilora_kernels import AdapterBatch
-
         del num_active_loras  # vLLM's grid size: the kernels size their own
-        loras, rank, in_features = lora_a_weights[0].shape
+        _, rank, in_features = lora_a_weights[0].shape
         self._skip_unserved(inputs.dtype, in_features, (16,) * len(lora_a_weights), rank,
                             inputs.device)
         if bool(no_lora_flag_cpu):  # vLLM's op returns at once: no token has an adapter
             return
-        lora_b = [torch.zeros(loras, 16, rank, dtype=a.dtype, device=a.device)
-                  for a in lora_a_weights]
-        batch = AdapterBatch(token_lora_mapping, token_indices_sorted_by_lora_ids, lora_ids,
-                             num_tokens_per_lora, lora_token_start_loc)
-        h = self._kernels(inputs.device).lora_shrink(
-            inputs, self._adapters(lora_a_weights, lora_b), batch)
+        batch = self._batch(token_lora_mapping, token_indices_sorted_by_lora_ids, lora_ids,
+                            num_tokens_per_lora, lora_token_start_loc)
+        h = self._kernels(inputs.device).lora_shrink(inputs, self._adapters(lora_a_weights),
+                                                     batch)
         output_tensor.copy_(h[0] * scaling)  # rows without an adapter: 0, as vLLM leaves them
 
     def lora_expand(self, inputs, lora_b_weights, output_tensor, token_lora_mapping,
                     token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc,
                     lora_ids, no_lora_flag_cpu, num_active_loras, offset_start=0,
                     add_inputs=False):
-        from epilora_kernels import AdapterBatch
         from epilora_kernels.dispatch import SLICE_ALIGN
 
         del num_active_loras
-        loras, _, rank = lora_b_weights[0].shape
+        rank = lora_b_weights[0].shape[2]
         slices = [b.shape[1] for b in lora_b_weights]
         # Slices whose boundaries a K2 tile could straddle (vLLM's 2049 features) go one call
         # each, on their own columns: vLLM's slices are independent, the result the same.
@@ -185,20 +194,17 @@ class EpiloraPunicaOps:
                                 output_tensor.device)
         if bool(no_lora_flag_cpu):
             return
-        batch = AdapterBatch(token_lora_mapping, token_indices_sorted_by_lora_ids, lora_ids,
-                             num_tokens_per_lora, lora_token_start_loc)
+        batch = self._batch(token_lora_mapping, token_indices_sorted_by_lora_ids, lora_ids,
+                            num_tokens_per_lora, lora_token_start_loc)
         h = inputs.float()  # vLLM's bf16 [S, T, R]: exact in fp32
         for group in groups:
             begin = offset_start + sum(slices[:group[0]])
             y = output_tensor[:, begin:begin + sum(slices[s] for s in group)]
             if not add_inputs:  # vLLM's op then writes the product alone, in its tokens' rows
                 y[token_lora_mapping >= 0] = 0
-            lora_b = [lora_b_weights[s] for s in group]
-            lora_a = [torch.zeros(loras, rank, 16, dtype=b.dtype, device=b.device)
-                      for b in lora_b]
             self._kernels(y.device).lora_expand(
                 y, h[group[0]:group[-1] + 1].unsqueeze(0).contiguous(),
-                self._adapters(lora_a, lora_b), batch)
+                self._adapters(lora_b=[lora_b_weights[s] for s in group]), batch)
 
 
 class _TorchWithFp8Equal(types.ModuleType):
