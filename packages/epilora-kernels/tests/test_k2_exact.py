@@ -73,6 +73,11 @@ def test_k2_w8a16_and_expand_equal_reference_bitwise_and_every_rows_delta(case):
     assert_bitwise_equal(y, reference.lora_w8a16_gemm(x, weight, w_scale, h, lora, batch),
                          name="W8A16 K2 vs reference")
     base = (w_scale * (x.float() @ weight.float().T)).to(torch.bfloat16)
+    for cfg in (k2, K2_CONFIGS["split-k"]):  # K2 without adapters, the matched engine's
+        alone = fused.w8a16_gemm(x, weight, w_scale, config=cfg)
+        assert_bitwise_equal(alone, reference.w8a16_gemm(x, weight, w_scale),
+                             name="W8A16 K2 without adapters vs reference")
+        assert_bitwise_equal(alone, base, name="W8A16 K2 without adapters vs x W^T")
     _check_rows(y, base, h, lora, batch, "W8A16 K2")
     expanded = fused.lora_expand(base.clone(), h, lora, batch, config=k2)
     assert_bitwise_equal(expanded, reference.lora_expand(base.clone(), h, lora, batch),
@@ -108,6 +113,9 @@ def test_k2_with_per_channel_scales_equals_reference_bitwise(case):
         want = (codes.float() @ weight.float().T) * w_scale[None, :]
         assert_bitwise_equal(base, want.to(torch.bfloat16), name="per-channel GEMM columns")
         _check_rows(y, base, h, lora, batch, "per-channel K2")
+        w8a16 = (x.float() @ weight.float().T) * w_scale[None, :]
+        assert_bitwise_equal(fused.w8a16_gemm(x, weight, w_scale, config=k2),
+                             w8a16.to(torch.bfloat16), name="per-channel W8A16 GEMM columns")
 
 
 @pytest.mark.vllm
@@ -159,6 +167,9 @@ def test_k2_adds_the_bias_before_rounding_the_base(cfg):
             fused.lora_w8a16_gemm(x, weight, w_scale, h, lora, batch, config=k2, bias=bias),
             reference.lora_w8a16_gemm(x, weight, w_scale, h, lora, batch, bias=bias),
             name="W8A16 K2 with a bias")
+    assert_bitwise_equal(fused.w8a16_gemm(x, weight, w_scale, config=k2, bias=bias),
+                         reference.w8a16_gemm(x, weight, w_scale, bias=bias),
+                         name="W8A16 K2 without adapters, with a bias")
 
 
 @pytest.mark.parametrize(("path", "tokens"), [("decode", 5), ("fused", 9), ("fused", 70),

@@ -132,6 +132,44 @@ def expected(checkpoints, name, x, mapping, slots, *, w8a16=False, shrink_codes=
 
 
 
+def assert_the_matched_mode_computes_w8a16_without_lora(checkpoints, monkeypatch, **kwargs):
+    """EPILORA_VLLM_MATCHED=1 in an engine without LoRA (`kwargs` for `engine`), where no layer
+    of the plugin's exists: vLLM gives every FP8 linear the plugin's W8A16 kernel (first in
+    vLLM's FP8 kernel lists; it declines unless the matched mode is on), and every call of
+    layer 0's projections is the W8A16 float64 expectation's up to the output's rounding and
+    nearer it than the W8A8 one. Returns the engine."""
+    from epilora_vllm.fp8_base import inspect_fp8_base
+    from epilora_vllm.matched_linear import EpiloraW8A16LinearKernel
+
+    assert EpiloraW8A16LinearKernel.is_supported()[0] is False  # the matched mode is off
+    monkeypatch.setenv("EPILORA_VLLM_MATCHED", "1")
+    llm = engine(checkpoints["fp8"], lora=False, **kwargs)
+    layer = model_of(llm).model.layers[0]
+    projections = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
+                   "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj}
+    for name, projection in projections.items():
+        kernel = inspect_fp8_base(projection).kernel(projection)
+        assert type(kernel) is EpiloraW8A16LinearKernel, (name, type(kernel))
+    calls = {name: [] for name in projections}
+    handles = [projection.register_forward_hook(
+        lambda m, args, out, name=name: calls[name].append((args[0].clone(), out[0].clone())))
+        for name, projection in projections.items()]
+    generate(llm, [(PROMPTS[0], None), (PROMPTS[1], None)])
+    for handle in handles:
+        handle.remove()
+    for name, recorded in calls.items():
+        finite = [(x.cpu(), y.cpu()) for x, y in recorded if bool(torch.isfinite(x).all())]
+        assert finite, f"{name}: no call recorded (CUDA-graph replays run no hooks)"
+        for x, y in finite:
+            none = torch.full((x.shape[0],), -1)
+            w8a16 = expected(checkpoints, name, x, none, [], w8a16=True)
+            w8a8 = expected(checkpoints, name, x, none, [])
+            err = ((y.double() - w8a16).norm() / w8a16.norm()).item()
+            assert err < 4e-3, (name, err)  # bf16 rounding of the output alone
+            assert err < ((y.double() - w8a8).norm() / w8a8.norm()).item(), name
+    return llm
+
+
 def assert_every_call_matches_the_files(served, checkpoints, name: str) -> None:
     """Every recorded call of layer 0's `name` within 1e-2 (relative) of `expected` in the
     layer's quantization mode, and some of its tokens with an adapter (the mixed batch's adapter

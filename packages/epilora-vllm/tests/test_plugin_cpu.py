@@ -12,6 +12,7 @@ from engine_cases import (
     FUSED,
     PROMPTS,
     assert_every_call_matches_the_files,
+    assert_the_matched_mode_computes_w8a16_without_lora,
     engine,
     expected,
     generate,
@@ -34,21 +35,32 @@ def test_the_entry_point_is_discovered():
 def test_register_is_idempotent_and_can_be_turned_off(monkeypatch):
     import vllm.lora.model_manager as model_manager
     import vllm.lora.utils as lora_utils
+    from vllm.model_executor.kernels.linear import _POSSIBLE_FP8_KERNELS
+    from vllm.platforms import PlatformEnum
 
     from epilora_vllm import installed, logits, register
     from epilora_vllm.layers import LAYER_CLASSES
+    from epilora_vllm.matched_linear import EpiloraW8A16LinearKernel
 
     monkeypatch.setattr(lora_utils, "_all_lora_classes", tuple(
         c for c in lora_utils._all_lora_classes if c not in LAYER_CLASSES))
     monkeypatch.setattr(model_manager, "from_layer_logits_processor",
                         lora_utils.from_layer_logits_processor)
+    platforms = (PlatformEnum.CUDA, PlatformEnum.CPU)
+    for platform in platforms:
+        monkeypatch.setitem(_POSSIBLE_FP8_KERNELS, platform, [
+            k for k in _POSSIBLE_FP8_KERNELS[platform] if k is not EpiloraW8A16LinearKernel])
     monkeypatch.setenv("EPILORA_VLLM_DISABLE", "1")
     assert register() is False and not installed()
     monkeypatch.delenv("EPILORA_VLLM_DISABLE")
     stock = lora_utils._all_lora_classes
+    stock_kernels = {p: list(_POSSIBLE_FP8_KERNELS[p]) for p in platforms}
     assert register() is True and register() is True and installed()
     assert lora_utils._all_lora_classes == (*LAYER_CLASSES, *stock)  # once, first
     assert model_manager.from_layer_logits_processor is logits.from_layer_logits_processor
+    for platform in platforms:  # the matched mode's kernel: once, first
+        assert _POSSIBLE_FP8_KERNELS[platform] == [EpiloraW8A16LinearKernel,
+                                                   *stock_kernels[platform]]
 
 
 def test_the_compile_cache_key_tells_the_plugins_graphs_apart():
@@ -199,6 +211,13 @@ def test_the_matched_mode_computes_w8a16_with_and_without_adapters(checkpoints, 
         assert err < ((y.double() - w8a8).norm() / w8a8.norm()).item()
         without_adapter += int((mapping < 0).all())
     assert without_adapter > 0
+
+
+def test_the_matched_mode_computes_w8a16_in_an_engine_without_lora(checkpoints, served,
+                                                                    monkeypatch):
+    del served  # one engine at a time in this process
+    assert_the_matched_mode_computes_w8a16_without_lora(checkpoints, monkeypatch,
+                                                        enforce_eager=True)
 
 
 def test_layers_the_kernels_cannot_serve_keep_vllms_class_and_say_why(checkpoints, caplog,

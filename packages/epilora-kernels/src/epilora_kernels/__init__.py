@@ -30,7 +30,7 @@ _PUBLIC = {
     "epilora_kernels.fused": ("decode_lora_fp8_linear", "fp8_gemm", "fp8_gemm_from_bf16",
                               "fused_lora_fp8_linear", "fused_lora_w8a16_linear",
                               "lora_expand", "lora_fp8_gemm", "lora_shrink", "lora_w8a16_gemm",
-                              "quantize", "quantize_and_shrink"),
+                              "quantize", "quantize_and_shrink", "w8a16_gemm"),
     "epilora_kernels.launch": ("LaunchConfig",),
     "epilora_kernels.projection": ("LoraProjection",),
     "epilora_kernels.workspace": ("Workspace", "WorkspaceTooSmall", "default_workspace",
@@ -68,6 +68,7 @@ __all__ = [
     "set_default_workspace",
     "supports",
     "vendor_fp8_gemm",
+    "w8a16_gemm",
 ]
 
 if TYPE_CHECKING:
@@ -95,6 +96,7 @@ if TYPE_CHECKING:
         lora_w8a16_gemm,
         quantize,
         quantize_and_shrink,
+        w8a16_gemm,
     )
     from epilora_kernels.launch import LaunchConfig
     from epilora_kernels.projection import LoraProjection

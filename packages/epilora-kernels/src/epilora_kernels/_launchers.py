@@ -481,14 +481,15 @@ def fit_k2_waves(support: DeviceSupport, mode: int, a_dtype: torch.dtype, weight
 
 def launch_gemm_only(support: DeviceSupport, workspace: Workspace, a, a_scale, weight,
                      weight_scale, cfg: LaunchConfig, trace: torch.Tensor | None = None,
-                     bias: torch.Tensor | None = None):
-    """K2 without adapters (FP8): rows in their own order."""
+                     bias: torch.Tensor | None = None, mode: int = FP8):
+    """K2 without adapters, rows in their own order: FP8 (`a` the codes, `a_scale` their
+    scales) or W8A16 (`a` bf16, `a_scale` unread)."""
     t, k = a.shape
     n = weight.shape[0]
-    by_tma = _tiling.a_tma(support, a, weight, cfg)
+    by_tma = mode == FP8 and _tiling.a_tma(support, a, weight, cfg)  # TMA reads of the codes
     y = torch.empty(t, n, dtype=torch.bfloat16, device=a.device)
     unused = torch.empty(1, dtype=torch.int32, device=a.device)
-    grid, partial, counters = _gemm_buffers(workspace, FP8, t, n, cfg, a.device)
+    grid, partial, counters = _gemm_buffers(workspace, mode, t, n, cfg, a.device)
     w_operand = _w_operand(support, weight, cfg)
     _start(
         _lora_gemm_kernel, grid,
@@ -501,7 +502,7 @@ def launch_gemm_only(support: DeviceSupport, workspace: Workspace, a, a_scale, w
         ready_ptr=counters, trace_ptr=trace_arg(trace, unused, grid[0] * grid[1] * grid[2]),
         T=t, N=n, K=k, R=1, NUM_ENTRIES=0, stride_a=a.stride(0), stride_y=y.stride(0),
         N_OFF1=n, N_OFF2=n,
-        MODE=FP8, HAS_LORA=False, NUM_SLICES=1, H_PLANES=1, SPLIT_K=grid[2], ENTRIES_BLOCK=16,
+        MODE=mode, HAS_LORA=False, NUM_SLICES=1, H_PLANES=1, SPLIT_K=grid[2], ENTRIES_BLOCK=16,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=16,
         INTERPRETER=_env.triton_interpreter(), W_TMA=w_operand is not weight, A_TMA=by_tma,
         W_SCALE_PER_CHANNEL=weight_scale.numel() > 1, HAS_BIAS=bias is not None,

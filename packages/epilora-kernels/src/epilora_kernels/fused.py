@@ -17,7 +17,7 @@ Every function here has a torch twin of the same name and positional signature i
   it waits for K1's quantized rows (a counter) before its K loop and for h only before its
   epilogue, so its weight stream overlaps the shrink.
 * `quantize`, `fp8_gemm`, `fp8_gemm_from_bf16`: K1's quantization alone, K2 without adapters
-  (our GEMM against CUTLASS), and the two in a row.
+  (our GEMM against CUTLASS), and the two in a row; `w8a16_gemm`: W8A16 K2 without adapters.
 
 Weights are `[N, K]` float8_e4m3fn (row-major, K contiguous; vLLM keeps their transpose view)
 with an fp32 scale, one element (per-tensor) or one per output channel (`[N]` or `[N, 1]`,
@@ -179,6 +179,33 @@ def lora_w8a16_gemm(
                                 bias=bias)
 
 
+def w8a16_gemm(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,
+    config: LaunchConfig | None = None, workspace: Workspace | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """W8A16 K2 without adapters: bf16 `[T, N]` = w_scale * (x @ bf16(weight)^T) (+ `bias`),
+    rounded once: the matched engine's FP8 layers that have no LoRA."""
+    _checks.check_activations(x)
+    _checks.check_weight(weight, weight_scale, x.shape[1], weight.shape[0], x.device)
+    _checks.check_bias(bias, weight.shape[0], x.device)
+    support = _support(x, "w8a16")
+    t, k = x.shape
+    cfg = config or _w8a16_tiles(
+        _tiling.shape_config(support, "lora_gemm", t, weight.shape[0], k, 16, ()))
+    return _launchers.launch_gemm_only(support, _workspace(workspace, x.device), x,
+                                       weight_scale, weight, weight_scale, cfg, bias=bias,
+                                       mode=W8A16)
+
+
+def _w8a16_tiles(cfg: LaunchConfig) -> LaunchConfig:
+    # The prefill tile is sized for FP8 operands; W8A16's bf16 activations and the widened
+    # weight would take ~256 KB of shared memory in it. 128-wide in 3 stages: ~176 KB.
+    if cfg.block_m >= 128 and cfg.block_n > 128:
+        return dataclasses.replace(cfg, block_n=128, num_stages=3)
+    return cfg
+
+
 def lora_expand(
     y: torch.Tensor, h: torch.Tensor, lora: LoraWeights, batch: AdapterBatch, *,
     config: LaunchConfig | None = None, workspace: Workspace | None = None,
@@ -332,10 +359,8 @@ def _k2_config(support, mode, a_dtype, weight, weight_scale, lora, batch, given,
     # is fitted up to 32 tokens, where the fused call launches without PDL; beyond, only a
     # tuner entry of 16- or 32-row tiles could be fitted differently).
     cfg = _tiling.gemm_config(support, batch, lora, given)
-    if given is None and mode == W8A16 and cfg.block_m >= 128 and cfg.block_n > 128:
-        # The prefill tile is sized for FP8 operands; W8A16's bf16 activations and the widened
-        # weight would take ~256 KB of shared memory in it. 128-wide in 3 stages: ~176 KB.
-        cfg = dataclasses.replace(cfg, block_n=128, num_stages=3)
+    if given is None and mode == W8A16:
+        cfg = _w8a16_tiles(cfg)
     if (given is None and not support.interpreter and weight.is_cuda and cfg.block_m <= 32
             and not _tiling.gemm_tuned_exactly(support, batch, lora)):
         cfg = _launchers.fit_k2_waves(

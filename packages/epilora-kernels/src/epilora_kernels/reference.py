@@ -203,6 +203,16 @@ def fp8_gemm(
     return _plus_bias(scales.float() * (_w_scale(weight_scale) * acc), bias).to(torch.bfloat16)
 
 
+def w8a16_gemm(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """W8A16 K2 without adapters: bf16 `[T, N]` = w_scale * (x @ bf16(weight)^T) (+ bias),
+    rounded once."""
+    acc = x.float() @ weight.to(torch.bfloat16).float().T
+    return _plus_bias(_w_scale(weight_scale) * acc, bias).to(torch.bfloat16)
+
+
 def fp8_gemm_from_bf16(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -69,6 +69,26 @@ def test_w8a16_and_hybrid_paths_on_gpu(shape):
                                                  batch)) < BF16_TOL
 
 
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per-tensor", "per-channel"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"T{s[0]}-K{s[1]}-N{sum(s[2])}")
+def test_w8a16_gemm_without_adapters_on_gpu(shape, per_channel):
+    # The matched engine's FP8 linears without LoRA: x W^T in fp32, one rounding; eager calls
+    # and a CUDA-graph replay give the same bits.
+    x, weight, w_scale, _, _ = _problem(shape, "mixed_with_base", seed=5)
+    if per_channel:
+        w_scale = torch.rand(weight.shape[0], device=CUDA) * 1e-2 + 1e-3
+    bias = torch.randn(weight.shape[0], device=CUDA).to(torch.bfloat16)
+    y = fused.w8a16_gemm(x, weight, w_scale, bias=bias)
+    exact = x.double() @ (weight.double() * w_scale.double().reshape(-1, 1)).T + bias.double()
+    assert relative_error(y, exact) < BF16_TOL
+    assert relative_error(y, reference.w8a16_gemm(x, weight, w_scale, bias=bias)) < BF16_TOL
+    assert_bitwise_equal(fused.w8a16_gemm(x, weight, w_scale, bias=bias), y, name="second run")
+    graph, out = capture(lambda: fused.w8a16_gemm(x, weight, w_scale, bias=bias))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_bitwise_equal(out, y, name="graph replay")
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"T{s[0]}-N{sum(s[2])}-r{s[3]}")
 def test_matches_vllm_lora_path(shape):

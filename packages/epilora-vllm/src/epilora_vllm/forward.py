@@ -51,14 +51,16 @@ CODES_PATHS = ("decode", "fused")
 _workspaces: dict = {}  # device -> (the bounds its default workspace was sized for)
 
 
-def _size_workspace(device: torch.device, lora: ek.LoraWeights) -> None:
+def size_workspace(device: torch.device, *, out_features: int, max_rank: int = 1,
+                   max_loras: int = 1) -> None:
     """Size the device's default workspace (the one the kernels use without one given) for
-    every batch the engine can schedule over this layer's shapes, before any CUDA graph is
-    captured: layers are built while the model loads, long before capture."""
+    every batch the engine can schedule over a layer of `out_features` outputs (and adapters of
+    up to `max_rank` in `max_loras` slots), before any CUDA graph is captured: layers are built
+    and loaded while the model loads, long before capture."""
     from vllm.config import get_current_vllm_config
 
     tokens = get_current_vllm_config().scheduler_config.max_num_batched_tokens
-    want = (tokens, lora.out_features, lora.max_rank, lora.max_loras)
+    want = (tokens, out_features, max_rank, max_loras)
     have = _workspaces.get(device)
     if have is not None and all(w <= h for w, h in zip(want, have, strict=True)):
         return
@@ -122,7 +124,8 @@ class EpiloraForward:
         self.lora = ek.LoraWeights(tuple(layer.lora_a_stacked), tuple(layer.lora_b_stacked),
                                    tuple(layer.output_slices))
         if layer.device.type == "cuda":
-            _size_workspace(layer.device, self.lora)
+            size_workspace(layer.device, out_features=self.lora.out_features,
+                           max_rank=self.lora.max_rank, max_loras=self.lora.max_loras)
         if path is not None and path not in ek.PATHS:
             raise ValueError(f"EPILORA_VLLM_PATH={path!r}: expected one of {ek.PATHS}")
         quantize = "kernels" if matched else quantize

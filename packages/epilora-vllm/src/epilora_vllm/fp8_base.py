@@ -15,9 +15,11 @@ from dataclasses import dataclass
 import torch
 
 # The FP8 scaled-MM kernels whose weight layout is the one above (vLLM 0.26's
-# model_executor/kernels/linear/scaled_mm): CUTLASS on sm_89/90, torch._scaled_mm elsewhere.
+# model_executor/kernels/linear/scaled_mm): CUTLASS on sm_89/90, torch._scaled_mm elsewhere,
+# and the matched mode's (epilora_vllm.matched_linear).
 SERVED_KERNELS = ("CutlassFP8ScaledMMLinearKernel", "PerTensorTorchFP8ScaledMMLinearKernel",
-                  "ChannelWiseTorchFP8ScaledMMLinearKernel", "RowWiseTorchFP8ScaledMMLinearKernel")
+                  "ChannelWiseTorchFP8ScaledMMLinearKernel", "RowWiseTorchFP8ScaledMMLinearKernel",
+                  "EpiloraW8A16LinearKernel")
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@ projection of a layer the plugin serves (`codes`, `scales`: x as vLLM quantized 
 as one custom op (registered when this module is imported, which `register` does);
 `lora_linear_codes(layer_name, output_size, codes, scales, bias)` the same from the codes alone
 (EPILORA_VLLM_QUANTIZE=codes: the bf16 activations never reach the op, so the compiled graph
-need not keep them).
+need not keep them); `w8a16_linear(x, weight, weight_scale, bias)` the matched mode's FP8
+linear outside those layers (`epilora_vllm.matched_linear`).
 
 The op finds its layer by name in vLLM's forward context, as vLLM's dual-stream LoRA op does
 (a layer registers itself in `static_forward_context` when it is built), so its module state
@@ -22,6 +23,9 @@ import torch
 from torch.library import Library
 from vllm.forward_context import get_forward_context
 from vllm.utils.torch_utils import LayerNameType, _resolve_layer_name, direct_register_custom_op
+
+import epilora_kernels as ek
+from epilora_kernels import reference
 
 _LIBRARY = Library("epilora_vllm", "FRAGMENT")  # kept alive at module scope
 
@@ -53,7 +57,23 @@ def lora_linear_codes_fake(layer_name: LayerNameType, output_size: int, codes: t
     return codes.new_empty((codes.shape[0], output_size), dtype=torch.bfloat16)
 
 
+def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    # The matched mode's FP8 linears outside the plugin's LoRA layers (`matched_linear`):
+    # a function of its tensors alone, no layer to find.
+    if x.device.type == "cpu":
+        return reference.w8a16_gemm(x, weight, weight_scale, bias=bias)
+    return ek.w8a16_gemm(x, weight, weight_scale, bias=bias)
+
+
+def w8a16_linear_fake(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
+
+
 direct_register_custom_op(op_name="lora_linear", op_func=lora_linear, fake_impl=lora_linear_fake,
                           target_lib=_LIBRARY)
 direct_register_custom_op(op_name="lora_linear_codes", op_func=lora_linear_codes,
                           fake_impl=lora_linear_codes_fake, target_lib=_LIBRARY)
+direct_register_custom_op(op_name="w8a16_linear", op_func=w8a16_linear,
+                          fake_impl=w8a16_linear_fake, target_lib=_LIBRARY)

@@ -10,7 +10,8 @@ takes the first class whose `can_replace_layer` accepts the layer, so ours go fi
 what the kernels cannot serve. The LM head's LoRA class is built by name
 (`vllm.lora.model_manager` calls its module-level `from_layer_logits_processor`), so that name is
 pointed at ours (`epilora_vllm.logits`: vLLM's class, without its kernels while no adapter has
-lm_head weights).
+lm_head weights). The matched mode's FP8 kernel goes first in vLLM's FP8 kernel lists
+(`epilora_vllm.matched_linear`: it declines unless EPILORA_VLLM_MATCHED=1).
 """
 
 import logging
@@ -33,7 +34,7 @@ def register() -> bool:
     import vllm.lora.utils as lora_utils
 
     import epilora_vllm.ops  # noqa: F401  (registers torch.ops.epilora_vllm.lora_linear)
-    from epilora_vllm import logits
+    from epilora_vllm import logits, matched_linear
     from epilora_vllm.layers import LAYER_CLASSES
 
     if installed():
@@ -41,18 +42,21 @@ def register() -> bool:
     rest = tuple(cls for cls in lora_utils._all_lora_classes if cls not in LAYER_CLASSES)
     lora_utils._all_lora_classes = (*LAYER_CLASSES, *rest)
     model_manager.from_layer_logits_processor = logits.from_layer_logits_processor
+    matched_linear.install()
     logger.info("epilora: LoRA layers on FP8 bases served by epilora-kernels "
                 "(EPILORA_VLLM_DISABLE=1 turns this off)")
     return True
 
 
 def installed() -> bool:
-    """Whether this process's vLLM picks epilora's layer classes first (and its LM head's)."""
+    """Whether this process's vLLM picks epilora's layer classes first (and its LM head's, and
+    the matched mode's FP8 kernel)."""
     import vllm.lora.model_manager as model_manager
     import vllm.lora.utils as lora_utils
 
-    from epilora_vllm import logits
+    from epilora_vllm import logits, matched_linear
     from epilora_vllm.layers import LAYER_CLASSES
 
     return (lora_utils._all_lora_classes[: len(LAYER_CLASSES)] == LAYER_CLASSES
-            and model_manager.from_layer_logits_processor is logits.from_layer_logits_processor)
+            and model_manager.from_layer_logits_processor is logits.from_layer_logits_processor
+            and matched_linear.installed())

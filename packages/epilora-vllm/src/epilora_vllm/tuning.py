@@ -16,7 +16,7 @@ beside vLLM's main thread broke vLLM's own compile there (PyTorch's CUDA random 
 registered with a capture for the whole process: Inductor's random inputs then failed with
 "Offset increment outside graph capture", on the H200 at e2fb500). It runs in a thread of its
 own (vLLM's sleep mode routes the main thread's allocations to its weights pool, as
-`forward._size_workspace` explains), its candidates compiled in that thread's process (threads;
+`forward.size_workspace` explains), its candidates compiled in that thread's process (threads;
 no processes spawned inside vLLM's worker).
 """
 

@@ -10,6 +10,7 @@ from engine_cases import (
     FUSED,
     PROMPTS,
     assert_every_call_matches_the_files,
+    assert_the_matched_mode_computes_w8a16_without_lora,
     engine,
     generate,
     request,
@@ -220,3 +221,18 @@ def test_sleep_level_2_then_wake_up_reload_and_readded_adapters_give_the_same_an
     for lora_id in sorted(llm.llm_engine.list_loras()):
         llm.llm_engine.remove_lora(lora_id)
     assert generate(llm, requests) == before
+
+
+def test_the_matched_mode_computes_w8a16_without_lora_eagerly_and_in_cuda_graphs(
+        checkpoints, monkeypatch):
+    # The kernels computing every FP8 linear of an engine without LoRA (eager: the calls
+    # against float64); in vLLM's default configuration (torch.compile, CUDA graphs) a batch's
+    # greedy tokens are each request's alone.
+    eager = assert_the_matched_mode_computes_w8a16_without_lora(checkpoints, monkeypatch,
+                                                                enforce_eager=True)
+    del eager
+    llm = engine(checkpoints["fp8"], lora=False)
+    assert llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name != "NONE"
+    requests = [(p, None) for p in PROMPTS]
+    together = generate(llm, requests)
+    assert together == [generate(llm, [r])[0] for r in requests]
