@@ -73,7 +73,8 @@ def test_k2_w8a16_and_expand_equal_reference_bitwise_and_every_rows_delta(case):
     assert_bitwise_equal(y, reference.lora_w8a16_gemm(x, weight, w_scale, h, lora, batch),
                          name="W8A16 K2 vs reference")
     base = (w_scale * (x.float() @ weight.float().T)).to(torch.bfloat16)
-    for cfg in (k2, K2_CONFIGS["split-k"]):  # K2 without adapters, the matched engine's
+    # K2 without adapters (the matched engine's), with the settings it picks itself too
+    for cfg in (k2, K2_CONFIGS["split-k"], None):
         alone = fused.w8a16_gemm(x, weight, w_scale, config=cfg)
         assert_bitwise_equal(alone, reference.w8a16_gemm(x, weight, w_scale),
                              name="W8A16 K2 without adapters vs reference")
@@ -113,9 +114,10 @@ def test_k2_with_per_channel_scales_equals_reference_bitwise(case):
         want = (codes.float() @ weight.float().T) * w_scale[None, :]
         assert_bitwise_equal(base, want.to(torch.bfloat16), name="per-channel GEMM columns")
         _check_rows(y, base, h, lora, batch, "per-channel K2")
-        w8a16 = (x.float() @ weight.float().T) * w_scale[None, :]
-        assert_bitwise_equal(fused.w8a16_gemm(x, weight, w_scale, config=k2),
-                             w8a16.to(torch.bfloat16), name="per-channel W8A16 GEMM columns")
+    w8a16 = ((x.float() @ weight.float().T) * w_scale[None, :]).to(torch.bfloat16)
+    for k2 in (K2_CONFIGS["decode-tile"], K2_CONFIGS["split-k"], K2_CONFIGS["prefill-tma"]):
+        assert_bitwise_equal(fused.w8a16_gemm(x, weight, w_scale, config=k2), w8a16,
+                             name="per-channel W8A16 GEMM columns")
 
 
 @pytest.mark.vllm

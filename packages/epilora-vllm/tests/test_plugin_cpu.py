@@ -63,9 +63,10 @@ def test_register_is_idempotent_and_can_be_turned_off(monkeypatch):
                                                    *stock_kernels[platform]]
 
 
-def test_the_compile_cache_key_tells_the_plugins_graphs_apart():
-    # vLLM keys compiled graphs on VllmConfig.compute_hash(): with the plugin off and in each
-    # of its quantization modes, four different keys.
+def test_the_compile_cache_key_tells_the_plugins_graphs_apart(monkeypatch):
+    # vLLM keys compiled graphs on VllmConfig.compute_hash(): with the plugin off, in each of
+    # its quantization modes, and in the matched mode (whose kernel, in an engine without LoRA,
+    # keys the mode alone; a served layer then adds its quantization mode), six keys.
     from vllm.config import VllmConfig, set_current_vllm_config
 
     from epilora_vllm.layers import key_compiled_graphs
@@ -76,8 +77,16 @@ def test_the_compile_cache_key_tells_the_plugins_graphs_apart():
         for quantize in ("kernels", "vllm", "codes"):
             key_compiled_graphs(quantize)
             hashes.append(config.compute_hash())
-    assert len(set(hashes)) == 4, hashes
-    assert config.additional_config["epilora_vllm"]["quantize"] == "codes"
+        assert config.additional_config["epilora_vllm"]["quantize"] == "codes"
+        monkeypatch.setenv("EPILORA_VLLM_MATCHED", "1")
+        matched = VllmConfig()
+        with set_current_vllm_config(matched):
+            key_compiled_graphs()
+            hashes.append(matched.compute_hash())
+            key_compiled_graphs("kernels")
+            hashes.append(matched.compute_hash())
+    assert len(set(hashes)) == 6, hashes
+    assert matched.additional_config["epilora_vllm"]["matched"] is True
 
 
 def test_the_plugin_serves_every_fp8_projection(served):
@@ -218,6 +227,54 @@ def test_the_matched_mode_computes_w8a16_in_an_engine_without_lora(checkpoints, 
     del served  # one engine at a time in this process
     assert_the_matched_mode_computes_w8a16_without_lora(checkpoints, monkeypatch,
                                                         enforce_eager=True)
+
+
+def test_the_matched_modes_kernel_declines_what_it_cannot_compute_and_says_so(monkeypatch):
+    # Per-tensor and per-channel weight scales (FBGEMM's and ModelOpt's per-channel ones are
+    # labelled per-token) are computed; block scales and fp16 models are left to vLLM's W8A8
+    # kernels, with a warning once per reason.
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import (
+        FP8ScaledMMLinearLayerConfig,
+    )
+    from vllm.model_executor.layers.quantization.utils.quant_utils import (
+        FP8_DTYPE,
+        GroupShape,
+        QuantKey,
+        ScaleDesc,
+        kFp8DynamicTokenSym,
+        kFp8StaticChannelSym,
+        kFp8StaticTensorSym,
+        kFp8StaticTokenSym,
+    )
+
+    from epilora_vllm.matched_linear import EpiloraW8A16LinearKernel as Kernel
+
+    def layer(weights, dtype=torch.bfloat16):
+        return FP8ScaledMMLinearLayerConfig(
+            weight_quant_key=weights, activation_quant_key=kFp8DynamicTokenSym,
+            weight_shape=(64, 32), input_dtype=dtype, out_dtype=dtype)
+
+    blocks = QuantKey(FP8_DTYPE, ScaleDesc(torch.float32, True, GroupShape(128, 128)),
+                      symmetric=True)
+    monkeypatch.setenv("EPILORA_VLLM_MATCHED", "1")
+    said = []  # each record once, on the plugin's logger (vLLM's may not propagate to root)
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())
+    ours = logging.getLogger("vllm.epilora_vllm")
+    ours.addHandler(handler)
+    try:
+        with set_current_vllm_config(VllmConfig()):
+            assert Kernel.is_supported() == (True, None)
+            for weights in (kFp8StaticTensorSym, kFp8StaticChannelSym, kFp8StaticTokenSym):
+                assert Kernel.can_implement(layer(weights)) == (True, None), weights
+            for _ in range(2):
+                assert Kernel.can_implement(layer(blocks))[0] is False
+                assert Kernel.can_implement(layer(kFp8StaticTensorSym, torch.float16))[0] is False
+    finally:
+        ours.removeHandler(handler)
+    assert len(said) == 2 and all("leaves to vLLM's W8A8 kernels" in s for s in said), said
+    assert any("groups" in s for s in said) and any("float16" in s for s in said), said
 
 
 def test_layers_the_kernels_cannot_serve_keep_vllms_class_and_say_why(checkpoints, caplog,

@@ -14,7 +14,7 @@ and ours decline. Either way, one log line per kind of layer says which and why.
 import logging
 
 import torch
-from vllm.config import get_current_vllm_config
+from vllm.config import get_current_vllm_config, get_current_vllm_config_or_none
 from vllm.forward_context import is_forward_context_available
 from vllm.lora.layers import (
     ColumnParallelLinearWithLoRA,
@@ -40,29 +40,33 @@ logger = logging.getLogger("vllm.epilora_vllm")  # a child of vLLM's logger: its
 _logged: set[tuple] = set()
 
 
-def _log_once(key: tuple, message: str, *args) -> None:
+def log_once(key: tuple, message: str, *args, level: int = logging.INFO) -> None:
     # Once per engine (each has its own VllmConfig): a second engine in the process says it too.
-    key = (id(get_current_vllm_config()), *key)
+    key = (id(get_current_vllm_config_or_none()), *key)
     if key not in _logged:
         _logged.add(key)
-        logger.info(message, *args)
+        logger.log(level, message, *args)
 
 
-def key_compiled_graphs(quantize: str) -> None:
+def key_compiled_graphs(quantize: str | None = None) -> None:
     """Put what the plugin changes in the traced graph into the current VllmConfig's
     `additional_config`, which vLLM hashes into its torch.compile cache key: our environment is
     not in that key, so without this an engine would load a graph compiled with the plugin in
     another mode (EPILORA_VLLM_QUANTIZE puts vLLM's QuantFP8 in the graph or not, and the op's
-    inputs differ) or, from its
-    AOT cache, with the plugin where it is now off."""
+    inputs differ; EPILORA_VLLM_MATCHED gives vLLM's own FP8 linears our kernel) or, from its
+    AOT cache, with the plugin where it is now off. `quantize`: the served layers' mode (None
+    from the matched mode's kernel, which keys the mode alone; a served layer adds its own)."""
     from importlib.metadata import version
 
     config = get_current_vllm_config()
-    key = {"version": version("epilora-vllm"), "quantize": quantize}
     if isinstance(config.additional_config, dict):
-        config.additional_config["epilora_vllm"] = key
+        key = config.additional_config.setdefault("epilora_vllm",
+                                                  {"version": version("epilora-vllm")})
+        key["matched"] = _env.matched()
+        if quantize is not None:
+            key["quantize"] = quantize
     else:  # another plugin's hashable object: vLLM hashes it, we cannot add to it
-        _log_once(("compile-key",), "epilora: additional_config is a %s, not a dict: vLLM's "
+        log_once(("compile-key",), "epilora: additional_config is a %s, not a dict: vLLM's "
                   "compile cache cannot tell the plugin's modes apart; set "
                   "VLLM_DISABLE_COMPILE_CACHE=1 when switching them",
                   type(config.additional_config).__name__)
@@ -102,10 +106,10 @@ class _Epilora:
         kind = type(source_layer).__name__
         why = refusal(source_layer, lora_config)
         if why is not None:
-            _log_once((kind, why), "epilora: %s layers keep vLLM's %s: %s", kind, parent, why)
+            log_once((kind, why), "epilora: %s layers keep vLLM's %s: %s", kind, parent, why)
             return False
         method = type(source_layer.quant_method).__name__
-        _log_once((kind, method), "epilora: serving %s layers (%s) with the fused kernels "
+        log_once((kind, method), "epilora: serving %s layers (%s) with the fused kernels "
                   "(EPILORA_VLLM_QUANTIZE=%s)", kind, method, _env.quantize())
         return True
 

@@ -13,7 +13,16 @@ in `_POSSIBLE_FP8_KERNELS[platform]` that is supported and can implement the lay
 `register_linear_kernel`, appends a class behind CUTLASS, which would always be picked first,
 so `install` puts this one at the front. It declines (`is_supported`) unless the matched mode
 is on, so that otherwise vLLM picks what it picks without the plugin.
+
+What the matched mode does not reach: a layer this kernel declines (an fp16 model, block
+scales) keeps vLLM's W8A8 kernel, said once per reason in the log; block-FP8 layers and MoE
+experts take kernels from other lists and never ask it; `--linear-backend` (vLLM's filter of
+its kernel lists by name) leaves it out of every choice; and with VLLM_BATCH_INVARIANT=1
+vLLM's FP8 methods compute per-tensor and per-channel layers without their kernel object
+(on a bf16-dequantized weight: logged).
 """
+
+import logging
 
 import torch
 from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import (
@@ -23,6 +32,7 @@ from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import (
 from vllm.platforms import PlatformEnum, current_platform
 
 from epilora_vllm import _env
+from epilora_vllm.layers import key_compiled_graphs, log_once
 
 
 class EpiloraW8A16LinearKernel(FP8ScaledMMLinearKernel):
@@ -34,6 +44,12 @@ class EpiloraW8A16LinearKernel(FP8ScaledMMLinearKernel):
     def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
         if not _env.matched():
             return False, "computes the matched mode only (EPILORA_VLLM_MATCHED=1)"
+        from vllm import envs
+
+        if envs.VLLM_BATCH_INVARIANT:
+            _warn("with VLLM_BATCH_INVARIANT=1 vLLM's FP8 linear methods compute per-tensor "
+                  "and per-channel layers on a bf16-dequantized weight, not through the matched "
+                  "mode's kernel")
         if current_platform.is_cpu():
             return True, None  # the kernels' torch twin
         if not current_platform.is_cuda():
@@ -45,21 +61,30 @@ class EpiloraW8A16LinearKernel(FP8ScaledMMLinearKernel):
     @classmethod
     def can_implement(cls, c: FP8ScaledMMLinearLayerConfig) -> tuple[bool, str | None]:
         weights = c.weight_quant_key.scale.group_shape
-        if not (weights.is_per_tensor() or weights.is_per_channel()):
-            return False, f"computes per-tensor or per-channel weight scales, not {weights}"
+        # One scale per output channel: (-1, 1), or (1, -1) where FBGEMM's and ModelOpt's
+        # per-channel checkpoints label it as their activations' per-token scales.
+        if not (weights.is_per_tensor() or weights.is_per_channel() or weights.is_per_token()):
+            return _declined(f"weight scales in groups {weights} (the kernels take one scale "
+                             "or one per output channel)")
         if c.input_dtype != torch.bfloat16 or c.out_dtype not in (None, torch.bfloat16):
-            return False, (f"computes bf16 activations and outputs, not {c.input_dtype} and "
-                           f"{c.out_dtype}")
+            return _declined(f"{c.input_dtype} activations and {c.out_dtype} outputs (the "
+                             "kernels compute bf16)")
         return True, None
 
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        # The kernels take any N and K (no padding, as CUTLASS needs), and the split-K counters
-        # every batch the engine schedules can need, sized now, before CUDA-graph capture.
-        weight, _, _, _ = self._get_layer_params(layer)
-        if weight.is_cuda:
+    def __init__(self, c: FP8ScaledMMLinearLayerConfig, layer_param_names) -> None:
+        super().__init__(c, layer_param_names)
+        # While vLLM builds the model (its config is current): the compile cache's key, and
+        # the split-K counters every batch the engine schedules can need, sized before any
+        # CUDA-graph capture (a weight reload later runs with no config current).
+        key_compiled_graphs()
+        if current_platform.is_cuda():
             from epilora_vllm.forward import size_workspace
 
-            size_workspace(weight.device, out_features=weight.shape[1])
+            size_workspace(torch.device("cuda", torch.cuda.current_device()),
+                           out_features=max(c.weight_shape))
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        pass  # the kernels take any N and K: no padding, as CUTLASS's
 
     def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -73,6 +98,15 @@ class EpiloraW8A16LinearKernel(FP8ScaledMMLinearKernel):
         # format: this one names none, as it reads the bf16 activations.
         raise NotImplementedError(f"{type(self).__name__} computes W8A16 from bf16 "
                                   "activations (apply_weights), not FP8 codes")
+
+
+def _warn(message: str) -> None:
+    log_once(("matched", message), "epilora: %s", message, level=logging.WARNING)
+
+
+def _declined(why: str) -> tuple[bool, str]:
+    _warn(f"the matched mode leaves to vLLM's W8A8 kernels the FP8 linears with {why}")
+    return False, why
 
 
 def _kernel_lists() -> list[list]:

@@ -8,11 +8,13 @@ import pytest
 import torch
 from engine_cases import (
     FUSED,
+    MAX_TOKENS,
     PROMPTS,
     assert_every_call_matches_the_files,
     assert_the_matched_mode_computes_w8a16_without_lora,
     engine,
     generate,
+    model_of,
     request,
 )
 
@@ -226,13 +228,24 @@ def test_sleep_level_2_then_wake_up_reload_and_readded_adapters_give_the_same_an
 def test_the_matched_mode_computes_w8a16_without_lora_eagerly_and_in_cuda_graphs(
         checkpoints, monkeypatch):
     # The kernels computing every FP8 linear of an engine without LoRA (eager: the calls
-    # against float64); in vLLM's default configuration (torch.compile, CUDA graphs) a batch's
-    # greedy tokens are each request's alone.
+    # against float64); in vLLM's default configuration (torch.compile, CUDA graphs, its
+    # compile cache on) the compiled graph calls them: the warm-up and capture run them, at
+    # every projection's shape.
+    import epilora_kernels as ek
+
     eager = assert_the_matched_mode_computes_w8a16_without_lora(checkpoints, monkeypatch,
                                                                 enforce_eager=True)
     del eager
+    shapes = set()
+    w8a16_gemm = ek.w8a16_gemm
+    monkeypatch.setattr(ek, "w8a16_gemm", lambda x, weight, *args, **kwargs: (
+        shapes.add(tuple(weight.shape)), w8a16_gemm(x, weight, *args, **kwargs))[1])
     llm = engine(checkpoints["fp8"], lora=False)
     assert llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name != "NONE"
-    requests = [(p, None) for p in PROMPTS]
-    together = generate(llm, requests)
-    assert together == [generate(llm, [r])[0] for r in requests]
+    layer = model_of(llm).model.layers[0]
+    want = {tuple(p.weight.t().shape) for p in (
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+        layer.mlp.down_proj)}
+    assert want <= shapes, (want, shapes)
+    tokens = generate(llm, [(p, None) for p in PROMPTS])
+    assert all(len(t) == MAX_TOKENS for t in tokens), tokens
