@@ -22,10 +22,21 @@ Variants (`--variants`):
   where the row tiles times N/64 fill the SMs' one wave, else 32-wide, the K loop split in two
   where K is at least twice N and the programs do not fill the SMs. Read from one model's
   table: the other models' shapes are the test.
+* `k1-light`: the decode path's K1 (up to 32 tokens) in more, lighter programs: the shipped
+  settings' K split twice as often (at most 32 ways) and rank tiles of at most 32. In a vLLM
+  engine step K1 ends only near the end of K2's weight stream and K2's epilogue waits for it
+  (docs/plugin.md, batch 1); more, shorter programs ended K1 sooner in the timeline
+  (rank 128's 256 programs on gate_up at 4 tokens: 7.9 us against rank 64's 16: 19.7 us).
+  Measure it with `--codes --tokens 1 4 8 16`, the engine's form.
+
+`--codes`: every system on per-token FP8 codes made beforehand, as in the plugin's default
+engine (vLLM's quantizer fused into the norm before): `cutlass` is CUTLASS on the codes, the
+kernels take `x_quantized` with x None (K1 only shrinks: `decode_shrink_codes` settings).
 
     source tools/device/setup.sh
     python3 dev/launch_variants.py --out $OUT/launch_variants.json \
-        [--variants rank-steps] [--models qwen3-8b ...] [--ranks 16 64 128] [--tokens ...]
+        [--variants rank-steps] [--models qwen3-8b ...] [--ranks 16 64 128] [--tokens ...] \
+        [--codes]
 """
 
 import argparse
@@ -100,18 +111,51 @@ def heuristic_deep_k():
         yield
 
 
+def k1_light():
+    shipped = _tiling.select_config
+
+    def light(device, op, tokens, n, k, rank, *args, **kwargs):
+        cfg = shipped(device, op, tokens, n, k, rank, *args, **kwargs)
+        if op not in ("decode_shrink", "decode_shrink_codes") or tokens > 32:
+            return cfg
+        split = min(32, 2 * cfg.split_k)
+        return dataclasses.replace(cfg, split_k=split, block_r=min(cfg.block_r, 32),
+                                   block_k=max(16, min(cfg.block_k, k // split)))
+
+    return _made_again_around(mock.patch.object(_tiling, "select_config", light))
+
+
 VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
-            "heuristic-deep-k": heuristic_deep_k}
+            "heuristic-deep-k": heuristic_deep_k, "k1-light": k1_light}
 
 
-def run_layer(variant: str | None, xs: dict, layer: dict, batch, out: dict) -> None:
+def quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from vllm import _custom_ops as ops
+
+    return ops.scaled_fp8_quant(x, None, use_per_token_if_dynamic=True)
+
+
+def cutlass_on_codes(codes: tuple[torch.Tensor, torch.Tensor], weight: torch.Tensor,
+                     scale: torch.Tensor) -> torch.Tensor:
+    from vllm import _custom_ops as ops
+
+    return ops.cutlass_scaled_mm(codes[0], weight.t(), codes[1], scale, torch.bfloat16)
+
+
+def run_layer(variant: str | None, xs: dict, layer: dict, batch, out: dict,
+              codes: dict | None = None) -> None:
     for name, (weight, scale, lora) in layer.items():
         if variant == "cutlass":
-            out[name] = vllm_fp8_gemm(xs[name], weight, scale)
+            out[name] = (vllm_fp8_gemm(xs[name], weight, scale) if codes is None else
+                         cutlass_on_codes(codes[name], weight, scale))
             continue
         with VARIANTS[variant]() if variant else contextlib.nullcontext():
-            out[name] = ek.lora_linear(xs[name], weight, scale, lora, batch,
-                                       base_gemm=vllm_fp8_gemm)
+            if codes is None:
+                out[name] = ek.lora_linear(xs[name], weight, scale, lora, batch,
+                                           base_gemm=vllm_fp8_gemm)
+            else:
+                out[name] = ek.lora_linear(None, weight, scale, lora, batch,
+                                           x_quantized=codes[name])
 
 
 def main() -> None:
@@ -122,6 +166,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64, 128])
     parser.add_argument("--tokens", type=int, nargs="+", default=[64, 128, 256, 512, 2048])
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--codes", action="store_true",
+                        help="every system on FP8 codes made beforehand (the plugin's engine)")
     args = parser.parse_args()
     systems = {"cutlass": "cutlass", "epilora": None, **{v: v for v in args.variants}}
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -135,9 +181,10 @@ def main() -> None:
             layer = make_layer(1, rank, gen, projections)
             for tokens in args.tokens:
                 batch, xs, _ = adapter_inputs(tokens, rank, 1, gen, projections)
+                codes = {name: quantized(x) for name, x in xs.items()} if args.codes else None
                 outs = {system: {} for system in systems}
                 runs = {system: functools.partial(run_layer, variant, xs, layer, batch,
-                                                  outs[system])
+                                                  outs[system], codes)
                         for system, variant in systems.items()}
                 for run in runs.values():
                     run()
@@ -148,7 +195,8 @@ def main() -> None:
                 times = time_graphs(runs, args.reps, flush)
                 for system, us in times.items():
                     rows.append({"model": model, "rank": rank, "adapters": 1, "tokens": tokens,
-                                 "system": system, "layer_us": round(us, 2), "n": args.reps,
+                                 "codes": args.codes, "system": system,
+                                 "layer_us": round(us, 2), "n": args.reps,
                                  "rel_err_vs_epilora": round(errs.get(system, 0.0), 6)})
                 cells = [f"{times['cutlass']:16.1f}", f"{times['epilora']:16.1f}"] + [
                     f"{times[v]:8.1f} ({times[v] / times['epilora']:.2f})".rjust(16)
