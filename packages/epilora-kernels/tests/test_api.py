@@ -88,6 +88,8 @@ def test_hybrid_path_takes_the_engines_base_gemm():
 def test_an_empty_batch_gives_an_empty_output():
     x, weight, w_scale, lora, batch = make_problem(7, 0, 64, (32,), 8, 2, "one_adapter")
     assert ek.lora_linear(x, weight, w_scale, lora, batch).shape == (0, 32)
+    empty = ek.w8a16_gemm(x, weight, w_scale)
+    assert empty.shape == (0, 32) and empty.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize(("path", "kwargs", "support", "reason"), [

@@ -191,6 +191,8 @@ def w8a16_gemm(
     _checks.check_bias(bias, weight.shape[0], x.device)
     support = _support(x, "w8a16")
     t, k = x.shape
+    if t == 0:  # no program to launch (an engine's empty step)
+        return x.new_empty((0, weight.shape[0]))
     cfg = config or _w8a16_tiles(
         _tiling.shape_config(support, "lora_gemm", t, weight.shape[0], k, 16, ()))
     return _launchers.launch_gemm_only(support, _workspace(workspace, x.device), x,
