@@ -2,9 +2,9 @@
 
 Each variant is a rule of `epilora_kernels` patched in while its layer's CUDA graph is captured
 (the launch templates and settings memo made again), so one run times them all side by side:
-for each model's layer (its four FP8 projections), one adapter of each rank and each token
-count, the graphs are replayed in turns with the L2 flushed (benchmarks/layer.py's
-`time_graphs`), beside vLLM's quant + CUTLASS (`cutlass`) and the dispatcher `lora_linear` as
+for each model's layer (its four FP8 projections), `--adapters` slots (one by default, the
+tokens round robin over them) of each rank and each token count, the graphs are replayed in
+turns with the L2 flushed (benchmarks/layer.py's `time_graphs`), beside vLLM's quant + CUTLASS (`cutlass`) and the dispatcher `lora_linear` as
 shipped (`epilora`). Each variant's output is compared with the shipped one's first (relative
 error: a variant may sum in another order).
 
@@ -166,6 +166,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64, 128])
     parser.add_argument("--tokens", type=int, nargs="+", default=[64, 128, 256, 512, 2048])
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--adapters", type=int, default=1,
+                        help="adapter slots, the tokens round robin over them (8: the 8x16 cells)")
     parser.add_argument("--codes", action="store_true",
                         help="every system on FP8 codes made beforehand (the plugin's engine)")
     args = parser.parse_args()
@@ -178,9 +180,9 @@ def main() -> None:
     for model in args.models:
         projections = MODELS[model]
         for rank in args.ranks:
-            layer = make_layer(1, rank, gen, projections)
+            layer = make_layer(args.adapters, rank, gen, projections)
             for tokens in args.tokens:
-                batch, xs, _ = adapter_inputs(tokens, rank, 1, gen, projections)
+                batch, xs, _ = adapter_inputs(tokens, rank, args.adapters, gen, projections)
                 codes = {name: quantized(x) for name, x in xs.items()} if args.codes else None
                 outs = {system: {} for system in systems}
                 runs = {system: functools.partial(run_layer, variant, xs, layer, batch,
@@ -194,7 +196,8 @@ def main() -> None:
                         for v in args.variants}
                 times = time_graphs(runs, args.reps, flush)
                 for system, us in times.items():
-                    rows.append({"model": model, "rank": rank, "adapters": 1, "tokens": tokens,
+                    rows.append({"model": model, "rank": rank, "adapters": args.adapters,
+                                 "tokens": tokens,
                                  "codes": args.codes, "system": system,
                                  "layer_us": round(us, 2), "n": args.reps,
                                  "rel_err_vs_epilora": round(errs.get(system, 0.0), 6)})
