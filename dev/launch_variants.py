@@ -4,9 +4,10 @@ Each variant is a rule of `epilora_kernels` patched in while its layer's CUDA gr
 (the launch templates and settings memo made again), so one run times them all side by side:
 for each model's layer (its four FP8 projections), `--adapters` slots (one by default, the
 tokens round robin over them) of each rank and each token count, the graphs are replayed in
-turns with the L2 flushed (benchmarks/layer.py's `time_graphs`), beside vLLM's quant + CUTLASS (`cutlass`) and the dispatcher `lora_linear` as
-shipped (`epilora`). Each variant's output is compared with the shipped one's first (relative
-error: a variant may sum in another order).
+turns with the L2 flushed (benchmarks/layer.py's `time_graphs`), beside vLLM's quant +
+CUTLASS (`cutlass`) and the dispatcher `lora_linear` as shipped (`epilora`). Each variant's
+output is compared with the shipped one's first (relative error: a variant may sum in another
+order).
 
 Variants (`--variants`):
 
