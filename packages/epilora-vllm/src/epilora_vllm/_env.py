@@ -15,7 +15,8 @@ def disabled() -> bool:
 def matched() -> bool:
     """EPILORA_VLLM_MATCHED=1: the matched mode, every layer the plugin serves computes W8A16
     (bf16 activations, the FP8 weight widened in registers, fp32 accumulation): the RL
-    trainer's arithmetic, with or without an adapter."""
+    trainer's arithmetic, with or without an adapter; and vLLM's own FP8 linears take the
+    plugin's W8A16 kernel (`epilora_vllm.matched_linear`)."""
     return os.environ.get("EPILORA_VLLM_MATCHED", "0") == "1"
 
 

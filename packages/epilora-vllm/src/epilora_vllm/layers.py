@@ -41,7 +41,8 @@ _logged: set[tuple] = set()
 
 
 def log_once(key: tuple, message: str, *args, level: int = logging.INFO) -> None:
-    # Once per engine (each has its own VllmConfig): a second engine in the process says it too.
+    # Once per engine (each has its own VllmConfig): a second engine in the process says it too
+    # (with no config current: once per process).
     key = (id(get_current_vllm_config_or_none()), *key)
     if key not in _logged:
         _logged.add(key)

@@ -18,8 +18,9 @@ What the matched mode does not reach: a layer this kernel declines (an fp16 mode
 scales) keeps vLLM's W8A8 kernel, said once per reason in the log; block-FP8 layers and MoE
 experts take kernels from other lists and never ask it; `--linear-backend` (vLLM's filter of
 its kernel lists by name) leaves it out of every choice; and with VLLM_BATCH_INVARIANT=1
-vLLM's FP8 methods compute per-tensor and per-channel layers without their kernel object
-(on a bf16-dequantized weight: logged).
+vLLM's `quantization="fp8"` methods (`Fp8LinearMethod`, the online ones) compute their
+per-tensor and per-channel layers without their kernel object, on a bf16-dequantized weight
+(logged; compressed-tensors checkpoints still call it).
 """
 
 import logging
@@ -47,9 +48,9 @@ class EpiloraW8A16LinearKernel(FP8ScaledMMLinearKernel):
         from vllm import envs
 
         if envs.VLLM_BATCH_INVARIANT:
-            _warn("with VLLM_BATCH_INVARIANT=1 vLLM's FP8 linear methods compute per-tensor "
-                  "and per-channel layers on a bf16-dequantized weight, not through the matched "
-                  "mode's kernel")
+            _warn("with VLLM_BATCH_INVARIANT=1 vLLM's quantization='fp8' methods (FP8 "
+                  "checkpoints' and online) compute on a bf16-dequantized weight, not through "
+                  "the matched mode's kernel (compressed-tensors checkpoints still call it)")
         if current_platform.is_cpu():
             return True, None  # the kernels' torch twin
         if not current_platform.is_cuda():

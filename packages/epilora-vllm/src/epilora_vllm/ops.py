@@ -6,10 +6,11 @@ as one custom op (registered when this module is imported, which `register` does
 need not keep them); `w8a16_linear(x, weight, weight_scale, bias)` the matched mode's FP8
 linear outside those layers (`epilora_vllm.matched_linear`).
 
-The op finds its layer by name in vLLM's forward context, as vLLM's dual-stream LoRA op does
-(a layer registers itself in `static_forward_context` when it is built), so its module state
-(weights, adapter buffers, Punica metadata) needs no arguments. To torch.compile it is one
-opaque node whose fake gives the output's shape; CUDA graphs capture its kernels.
+`lora_linear` and `lora_linear_codes` find their layer by name in vLLM's forward context, as
+vLLM's dual-stream LoRA op does (a layer registers itself in `static_forward_context` when it
+is built), so its module state (weights, adapter buffers, Punica metadata) needs no arguments.
+To torch.compile each op is one opaque node whose fake gives the output's shape; CUDA graphs
+capture its kernels.
 
 The caller passes the name as vLLM's `_encode_layer_name` gives it, as vLLM's attention
 passes its own: a `LayerName` (torch 2.11's opaque value type; VLLM_USE_LAYERNAME=0 keeps the

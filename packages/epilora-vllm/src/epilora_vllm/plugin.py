@@ -33,7 +33,7 @@ def register() -> bool:
     import vllm.lora.model_manager as model_manager
     import vllm.lora.utils as lora_utils
 
-    import epilora_vllm.ops  # noqa: F401  (registers torch.ops.epilora_vllm.lora_linear)
+    import epilora_vllm.ops  # noqa: F401  (registers the torch.ops.epilora_vllm ops)
     from epilora_vllm import logits, matched_linear
     from epilora_vllm.layers import LAYER_CLASSES
 
