@@ -61,6 +61,13 @@ def request(checkpoints, lora_id):
     return LoRARequest(f"tenant-{lora_id}", lora_id, str(checkpoints["adapters"][lora_id]))
 
 
+def layer0_projections(llm) -> dict:
+    """Layer 0's four projections of an engine's model, by vLLM's names."""
+    layer = model_of(llm).model.layers[0]
+    return {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
+            "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj}
+
+
 def serve_and_record(checkpoints, **engine_kwargs):
     """The FP8 engine with the plugin; every call of layer 0's four projections recorded with
     the token-to-slot mapping vLLM made for it, over one mixed batch (adapter 1, 2, none)."""
@@ -77,9 +84,7 @@ def serve_and_record(checkpoints, **engine_kwargs):
             calls.setdefault(name, []).append((x.clone(), y.clone(), mapping, slots))
         return hook
 
-    layer = model.model.layers[0]
-    projections = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
-                   "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj}
+    projections = layer0_projections(llm)
     handles = [m.register_forward_hook(recorder(n)) for n, m in projections.items()]
     requests = [(p, request(checkpoints, i)) for p, i in zip(PROMPTS, (1, 2, None),
                                                              strict=True)]
@@ -144,9 +149,7 @@ def assert_the_matched_mode_computes_w8a16_without_lora(checkpoints, monkeypatch
     assert EpiloraW8A16LinearKernel.is_supported()[0] is False  # the matched mode is off
     monkeypatch.setenv("EPILORA_VLLM_MATCHED", "1")
     llm = engine(checkpoints["fp8"], lora=False, **kwargs)
-    layer = model_of(llm).model.layers[0]
-    projections = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
-                   "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj}
+    projections = layer0_projections(llm)
     for name, projection in projections.items():
         kernel = inspect_fp8_base(projection).kernel(projection)
         assert type(kernel) is EpiloraW8A16LinearKernel, (name, type(kernel))

@@ -109,11 +109,19 @@ def fp8_gemm(
     _checks.check_codes(codes, scales, weight.shape[-1])
     _checks.check_weight(weight, weight_scale, codes.shape[1], weight.shape[0], codes.device)
     _checks.check_bias(bias, weight.shape[0], codes.device)
-    support = _support(codes, "fp8_gemm")
-    t, k = codes.shape
+    return _k2_alone(_support(codes, "fp8_gemm"), FP8, codes, scales, weight, weight_scale,
+                     config, workspace, bias)
+
+
+def _k2_alone(support, mode, a, a_scale, weight, weight_scale, config, workspace, bias):
+    # K2 without adapters (`fp8_gemm`, `w8a16_gemm`): the given settings, else the table's or
+    # the heuristic's for the shape (those of W8A16 fitted to its bf16 operands).
+    t, k = a.shape
     cfg = config or _tiling.shape_config(support, "lora_gemm", t, weight.shape[0], k, 16, ())
-    return _launchers.launch_gemm_only(support, _workspace(workspace, codes.device), codes,
-                                       scales, weight, weight_scale, cfg, bias=bias)
+    if config is None and mode == W8A16:
+        cfg = _w8a16_tiles(cfg)
+    return _launchers.launch_gemm_only(support, _workspace(workspace, a.device), a, a_scale,
+                                       weight, weight_scale, cfg, bias=bias, mode=mode)
 
 
 def fp8_gemm_from_bf16(
@@ -190,14 +198,10 @@ def w8a16_gemm(
     _checks.check_weight(weight, weight_scale, x.shape[1], weight.shape[0], x.device)
     _checks.check_bias(bias, weight.shape[0], x.device)
     support = _support(x, "w8a16")
-    t, k = x.shape
-    if t == 0:  # no program to launch (an engine's empty step)
+    if x.shape[0] == 0:  # no program to launch (an engine's empty step)
         return x.new_empty((0, weight.shape[0]))
-    cfg = config or _w8a16_tiles(
-        _tiling.shape_config(support, "lora_gemm", t, weight.shape[0], k, 16, ()))
-    return _launchers.launch_gemm_only(support, _workspace(workspace, x.device), x,
-                                       weight_scale, weight, weight_scale, cfg, bias=bias,
-                                       mode=W8A16)
+    return _k2_alone(support, W8A16, x, weight_scale, weight, weight_scale, config, workspace,
+                     bias)
 
 
 def _w8a16_tiles(cfg: LaunchConfig) -> LaunchConfig:

@@ -61,8 +61,9 @@ def key_compiled_graphs(quantize: str | None = None) -> None:
 
     config = get_current_vllm_config()
     if isinstance(config.additional_config, dict):
-        key = config.additional_config.setdefault("epilora_vllm",
-                                                  {"version": version("epilora-vllm")})
+        key = config.additional_config.get("epilora_vllm")
+        if key is None:  # the first layer of the engine (the version: a metadata read)
+            key = config.additional_config["epilora_vllm"] = {"version": version("epilora-vllm")}
         key["matched"] = _env.matched()
         if quantize is not None:
             key["quantize"] = quantize

@@ -14,7 +14,7 @@ from engine_cases import (
     assert_the_matched_mode_computes_w8a16_without_lora,
     engine,
     generate,
-    model_of,
+    layer0_projections,
     request,
 )
 
@@ -242,10 +242,7 @@ def test_the_matched_mode_computes_w8a16_without_lora_eagerly_and_in_cuda_graphs
         shapes.add(tuple(weight.shape)), w8a16_gemm(x, weight, *args, **kwargs))[1])
     llm = engine(checkpoints["fp8"], lora=False)
     assert llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name != "NONE"
-    layer = model_of(llm).model.layers[0]
-    want = {tuple(p.weight.t().shape) for p in (
-        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-        layer.mlp.down_proj)}
+    want = {tuple(p.weight.t().shape) for p in layer0_projections(llm).values()}
     assert want <= shapes, (want, shapes)
     tokens = generate(llm, [(p, None) for p in PROMPTS])
     assert all(len(t) == MAX_TOKENS for t in tokens), tokens
