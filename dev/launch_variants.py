@@ -28,7 +28,8 @@ Variants (`--variants`):
   engine step K1 ends only near the end of K2's weight stream and K2's epilogue waits for it
   (docs/plugin.md, batch 1); more, shorter programs ended K1 sooner in the timeline
   (rank 128's 256 programs on gate_up at 4 tokens: 7.9 us against rank 64's 16: 19.7 us).
-  Measure it with `--codes --tokens 1 4 8 16`, the engine's form.
+  Measure it with `--codes --tokens 1 4 8 16`, the engine's form. `k1-lighter`: K split four
+  times as often (at most 64 ways), rank tiles of at most 16.
 
 `--codes`: every system on per-token FP8 codes made beforehand, as in the plugin's default
 engine (vLLM's quantizer fused into the norm before): `cutlass` is CUTLASS on the codes, the
@@ -112,22 +113,25 @@ def heuristic_deep_k():
         yield
 
 
-def k1_light():
-    shipped = _tiling.select_config
+def k1_lighter_by(times: int, most: int, rank_tile: int):
+    def variant():
+        shipped = _tiling.select_config
 
-    def light(device, op, tokens, n, k, rank, *args, **kwargs):
-        cfg = shipped(device, op, tokens, n, k, rank, *args, **kwargs)
-        if op not in ("decode_shrink", "decode_shrink_codes") or tokens > 32:
-            return cfg
-        split = min(32, 2 * cfg.split_k)
-        return dataclasses.replace(cfg, split_k=split, block_r=min(cfg.block_r, 32),
-                                   block_k=max(16, min(cfg.block_k, k // split)))
+        def light(device, op, tokens, n, k, rank, *args, **kwargs):
+            cfg = shipped(device, op, tokens, n, k, rank, *args, **kwargs)
+            if op not in ("decode_shrink", "decode_shrink_codes") or tokens > 32:
+                return cfg
+            split = min(most, times * cfg.split_k)
+            return dataclasses.replace(cfg, split_k=split, block_r=min(cfg.block_r, rank_tile),
+                                       block_k=max(16, min(cfg.block_k, k // split)))
 
-    return _made_again_around(mock.patch.object(_tiling, "select_config", light))
+        return _made_again_around(mock.patch.object(_tiling, "select_config", light))
+    return variant
 
 
 VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
-            "heuristic-deep-k": heuristic_deep_k, "k1-light": k1_light}
+            "heuristic-deep-k": heuristic_deep_k, "k1-light": k1_lighter_by(2, 32, 32),
+            "k1-lighter": k1_lighter_by(4, 64, 16)}
 
 
 def quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
