@@ -29,7 +29,10 @@ Variants (`--variants`):
   (docs/plugin.md, batch 1); more, shorter programs ended K1 sooner in the timeline
   (rank 128's 256 programs on gate_up at 4 tokens: 7.9 us against rank 64's 16: 19.7 us).
   Measure it with `--codes --tokens 1 4 8 16`, the engine's form. `k1-lighter`: K split four
-  times as often (at most 64 ways), rank tiles of at most 16.
+  times as often (at most 64 ways), rank tiles of at most 16. On the codes both were slower
+  than the shipped K1 on the three models (H200 at e0e1b41: 0.94-1.24x the layer's time, most
+  above 1.02), so `k1-heavier` and `k1-heaviest` go the other way: K split half and a quarter as
+  often, the rank tiles as shipped.
 
 `--codes`: every system on per-token FP8 codes made beforehand, as in the plugin's default
 engine (vLLM's quantizer fused into the norm before): `cutlass` is CUTLASS on the codes, the
@@ -113,7 +116,7 @@ def heuristic_deep_k():
         yield
 
 
-def k1_lighter_by(times: int, most: int, rank_tile: int):
+def k1_split_by(times: float, most: int, rank_tile: int):
     def variant():
         shipped = _tiling.select_config
 
@@ -121,17 +124,19 @@ def k1_lighter_by(times: int, most: int, rank_tile: int):
             cfg = shipped(device, op, tokens, n, k, rank, *args, **kwargs)
             if op not in ("decode_shrink", "decode_shrink_codes") or tokens > 32:
                 return cfg
-            split = min(most, times * cfg.split_k)
+            split = max(1, min(most, int(times * cfg.split_k)))
+            deepest = 1 << (k // split).bit_length() - 1  # a power of two within K's share
             return dataclasses.replace(cfg, split_k=split, block_r=min(cfg.block_r, rank_tile),
-                                       block_k=max(16, min(cfg.block_k, k // split)))
+                                       block_k=max(16, min(cfg.block_k, deepest)))
 
         return _made_again_around(mock.patch.object(_tiling, "select_config", light))
     return variant
 
 
 VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
-            "heuristic-deep-k": heuristic_deep_k, "k1-light": k1_lighter_by(2, 32, 32),
-            "k1-lighter": k1_lighter_by(4, 64, 16)}
+            "heuristic-deep-k": heuristic_deep_k, "k1-light": k1_split_by(2, 32, 32),
+            "k1-lighter": k1_split_by(4, 64, 16), "k1-heavier": k1_split_by(0.5, 32, 128),
+            "k1-heaviest": k1_split_by(0.25, 32, 128)}
 
 
 def quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

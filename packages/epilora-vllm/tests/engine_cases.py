@@ -30,8 +30,14 @@ def engine(model_dir, *, lora: bool = True, **kwargs):
     """An engine in this process (the tests reach into its model), tiny KV cache; with LoRA
     (two slots of rank 8) unless `lora` is false."""
     from vllm import LLM
+    from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # vLLM keeps one rotary embedding per configuration for the process: an earlier engine's,
+    # left on the meta device by a failed reload after sleep(level=2), would be the next
+    # engine's (the H200 run at e0e1b41 failed so). Each engine gets its own, as in a fresh
+    # process.
+    _ROPE_DICT.clear()
     adapters = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8} if lora else {}
     return LLM(str(model_dir), skip_tokenizer_init=True, max_model_len=256, max_num_seqs=8,
                max_num_batched_tokens=256, dtype="bfloat16", seed=0,
