@@ -34,6 +34,12 @@ Variants (`--variants`):
   above 1.02), so `k1-heavier` and `k1-heaviest` go the other way: K split half and a quarter as
   often, the rank tiles as shipped.
 
+* `decode-path`: several adapter slots take the decode path up to 32 tokens, where the
+  dispatcher's rule (`dispatch.DECODE_MAX_TOKENS`, read from 32 slots of rank 64) gives them the
+  fused path beyond 8. At 8x16 (`--adapters 8 --ranks 16`) the shipped settings took 1.18-1.21x
+  `cutlass` at 8 tokens (the decode path) and 1.23-1.39x at 16 and 32 (the fused path) on the
+  H200 at e0e1b41; 32x64 at f715d55's layer page lost 2-5% on the decode path at 16 and 32.
+
 `--codes`: every system on per-token FP8 codes made beforehand, as in the plugin's default
 engine (vLLM's quantizer fused into the norm before): `cutlass` is CUTLASS on the codes, the
 kernels take `x_quantized` with x None (K1 only shrinks: `decode_shrink_codes` settings).
@@ -61,7 +67,7 @@ from layer import adapter_inputs, l2_flush_buffer, make_layer, time_graphs, vllm
 from models import MODELS  # noqa: E402
 
 import epilora_kernels as ek  # noqa: E402
-from epilora_kernels import _launchers, _tiling, fused, launch  # noqa: E402
+from epilora_kernels import _launchers, _tiling, dispatch, fused, launch  # noqa: E402
 
 
 def _made_again() -> None:
@@ -91,6 +97,11 @@ def rank_steps():
 
     return _made_again_around(mock.patch.multiple(_tiling, b_in_registers=holds_b,
                                                   epilogue_rank_chunk=chunk))
+
+
+def decode_path():
+    return _made_again_around(mock.patch.object(dispatch, "DECODE_MAX_TOKENS",
+                                                launch.DECODE_SHRINK_MAX_TOKENS))
 
 
 def heuristic():
@@ -136,7 +147,7 @@ def k1_split_by(times: float, most: int, rank_tile: int):
 VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "heuristic-deep-k": heuristic_deep_k, "k1-light": k1_split_by(2, 32, 32),
             "k1-lighter": k1_split_by(4, 64, 16), "k1-heavier": k1_split_by(0.5, 32, 128),
-            "k1-heaviest": k1_split_by(0.25, 32, 128)}
+            "k1-heaviest": k1_split_by(0.25, 32, 128), "decode-path": decode_path}
 
 
 def quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
