@@ -335,25 +335,17 @@ def _quantize_shrink_kernel(
     # launch has one program per tile of that list, not per tile of every entry times the
     # tokens' tiles, most of which would find no row (32 adapters at 128 tokens: 40 tiles for
     # 264).
-    # Every entry's metadata in one round of loads, then entry z's picked out of it: each
-    # dependent load waits behind K2's weight stream in the decode path, and the adapter (A's
-    # address) is known a round sooner than by loading it at z.
     e = tl.arange(0, ENTRIES_BLOCK)
-    live = e < NUM_ENTRIES
-    counts = tl.load(counts_ptr + e, mask=live, other=0)
-    slots = tl.load(lora_ids_ptr + e, mask=live, other=0)
-    starts = tl.load(start_ptr + e, mask=live, other=0)
-    tiles = tl.cdiv(counts, BLOCK_M)
+    tiles = tl.cdiv(tl.load(counts_ptr + e, mask=e < NUM_ENTRIES, other=0), BLOCK_M)
     z = tl.sum((tl.cumsum(tiles, axis=0) <= m_tile).to(tl.int32), axis=0)
     if z >= NUM_ENTRIES:  # the list is shorter than the launch's bound
         _stamp(trace_ptr, 1, TRACE)
         return
     pid_m = m_tile - tl.sum(tl.where(e < z, tiles, 0), axis=0)
 
-    at_z = e == z
-    slot = tl.sum(tl.where(at_z, slots, 0), axis=0)
-    count = tl.sum(tl.where(at_z, counts, 0), axis=0)
-    start = tl.sum(tl.where(at_z, starts, 0), axis=0)
+    slot = tl.load(lora_ids_ptr + z)
+    count = tl.load(counts_ptr + z)
+    start = tl.load(start_ptr + z)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < count
     tok = tl.load(sorted_ptr + start + rows, mask=row_mask, other=0)
@@ -373,8 +365,6 @@ def _quantize_shrink_kernel(
         _stamp(trace_ptr, 1, TRACE)
         return
     a_base = _pick(s, a0_ptr, a1_ptr, a2_ptr) + slot.to(tl.int64) * R * K
-    if X_CODES:  # with the tokens, not after the split-K sum: one load fewer on K2's wait
-        x_scales = tl.load(scales_ptr + tok, mask=row_mask, other=0.0)
 
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_begin = split * k_per_split
@@ -409,7 +399,7 @@ def _quantize_shrink_kernel(
             _stamp(trace_ptr, 1, TRACE)
             return
     if X_CODES:  # once, on the summed rows: the same bits at every split
-        acc = acc * x_scales[:, None]
+        acc = acc * tl.load(scales_ptr + tok, mask=row_mask, other=0.0)[:, None]
     if H_BF16:  # rounded as K2 rounds an fp32 h: the same bits either way
         tl.store(h_tile, _to_bf16(acc, INTERPRETER), mask=h_mask)
     else:
