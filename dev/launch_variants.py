@@ -29,16 +29,18 @@ Variants (`--variants`):
   (docs/plugin.md, batch 1); more, shorter programs ended K1 sooner in the timeline
   (rank 128's 256 programs on gate_up at 4 tokens: 7.9 us against rank 64's 16: 19.7 us).
   Measure it with `--codes --tokens 1 4 8 16`, the engine's form. `k1-lighter`: K split four
-  times as often (at most 64 ways), rank tiles of at most 16. On the codes both were slower
-  than the shipped K1 on the three models (H200 at e0e1b41: 0.94-1.24x the layer's time, most
-  above 1.02), so `k1-heavier` and `k1-heaviest` go the other way: K split half and a quarter as
-  often, the rank tiles as shipped.
+  times as often (at most 64 ways), rank tiles of at most 16 (both cut K tiles to a power of
+  two within each split's share). On the codes both were slower than the shipped K1 on the
+  three models (H200, these variants, the kernels as at ccc1e70: 0.94-1.24x the layer's time,
+  41 of 54 cells above 1.02), so `k1-heavier` and `k1-heaviest` go the other way: K split
+  half and a quarter as often, the rank tiles as shipped.
 
 * `decode-path`: several adapter slots take the decode path up to 32 tokens, where the
-  dispatcher's rule (`dispatch.DECODE_MAX_TOKENS`, read from 32 slots of rank 64) gives them the
-  fused path beyond 8. At 8x16 (`--adapters 8 --ranks 16`) the shipped settings took 1.18-1.21x
-  `cutlass` at 8 tokens (the decode path) and 1.23-1.39x at 16 and 32 (the fused path) on the
-  H200 at e0e1b41; 32x64 at f715d55's layer page lost 2-5% on the decode path at 16 and 32.
+  dispatcher's rule (`dispatch.DECODE_MAX_TOKENS`, read from 32 slots of rank 64) gives them
+  the fused path beyond 8. At 8x16 (`--adapters 8 --ranks 16`) the shipped settings took
+  1.18-1.21x `cutlass` at 8 tokens (the decode path) and 1.23-1.39x at 16 and 32 (the fused
+  path) on the H200 at ac26b6b (the kernels as at ccc1e70); 32x64 at f715d55's layer page
+  lost 2-5% on the decode path at 16 and 32.
 
 `--codes`: every system on per-token FP8 codes made beforehand, as in the plugin's default
 engine (vLLM's quantizer fused into the norm before): `cutlass` is CUTLASS on the codes, the

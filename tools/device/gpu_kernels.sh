@@ -32,8 +32,8 @@
 #           ${PLUGIN_TESTS_ARGS:-packages/epilora-vllm --ignore=...punica_ops.py}, e.g. one test
 #           file; 233 s at 3ef3759)                                   TESTS_TIMEOUT (360)
 #   punica-tests vLLM's Punica op grids on the kernels (tests/test_vllm_punica_ops.py, ~4,300
-#           cases, vLLM's references on the CPU), in $TESTS_JOBS (14) processes (at 3ef3759
-#           8 ran 45% of them in 225 s: the machine has 16 cores)
+#           cases, vLLM's references on the CPU), in $TESTS_JOBS (8) processes (at 3ef3759
+#           45% of them in 225 s, none failing: the whole grid wants a call of its own)
 #           -> gpu-sm90-punica.log                                      TESTS_TIMEOUT (540)
 #   rl-tests the trainer's GPU tests (nox -s gpu-sm90 -- packages/epilora-rl)   TESTS_TIMEOUT
 #   rl-memory benchmarks/rl_memory.py $RL_MEMORY_ARGS -> $OUT/rl.json (the committed file's
@@ -164,8 +164,8 @@ shutil.copy(cache_path(torch.cuda.get_device_name()), '$OUT/tune-cache/')"
                   timeout "${TESTS_TIMEOUT:-360}" python3 -m nox -s gpu-sm90 -- \
                     ${PLUGIN_TESTS_ARGS:-packages/epilora-vllm --ignore=$punica} --junitxml="$OUT/gpu-sm90-vllm-junit.xml" 2>&1 \
                     | tee "$OUT/gpu-sm90-vllm.log" ;;
-    punica-tests) workers=(); (( ${TESTS_JOBS:-14} > 0 )) && python3 -c "import xdist" 2>/dev/null \
-                    && workers=(-n "${TESTS_JOBS:-14}")
+    punica-tests) workers=(); (( ${TESTS_JOBS:-8} > 0 )) && python3 -c "import xdist" 2>/dev/null \
+                    && workers=(-n "${TESTS_JOBS:-8}")
                   timeout "${TESTS_TIMEOUT:-540}" python3 -m nox -s gpu-sm90 -- \
                     packages/epilora-vllm/tests/test_vllm_punica_ops.py "${workers[@]}" \
                     --junitxml="$OUT/gpu-sm90-punica-junit.xml" 2>&1 | tee "$OUT/gpu-sm90-punica.log" ;;

@@ -35,7 +35,7 @@ def engine(model_dir, *, lora: bool = True, **kwargs):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # vLLM keeps one rotary embedding per configuration for the process: an earlier engine's,
     # left on the meta device by a failed reload after sleep(level=2), would be the next
-    # engine's (the H200 run at e0e1b41 failed so). Each engine gets its own, as in a fresh
+    # engine's (the H200 run at ac26b6b failed so). Each engine gets its own, as in a fresh
     # process.
     _ROPE_DICT.clear()
     adapters = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8} if lora else {}

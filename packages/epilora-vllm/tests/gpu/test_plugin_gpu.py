@@ -51,9 +51,9 @@ def test_in_cuda_graphs_adapters_change_answers_and_a_mixed_batch_equals_single_
     torch.cuda.synchronize()
 
 
-# Before the sleep-mode tests: level 2's failed reload (below, an expected failure) leaves
-# vLLM's process-wide rotary-embedding cache (get_rope's) holding meta tensors, which a later
-# engine in this process would reuse.
+# Level 2's failed reload (below, an expected failure) leaves the rotary embedding it reused on
+# the meta device; engine_cases.engine gives each engine its own, so the order of the tests
+# here does not matter (the matched-mode test, after the sleep tests, failed before that).
 def test_timed_dispatch_chooses_per_shape_and_bucket_then_a_later_start_times_nothing(
         checkpoints, tmp_path, monkeypatch):
     # EPILORA_VLLM_DISPATCH=timed in vLLM's default configuration: the warm-up runs before each
