@@ -99,20 +99,26 @@ def vllm_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) ->
     path."""
     from vllm import _custom_ops as ops
 
-    codes, x_scale = ops.scaled_fp8_quant(x, None, use_per_token_if_dynamic=True)
-    return ops.cutlass_scaled_mm(codes, weight.t(), x_scale, scale, torch.bfloat16)
+    return cutlass_on_codes(ops.scaled_fp8_quant(x, None, use_per_token_if_dynamic=True),
+                            weight, scale)
+
+
+def cutlass_on_codes(codes: tuple[torch.Tensor, torch.Tensor], weight: torch.Tensor,
+                     scale: torch.Tensor) -> torch.Tensor:
+    """vLLM's CUTLASS FP8 GEMM on per-token codes and their scales (`cutlass-codes`)."""
+    from vllm import _custom_ops as ops
+
+    return ops.cutlass_scaled_mm(codes[0], weight.t(), codes[1], scale, torch.bfloat16)
 
 
 def run_layer(system: str, xs: dict, layer: dict, batch: AdapterBatch, meta: tuple, bufs: dict,
               codes: dict):
-    from vllm import _custom_ops as ops
     from vllm.lora.ops.triton_ops import lora_expand, lora_shrink
 
     for name, (weight, scale, lora) in layer.items():
         x = xs[name]
         if system == "cutlass-codes":  # the quantization fused elsewhere: CUTLASS alone
-            q, q_scales = codes[name]
-            ops.cutlass_scaled_mm(q, weight.t(), q_scales, scale, torch.bfloat16)
+            cutlass_on_codes(codes[name], weight, scale)
             continue
         if system == "epilora-codes":  # the plugin's codes mode: the codes alone
             ek.lora_linear(None, weight, scale, lora, batch, x_quantized=codes[name])

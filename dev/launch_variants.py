@@ -65,7 +65,14 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from layer import adapter_inputs, l2_flush_buffer, make_layer, time_graphs, vllm_fp8_gemm  # noqa: E402
+from layer import (  # noqa: E402
+    adapter_inputs,
+    cutlass_on_codes,
+    l2_flush_buffer,
+    make_layer,
+    time_graphs,
+    vllm_fp8_gemm,
+)
 from models import MODELS  # noqa: E402
 
 import epilora_kernels as ek  # noqa: E402
@@ -152,19 +159,6 @@ VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "k1-heaviest": k1_split_by(0.25, 32, 128), "decode-path": decode_path}
 
 
-def quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    from vllm import _custom_ops as ops
-
-    return ops.scaled_fp8_quant(x, None, use_per_token_if_dynamic=True)
-
-
-def cutlass_on_codes(codes: tuple[torch.Tensor, torch.Tensor], weight: torch.Tensor,
-                     scale: torch.Tensor) -> torch.Tensor:
-    from vllm import _custom_ops as ops
-
-    return ops.cutlass_scaled_mm(codes[0], weight.t(), codes[1], scale, torch.bfloat16)
-
-
 def run_layer(variant: str | None, xs: dict, layer: dict, batch, out: dict,
               codes: dict | None = None) -> None:
     for name, (weight, scale, lora) in layer.items():
@@ -206,7 +200,8 @@ def main() -> None:
             layer = make_layer(args.adapters, rank, gen, projections)
             for tokens in args.tokens:
                 batch, xs, _ = adapter_inputs(tokens, rank, args.adapters, gen, projections)
-                codes = {name: quantized(x) for name, x in xs.items()} if args.codes else None
+                # vLLM's per-token codes, bit for bit (as benchmarks/layer.py makes them)
+                codes = {name: ek.quantize(x) for name, x in xs.items()} if args.codes else None
                 outs = {system: {} for system in systems}
                 runs = {system: functools.partial(run_layer, variant, xs, layer, batch,
                                                   outs[system], codes)
