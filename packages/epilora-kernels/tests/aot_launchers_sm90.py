@@ -22,7 +22,7 @@ from kernel_cases import make_problem
 
 TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
-          torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
+          torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8"}
 OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 
 
@@ -77,8 +77,12 @@ def compile_launch_full(kernel, args, kwargs):
     cannot become asynchronous copies and the PTX is not the GPU's."""
     values = dict(zip(kernel.arg_names, args, strict=False))
     values.update({k: v for k, v in kwargs.items() if k not in OPTIONS})
+    for param in kernel.params:  # arguments the launch left at their defaults, as Triton does
+        if param.has_default and not param.is_constexpr and param.name not in values:
+            values[param.name] = param.default
+    # constexprs, and None (Triton makes a None argument a constexpr)
     constexprs = {p.name: values[p.name] for p in kernel.params
-                  if p.is_constexpr and p.name in values}
+                  if p.name in values and (p.is_constexpr or values[p.name] is None)}
     for param in kernel.params:  # the launch left them at their defaults, as Triton would
         if param.is_constexpr and param.has_default and param.name not in constexprs:
             constexprs[param.name] = param.default

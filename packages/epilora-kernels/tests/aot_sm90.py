@@ -7,6 +7,7 @@ import re
 
 import torch
 
+import epilora_kernels as ek
 from epilora_kernels import fused
 from epilora_kernels.launch import LaunchConfig
 
@@ -60,6 +61,18 @@ def main() -> None:
     # The L2 warming of its weight rows is issued before the spin, not after.
     out["k2_pdl_prefetch_before_acquire"] = (
         0 <= k2_pdl.find("prefetch.global.L2") < k2_pdl.find("ld.global.gpu.acquire"))
+    # With an L2Prefetch of the next weight: those prefetches come after the K loop's MMAs and
+    # before the wait for K1 (they depend on nothing and store nothing); without one, K2's only
+    # prefetches are its own rows', before the loop.
+    next_weight = torch.zeros(96, 256, dtype=torch.float8_e4m3fn)
+    k2_next = ptx_of(lambda: fused.decode_lora_fp8_linear(
+        x, weight, w_scale, lora, batch, k1_config=K1, k2_config=K2,
+        prefetch=ek.L2Prefetch(next_weight, 96 * 256)))[-1]
+    before_wait = k2_next[:k2_next.find("griddepcontrol.wait")]  # the epilogue's MMAs after
+    out["k2_prefetch_next_after_mma_before_wait"] = (
+        0 <= before_wait.rfind("mma.sync") < before_wait.rfind("prefetch.global.L2"))
+    out["k2_no_prefetch_after_mma_without_next"] = (
+        k2_pdl.rfind("prefetch.global.L2") < k2_pdl.find("mma.sync"))
     # Split-K at decode: the partial stores and the tile counter's atomic come after the wait
     # (before it, the same counter atomics as without split-K).
     k2_split = ptx_of(lambda: fused.decode_lora_fp8_linear(

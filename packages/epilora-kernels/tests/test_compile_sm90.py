@@ -35,6 +35,9 @@ def test_kernels_compile_for_sm90_with_the_expected_instructions():
     # Only the decode path's K2 warms L2 with its weight rows, before its spin.
     assert found["k2_pdl_prefetch_before_acquire"]
     assert "prefetch.global.L2" not in found["k2_mode=0"]
+    # An L2Prefetch of the next weight: issued past the K loop, before the wait for K1.
+    assert found["k2_prefetch_next_after_mma_before_wait"]
+    assert found["k2_no_prefetch_after_mma_without_next"]
     # The timeline's clocks (TRACE) are compiled out of every shipped launch.
     assert not any("%globaltimer" in ops for ops in found.values() if isinstance(ops, list))
     # Split-K: partials and the tile counter's acq_rel atomic only after the wait.

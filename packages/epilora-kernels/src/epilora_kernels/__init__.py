@@ -8,6 +8,8 @@ One call for an engine, `lora_linear(x, weight, weight_scale, lora, batch)`: a p
 arguments, no launch ones).
 `LoraProjection(weight, weight_scale, lora)` binds a projection's weight and adapters once, for
 an engine's calls (`projection(x, batch)`: the same result, with a fraction of the host time).
+`L2Prefetch(next_weight, max_bytes)`, given to a decode-path call or a projection, has its
+GEMM pull the caller's next weight into L2 after its own weight stream (untimed so far).
 `supports(path, ...)` says whether a case can be served and why not; `Workspace` holds the
 counters the kernels synchronize with (own one per stream, sized before CUDA-graph capture);
 `with compile_only(): ...` compiles what the calls inside would launch, running nothing (an
@@ -32,6 +34,7 @@ _PUBLIC = {
                               "lora_expand", "lora_fp8_gemm", "lora_shrink", "lora_w8a16_gemm",
                               "quantize", "quantize_and_shrink", "w8a16_gemm"),
     "epilora_kernels.launch": ("LaunchConfig",),
+    "epilora_kernels.prefetch": ("L2Prefetch",),
     "epilora_kernels.projection": ("LoraProjection",),
     "epilora_kernels.workspace": ("Workspace", "WorkspaceTooSmall", "default_workspace",
                                   "set_default_workspace"),
@@ -40,6 +43,7 @@ _MODULE_OF = {name: module for module, names in _PUBLIC.items() for name in name
 __all__ = [
     "AdapterBatch",
     "DeviceSupport",
+    "L2Prefetch",
     "LaunchConfig",
     "LoraProjection",
     "LoraWeights",
@@ -99,6 +103,7 @@ if TYPE_CHECKING:
         w8a16_gemm,
     )
     from epilora_kernels.launch import LaunchConfig
+    from epilora_kernels.prefetch import L2Prefetch
     from epilora_kernels.projection import LoraProjection
     from epilora_kernels.workspace import (
         Workspace,

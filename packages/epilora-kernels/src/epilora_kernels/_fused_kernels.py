@@ -27,7 +27,9 @@ it is K1's programmatic dependent: it waits for K1's count of quantized rows bef
 weights while K1's shrink runs, and waits for all of K1 (`gdc_wait`) only before its epilogue.
 With `SPLIT_K` > 1 the K loop is split over programs and the last split of each tile reduces in
 a fixed order. Counters (split-K tiles, the decode path's counts) are zero at rest
-(epilora_kernels.workspace): whoever arrives last resets them.
+(epilora_kernels.workspace): whoever arrives last resets them. With `PREFETCH` every program,
+past its K loop, pulls its share of the caller's next weight into L2 (`_prefetch_next`,
+`epilora_kernels.L2Prefetch`).
 
 `TRACE` (diagnostics, dev/decode_timeline.py) makes every program of either kernel store
 its SM and global clock at its start, after each wait and at its end; it is compiled out
@@ -147,6 +149,31 @@ def _prefetch_l2(ptrs):
     # Pull the 128-byte lines at `ptrs` into L2, no registers written.
     tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs],
                               dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _next_lines(pf_ptr, first, rows, row_stride, row_lines, BLOCK: tl.constexpr):
+    # Lines `first` .. `first + BLOCK - 1` of the caller's next weight, numbered row by row
+    # (the first `row_lines` 128-byte lines of each of `rows` rows, `row_stride` bytes apart):
+    # their addresses, and which of them exist (the others point at the first line).
+    i = first + tl.arange(0, BLOCK)
+    row = i // row_lines
+    inside = i < rows * row_lines
+    ptrs = pf_ptr + row.to(tl.int64) * row_stride + (i - row * row_lines) * 128
+    return tl.where(inside, ptrs, pf_ptr), inside
+
+
+@triton.jit
+def _prefetch_next(pf_ptr, rows, row_stride, row_lines, BLOCK: tl.constexpr):
+    # Pull the caller's next weight (`epilora_kernels.L2Prefetch`) into L2, its lines dealt
+    # to the grid's programs BLOCK at a time in turn: issued after this program's K loop, when
+    # its own weight stream is over; nothing is written, nothing waits for it.
+    programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+    pid = tl.program_id(0) + tl.num_programs(0) * (
+        tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+    for first in range(pid * BLOCK, rows * row_lines, programs * BLOCK):
+        ptrs, _ = _next_lines(pf_ptr, first, rows, row_stride, row_lines, BLOCK)
+        _prefetch_l2(ptrs)
 
 
 @triton.jit
@@ -417,7 +444,9 @@ def _pass_and_reset(ready_ptr, programs):
         tl.atomic_xchg(ready_ptr + 1, 0, sem="relaxed", scope="gpu")
 
 
-@triton.jit(do_not_specialize=["T"])  # T: as _quantize_shrink_kernel's
+# T: as _quantize_shrink_kernel's; the prefetch's geometry, so that one compiled kernel serves
+# every next weight (an engine compiles it ahead, before it knows which layer follows which).
+@triton.jit(do_not_specialize=["T", "PF_ROWS", "PF_STRIDE", "PF_LINES"])
 def _lora_gemm_kernel(
     a_ptr, a_desc, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, bias_ptr, y_ptr, h_ptr,
     b0_ptr, b1_ptr, b2_ptr,
@@ -433,6 +462,8 @@ def _lora_gemm_kernel(
     W_TMA: tl.constexpr = False, WAIT_K1_FIRST: tl.constexpr = False,
     A_TMA: tl.constexpr = False, W_SCALE_PER_CHANNEL: tl.constexpr = False,
     HAS_BIAS: tl.constexpr = False, DELTA_FIRST: tl.constexpr = False,
+    pf_ptr=None, PF_ROWS=0, PF_STRIDE=0, PF_LINES=0, PREFETCH: tl.constexpr = False,
+    PF_BLOCK: tl.constexpr = 128,
 ):
     _stamp(trace_ptr, 0, TRACE)
     pid_m = tl.program_id(0)
@@ -557,6 +588,11 @@ def _lora_gemm_kernel(
             else:
                 acc += tl.dot(at, tl.trans(wt.to(tl.bfloat16)))
     _stamp(trace_ptr, 2, TRACE)
+    if PREFETCH and not INTERPRETER:
+        # The caller's next projection's weight, into L2 while the engine runs what comes
+        # between (attention, a norm: little HBM traffic at decode sizes). No store: it may
+        # precede gdc_wait.
+        _prefetch_next(pf_ptr, PF_ROWS, PF_STRIDE, PF_LINES, PF_BLOCK)
 
     if WAIT_CODES:
         # The last program past the K loop (so past the spin) zeroes both counts for the next

@@ -20,6 +20,7 @@ from epilora_kernels._fused_kernels import _lora_gemm_kernel, _quantize_shrink_k
 from epilora_kernels.arch import DeviceSupport
 from epilora_kernels.batch import MAX_SLICES, AdapterBatch, LoraWeights
 from epilora_kernels.launch import LaunchConfig
+from epilora_kernels.prefetch import L2Prefetch, active_geometry
 from epilora_kernels.workspace import TILES, Workspace
 
 try:  # compile_only's threads: Triton's asynchronous compiles, a private module (Triton 3.6)
@@ -148,7 +149,8 @@ _K1_SLOTS = ("T", "x_ptr", "codes_ptr", "scales_ptr", "h_ptr", "partial_ptr", "a
              "ready_ptr", "trace_ptr")
 _K2_SLOTS = ("T", "a_ptr", "a_desc", "a_scale_ptr", "w_ptr", "w_desc", "w_scale_ptr",
              "bias_ptr", "y_ptr", "h_ptr", "b0_ptr", "b1_ptr", "b2_ptr", "sorted_ptr",
-             "lora_ids_ptr", "start_ptr", "partial_ptr", "counter_ptr", "ready_ptr", "trace_ptr")
+             "lora_ids_ptr", "start_ptr", "partial_ptr", "counter_ptr", "ready_ptr", "trace_ptr",
+             "pf_ptr")
 
 
 def _keep_template(templates: dict, key: tuple,
@@ -323,10 +325,12 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
                   n: int, stride_a: int, stride_y: int, h_planes: int, split: int, w_tma: bool,
                   per_channel: bool, traced: bool, pdl: bool, wait_codes: bool, warm_l2: int,
                   wait_k1_first: bool, a_sorted: bool, interpreter: bool, has_bias: bool,
-                  **pointers) -> dict:
+                  prefetch: tuple[int, int, int] | None = None, **pointers) -> dict:
     # K2's arguments with adapters, by name: what launch_k2's templates launch (their
     # pointers in slots, none given here) and k2_blocks_per_sm compiles (with MockTensors).
+    # `prefetch`: the geometry of an L2Prefetch (`prefetch.active_geometry`), or None.
     _, _, off1, off2 = _slices(lora)
+    pf_rows, pf_stride, pf_lines = prefetch or (0, 0, 0)
     return dict(
         pointers,
         N=n, K=lora.in_features, R=lora.max_rank, NUM_ENTRIES=num_entries,
@@ -343,6 +347,8 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
         # the fused path's wait for all of K1 first): the delta before the GEMM (the kernel).
         DELTA_FIRST=(mode == FP8 and cfg.block_m >= 64 and num_entries > 2 and split == 1
                      and (wait_k1_first or not pdl)),
+        PREFETCH=prefetch is not None, PF_ROWS=pf_rows, PF_STRIDE=pf_stride, PF_LINES=pf_lines,
+        PF_BLOCK=cfg.num_warps * 32,  # a line a thread per round
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
 
@@ -351,13 +357,14 @@ def k2_template(support: DeviceSupport, mode: int, lora: LoraWeights, num_entrie
                 cfg: LaunchConfig, *, stride_a: int, stride_y: int, h_planes: int, split: int,
                 w_tma: bool, per_channel: bool, pdl: bool, wait_codes: bool, warm_l2: int,
                 traced: bool, wait_k1_first: bool, a_sorted: bool,
-                has_bias: bool = False) -> _fast_launch.Template:
+                has_bias: bool = False,
+                prefetch: tuple[int, int, int] | None = None) -> _fast_launch.Template:
     """K2's launch template (slots `_K2_SLOTS`) for these settings, made once; `pdl` as
-    `use_pdl` made it."""
+    `use_pdl` made it; `prefetch` as `_k2_arguments` takes it."""
     n = lora.out_features
     key = (mode, n, lora.in_features, lora.max_rank, tuple(lora.output_slices), num_entries,
            cfg, stride_a, stride_y, h_planes, split, pdl, wait_codes, warm_l2, traced, w_tma,
-           wait_k1_first, a_sorted, per_channel, has_bias, support.interpreter)
+           wait_k1_first, a_sorted, per_channel, has_bias, support.interpreter, prefetch)
     template = _K2_TEMPLATES.get(key)
     if template is None:
         arguments = _k2_arguments(
@@ -365,7 +372,7 @@ def k2_template(support: DeviceSupport, mode: int, lora: LoraWeights, num_entrie
             h_planes=h_planes, split=split, w_tma=w_tma, per_channel=per_channel,
             traced=traced, pdl=pdl, wait_codes=wait_codes, warm_l2=warm_l2,
             wait_k1_first=wait_k1_first, a_sorted=a_sorted, interpreter=support.interpreter,
-            has_bias=has_bias)
+            has_bias=has_bias, prefetch=prefetch)
         template = _keep_template(_K2_TEMPLATES, key, _fast_launch.Template(
             _lora_gemm_kernel, arguments, _K2_SLOTS))
     return template
@@ -376,13 +383,15 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
               pdl: bool = False, wait_codes: bool = False, warm_l2: int = 0,
               trace: torch.Tensor | None = None, wait_k1_first: bool = False,
               a_sorted: bool = False, counters: torch.Tensor | None = None,
-              bias: torch.Tensor | None = None):
+              bias: torch.Tensor | None = None, prefetch: L2Prefetch | None = None):
     """K2 with the adapters' epilogue into `y` (MODE EXPAND: y is also its input, and no `bias`:
-    the GEMM that made y added it). `counters`: as for `launch_k1`."""
+    the GEMM that made y added it). `counters`: as for `launch_k1`. `prefetch`: the caller's
+    next weight, pulled into L2 after the K loop."""
     if bias is not None and mode == EXPAND:
         raise ValueError("the expand adds no bias: the GEMM that made y adds it")
     t, n = y.shape
     _tiling.check_gemm_config(cfg, lora)
+    geometry = active_geometry(prefetch, y.device)
     grid, partial, counters = _gemm_buffers(workspace, mode, t, n, cfg, y.device, counters)
     w_operand = _w_operand(support, weight, cfg)
     a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]) if a_sorted else a
@@ -391,7 +400,8 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
         h_planes=h.shape[0], split=grid[2], w_tma=w_operand is not weight,
         per_channel=mode != EXPAND and weight_scale.numel() > 1, pdl=use_pdl(support, pdl),
         wait_codes=wait_codes, warm_l2=warm_l2, traced=trace is not None,
-        wait_k1_first=wait_k1_first, a_sorted=a_sorted, has_bias=bias is not None)
+        wait_k1_first=wait_k1_first, a_sorted=a_sorted, has_bias=bias is not None,
+        prefetch=geometry)
     partial = y if partial is None else partial
     trace = trace_arg(trace, counters, grid[0] * grid[1] * grid[2])
     _, b, _, _ = _slices(lora)
@@ -399,7 +409,8 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
         t, a, a_desc, a_scale, weight, w_operand, weight_scale,
         weight_scale if bias is None else bias, y, h, b[0], b[1], b[2],
         batch.sorted_token_indices, batch.lora_ids, batch.lora_token_start, partial,
-        workspace.tile_counters(counters), counters, trace))
+        workspace.tile_counters(counters), counters, trace,
+        weight if geometry is None else prefetch.bytes_view()))
     return y
 
 

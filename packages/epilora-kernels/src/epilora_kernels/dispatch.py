@@ -17,6 +17,7 @@ import torch
 from epilora_kernels import _checks, fused
 from epilora_kernels.arch import DeviceSupport, UnsupportedError, device_support
 from epilora_kernels.batch import MAX_SLICES, AdapterBatch, LoraWeights
+from epilora_kernels.prefetch import L2Prefetch, active_geometry
 from epilora_kernels.workspace import Workspace
 
 PATHS = ("decode", "fused", "hybrid", "w8a16")
@@ -159,7 +160,8 @@ def lora_linear(x: torch.Tensor | None, weight: torch.Tensor, weight_scale: torc
                 workspace: Workspace | None = None,
                 base_gemm: BaseGemm | None = None,
                 x_quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None,
+                prefetch: L2Prefetch | None = None) -> torch.Tensor:
     """bf16 `[T, N]` = x W^T (per-token FP8 activations, FP8 weight) + every token's adapter,
     `bf16(x A_slot^T) B_slot^T` (none for slot -1), by `path` or the one `choose_path` picks.
 
@@ -174,7 +176,9 @@ def lora_linear(x: torch.Tensor | None, weight: torch.Tensor, weight_scale: torc
     `x_quantized` is given, on the decode and fused paths: their shrink then reads the codes,
     `h = s_t (q_t A^T)`. `bias` (`[N]`, bf16 or fp32): the projection's, added to x W^T in
     fp32 before it is rounded, as vLLM's CUTLASS epilogue adds it (the hybrid path: by its
-    default base GEMM; a caller's `base_gemm` adds its own)."""
+    default base GEMM; a caller's `base_gemm` adds its own). `prefetch` (`L2Prefetch`): the
+    caller's next projection's weight, pulled into L2 by the decode path's GEMM after its own
+    weight stream (a hint the other paths ignore; the same bits either way)."""
     _check_no_bias_beside(base_gemm, bias)  # on every path: the answer is the same
     if x is None:
         if x_quantized is None:
@@ -184,6 +188,7 @@ def lora_linear(x: torch.Tensor | None, weight: torch.Tensor, weight_scale: torc
     else:
         rows = x
         _checks.check_activations(x)  # the path checks the rest
+    active_geometry(prefetch, rows.device)  # checked on every path, acted on by one
     support = device_support(rows.device)
     if path is None:
         path = choose_path(rows.shape[0], batch, support)
@@ -205,7 +210,7 @@ def lora_linear(x: torch.Tensor | None, weight: torch.Tensor, weight_scale: torc
     if path == "decode":
         return fused.decode_lora_fp8_linear(x, weight, weight_scale, lora, batch,
                                             workspace=workspace, x_quantized=x_quantized,
-                                            bias=bias)
+                                            bias=bias, prefetch=prefetch)
     if path == "fused":
         return fused.fused_lora_fp8_linear(x, weight, weight_scale, lora, batch,
                                            workspace=workspace, x_quantized=x_quantized,

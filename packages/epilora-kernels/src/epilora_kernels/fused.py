@@ -33,6 +33,7 @@ from epilora_kernels._launchers import EXPAND, FP8, W8A16
 from epilora_kernels.arch import DeviceSupport, UnsupportedError, device_support
 from epilora_kernels.batch import AdapterBatch, LoraWeights
 from epilora_kernels.launch import DECODE_SHRINK_MAX_TOKENS, LaunchConfig
+from epilora_kernels.prefetch import L2Prefetch, active_geometry
 from epilora_kernels.workspace import Workspace, default_workspace, normalized_device
 
 Quantized = tuple[torch.Tensor, torch.Tensor]  # (codes [T, K] fp8, scales [T, 1] fp32)
@@ -235,7 +236,7 @@ def decode_lora_fp8_linear(
     batch: AdapterBatch, *, k1_config: LaunchConfig | None = None,
     k2_config: LaunchConfig | None = None, pdl: bool = True,
     workspace: Workspace | None = None, x_quantized: Quantized | None = None,
-    bias: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None, prefetch: L2Prefetch | None = None,
 ) -> torch.Tensor:
     """The decode path: K1 (quantize + shrink), and K2 launched as K1's programmatic dependent
     while K1 runs. K2 waits for K1's quantizing programs (their count of finished rows, a spin
@@ -253,10 +254,13 @@ def decode_lora_fp8_linear(
     quantization into the RMSNorm only when nothing else reads the RMSNorm's output).
 
     `bias` (`[N]`, bf16 or fp32): added to the GEMM's fp32 result before it is rounded, as
-    vLLM's CUTLASS epilogue adds a biased projection's (Qwen2's qkv); likewise in every path."""
+    vLLM's CUTLASS epilogue adds a biased projection's (Qwen2's qkv); likewise in every path.
+
+    `prefetch` (an `L2Prefetch` of the caller's next projection's weight): K2's programs pull
+    it into L2 after their K loop, for the next GEMM (the same bits either way)."""
     return _linear(FP8, x, weight, weight_scale, lora, batch, k1_config, k2_config,
                    decode=True, pdl=pdl, workspace=workspace, x_quantized=x_quantized,
-                   bias=bias)
+                   bias=bias, prefetch=prefetch)
 
 
 def fused_lora_fp8_linear(
@@ -390,7 +394,7 @@ def decode_settings(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
 
 def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
             decode=False, pdl=False, warm_l2=DECODE_WARM_L2, traces=(None, None),
-            wait_k1_first=False, workspace=None, x_quantized=None, bias=None):
+            wait_k1_first=False, workspace=None, x_quantized=None, bias=None, prefetch=None):
     # MODE FP8: K1 (quantize + shrink) then K2; MODE W8A16: the shrink then the W8A16 K2.
     # `decode`: the decode path's launch settings. With `pdl` K2 is launched as K1's
     # programmatic dependent, waiting for K1's count of quantized rows before its K loop, or
@@ -409,6 +413,7 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
     if x_quantized is not None and not shrink_codes:
         _checks.check_codes_beside(x, *x_quantized)
     _checks.check_bias(bias, lora.out_features, x.device)
+    active_geometry(prefetch, x.device)  # refused before K1 launches, not after
     quantize = mode == FP8 and x_quantized is None  # K1 quantizes
     support = _support(x, path)
     if decode and pdl and not (support.pdl or support.interpreter):
@@ -441,7 +446,7 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
                                     y, h, lora, batch, cfg2, pdl=pdl, wait_codes=counted,
                                     warm_l2=warm_l2, trace=traces[1],
                                     wait_k1_first=wait_k1_first, a_sorted=a_sorted,
-                                    counters=counters, bias=bias)
+                                    counters=counters, bias=bias, prefetch=prefetch)
     except BaseException:
         # K2 did not launch (a compile error, an interrupt): K1's counts would make the next
         # K2 on this workspace pass its wait early. Zeroed in stream order, after K1 (under

@@ -31,6 +31,7 @@ from epilora_kernels._launchers import FP8, W8A16
 from epilora_kernels.arch import UnsupportedError, device_support
 from epilora_kernels.batch import AdapterBatch, LoraWeights
 from epilora_kernels.dispatch import PATHS, _supports_on, choose_path, lora_linear
+from epilora_kernels.prefetch import L2Prefetch, active_geometry
 from epilora_kernels.workspace import Workspace, default_workspace, normalized_device
 
 _BOUND_PATHS = ("decode", "fused", "w8a16")
@@ -41,7 +42,7 @@ class _Step:
     projection of those shapes (`_STEPS`)."""
 
     __slots__ = ("k1", "k2", "grid1", "grid2", "partial_shape", "tiles", "cfg1", "block_a",
-                 "a_sorted", "h_dtype", "quantize", "cfg2")
+                 "a_sorted", "h_dtype", "quantize", "cfg2", "prefetch")
 
     def __init__(self, **values) -> None:
         for name, value in values.items():
@@ -69,11 +70,14 @@ def clear() -> None:
 class LoraProjection:
     """A projection's FP8 `weight` `[N, K]` with its `weight_scale` and adapters `lora`, as
     `lora_linear` takes them, checked once; calling it computes `lora_linear(x, weight,
-    weight_scale, lora, batch, ...)`. `workspace`: the counters its launches use (default: the
-    device's default workspace at each call, `set_default_workspace`)."""
+    weight_scale, lora, batch, ..., prefetch=prefetch)`. `workspace`: the counters its
+    launches use (default: the device's default workspace at each call,
+    `set_default_workspace`). `prefetch`: an `L2Prefetch` of the weight the caller's next
+    projection reads, which the decode path's GEMM pulls into L2."""
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, lora: LoraWeights, *,
-                 workspace: Workspace | None = None) -> None:
+                 workspace: Workspace | None = None, prefetch: L2Prefetch | None = None
+                 ) -> None:
         if not isinstance(weight, torch.Tensor) or not isinstance(weight_scale, torch.Tensor):
             raise ValueError("weight and weight_scale must be tensors")
         device = weight.device
@@ -84,6 +88,8 @@ class LoraProjection:
             raise ValueError(f"the workspace is on {workspace.device}, the weight on {device}")
         self.weight, self.weight_scale, self.lora, self.workspace = (weight, weight_scale, lora,
                                                                      workspace)
+        self.prefetch = prefetch
+        self._prefetch_geometry = active_geometry(prefetch, self.device)
         self._support = support = device_support(device)
         slices = tuple(lora.output_slices)
         self._supported = {path: _supports_on(support, path, lora.in_features, slices,
@@ -115,7 +121,7 @@ class LoraProjection:
             # lora_linear's own checks and paths (and its errors, for every bad input)
             return lora_linear(x, self.weight, self.weight_scale, self.lora, batch, path=path,
                                workspace=self.workspace, base_gemm=base_gemm,
-                               x_quantized=x_quantized, bias=bias)
+                               x_quantized=x_quantized, bias=bias, prefetch=self.prefetch)
         ok = self._supported[path]
         if not ok:
             raise UnsupportedError(f"{path} path: {ok.reason}")
@@ -161,9 +167,10 @@ class LoraProjection:
         # `fused._linear`'s settings for this call (`fused._plan`), its templates and grids.
         rows = x if x is not None else x_quantized[0]
         t = rows.shape[0]
+        prefetch = self._prefetch_geometry if path == "decode" else None
         key = (self._shapes, path, t, -1 if x is None else x.stride(0),
                -1 if x_quantized is None else x_quantized[0].stride(0), batch.num_entries,
-               biased)
+               biased, prefetch)
         step = _STEPS.get(key)
         if step is not None:
             return step
@@ -192,12 +199,12 @@ class LoraProjection:
                 per_channel=self.weight_scale.numel() > 1,
                 pdl=_launchers.use_pdl(support, pdl), wait_codes=counted,
                 warm_l2=fused.DECODE_WARM_L2, traced=False, wait_k1_first=wait_k1_first,
-                a_sorted=a_sorted, has_bias=biased),
+                a_sorted=a_sorted, has_bias=biased, prefetch=prefetch),
             grid1=_launchers.k1_grid(t, lora, batch, cfg1, quantize=quantize), grid2=grid2,
             partial_shape=(None if grid2[2] == 1 else
                            _launchers.gemm_partial_shape(grid2, lora.out_features, cfg2)),
             tiles=tiles, cfg1=cfg1, cfg2=cfg2, block_a=[cfg2.block_m, cfg2.block_k],
-            a_sorted=a_sorted, h_dtype=h_dtype, quantize=quantize)
+            a_sorted=a_sorted, h_dtype=h_dtype, quantize=quantize, prefetch=prefetch)
         if len(_STEPS) >= _MAX_STEPS:
             _STEPS.clear()
         _STEPS[key] = step
@@ -210,8 +217,10 @@ class LoraProjection:
         else:
             weight, b = self.weight, self._b
             w_operand = _launchers._w_operand(self._support, weight, step.cfg2)
+            # the template prefetches (the decode path's K2) only with this projection's
+            prefetched = weight if step.prefetch is None else self.prefetch.bytes_view()
             bound = template.bind(w_ptr=weight, w_desc=w_operand, w_scale_ptr=self.weight_scale,
-                                  b0_ptr=b[0], b1_ptr=b[1], b2_ptr=b[2])
+                                  b0_ptr=b[0], b1_ptr=b[1], b2_ptr=b[2], pf_ptr=prefetched)
         if len(self._bound) >= _MAX_BOUND:  # the shared templates were made anew
             self._bound.clear()
         self._bound[template] = bound
