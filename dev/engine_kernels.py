@@ -32,6 +32,9 @@ SYSTEMS = {
     "epilora": ("epilora", {}),
     "epilora-vllm-quant": ("epilora", {"EPILORA_VLLM_QUANTIZE": "vllm"}),
     "epilora-kernels-quant": ("epilora", {"EPILORA_VLLM_QUANTIZE": "kernels"}),
+    # each projection's GEMM pulls the next's weight into L2 (epilora_kernels.L2Prefetch)
+    "epilora-prefetch-8": ("epilora", {"EPILORA_VLLM_PREFETCH_MIB": "8"}),
+    "epilora-prefetch-24": ("epilora", {"EPILORA_VLLM_PREFETCH_MIB": "24"}),
     "vllm-dual-stream": ("vllm-dual-stream", {}),
 }
 

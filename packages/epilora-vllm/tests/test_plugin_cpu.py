@@ -196,6 +196,52 @@ def test_each_quantization_mode_computes_its_own_arithmetic(checkpoints, served)
     assert all(own < other for other, own in kernels_errors), kernels_errors
 
 
+def test_with_a_prefetch_budget_each_layer_learns_the_next_served_layer(checkpoints, served):
+    # EPILORA_VLLM_PREFETCH_MIB: each served layer links to the one the forward calls next, in
+    # the decoder's order (qkv, o, gate_up, down, the next layer's qkv; the last none), and
+    # would give the decode path an L2Prefetch of that layer's FP8 weight within the budget. On
+    # the CPU nothing is prefetched (the references compute): the same answers.
+    answers = served["mixed"]
+    del served  # one engine at a time in this process
+    got = _serve_eagerly_with(checkpoints, EPILORA_VLLM_PREFETCH_MIB="3")
+    assert got["mixed"] == answers
+    order = [m.epilora for layer in model_of(got["llm"]).model.layers
+             for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                       layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    assert len(order) > 4
+    assert [f.next_layer() for f in order] == [*order[1:], None]
+    for forward, following in zip(order, order[1:], strict=False):
+        prefetch = forward._next_prefetch()
+        assert prefetch.tensor is following._weights()[0]
+        assert prefetch.tensor.dtype == torch.float8_e4m3fn
+        assert prefetch.max_bytes == 3 << 20
+    last = order[-1]
+    assert last._next_prefetch() is None
+    assert last._next_prefetch(stand_in=True).tensor is last._weights()[0]  # compiles ahead
+    # Without the budget nothing is linked (and the forward pays nothing for it).
+    del got
+    layer = model_of(_serve_eagerly_with(checkpoints)["llm"]).model.layers[0]
+    for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
+        assert m.epilora.next_layer() is None and m.epilora._next_prefetch() is None
+
+
+@pytest.mark.parametrize(("value", "want"), [(None, 0), ("0", 0), ("24", 24 << 20),
+                                             ("-1", ValueError), ("1.5", ValueError),
+                                             ("16M", ValueError)])
+def test_the_prefetch_budget_is_off_by_default_and_checked(value, want, monkeypatch):
+    from epilora_vllm import _env
+
+    if value is None:
+        monkeypatch.delenv("EPILORA_VLLM_PREFETCH_MIB", raising=False)
+    else:
+        monkeypatch.setenv("EPILORA_VLLM_PREFETCH_MIB", value)
+    if want is ValueError:
+        with pytest.raises(ValueError, match="expected a whole number of MiB"):
+            _env.prefetch_bytes()
+    else:
+        assert _env.prefetch_bytes() == want
+
+
 def test_the_matched_mode_computes_w8a16_with_and_without_adapters(checkpoints, served):
     # EPILORA_VLLM_MATCHED=1: bf16 activations against the FP8 weights (the RL trainer's
     # arithmetic). Its calls match the W8A16 float64 expectation more closely than the W8A8 one

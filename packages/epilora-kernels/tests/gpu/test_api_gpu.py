@@ -526,3 +526,34 @@ def test_a_projection_gives_the_bits_of_lora_linear_eager_and_in_a_graph(path, k
         torch.cuda.synchronize()
         assert_bitwise_equal(out, want, name=f"{name}, graph replay")
         assert workspace.is_clean()
+
+
+@pytest.mark.parametrize("budget_mib", [1, 24, 200])  # a few lines a row, 24 MiB, past L2
+@pytest.mark.parametrize("tokens", [1, 16, 32])
+def test_a_decode_call_that_prefetches_the_next_weight_gives_the_same_bits(tokens, budget_mib):
+    # L2Prefetch only changes what L2 holds: the decode path with it gives the bits of the call
+    # without it, through lora_linear and a bound projection, eager and in a CUDA graph replayed
+    # many times back to back (the next weight: Qwen3-8B's gate_up, 96 MiB; after it, down).
+    _, _, _, weight, w_scale, _, lora, batch = make_integer_problem(
+        22, tokens, 4096, (4096, 1024, 1024), 64, 4, "mixed_with_base", device=CUDA)
+    codes, scales, _ = exact_codes(22, tokens, 4096, device=CUDA)
+    quantized = (codes, scales)
+    following = torch.zeros(24576, 4096, dtype=torch.float8_e4m3fn, device=CUDA)
+    prefetch = ek.L2Prefetch(following, budget_mib << 20)
+    assert prefetch.nbytes > 0
+    want = ek.lora_linear(None, weight, w_scale, lora, batch, path="decode",
+                          x_quantized=quantized)
+    got = ek.lora_linear(None, weight, w_scale, lora, batch, path="decode",
+                         x_quantized=quantized, prefetch=prefetch)
+    assert_bitwise_equal(got, want, name="lora_linear with a prefetch")
+    workspace = ek.Workspace.for_batches(CUDA, max_tokens=tokens, max_out_features=6144,
+                                         max_rank=64, max_loras=4)
+    bound = ek.LoraProjection(weight, w_scale, lora, workspace=workspace, prefetch=prefetch)
+    assert_bitwise_equal(bound(None, batch, path="decode", x_quantized=quantized), want,
+                         name="projection with a prefetch")
+    graph, out = capture(lambda: bound(None, batch, path="decode", x_quantized=quantized))
+    for _ in range(200):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert_bitwise_equal(out, want, name="graph replays with a prefetch")
+    assert workspace.is_clean()

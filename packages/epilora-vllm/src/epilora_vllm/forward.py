@@ -14,12 +14,18 @@ batch, adapters or not.
 
 No host synchronization on device data: vLLM's metadata is refreshed before each step outside
 CUDA graphs, its no-adapter flag is a CPU tensor, and the path depends on shapes only.
+
+With EPILORA_VLLM_PREFETCH_MIB set, each layer learns which served layer the forward calls
+next (`_link`, in every forward before vLLM captures graphs) and gives the decode path an
+`L2Prefetch` of that layer's weight.
 """
 
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+from vllm.forward_context import get_forward_context, is_forward_context_available
 
 import epilora_kernels as ek
 from epilora_kernels import reference
@@ -33,6 +39,7 @@ class _Mode:
     path: str | None
     quantize: str = "kernels"  # EPILORA_VLLM_QUANTIZE (the matched mode: always `kernels`)
     timed: bool = False  # EPILORA_VLLM_DISPATCH=timed (epilora_vllm.dispatch)
+    prefetch_bytes: int = 0  # EPILORA_VLLM_PREFETCH_MIB, in bytes (0: off)
 
     @property
     def vllm_quantizes(self) -> bool:
@@ -115,6 +122,8 @@ class EpiloraForward:
         self._precompiling = False  # epilora_vllm.precompile's jobs not yet waited for
         self._weight_view: tuple | None = None  # _weights': (parameter, its layout, view)
         self._projection: tuple | None = None  # _bound's: (its scale's address, projection)
+        self._next: weakref.ref | None = None  # the served layer the forward calls next (_link)
+        self._prefetch: ek.L2Prefetch | None = None  # _next_prefetch's, of the next's weight
 
     def adapters_created(self, *, matched: bool, path: str | None, quantize: str = "kernels",
                          timed: bool = False) -> None:
@@ -134,7 +143,8 @@ class EpiloraForward:
                              f"{CODES_PATHS} (the {path} path reads the bf16 activations, "
                              "which the op does not get: set EPILORA_VLLM_QUANTIZE=vllm)")
         self.mode = _Mode(matched=matched, path="w8a16" if matched else path,
-                          quantize=quantize, timed=timed and not matched)
+                          quantize=quantize, timed=timed and not matched,
+                          prefetch_bytes=0 if matched else _env.prefetch_bytes())
         if self.mode.timed:
             from vllm.config import get_current_vllm_config
 
@@ -159,6 +169,8 @@ class EpiloraForward:
                  scales: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
         """x `[T, K]` (or `[1, T, K]`) through the projection; `codes`, `scales`: x as vLLM's
         FP8 linear quantized it (GPU), or None. x None: the codes alone (`shrink_codes`)."""
+        if self.mode.prefetch_bytes:
+            self._link()
         if x is None:
             tokens = codes.shape[0]
             if scales.dim() != 2 or scales.shape[0] != tokens:  # vLLM's are [T, 1] already
@@ -178,6 +190,44 @@ class EpiloraForward:
                 quantized = (codes[: x2.shape[0]], scales.reshape(-1, 1)[: x2.shape[0]])
             y = self._on_gpu(x2, quantized, bias)
         return y.reshape(*shape[:-1], y.shape[-1])
+
+    # -- the next layer's weight, for L2 -------------------------------------------------------
+
+    def _link(self) -> None:
+        # The forward's order: the served layer called before this one in the same forward pass
+        # gets this one as its next. Set in the eager forwards before any capture (vLLM's
+        # profiling and warm-up runs), so graphs capture the prefetch of the right weight.
+        if not is_forward_context_available():  # a call outside vLLM's forward (a warm-up)
+            return
+        context = get_forward_context()
+        previous = getattr(context, "_epilora_previous", None)
+        if previous is not None and previous is not self:
+            previous._next = weakref.ref(self)
+        context._epilora_previous = self
+
+    def next_layer(self) -> "EpiloraForward | None":
+        """The served layer the forward calls after this one (known after one forward with
+        EPILORA_VLLM_PREFETCH_MIB set), or None."""
+        return None if self._next is None else self._next()
+
+    def _next_prefetch(self, stand_in: bool = False) -> ek.L2Prefetch | None:
+        # An L2Prefetch of the next layer's FP8 weight within the budget, made once per weight;
+        # `stand_in`: before the next layer is known, this layer's own weight (the kernels do
+        # not specialize on the prefetch's geometry: it compiles the kernel the link will use).
+        budget, following = self.mode.prefetch_bytes, self.next_layer()
+        if not budget:
+            return None
+        if following is None or following.layer.device != self.layer.device:
+            following = self if stand_in else None
+        if following is None:
+            return None
+        weight = following._weights()[0]
+        if weight.dtype != torch.float8_e4m3fn:
+            return None
+        kept = self._prefetch
+        if kept is None or kept.tensor is not weight:
+            kept = self._prefetch = ek.L2Prefetch(weight, budget)
+        return kept
 
     # -- the batch's adapters ------------------------------------------------------------------
 
@@ -230,16 +280,19 @@ class EpiloraForward:
             kept = self._weight_view = (param, where, base.weight(layer))
         return kept[2], base.scale(layer)
 
-    def _bound(self, weight: torch.Tensor, scale: torch.Tensor) -> ek.LoraProjection:
+    def _bound(self, weight: torch.Tensor, scale: torch.Tensor,
+               stand_in: bool = False) -> ek.LoraProjection:
         # The kernels' projection over this weight view, scale and vLLM's adapter buffers,
         # bound once (`ek.LoraProjection`: a fraction of lora_linear's host time a call); made
-        # again with a new weight view (`_weights`), a scale vLLM replaced or moved, or new
-        # adapter buffers (`adapters_created` again).
+        # again with a new weight view (`_weights`), a scale vLLM replaced or moved, new
+        # adapter buffers (`adapters_created` again) or a new next layer's weight to prefetch.
         kept = self._projection
+        prefetch = self._next_prefetch(stand_in=stand_in)
         if (kept is None or kept[1].weight is not weight or kept[1].weight_scale is not scale
-                or kept[1].lora is not self.lora or kept[0] != scale.data_ptr()):
-            kept = self._projection = (scale.data_ptr(),
-                                       ek.LoraProjection(weight, scale, self.lora))
+                or kept[1].lora is not self.lora or kept[0] != scale.data_ptr()
+                or kept[1].prefetch is not prefetch):
+            kept = self._projection = (scale.data_ptr(), ek.LoraProjection(
+                weight, scale, self.lora, prefetch=prefetch))
         return kept[1]
 
     def _on_cpu(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -309,7 +362,7 @@ class EpiloraForward:
         return self._run(path, x, quantized, bias, batch)
 
     def _run(self, path: str, x: torch.Tensor, quantized, bias: torch.Tensor | None,
-             batch: ek.AdapterBatch) -> torch.Tensor:
+             batch: ek.AdapterBatch, warming: bool = False) -> torch.Tensor:
         if path == "vllm":  # vLLM's own LoRA layer: its FP8 GEMM, then its Punica kernels
             return self._vllm_apply(x, bias)
         weight, scale = self._weights()
@@ -318,9 +371,8 @@ class EpiloraForward:
             return ek.lora_linear(x, weight, scale, self.lora, batch, path=path,
                                   base_gemm=lambda x, w, s: self._vendor_on(x, quantized, bias))
         # The bias in K2's epilogue, in fp32 before the base is rounded, as CUTLASS adds it.
-        return self._bound(weight, scale)(x, batch, path=path,
-                                          x_quantized=quantized if path != "w8a16" else None,
-                                          bias=bias)
+        return self._bound(weight, scale, stand_in=warming)(
+            x, batch, path=path, x_quantized=quantized if path != "w8a16" else None, bias=bias)
 
     def warm(self, sizes: tuple[int, ...], after=None) -> None:
         """This layer's computation on batches of each of `sizes` tokens round robin over the
@@ -353,7 +405,7 @@ class EpiloraForward:
             self._run(path, None if x is None else x[:tokens],
                       None if quantized is None else (quantized[0][:tokens],
                                                       quantized[1][:tokens]),
-                      bias, batch)
+                      bias, batch, warming=True)
             if after is not None:
                 after(tokens)
 
