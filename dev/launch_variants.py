@@ -42,6 +42,15 @@ Variants (`--variants`):
   path) on the H200 at ac26b6b (the kernels as at ccc1e70); 32x64 at f715d55's layer page
   lost 2-5% on the decode path at 16 and 32.
 
+* `prefetch-8`, `prefetch-24`: each projection's decode GEMM pulls up to 8 or 24 MiB of the
+  next projection's weight into L2 (`epilora_kernels.L2Prefetch`; down's next is qkv, the
+  next layer's). Time it with `--gap-us`: an engine runs attention, norms and the SiLU between
+  the GEMMs, about 28 us a layer at batch 1 with HBM mostly idle (docs/kernels.md, Next steps
+  7), where back to back the prefetch would only compete with the next GEMM's own stream.
+
+`--gap-us G`: after every projection of every system, a kernel that spins G microseconds on one
+thread (`torch.cuda._sleep`), standing for the engine's other kernels between the GEMMs.
+
 `--codes`: every system on per-token FP8 codes made beforehand, as in the plugin's default
 engine (vLLM's quantizer fused into the norm before): `cutlass` is CUTLASS on the codes, the
 kernels take `x_quantized` with x None (K1 only shrinks: `decode_shrink_codes` settings).
@@ -159,20 +168,32 @@ VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "k1-heaviest": k1_split_by(0.25, 32, 128), "decode-path": decode_path}
 
 
+PREFETCH_MIB = {"prefetch-8": 8, "prefetch-24": 24}
+VARIANTS.update({name: contextlib.nullcontext for name in PREFETCH_MIB})  # a call argument
+SM_MHZ = 1980  # the H200's SM clock (benchmarks/results/h200/gpu-sm90-device.txt): --gap-us
+
+
 def run_layer(variant: str | None, xs: dict, layer: dict, batch, out: dict,
-              codes: dict | None = None) -> None:
-    for name, (weight, scale, lora) in layer.items():
+              codes: dict | None = None, gap_us: float = 0.0) -> None:
+    names = list(layer)
+    for index, (name, (weight, scale, lora)) in enumerate(layer.items()):
         if variant == "cutlass":
             out[name] = (vllm_fp8_gemm(xs[name], weight, scale) if codes is None else
                          cutlass_on_codes(codes[name], weight, scale))
-            continue
-        with VARIANTS[variant]() if variant else contextlib.nullcontext():
-            if codes is None:
-                out[name] = ek.lora_linear(xs[name], weight, scale, lora, batch,
-                                           base_gemm=vllm_fp8_gemm)
-            else:
-                out[name] = ek.lora_linear(None, weight, scale, lora, batch,
-                                           x_quantized=codes[name])
+        else:
+            prefetch = None
+            if variant in PREFETCH_MIB:  # the next projection's weight; down's: qkv's
+                following = layer[names[(index + 1) % len(names)]][0]
+                prefetch = ek.L2Prefetch(following, PREFETCH_MIB[variant] << 20)
+            with VARIANTS[variant]() if variant else contextlib.nullcontext():
+                if codes is None:
+                    out[name] = ek.lora_linear(xs[name], weight, scale, lora, batch,
+                                               base_gemm=vllm_fp8_gemm, prefetch=prefetch)
+                else:
+                    out[name] = ek.lora_linear(None, weight, scale, lora, batch,
+                                               x_quantized=codes[name], prefetch=prefetch)
+        if gap_us:
+            torch.cuda._sleep(int(gap_us * SM_MHZ))
 
 
 def main() -> None:
@@ -187,6 +208,9 @@ def main() -> None:
                         help="adapter slots, the tokens round robin over them (8: the 8x16 cells)")
     parser.add_argument("--codes", action="store_true",
                         help="every system on FP8 codes made beforehand (the plugin's engine)")
+    parser.add_argument("--gap-us", type=float, default=0.0,
+                        help="a kernel spinning this long after every projection (the "
+                             "engine's attention and norms between its GEMMs)")
     args = parser.parse_args()
     systems = {"cutlass": "cutlass", "epilora": None, **{v: v for v in args.variants}}
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -204,7 +228,7 @@ def main() -> None:
                 codes = {name: ek.quantize(x) for name, x in xs.items()} if args.codes else None
                 outs = {system: {} for system in systems}
                 runs = {system: functools.partial(run_layer, variant, xs, layer, batch,
-                                                  outs[system], codes)
+                                                  outs[system], codes, args.gap_us)
                         for system, variant in systems.items()}
                 for run in runs.values():
                     run()
@@ -216,7 +240,7 @@ def main() -> None:
                 for system, us in times.items():
                     rows.append({"model": model, "rank": rank, "adapters": args.adapters,
                                  "tokens": tokens,
-                                 "codes": args.codes, "system": system,
+                                 "codes": args.codes, "gap_us": args.gap_us, "system": system,
                                  "layer_us": round(us, 2), "n": args.reps,
                                  "rel_err_vs_epilora": round(errs.get(system, 0.0), 6)})
                 cells = [f"{times['cutlass']:16.1f}", f"{times['epilora']:16.1f}"] + [
