@@ -6,6 +6,7 @@ timing, a choice remembered). What it chooses on the H200 is measured there (tes
 import dataclasses
 import json
 import logging
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -325,7 +326,24 @@ def test_the_projection_is_bound_once_and_again_where_its_weight_or_scale_change
     reloaded = forward._bound(*forward._weights())
     assert reloaded is not moved and reloaded.weight.data_ptr() == layer.weight.data_ptr()
     forward.lora = ek.LoraWeights(forward.lora.lora_a, forward.lora.lora_b, (8,))  # new buffers
-    assert forward._bound(*forward._weights()).lora is forward.lora
+    buffers = forward._bound(*forward._weights())
+    assert buffers.lora is forward.lora and buffers.prefetch is None
+    # With a prefetch budget (EPILORA_VLLM_PREFETCH_MIB) and the next layer known: bound again
+    # with an L2Prefetch of the next layer's weight, then kept; before the link, the warm-up's
+    # stand-in is this layer's own weight.
+    forward.mode.prefetch_bytes = 1 << 20
+    forward.layer.device = torch.device("cpu")
+    own = forward._bound(*forward._weights(), stand_in=True)
+    assert own is not buffers and own.prefetch.tensor is forward._weights()[0]
+    following = _timed_forward()
+    following.layer.device = torch.device("cpu")
+    forward._next = weakref.ref(following)
+    assert forward._next_prefetch() is None  # its [N, K] view's rows are not contiguous
+    following.layer.base_layer.weight = torch.zeros(6, 4, dtype=torch.float8_e4m3fn).t()
+    prefetching = forward._bound(*forward._weights())
+    assert prefetching.prefetch.tensor is following._weights()[0]
+    assert prefetching.prefetch.max_bytes == 1 << 20
+    assert forward._bound(*forward._weights()) is prefetching
 
 
 def _biased_forward(matched: bool) -> tuple[EpiloraForward, torch.Tensor]:
@@ -385,7 +403,7 @@ def test_the_kernels_paths_are_given_the_bias_and_add_nothing_after(monkeypatch)
         seen.update(path=path, bias=bias)
         return torch.zeros(x.shape[0], 64, dtype=torch.bfloat16)
 
-    monkeypatch.setattr(forward, "_bound", lambda weight, scale: projection)
+    monkeypatch.setattr(forward, "_bound", lambda weight, scale, stand_in=False: projection)
     y = forward._run("fused", torch.zeros(5, 64, dtype=torch.bfloat16), None, bias,
                      forward._cpu_batch(5))
     assert seen == {"path": "fused", "bias": bias}
