@@ -195,8 +195,8 @@ def test_warm_takes_the_batchs_path_on_the_modes_activations(monkeypatch, quanti
     forward.mode = _Mode(matched=False, path=path, quantize=quantize)
     runs = []
 
-    def run(path, x, quantized, bias, batch):
-        assert bias is None
+    def run(path, x, quantized, bias, batch, warming=False):
+        assert bias is None and warming  # a prefetching layer's kernel with a stand-in
         runs.append((path, "none" if x is None else {torch.bfloat16: "bf16"}[x.dtype],
                      "none" if quantized is None else str(quantized[0].dtype), batch))
 
@@ -239,7 +239,8 @@ def test_warm_gives_the_kernels_the_bias_vllm_gives_apply(monkeypatch):
         forward.mode = _Mode(matched=False, path=None, quantize="codes")
         given = []
         monkeypatch.setattr(forward, "_run",
-                            lambda path, x, q, bias, batch, given=given: given.append(bias))
+                            lambda path, x, q, bias, batch, warming=False, given=given:
+                            given.append(bias))
         forward.warm((2, 4))
         assert len(given) == 2 and all(b is want for b in given), (kind.__name__, rank, skip)
 
