@@ -44,9 +44,11 @@ Variants (`--variants`):
 
 * `prefetch-8`, `prefetch-24`: each projection's decode GEMM pulls up to 8 or 24 MiB of the
   next projection's weight into L2 (`epilora_kernels.L2Prefetch`; down's next is qkv, the
-  next layer's). Time it with `--gap-us`: an engine runs attention, norms and the SiLU between
-  the GEMMs, about 28 us a layer at batch 1 with HBM mostly idle (docs/kernels.md, Next steps
-  7), where back to back the prefetch would only compete with the next GEMM's own stream.
+  next layer's). Only the decode path prefetches: give decode sizes (`--tokens 1 4 8 16 32`;
+  not in the default `--variants`). Time it with `--gap-us`: an engine runs attention, norms
+  and the SiLU between the GEMMs (at batch 1 about 19 us before o, 4-6 us before the others:
+  docs/kernels.md, Next steps 7), where back to back the prefetch would only compete with the
+  next GEMM's own stream.
 
 `--gap-us G`: after every projection of every system, a kernel that spins G microseconds on one
 thread (`torch.cuda._sleep`), standing for the engine's other kernels between the GEMMs.
@@ -199,7 +201,10 @@ def run_layer(variant: str | None, xs: dict, layer: dict, batch, out: dict,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS),
+                        default=[v for v in VARIANTS if v not in PREFETCH_MIB],
+                        help="default: all but the prefetch's (decode sizes only: --tokens 1 "
+                             "4 8 16 32 --gap-us 5)")
     parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS))
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64, 128])
     parser.add_argument("--tokens", type=int, nargs="+", default=[64, 128, 256, 512, 2048])

@@ -68,9 +68,11 @@ def main() -> None:
     k2_next = ptx_of(lambda: fused.decode_lora_fp8_linear(
         x, weight, w_scale, lora, batch, k1_config=K1, k2_config=K2,
         prefetch=ek.L2Prefetch(next_weight, 96 * 256)))[-1]
-    before_wait = k2_next[:k2_next.find("griddepcontrol.wait")]  # the epilogue's MMAs after
+    wait_next = k2_next.find("griddepcontrol.wait")
+    before_wait = k2_next[:wait_next]  # the epilogue's MMAs come after the wait
     out["k2_prefetch_next_after_mma_before_wait"] = (
-        0 <= before_wait.rfind("mma.sync") < before_wait.rfind("prefetch.global.L2"))
+        wait_next > 0 and 0 <= before_wait.rfind("mma.sync") < before_wait.rfind(
+            "prefetch.global.L2"))
     out["k2_no_prefetch_after_mma_without_next"] = (
         k2_pdl.rfind("prefetch.global.L2") < k2_pdl.find("mma.sync"))
     # Split-K at decode: the partial stores and the tile counter's atomic come after the wait

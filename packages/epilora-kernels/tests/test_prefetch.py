@@ -1,7 +1,9 @@
-"""`L2Prefetch`: which lines of the next weight the decode path's GEMM pulls into L2, that the
-calls carrying one compute the same bits as those without (the interpreter issues no prefetch,
-so this checks the plumbing and the results; the sm_90 PTX is checked in
-test_compile_sm90.py), and clear errors for a bad one."""
+"""`L2Prefetch`: which lines of the next weight the decode path's GEMM pulls into L2 (its
+programs' loop run under the interpreter, recording instead of prefetching), that calls
+carrying one launch through every entry point and give the results of calls without (the
+interpreter issues no prefetch: the same bits there say nothing of the GPU's, which
+tests/gpu/test_api_gpu.py checks; the sm_90 PTX is checked in test_compile_sm90.py), and clear
+errors for a bad one."""
 
 import pytest
 import torch
@@ -27,18 +29,32 @@ def next_weight(rows: int, columns: int, dtype=torch.float8_e4m3fn) -> torch.Ten
     (64, 4096, 64 * 127, 0),  # under a line a row: nothing
     (24576, 4096, 24 << 20, 8),  # gate_up's 96 MiB under a 24 MiB budget: 1 KiB a row
 ])
-def test_the_budget_is_spread_over_every_rows_first_lines(rows, columns, budget, lines):
+def test_the_budget_is_spread_over_every_rows_lines(rows, columns, budget, lines):
     prefetch = ek.L2Prefetch(next_weight(rows, columns), budget)
-    assert prefetch.geometry == (rows, columns, lines)
+    assert prefetch.geometry == (rows, columns, lines, columns // 2, columns)
     assert prefetch.nbytes == rows * lines * LINE_BYTES <= budget
     assert active_geometry(prefetch, torch.device("cpu")) == (
-        None if lines == 0 else (rows, columns, lines))
+        None if lines == 0 else prefetch.geometry)
+
+
+def test_half_the_lines_start_where_a_two_way_split_of_k_starts():
+    # K2's decode settings split K in one or two (down, and qkv at one token, on the H200's
+    # table): the second split's programs start at K/2 rounded up to 256 (the K tiles), where
+    # they find the other half of each row's lines. 3000 columns split at 1536.
+    prefetch = ek.L2Prefetch(next_weight(2, 3000), 2 * 4 * LINE_BYTES)
+    assert prefetch.split_at == 1536
+    assert prefetch.offsets() == [0, 1536, 128, 1664, 3000, 4536, 3128, 4664]
+    whole = ek.L2Prefetch(next_weight(1, 3000), 1 << 20)  # the whole row's 23 whole lines
+    assert whole.offsets() == [0, 1536, 128, 1664, 256, 1792, 384, 1920, 512, 2048, 640, 2176,
+                               768, 2304, 896, 2432, 1024, 2560, 1152, 2688, 1280, 2816, 1408]
+    # taken in turn from 0 and from 1536 (the part line at 2944 left out)
 
 
 def test_the_geometry_is_in_bytes_for_wider_elements_and_strided_rows():
     padded = torch.zeros(8, 300, dtype=torch.bfloat16)[:, :256]  # rows 600 bytes apart
-    prefetch = ek.L2Prefetch(padded, 8 * 512)
-    assert prefetch.geometry == (8, 600, 4)
+    prefetch = ek.L2Prefetch(padded, 8 * 512)  # 512-byte rows: too short for a split
+    assert prefetch.geometry == (8, 600, 4, 256, 512)
+    assert prefetch.offsets()[:4] == [0, 256, 128, 384]
     assert prefetch.bytes_view().shape == (8, 512) and prefetch.bytes_view().dtype == torch.uint8
 
 
@@ -55,31 +71,27 @@ def test_a_bad_prefetch_is_a_clear_error(tensor, budget, message):
 
 
 @triton.jit
-def _lines_of_every_program(out_ptr, seen_ptr, base_ptr, rows, row_stride, row_lines,
-                            BLOCK: tl.constexpr):
-    # What `_prefetch_next` would prefetch, stored instead: each line's offset from the
-    # tensor's start, at the line's number, and how many programs reached that number.
-    programs = tl.num_programs(0)
-    for first in range(tl.program_id(0) * BLOCK, rows * row_lines, programs * BLOCK):
-        ptrs, inside = _fused_kernels._next_lines(base_ptr, first, rows, row_stride, row_lines,
-                                                  BLOCK)
-        i = first + tl.arange(0, BLOCK)
-        tl.store(out_ptr + i, ptrs.to(tl.int64) - base_ptr.to(tl.int64), mask=inside)
-        tl.atomic_add(seen_ptr + i, 1, mask=inside)
+def _record_the_prefetch(base_ptr, record_ptr, rows, row_stride, row_lines, half, row_bytes,
+                         BLOCK: tl.constexpr):
+    # K2's prefetch as its programs run it, each line's offset stored instead of prefetched
+    _fused_kernels._prefetch_next(base_ptr, rows, row_stride, row_lines, half, row_bytes, BLOCK,
+                                  record_ptr=record_ptr)
 
 
-@pytest.mark.parametrize("programs", [1, 3, 64])
-def test_the_grid_prefetches_every_chosen_line_once_and_nothing_else(programs):
-    rows, row_stride, row_lines, block = 37, 600, 4, 32
-    base = torch.zeros(rows * row_stride, dtype=torch.uint8)
-    out = torch.full((rows * row_lines,), -1, dtype=torch.int64)
-    seen = torch.zeros(rows * row_lines, dtype=torch.int32)
-    _lines_of_every_program[(programs,)](out, seen, base, rows, row_stride, row_lines,
-                                         BLOCK=block)
-    want = torch.tensor([r * row_stride + line * LINE_BYTES for r in range(rows)
-                         for line in range(row_lines)])
-    assert torch.equal(out, want)
-    assert torch.equal(seen, torch.ones_like(seen))
+@pytest.mark.parametrize(("grid", "shape", "budget"), [
+    ((1, 1, 1), (37, 600), 37 * 512),
+    ((2, 3, 2), (37, 600), 37 * 512),  # a K2 grid: row tiles, column tiles, K splits
+    ((1, 16, 2), (37, 3584), 10**9),  # whole rows, their second halves shorter
+    ((1, 128, 1), (24576, 4096), 24 << 20),  # o's grid pulling gate_up's 24 MiB
+])
+def test_the_grid_prefetches_every_chosen_line_and_nothing_else(grid, shape, budget):
+    prefetch = ek.L2Prefetch(next_weight(*shape), budget)
+    rows, row_stride, row_lines, half, row_bytes = prefetch.geometry
+    recorded = torch.full((rows * row_lines,), -1, dtype=torch.int64)
+    _record_the_prefetch[grid](prefetch.bytes_view(), recorded, rows, row_stride, row_lines,
+                               half, row_bytes, BLOCK=128)
+    assert recorded[recorded >= 0].tolist() == prefetch.offsets()
+    assert max(prefetch.offsets()) < rows * row_stride
 
 
 @pytest.mark.parametrize("codes_only", [False, True])

@@ -333,7 +333,7 @@ def test_the_projection_is_bound_once_and_again_where_its_weight_or_scale_change
     # stand-in is this layer's own weight.
     forward.mode.prefetch_bytes = 1 << 20
     forward.layer.device = torch.device("cpu")
-    own = forward._bound(*forward._weights(), stand_in=True)
+    own = forward._bound(*forward._weights(), "stand-in")
     assert own is not buffers and own.prefetch.tensor is forward._weights()[0]
     following = _timed_forward()
     following.layer.device = torch.device("cpu")
@@ -403,7 +403,7 @@ def test_the_kernels_paths_are_given_the_bias_and_add_nothing_after(monkeypatch)
         seen.update(path=path, bias=bias)
         return torch.zeros(x.shape[0], 64, dtype=torch.bfloat16)
 
-    monkeypatch.setattr(forward, "_bound", lambda weight, scale, stand_in=False: projection)
+    monkeypatch.setattr(forward, "_bound", lambda weight, scale, prefetch="next": projection)
     y = forward._run("fused", torch.zeros(5, 64, dtype=torch.bfloat16), None, bias,
                      forward._cpu_batch(5))
     assert seen == {"path": "fused", "bias": bias}

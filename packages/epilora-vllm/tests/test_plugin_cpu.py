@@ -217,7 +217,9 @@ def test_with_a_prefetch_budget_each_layer_learns_the_next_served_layer(checkpoi
         assert prefetch.max_bytes == 3 << 20
     last = order[-1]
     assert last._next_prefetch() is None
-    assert last._next_prefetch(stand_in=True).tensor is last._weights()[0]  # compiles ahead
+    assert last._next_prefetch("stand-in").tensor is last._weights()[0]  # compiles ahead
+    assert last._next_prefetch("stand-in").geometry[2] >= 2
+    assert order[0]._next_prefetch("none") is None
     # Without the budget nothing is linked (and the forward pays nothing for it).
     del got
     layer = model_of(_serve_eagerly_with(checkpoints)["llm"]).model.layers[0]

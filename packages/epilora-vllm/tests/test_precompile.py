@@ -195,8 +195,8 @@ def test_warm_takes_the_batchs_path_on_the_modes_activations(monkeypatch, quanti
     forward.mode = _Mode(matched=False, path=path, quantize=quantize)
     runs = []
 
-    def run(path, x, quantized, bias, batch, warming=False):
-        assert bias is None and warming  # a prefetching layer's kernel with a stand-in
+    def run(path, x, quantized, bias, batch, prefetch="next"):
+        assert bias is None and prefetch == "none"  # no budget: the kernel without prefetch
         runs.append((path, "none" if x is None else {torch.bfloat16: "bf16"}[x.dtype],
                      "none" if quantized is None else str(quantized[0].dtype), batch))
 
@@ -210,6 +210,24 @@ def test_warm_takes_the_batchs_path_on_the_modes_activations(monkeypatch, quanti
     assert [batch.token_lora_mapping.tolist() for *_, batch in runs] == [[0, 1],
                                                                           [0, 1, 2, 3, 0, 1]]
     assert [batch.num_tokens for *_, batch in runs] == [2, 6]
+
+
+def test_with_a_prefetch_budget_warm_compiles_the_kernel_with_and_without_it(monkeypatch):
+    # EPILORA_VLLM_PREFETCH_MIB: a layer's decode calls prefetch its next layer's weight, the
+    # model's last layer's (and those whose budget is under a line a row) none; the precompile
+    # meets both kernels at every size, before any layer knows its next.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    forward = EpiloraForward(SimpleNamespace(device=torch.device("cpu"),
+                                             base_layer=SimpleNamespace(bias=None)))
+    forward.lora = ek.LoraWeights((torch.zeros(2, 1, 16, 64, dtype=torch.bfloat16),),
+                                  (torch.zeros(2, 1, 32, 16, dtype=torch.bfloat16),), (32,))
+    forward.mode = _Mode(matched=False, path=None, quantize="codes", prefetch_bytes=1 << 20)
+    runs = []
+    monkeypatch.setattr(forward, "_run", lambda path, x, q, bias, batch, prefetch="next":
+                        runs.append((path, batch.num_tokens, prefetch)))
+    forward.warm((2, 6))
+    assert runs == [("decode", 2, "stand-in"), ("decode", 2, "none"),
+                    ("decode", 6, "stand-in"), ("decode", 6, "none")]
 
 
 def test_warm_gives_the_kernels_the_bias_vllm_gives_apply(monkeypatch):
@@ -239,7 +257,7 @@ def test_warm_gives_the_kernels_the_bias_vllm_gives_apply(monkeypatch):
         forward.mode = _Mode(matched=False, path=None, quantize="codes")
         given = []
         monkeypatch.setattr(forward, "_run",
-                            lambda path, x, q, bias, batch, warming=False, given=given:
+                            lambda path, x, q, bias, batch, prefetch="next", given=given:
                             given.append(bias))
         forward.warm((2, 4))
         assert len(given) == 2 and all(b is want for b in given), (kind.__name__, rank, skip)

@@ -152,28 +152,40 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
-def _next_lines(pf_ptr, first, rows, row_stride, row_lines, BLOCK: tl.constexpr):
-    # Lines `first` .. `first + BLOCK - 1` of the caller's next weight, numbered row by row
-    # (the first `row_lines` 128-byte lines of each of `rows` rows, `row_stride` bytes apart):
-    # their addresses, and which of them exist (the others point at the first line).
+def _next_lines(pf_ptr, first, rows, row_stride, row_lines, half, row_bytes,
+                BLOCK: tl.constexpr):
+    # Lines `first` .. `first + BLOCK - 1` of the caller's next weight, numbered row by row:
+    # `row_lines` 128-byte lines of each of `rows` rows (`row_stride` bytes apart), taken in
+    # turn from the row's start and from `half` bytes into it (where the second split of a
+    # GEMM whose K loop is split in two starts), none past the row's `row_bytes`. Their
+    # addresses and which of them exist (the others point at the tensor's first line).
     i = first + tl.arange(0, BLOCK)
     row = i // row_lines
-    inside = i < rows * row_lines
-    ptrs = pf_ptr + row.to(tl.int64) * row_stride + (i - row * row_lines) * 128
+    line = i - row * row_lines
+    offset = (line % 2) * half + (line // 2) * 128
+    inside = (i < rows * row_lines) & (offset < row_bytes)
+    ptrs = pf_ptr + row.to(tl.int64) * row_stride + offset
     return tl.where(inside, ptrs, pf_ptr), inside
 
 
 @triton.jit
-def _prefetch_next(pf_ptr, rows, row_stride, row_lines, BLOCK: tl.constexpr):
+def _prefetch_next(pf_ptr, rows, row_stride, row_lines, half, row_bytes, BLOCK: tl.constexpr,
+                   record_ptr=None):
     # Pull the caller's next weight (`epilora_kernels.L2Prefetch`) into L2, its lines dealt
     # to the grid's programs BLOCK at a time in turn: issued after this program's K loop, when
-    # its own weight stream is over; nothing is written, nothing waits for it.
+    # its own weight stream is over; nothing is written, nothing waits for it. `record_ptr`
+    # (tests only): store each line's offset from `pf_ptr` at its number instead.
     programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
     pid = tl.program_id(0) + tl.num_programs(0) * (
         tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
     for first in range(pid * BLOCK, rows * row_lines, programs * BLOCK):
-        ptrs, _ = _next_lines(pf_ptr, first, rows, row_stride, row_lines, BLOCK)
-        _prefetch_l2(ptrs)
+        ptrs, inside = _next_lines(pf_ptr, first, rows, row_stride, row_lines, half,
+                                   row_bytes, BLOCK)
+        if record_ptr is None:
+            _prefetch_l2(ptrs)
+        else:
+            tl.store(record_ptr + first + tl.arange(0, BLOCK),
+                     ptrs.to(tl.int64) - pf_ptr.to(tl.int64), mask=inside)
 
 
 @triton.jit
@@ -446,7 +458,8 @@ def _pass_and_reset(ready_ptr, programs):
 
 # T: as _quantize_shrink_kernel's; the prefetch's geometry, so that one compiled kernel serves
 # every next weight (an engine compiles it ahead, before it knows which layer follows which).
-@triton.jit(do_not_specialize=["T", "PF_ROWS", "PF_STRIDE", "PF_LINES"])
+@triton.jit(do_not_specialize=["T", "PF_ROWS", "PF_STRIDE", "PF_LINES", "PF_HALF",
+                               "PF_ROW_BYTES"])
 def _lora_gemm_kernel(
     a_ptr, a_desc, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, bias_ptr, y_ptr, h_ptr,
     b0_ptr, b1_ptr, b2_ptr,
@@ -462,7 +475,8 @@ def _lora_gemm_kernel(
     W_TMA: tl.constexpr = False, WAIT_K1_FIRST: tl.constexpr = False,
     A_TMA: tl.constexpr = False, W_SCALE_PER_CHANNEL: tl.constexpr = False,
     HAS_BIAS: tl.constexpr = False, DELTA_FIRST: tl.constexpr = False,
-    pf_ptr=None, PF_ROWS=0, PF_STRIDE=0, PF_LINES=0, PREFETCH: tl.constexpr = False,
+    pf_ptr=None, PF_ROWS=0, PF_STRIDE=0, PF_LINES=0, PF_HALF=0, PF_ROW_BYTES=0,
+    PREFETCH: tl.constexpr = False,
     PF_BLOCK: tl.constexpr = 128,
 ):
     _stamp(trace_ptr, 0, TRACE)
@@ -592,7 +606,7 @@ def _lora_gemm_kernel(
         # The caller's next projection's weight, into L2 while the engine runs what comes
         # between (attention, a norm: little HBM traffic at decode sizes). No store: it may
         # precede gdc_wait.
-        _prefetch_next(pf_ptr, PF_ROWS, PF_STRIDE, PF_LINES, PF_BLOCK)
+        _prefetch_next(pf_ptr, PF_ROWS, PF_STRIDE, PF_LINES, PF_HALF, PF_ROW_BYTES, PF_BLOCK)
 
     if WAIT_CODES:
         # The last program past the K loop (so past the spin) zeroes both counts for the next

@@ -325,12 +325,12 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
                   n: int, stride_a: int, stride_y: int, h_planes: int, split: int, w_tma: bool,
                   per_channel: bool, traced: bool, pdl: bool, wait_codes: bool, warm_l2: int,
                   wait_k1_first: bool, a_sorted: bool, interpreter: bool, has_bias: bool,
-                  prefetch: tuple[int, int, int] | None = None, **pointers) -> dict:
+                  prefetch: tuple[int, ...] | None = None, **pointers) -> dict:
     # K2's arguments with adapters, by name: what launch_k2's templates launch (their
     # pointers in slots, none given here) and k2_blocks_per_sm compiles (with MockTensors).
     # `prefetch`: the geometry of an L2Prefetch (`prefetch.active_geometry`), or None.
     _, _, off1, off2 = _slices(lora)
-    pf_rows, pf_stride, pf_lines = prefetch or (0, 0, 0)
+    pf_rows, pf_stride, pf_lines, pf_half, pf_row_bytes = prefetch or (0, 0, 0, 0, 0)
     return dict(
         pointers,
         N=n, K=lora.in_features, R=lora.max_rank, NUM_ENTRIES=num_entries,
@@ -348,6 +348,7 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
         DELTA_FIRST=(mode == FP8 and cfg.block_m >= 64 and num_entries > 2 and split == 1
                      and (wait_k1_first or not pdl)),
         PREFETCH=prefetch is not None, PF_ROWS=pf_rows, PF_STRIDE=pf_stride, PF_LINES=pf_lines,
+        PF_HALF=pf_half, PF_ROW_BYTES=pf_row_bytes,
         PF_BLOCK=cfg.num_warps * 32,  # a line a thread per round
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
@@ -358,7 +359,7 @@ def k2_template(support: DeviceSupport, mode: int, lora: LoraWeights, num_entrie
                 w_tma: bool, per_channel: bool, pdl: bool, wait_codes: bool, warm_l2: int,
                 traced: bool, wait_k1_first: bool, a_sorted: bool,
                 has_bias: bool = False,
-                prefetch: tuple[int, int, int] | None = None) -> _fast_launch.Template:
+                prefetch: tuple[int, ...] | None = None) -> _fast_launch.Template:
     """K2's launch template (slots `_K2_SLOTS`) for these settings, made once; `pdl` as
     `use_pdl` made it; `prefetch` as `_k2_arguments` takes it."""
     n = lora.out_features

@@ -8,10 +8,13 @@ the engine computes, so K2's programs, past their K loop, issue `prefetch.global
 instruction a 128-byte line, nothing written, nothing waited for), and the next GEMM finds in L2
 what the budget covered. It is a hint: the results are the same bits with or without it.
 
-Which bytes: the first lines of every row, as many as `max_bytes` allows spread over the rows.
-Each program of the next GEMM streams whole rows along K, so every program then starts its K
-loop from L2; whole rows for some programs would leave the others, from HBM, setting the
-kernel's end.
+Which bytes: as many lines of every row as `max_bytes` allows spread over the rows, taken in
+turn from the row's start and from its middle (`split_at`). Each program of the next GEMM
+streams its rows along K, from the row's start or, where its K loop is split in two (the
+decode settings split K in one or two), from the second split's start: so every program starts
+its K loop from L2. Whole rows for some programs would leave the others, from HBM, setting the
+kernel's end. (In the plugin's default mode the next GEMM warms nothing itself: its own
+`DECODE_WARM_L2` prefetch runs only while it waits for K1's codes.)
 
 Untimed so far (no GPU in the session that built it); the vLLM plugin uses it only where asked
 (`EPILORA_VLLM_PREFETCH_MIB`).
@@ -22,13 +25,15 @@ import dataclasses
 import torch
 
 LINE_BYTES = 128  # what one `prefetch.global.L2` brings in
+SPLIT_ALIGN = 256  # K2's decode K tiles (256 or 512 deep) put a 2-way split's start on this
+# many columns (`_lora_gemm_kernel`: each split `cdiv(cdiv(K, 2), BLOCK_K) * BLOCK_K` deep)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class L2Prefetch:
     """Pull up to `max_bytes` of `tensor` (the next projection's weight `[N, K]`, rows
-    contiguous) into L2 after this projection's weight stream: the first
-    `max_bytes // N` bytes of every row, in whole 128-byte lines."""
+    contiguous) into L2 after this projection's weight stream: `max_bytes // N` bytes of every
+    row in whole 128-byte lines, half from the row's start and half from `split_at`."""
 
     tensor: torch.Tensor
     max_bytes: int
@@ -45,19 +50,42 @@ class L2Prefetch:
             raise ValueError(f"max_bytes must be a non-negative int, got {budget!r}")
 
     @property
-    def geometry(self) -> tuple[int, int, int]:
-        """(rows, bytes from one row's start to the next's, lines pulled from each row's
-        start); no lines where the budget does not reach one line a row."""
-        rows, columns = self.tensor.shape
-        size = self.tensor.element_size()
-        per_row = min(columns * size, self.max_bytes // rows) if rows else 0
-        return rows, self.tensor.stride(0) * size, per_row // LINE_BYTES
+    def row_bytes(self) -> int:
+        return self.tensor.shape[1] * self.tensor.element_size()
+
+    @property
+    def split_at(self) -> int:
+        """Where in a row the second half of its lines start: where a GEMM whose K loop is
+        split in two starts its second split (`K/2` rounded up to K2's K tiles); in rows too
+        short for a split, their middle line."""
+        half = -(-self.tensor.shape[1] // 2)
+        split = -(-half // SPLIT_ALIGN) * SPLIT_ALIGN * self.tensor.element_size()
+        if split + LINE_BYTES > self.row_bytes:
+            return self.row_bytes // 2 // LINE_BYTES * LINE_BYTES
+        return split
+
+    @property
+    def geometry(self) -> tuple[int, int, int, int, int]:
+        """(rows, bytes from one row's start to the next's, lines pulled from each row, where
+        the second half of them start, the row's bytes): the kernel's `PF_*` arguments. No
+        lines where the budget does not reach one line a row."""
+        rows = self.tensor.shape[0]
+        row_bytes = self.row_bytes
+        per_row = min(row_bytes, self.max_bytes // rows) if rows else 0
+        return (rows, self.tensor.stride(0) * self.tensor.element_size(),
+                per_row // LINE_BYTES, self.split_at, row_bytes)
+
+    def offsets(self) -> list[int]:
+        """Each pulled line's byte offset in the tensor, in the kernel's numbering (what its
+        tests compare the kernel's with)."""
+        rows, stride, lines, half, row_bytes = self.geometry
+        return [row * stride + offset for row in range(rows) for line in range(lines)
+                if (offset := (line % 2) * half + (line // 2) * LINE_BYTES) < row_bytes]
 
     @property
     def nbytes(self) -> int:
         """The bytes it pulls in."""
-        rows, _, lines = self.geometry
-        return rows * lines * LINE_BYTES
+        return len(self.offsets()) * LINE_BYTES
 
     def bytes_view(self) -> torch.Tensor:
         """The tensor as bytes: what the kernel addresses, a byte at a time."""
@@ -65,7 +93,7 @@ class L2Prefetch:
 
 
 def active_geometry(prefetch: "L2Prefetch | None", device: torch.device
-                    ) -> tuple[int, int, int] | None:
+                    ) -> tuple[int, int, int, int, int] | None:
     """`prefetch`'s geometry where it pulls in anything, else None; a tensor on another device
     than the projection's is refused."""
     if prefetch is None:

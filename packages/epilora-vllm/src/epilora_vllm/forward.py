@@ -29,6 +29,7 @@ from vllm.forward_context import get_forward_context, is_forward_context_availab
 
 import epilora_kernels as ek
 from epilora_kernels import reference
+from epilora_kernels.prefetch import LINE_BYTES
 from epilora_quant import Fp8Arithmetic, quantize_fp8_per_token
 from epilora_vllm import _env, dispatch, precompile, tuning
 
@@ -161,7 +162,7 @@ class EpiloraForward:
             key = (str(layer.device), self.lora.in_features, tuple(self.lora.output_slices),
                    self.lora.max_rank, self.lora.max_loras, str(weight.dtype),
                    scale.numel() > 1, self.mode.path, self.mode.quantize, self.mode.matched,
-                   self.served_bias() is not None)
+                   self.served_bias() is not None, self.mode.prefetch_bytes > 0)
             self._precompiling = True
             precompile.start(self, key, sizes)
 
@@ -210,16 +211,19 @@ class EpiloraForward:
         EPILORA_VLLM_PREFETCH_MIB set), or None."""
         return None if self._next is None else self._next()
 
-    def _next_prefetch(self, stand_in: bool = False) -> ek.L2Prefetch | None:
-        # An L2Prefetch of the next layer's FP8 weight within the budget, made once per weight;
-        # `stand_in`: before the next layer is known, this layer's own weight (the kernels do
-        # not specialize on the prefetch's geometry: it compiles the kernel the link will use).
+    def _next_prefetch(self, which: str = "next") -> ek.L2Prefetch | None:
+        # `next`: an L2Prefetch of the next layer's FP8 weight within the budget, made once per
+        # weight (None before the link, or for a weight not read row by row). `stand-in` (the
+        # precompile, before the link): one of this layer's own weight, two lines a row at
+        # least, for the prefetching kernel (the kernels do not specialize on the geometry:
+        # the link's calls find it compiled). `none`: None (the kernel without the prefetch).
         budget, following = self.mode.prefetch_bytes, self.next_layer()
-        if not budget:
+        if not budget or which == "none":
             return None
+        if which == "stand-in":
+            weight = self._weights()[0]
+            return ek.L2Prefetch(weight, max(budget, weight.shape[0] * 2 * LINE_BYTES))
         if following is None or following.layer.device != self.layer.device:
-            following = self if stand_in else None
-        if following is None:
             return None
         weight = following._weights()[0]
         if weight.dtype != torch.float8_e4m3fn or weight.ndim != 2 or weight.stride(1) != 1:
@@ -281,13 +285,13 @@ class EpiloraForward:
         return kept[2], base.scale(layer)
 
     def _bound(self, weight: torch.Tensor, scale: torch.Tensor,
-               stand_in: bool = False) -> ek.LoraProjection:
+               prefetch: str = "next") -> ek.LoraProjection:
         # The kernels' projection over this weight view, scale and vLLM's adapter buffers,
         # bound once (`ek.LoraProjection`: a fraction of lora_linear's host time a call); made
         # again with a new weight view (`_weights`), a scale vLLM replaced or moved, new
         # adapter buffers (`adapters_created` again) or a new next layer's weight to prefetch.
         kept = self._projection
-        prefetch = self._next_prefetch(stand_in=stand_in)
+        prefetch = self._next_prefetch(prefetch)
         if (kept is None or kept[1].weight is not weight or kept[1].weight_scale is not scale
                 or kept[1].lora is not self.lora or kept[0] != scale.data_ptr()
                 or kept[1].prefetch is not prefetch):
@@ -362,7 +366,8 @@ class EpiloraForward:
         return self._run(path, x, quantized, bias, batch)
 
     def _run(self, path: str, x: torch.Tensor, quantized, bias: torch.Tensor | None,
-             batch: ek.AdapterBatch, warming: bool = False) -> torch.Tensor:
+             batch: ek.AdapterBatch, prefetch: str = "next") -> torch.Tensor:
+        # `prefetch`: which L2Prefetch the decode path gets (`_next_prefetch`)
         if path == "vllm":  # vLLM's own LoRA layer: its FP8 GEMM, then its Punica kernels
             return self._vllm_apply(x, bias)
         weight, scale = self._weights()
@@ -371,7 +376,7 @@ class EpiloraForward:
             return ek.lora_linear(x, weight, scale, self.lora, batch, path=path,
                                   base_gemm=lambda x, w, s: self._vendor_on(x, quantized, bias))
         # The bias in K2's epilogue, in fp32 before the base is rounded, as CUTLASS adds it.
-        return self._bound(weight, scale, stand_in=warming)(
+        return self._bound(weight, scale, prefetch)(
             x, batch, path=path, x_quantized=quantized if path != "w8a16" else None, bias=bias)
 
     def warm(self, sizes: tuple[int, ...], after=None) -> None:
@@ -402,10 +407,13 @@ class EpiloraForward:
             path = self.mode.path or ek.choose_path(tokens, batch, support)
             if path not in (*CODES_PATHS, "w8a16"):
                 continue
-            self._run(path, None if x is None else x[:tokens],
-                      None if quantized is None else (quantized[0][:tokens],
-                                                      quantized[1][:tokens]),
-                      bias, batch, warming=True)
+            # With a prefetch budget, the kernel with and without the prefetch (the model's
+            # last layer, and a budget under a line a row of its next, take the latter).
+            for prefetch in (("stand-in", "none") if self.mode.prefetch_bytes else ("none",)):
+                self._run(path, None if x is None else x[:tokens],
+                          None if quantized is None else (quantized[0][:tokens],
+                                                          quantized[1][:tokens]),
+                          bias, batch, prefetch)
             if after is not None:
                 after(tokens)
 

@@ -15,6 +15,7 @@ from engine_cases import (
     engine,
     generate,
     layer0_projections,
+    model_of,
     request,
 )
 
@@ -259,8 +260,13 @@ def test_with_a_prefetch_budget_the_engine_in_cuda_graphs_gives_the_same_answers
     want = generate(llm, requests)
     monkeypatch.setenv("EPILORA_VLLM_PREFETCH_MIB", "24")
     prefetching = engine(checkpoints["fp8"])
-    projections = layer0_projections(prefetching)
-    names = list(projections)
-    for name, following in zip(names, names[1:], strict=False):
-        assert projections[name].epilora.next_layer() is projections[following].epilora
+    order = [m.epilora for layer in model_of(prefetching).model.layers
+             for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                       layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    assert [f.next_layer() for f in order] == [*order[1:], None]
     assert generate(prefetching, requests) == want
+    # The decode calls (those the graphs captured among them) went through a projection that
+    # prefetches the next layer's weight; the last layer's prefetches nothing.
+    for forward, following in zip(order, order[1:], strict=False):
+        assert forward._projection[1].prefetch.tensor is following._weights()[0]
+    assert order[-1]._projection[1].prefetch is None
