@@ -35,6 +35,8 @@ SYSTEMS = {
     # each projection's GEMM pulls the next's weight into L2 (epilora_kernels.L2Prefetch)
     "epilora-prefetch-8": ("epilora", {"EPILORA_VLLM_PREFETCH_MIB": "8"}),
     "epilora-prefetch-24": ("epilora", {"EPILORA_VLLM_PREFETCH_MIB": "24"}),
+    "epilora-prefetch-start-24": ("epilora", {"EPILORA_VLLM_PREFETCH_MIB": "24",
+                                              "EPILORA_VLLM_PREFETCH_AT": "start"}),
     "vllm-dual-stream": ("vllm-dual-stream", {}),
 }
 

@@ -43,8 +43,9 @@ Variants (`--variants`):
   lost 2-5% on the decode path at 16 and 32.
 
 * `prefetch-8`, `prefetch-24`: each projection's decode GEMM pulls up to 8 or 24 MiB of the
-  next projection's weight into L2 (`epilora_kernels.L2Prefetch`; down's next is qkv, the
-  next layer's). Only the decode path prefetches: give decode sizes (`--tokens 1 4 8 16 32`;
+  next projection's weight into L2 past its K loop (`epilora_kernels.L2Prefetch`; down's next
+  is qkv, the next layer's); `prefetch-start-24`: 24 MiB before its K loop, beside its own
+  stream. Only the decode path prefetches: give decode sizes (`--tokens 1 4 8 16 32`;
   not in the default `--variants`). Time it with `--gap-us`: an engine runs attention, norms
   and the SiLU between the GEMMs (at batch 1 about 19 us before o, 4-6 us before the others:
   docs/kernels.md, Next steps 7), where back to back the prefetch would only compete with the
@@ -170,7 +171,8 @@ VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "k1-heaviest": k1_split_by(0.25, 32, 128), "decode-path": decode_path}
 
 
-PREFETCH_MIB = {"prefetch-8": 8, "prefetch-24": 24}
+PREFETCH_MIB = {"prefetch-8": (8, "end"), "prefetch-24": (24, "end"),
+                "prefetch-start-24": (24, "start")}
 VARIANTS.update({name: contextlib.nullcontext for name in PREFETCH_MIB})  # a call argument
 SM_MHZ = 1980  # the H200's SM clock (benchmarks/results/h200/gpu-sm90-device.txt): --gap-us
 
@@ -186,7 +188,8 @@ def run_layer(variant: str | None, xs: dict, layer: dict, batch, out: dict,
             prefetch = None
             if variant in PREFETCH_MIB:  # the next projection's weight; down's: qkv's
                 following = layer[names[(index + 1) % len(names)]][0]
-                prefetch = ek.L2Prefetch(following, PREFETCH_MIB[variant] << 20)
+                mib, at = PREFETCH_MIB[variant]
+                prefetch = ek.L2Prefetch(following, mib << 20, at=at)
             with VARIANTS[variant]() if variant else contextlib.nullcontext():
                 if codes is None:
                     out[name] = ek.lora_linear(xs[name], weight, scale, lora, batch,

@@ -73,6 +73,17 @@ def main() -> None:
     out["k2_prefetch_next_after_mma_before_wait"] = (
         wait_next > 0 and 0 <= before_wait.rfind("mma.sync") < before_wait.rfind(
             "prefetch.global.L2"))
+    # at="start", on the caller's codes (no warming of its own rows): before the first MMA,
+    # none between the K loop and the wait.
+    codes_given = (torch.zeros(5, 256, dtype=torch.float8_e4m3fn), torch.ones(5, 1))
+    k2_early = ptx_of(lambda: fused.decode_lora_fp8_linear(
+        None, weight, w_scale, lora, batch, k1_config=K1, k2_config=K2, x_quantized=codes_given,
+        prefetch=ek.L2Prefetch(next_weight, 96 * 256, at="start")))[-1]
+    wait_early = k2_early.find("griddepcontrol.wait")
+    out["k2_prefetch_start_before_mma_only"] = (
+        wait_early > 0 and 0 <= k2_early.find("prefetch.global.L2") < k2_early.find("mma.sync")
+        and k2_early[:wait_early].rfind("prefetch.global.L2")
+        < k2_early[:wait_early].rfind("mma.sync"))
     out["k2_no_prefetch_after_mma_without_next"] = (
         k2_pdl.rfind("prefetch.global.L2") < k2_pdl.find("mma.sync"))
     # Split-K at decode: the partial stores and the tile counter's atomic come after the wait

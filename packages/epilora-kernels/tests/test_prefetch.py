@@ -12,7 +12,7 @@ import triton.language as tl
 
 import epilora_kernels as ek
 from epilora_kernels import _fused_kernels, fused
-from epilora_kernels.prefetch import LINE_BYTES, active_geometry
+from epilora_kernels.prefetch import LINE_BYTES, kernel_args
 from epilora_testing import assert_bitwise_equal
 
 from kernel_cases import make_problem
@@ -33,8 +33,11 @@ def test_the_budget_is_spread_over_every_rows_lines(rows, columns, budget, lines
     prefetch = ek.L2Prefetch(next_weight(rows, columns), budget)
     assert prefetch.geometry == (rows, columns, lines, columns // 2, columns)
     assert prefetch.nbytes == rows * lines * LINE_BYTES <= budget
-    assert active_geometry(prefetch, torch.device("cpu")) == (
-        None if lines == 0 else prefetch.geometry)
+    assert kernel_args(prefetch, torch.device("cpu")) == (
+        None if lines == 0 else (1, *prefetch.geometry))
+    early = ek.L2Prefetch(prefetch.tensor, budget, at="start")  # before the K loop: PREFETCH 2
+    assert kernel_args(early, torch.device("cpu")) == (
+        None if lines == 0 else (2, *prefetch.geometry))
 
 
 def test_half_the_lines_start_where_a_two_way_split_of_k_starts():
@@ -68,6 +71,8 @@ def test_the_geometry_is_in_bytes_for_wider_elements_and_strided_rows():
 def test_a_bad_prefetch_is_a_clear_error(tensor, budget, message):
     with pytest.raises(ValueError, match=message):
         ek.L2Prefetch(tensor, budget)
+    with pytest.raises(ValueError, match="at must be one of"):
+        ek.L2Prefetch(torch.zeros(16, 32), 1024, at="middle")
 
 
 @triton.jit
@@ -94,12 +99,13 @@ def test_the_grid_prefetches_every_chosen_line_and_nothing_else(grid, shape, bud
     assert max(prefetch.offsets()) < rows * row_stride
 
 
+@pytest.mark.parametrize("at", ["end", "start"])
 @pytest.mark.parametrize("codes_only", [False, True])
 @pytest.mark.parametrize("tokens", [1, 9])
-def test_a_call_that_prefetches_computes_the_same_bits(tokens, codes_only):
+def test_a_call_that_prefetches_computes_the_same_bits(tokens, codes_only, at):
     x, weight, w_scale, lora, batch = make_problem(31, tokens, 64, (32, 16, 16), 16, 3,
                                                    "mixed_with_base")
-    prefetch = ek.L2Prefetch(next_weight(48, 64), 48 * 128)
+    prefetch = ek.L2Prefetch(next_weight(48, 64), 48 * 128, at=at)
     quantized = ek.quantize(x)
     given = None if codes_only else x
     want = ek.decode_lora_fp8_linear(given, weight, w_scale, lora, batch, x_quantized=quantized)

@@ -203,7 +203,8 @@ def test_with_a_prefetch_budget_each_layer_learns_the_next_served_layer(checkpoi
     # the CPU nothing is prefetched (the references compute): the same answers.
     answers = served["mixed"]
     del served  # one engine at a time in this process
-    got = _serve_eagerly_with(checkpoints, EPILORA_VLLM_PREFETCH_MIB="3")
+    got = _serve_eagerly_with(checkpoints, EPILORA_VLLM_PREFETCH_MIB="3",
+                              EPILORA_VLLM_PREFETCH_AT="start")
     assert got["mixed"] == answers
     order = [m.epilora for layer in model_of(got["llm"]).model.layers
              for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
@@ -214,7 +215,7 @@ def test_with_a_prefetch_budget_each_layer_learns_the_next_served_layer(checkpoi
         prefetch = forward._next_prefetch()
         assert prefetch.tensor is following._weights()[0]
         assert prefetch.tensor.dtype == torch.float8_e4m3fn
-        assert prefetch.max_bytes == 3 << 20
+        assert prefetch.max_bytes == 3 << 20 and prefetch.at == "start"
     last = order[-1]
     assert last._next_prefetch() is None
     assert last._next_prefetch("stand-in").tensor is last._weights()[0]  # compiles ahead
@@ -232,6 +233,12 @@ def test_with_a_prefetch_budget_each_layer_learns_the_next_served_layer(checkpoi
                                              ("16M", ValueError)])
 def test_the_prefetch_budget_is_off_by_default_and_checked(value, want, monkeypatch):
     from epilora_vllm import _env
+
+    monkeypatch.delenv("EPILORA_VLLM_PREFETCH_AT", raising=False)
+    assert _env.prefetch_at() == "end"
+    monkeypatch.setenv("EPILORA_VLLM_PREFETCH_AT", "early")
+    with pytest.raises(ValueError, match="expected 'end' or 'start'"):
+        _env.prefetch_at()
 
     if value is None:
         monkeypatch.delenv("EPILORA_VLLM_PREFETCH_MIB", raising=False)

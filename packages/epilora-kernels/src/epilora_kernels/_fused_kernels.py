@@ -28,8 +28,8 @@ weights while K1's shrink runs, and waits for all of K1 (`gdc_wait`) only before
 With `SPLIT_K` > 1 the K loop is split over programs and the last split of each tile reduces in
 a fixed order. Counters (split-K tiles, the decode path's counts) are zero at rest
 (epilora_kernels.workspace): whoever arrives last resets them. With `PREFETCH` every program,
-past its K loop, pulls its share of the caller's next weight into L2 (`_prefetch_next`,
-`epilora_kernels.L2Prefetch`).
+past its K loop (`PREFETCH` 1) or before it (2), pulls its share of the caller's next weight
+into L2 (`_prefetch_next`, `epilora_kernels.L2Prefetch`).
 
 `TRACE` (diagnostics, dev/decode_timeline.py) makes every program of either kernel store
 its SM and global clock at its start, after each wait and at its end; it is compiled out
@@ -476,7 +476,7 @@ def _lora_gemm_kernel(
     A_TMA: tl.constexpr = False, W_SCALE_PER_CHANNEL: tl.constexpr = False,
     HAS_BIAS: tl.constexpr = False, DELTA_FIRST: tl.constexpr = False,
     pf_ptr=None, PF_ROWS=0, PF_STRIDE=0, PF_LINES=0, PF_HALF=0, PF_ROW_BYTES=0,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = 0,
     PF_BLOCK: tl.constexpr = 128,
 ):
     _stamp(trace_ptr, 0, TRACE)
@@ -552,6 +552,11 @@ def _lora_gemm_kernel(
         warm = tl.where(n_mask[:, None] & (k_warm[None, :] < k_end), warm, w_ptr)
         _prefetch_l2(warm)
 
+    if PREFETCH == 2 and not INTERPRETER:
+        # The caller's next projection's weight, into L2 beside this GEMM's own stream (a
+        # small projection's decode GEMM is latency-bound and leaves HBM room).
+        _prefetch_next(pf_ptr, PF_ROWS, PF_STRIDE, PF_LINES, PF_HALF, PF_ROW_BYTES, PF_BLOCK)
+
     if WAIT_CODES:
         # The decode path: launched while K1 runs, wait until its quantizing programs have
         # counted every row (a spin on the count, which they release; they cannot be waiting
@@ -602,7 +607,7 @@ def _lora_gemm_kernel(
             else:
                 acc += tl.dot(at, tl.trans(wt.to(tl.bfloat16)))
     _stamp(trace_ptr, 2, TRACE)
-    if PREFETCH and not INTERPRETER:
+    if PREFETCH == 1 and not INTERPRETER:
         # The caller's next projection's weight, into L2 while the engine runs what comes
         # between (attention, a norm: little HBM traffic at decode sizes). No store: it may
         # precede gdc_wait.

@@ -20,7 +20,7 @@ from epilora_kernels._fused_kernels import _lora_gemm_kernel, _quantize_shrink_k
 from epilora_kernels.arch import DeviceSupport
 from epilora_kernels.batch import MAX_SLICES, AdapterBatch, LoraWeights
 from epilora_kernels.launch import LaunchConfig
-from epilora_kernels.prefetch import L2Prefetch, active_geometry
+from epilora_kernels.prefetch import L2Prefetch, kernel_args
 from epilora_kernels.workspace import TILES, Workspace
 
 try:  # compile_only's threads: Triton's asynchronous compiles, a private module (Triton 3.6)
@@ -328,9 +328,9 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
                   prefetch: tuple[int, ...] | None = None, **pointers) -> dict:
     # K2's arguments with adapters, by name: what launch_k2's templates launch (their
     # pointers in slots, none given here) and k2_blocks_per_sm compiles (with MockTensors).
-    # `prefetch`: the geometry of an L2Prefetch (`prefetch.active_geometry`), or None.
+    # `prefetch`: an L2Prefetch's `prefetch.kernel_args`, or None.
     _, _, off1, off2 = _slices(lora)
-    pf_rows, pf_stride, pf_lines, pf_half, pf_row_bytes = prefetch or (0, 0, 0, 0, 0)
+    pf_when, pf_rows, pf_stride, pf_lines, pf_half, pf_row_bytes = prefetch or (0,) * 6
     return dict(
         pointers,
         N=n, K=lora.in_features, R=lora.max_rank, NUM_ENTRIES=num_entries,
@@ -347,7 +347,7 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
         # the fused path's wait for all of K1 first): the delta before the GEMM (the kernel).
         DELTA_FIRST=(mode == FP8 and cfg.block_m >= 64 and num_entries > 2 and split == 1
                      and (wait_k1_first or not pdl)),
-        PREFETCH=prefetch is not None, PF_ROWS=pf_rows, PF_STRIDE=pf_stride, PF_LINES=pf_lines,
+        PREFETCH=pf_when, PF_ROWS=pf_rows, PF_STRIDE=pf_stride, PF_LINES=pf_lines,
         PF_HALF=pf_half, PF_ROW_BYTES=pf_row_bytes,
         PF_BLOCK=cfg.num_warps * 32,  # a line a thread per round
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
@@ -392,7 +392,7 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
         raise ValueError("the expand adds no bias: the GEMM that made y adds it")
     t, n = y.shape
     _tiling.check_gemm_config(cfg, lora)
-    geometry = active_geometry(prefetch, y.device)
+    pf_args = kernel_args(prefetch, y.device)
     grid, partial, counters = _gemm_buffers(workspace, mode, t, n, cfg, y.device, counters)
     w_operand = _w_operand(support, weight, cfg)
     a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]) if a_sorted else a
@@ -402,7 +402,7 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
         per_channel=mode != EXPAND and weight_scale.numel() > 1, pdl=use_pdl(support, pdl),
         wait_codes=wait_codes, warm_l2=warm_l2, traced=trace is not None,
         wait_k1_first=wait_k1_first, a_sorted=a_sorted, has_bias=bias is not None,
-        prefetch=geometry)
+        prefetch=pf_args)
     partial = y if partial is None else partial
     trace = trace_arg(trace, counters, grid[0] * grid[1] * grid[2])
     _, b, _, _ = _slices(lora)
@@ -411,7 +411,7 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
         weight_scale if bias is None else bias, y, h, b[0], b[1], b[2],
         batch.sorted_token_indices, batch.lora_ids, batch.lora_token_start, partial,
         workspace.tile_counters(counters), counters, trace,
-        weight if geometry is None else prefetch.bytes_view()))
+        weight if pf_args is None else prefetch.bytes_view()))
     return y
 
 

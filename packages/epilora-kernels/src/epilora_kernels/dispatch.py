@@ -17,7 +17,7 @@ import torch
 from epilora_kernels import _checks, fused
 from epilora_kernels.arch import DeviceSupport, UnsupportedError, device_support
 from epilora_kernels.batch import MAX_SLICES, AdapterBatch, LoraWeights
-from epilora_kernels.prefetch import L2Prefetch, active_geometry
+from epilora_kernels.prefetch import L2Prefetch, kernel_args
 from epilora_kernels.workspace import Workspace
 
 PATHS = ("decode", "fused", "hybrid", "w8a16")
@@ -188,7 +188,7 @@ def lora_linear(x: torch.Tensor | None, weight: torch.Tensor, weight_scale: torc
     else:
         rows = x
         _checks.check_activations(x)  # the path checks the rest
-    active_geometry(prefetch, rows.device)  # checked on every path, acted on by one
+    kernel_args(prefetch, rows.device)  # checked on every path, acted on by one
     support = device_support(rows.device)
     if path is None:
         path = choose_path(rows.shape[0], batch, support)

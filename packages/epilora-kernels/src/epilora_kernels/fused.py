@@ -33,7 +33,7 @@ from epilora_kernels._launchers import EXPAND, FP8, W8A16
 from epilora_kernels.arch import DeviceSupport, UnsupportedError, device_support
 from epilora_kernels.batch import AdapterBatch, LoraWeights
 from epilora_kernels.launch import DECODE_SHRINK_MAX_TOKENS, LaunchConfig
-from epilora_kernels.prefetch import L2Prefetch, active_geometry
+from epilora_kernels.prefetch import L2Prefetch, kernel_args
 from epilora_kernels.workspace import Workspace, default_workspace, normalized_device
 
 Quantized = tuple[torch.Tensor, torch.Tensor]  # (codes [T, K] fp8, scales [T, 1] fp32)
@@ -415,7 +415,7 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
     if x_quantized is not None and not shrink_codes:
         _checks.check_codes_beside(x, *x_quantized)
     _checks.check_bias(bias, lora.out_features, x.device)
-    active_geometry(prefetch, x.device)  # refused before K1 launches, not after
+    kernel_args(prefetch, x.device)  # refused before K1 launches, not after
     quantize = mode == FP8 and x_quantized is None  # K1 quantizes
     support = _support(x, path)
     if decode and pdl and not (support.pdl or support.interpreter):

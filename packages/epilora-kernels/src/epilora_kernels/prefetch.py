@@ -16,8 +16,14 @@ its K loop from L2. Whole rows for some programs would leave the others, from HB
 kernel's end. (In the plugin's default mode the next GEMM warms nothing itself: its own
 `DECODE_WARM_L2` prefetch runs only while it waits for K1's codes.)
 
+When: `at="end"`, past this GEMM's K loop, so that HBM works during the engine's kernels
+between the two GEMMs (their loads may then wait behind the prefetches); `at="start"`, before
+the K loop, so that the prefetches share this GEMM's stream: at decode sizes the small
+projections' GEMMs are latency-bound (qkv's and o's at about 2 TB/s on the H200, of the ~3.7
+gate_up reaches) and leave HBM room.
+
 Untimed so far (no GPU in the session that built it); the vLLM plugin uses it only where asked
-(`EPILORA_VLLM_PREFETCH_MIB`).
+(`EPILORA_VLLM_PREFETCH_MIB`, `EPILORA_VLLM_PREFETCH_AT`).
 """
 
 import dataclasses
@@ -25,6 +31,7 @@ import dataclasses
 import torch
 
 LINE_BYTES = 128  # what one `prefetch.global.L2` brings in
+WHEN = {"end": 1, "start": 2}  # the kernel's PREFETCH
 SPLIT_ALIGN = 256  # K2's decode K tiles (256 or 512 deep) put a 2-way split's start on this
 # many columns (`_lora_gemm_kernel`: each split `cdiv(cdiv(K, 2), BLOCK_K) * BLOCK_K` deep)
 
@@ -33,10 +40,12 @@ SPLIT_ALIGN = 256  # K2's decode K tiles (256 or 512 deep) put a 2-way split's s
 class L2Prefetch:
     """Pull up to `max_bytes` of `tensor` (the next projection's weight `[N, K]`, rows
     contiguous) into L2 after this projection's weight stream: `max_bytes // N` bytes of every
-    row in whole 128-byte lines, half from the row's start and half from `split_at`."""
+    row in whole 128-byte lines, half from the row's start and half from `split_at`; `at`:
+    past this GEMM's K loop (`end`) or before it (`start`)."""
 
     tensor: torch.Tensor
     max_bytes: int
+    at: str = "end"
 
     def __post_init__(self) -> None:
         tensor, budget = self.tensor, self.max_bytes
@@ -48,6 +57,8 @@ class L2Prefetch:
                              f"(strides {tuple(tensor.stride())})")
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
             raise ValueError(f"max_bytes must be a non-negative int, got {budget!r}")
+        if self.at not in WHEN:
+            raise ValueError(f"at must be one of {tuple(WHEN)}, got {self.at!r}")
 
     @property
     def row_bytes(self) -> int:
@@ -92,10 +103,11 @@ class L2Prefetch:
         return self.tensor.view(torch.uint8)
 
 
-def active_geometry(prefetch: "L2Prefetch | None", device: torch.device
-                    ) -> tuple[int, int, int, int, int] | None:
-    """`prefetch`'s geometry where it pulls in anything, else None; a tensor on another device
-    than the projection's is refused."""
+def kernel_args(prefetch: "L2Prefetch | None", device: torch.device
+                ) -> tuple[int, int, int, int, int, int] | None:
+    """K2's `PREFETCH` and `PF_*` arguments for `prefetch` (when, then its geometry) where it
+    pulls in anything, else None; a tensor on another device than the projection's is
+    refused."""
     if prefetch is None:
         return None
     if not isinstance(prefetch, L2Prefetch):
@@ -105,4 +117,4 @@ def active_geometry(prefetch: "L2Prefetch | None", device: torch.device
         raise ValueError(f"the prefetch's tensor is on {prefetch.tensor.device}, the "
                          f"projection on {device}")
     geometry = prefetch.geometry
-    return geometry if geometry[0] and geometry[2] else None
+    return (WHEN[prefetch.at], *geometry) if geometry[0] and geometry[2] else None

@@ -31,7 +31,7 @@ from epilora_kernels._launchers import FP8, W8A16
 from epilora_kernels.arch import UnsupportedError, device_support
 from epilora_kernels.batch import AdapterBatch, LoraWeights
 from epilora_kernels.dispatch import PATHS, _supports_on, choose_path, lora_linear
-from epilora_kernels.prefetch import L2Prefetch, active_geometry
+from epilora_kernels.prefetch import L2Prefetch, kernel_args
 from epilora_kernels.workspace import Workspace, default_workspace, normalized_device
 
 _BOUND_PATHS = ("decode", "fused", "w8a16")
@@ -89,7 +89,7 @@ class LoraProjection:
         self.weight, self.weight_scale, self.lora, self.workspace = (weight, weight_scale, lora,
                                                                      workspace)
         self.prefetch = prefetch
-        self._prefetch_geometry = active_geometry(prefetch, self.device)
+        self._prefetch_args = kernel_args(prefetch, self.device)
         self._support = support = device_support(device)
         slices = tuple(lora.output_slices)
         self._supported = {path: _supports_on(support, path, lora.in_features, slices,
@@ -167,7 +167,7 @@ class LoraProjection:
         # `fused._linear`'s settings for this call (`fused._plan`), its templates and grids.
         rows = x if x is not None else x_quantized[0]
         t = rows.shape[0]
-        prefetch = self._prefetch_geometry if path == "decode" else None
+        prefetch = self._prefetch_args if path == "decode" else None
         key = (self._shapes, path, t, -1 if x is None else x.stride(0),
                -1 if x_quantized is None else x_quantized[0].stride(0), batch.num_entries,
                biased, prefetch)

@@ -87,6 +87,17 @@ def prefetch_bytes() -> int:
     return int(value) << 20
 
 
+def prefetch_at() -> str:
+    """EPILORA_VLLM_PREFETCH_AT=end|start (default end): when a GEMM pulls the next layer's
+    weight into L2 (with EPILORA_VLLM_PREFETCH_MIB): past its K loop, during the engine's
+    kernels between the two GEMMs, or before it, beside its own weight stream
+    (`epilora_kernels.L2Prefetch`'s `at`)."""
+    value = os.environ.get("EPILORA_VLLM_PREFETCH_AT", "end")
+    if value not in ("end", "start"):
+        raise ValueError(f"EPILORA_VLLM_PREFETCH_AT={value!r}: expected 'end' or 'start'")
+    return value
+
+
 def _switch(name: str) -> bool:
     # An on/off variable, on unless set to 0; any other value is refused.
     value = os.environ.get(name, "1")

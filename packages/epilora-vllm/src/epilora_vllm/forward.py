@@ -41,6 +41,7 @@ class _Mode:
     quantize: str = "kernels"  # EPILORA_VLLM_QUANTIZE (the matched mode: always `kernels`)
     timed: bool = False  # EPILORA_VLLM_DISPATCH=timed (epilora_vllm.dispatch)
     prefetch_bytes: int = 0  # EPILORA_VLLM_PREFETCH_MIB, in bytes (0: off)
+    prefetch_at: str = "end"  # EPILORA_VLLM_PREFETCH_AT
 
     @property
     def vllm_quantizes(self) -> bool:
@@ -145,7 +146,8 @@ class EpiloraForward:
                              "which the op does not get: set EPILORA_VLLM_QUANTIZE=vllm)")
         self.mode = _Mode(matched=matched, path="w8a16" if matched else path,
                           quantize=quantize, timed=timed and not matched,
-                          prefetch_bytes=0 if matched else _env.prefetch_bytes())
+                          prefetch_bytes=0 if matched else _env.prefetch_bytes(),
+                          prefetch_at=_env.prefetch_at())
         if self.mode.timed:
             from vllm.config import get_current_vllm_config
 
@@ -162,7 +164,8 @@ class EpiloraForward:
             key = (str(layer.device), self.lora.in_features, tuple(self.lora.output_slices),
                    self.lora.max_rank, self.lora.max_loras, str(weight.dtype),
                    scale.numel() > 1, self.mode.path, self.mode.quantize, self.mode.matched,
-                   self.served_bias() is not None, self.mode.prefetch_bytes > 0)
+                   self.served_bias() is not None,
+                   self.mode.prefetch_at if self.mode.prefetch_bytes else None)
             self._precompiling = True
             precompile.start(self, key, sizes)
 
@@ -222,7 +225,8 @@ class EpiloraForward:
             return None
         if which == "stand-in":
             weight = self._weights()[0]
-            return ek.L2Prefetch(weight, max(budget, weight.shape[0] * 2 * LINE_BYTES))
+            return ek.L2Prefetch(weight, max(budget, weight.shape[0] * 2 * LINE_BYTES),
+                                 at=self.mode.prefetch_at)
         if following is None or following.layer.device != self.layer.device:
             return None
         weight = following._weights()[0]
@@ -230,7 +234,7 @@ class EpiloraForward:
             return None  # a hint: never a reason to fail a forward
         kept = self._prefetch
         if kept is None or kept.tensor is not weight:
-            kept = self._prefetch = ek.L2Prefetch(weight, budget)
+            kept = self._prefetch = ek.L2Prefetch(weight, budget, at=self.mode.prefetch_at)
         return kept
 
     # -- the batch's adapters ------------------------------------------------------------------
