@@ -84,6 +84,9 @@ def main() -> None:
         wait_early > 0 and 0 <= k2_early.find("prefetch.global.L2") < k2_early.find("mma.sync")
         and k2_early[:wait_early].rfind("prefetch.global.L2")
         < k2_early[:wait_early].rfind("mma.sync"))
+    out["k2_prefetch_evict_last_at_start_only"] = (
+        "prefetch.global.L2::evict_last" in k2_early
+        and "prefetch.global.L2::evict_last" not in k2_next)
     out["k2_no_prefetch_after_mma_without_next"] = (
         k2_pdl.rfind("prefetch.global.L2") < k2_pdl.find("mma.sync"))
     # Split-K at decode: the partial stores and the tile counter's atomic come after the wait

@@ -38,7 +38,8 @@ def test_kernels_compile_for_sm90_with_the_expected_instructions():
     # An L2Prefetch of the next weight: issued past the K loop, before the wait for K1.
     assert found["k2_prefetch_next_after_mma_before_wait"]
     assert found["k2_no_prefetch_after_mma_without_next"]
-    assert found["k2_prefetch_start_before_mma_only"]  # at="start": before the K loop only
+    assert found["k2_prefetch_start_before_mma_only"]  # at="start": before the K loop only,
+    assert found["k2_prefetch_evict_last_at_start_only"]  # its lines evicted last
     # The timeline's clocks (TRACE) are compiled out of every shipped launch.
     assert not any("%globaltimer" in ops for ops in found.values() if isinstance(ops, list))
     # Split-K: partials and the tile counter's acq_rel atomic only after the wait.

@@ -145,10 +145,15 @@ def _fence_proxy_async_global(INTERPRETER: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    # Pull the 128-byte lines at `ptrs` into L2, no registers written.
-    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
+def _prefetch_l2(ptrs, EVICT_LAST: tl.constexpr = False):
+    # Pull the 128-byte lines at `ptrs` into L2, no registers written; EVICT_LAST: as the last
+    # lines L2 evicts for room.
+    if EVICT_LAST:
+        tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2::evict_last [$1];",
+                                  "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l",
+                                  [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -170,7 +175,7 @@ def _next_lines(pf_ptr, first, rows, row_stride, row_lines, half, row_bytes,
 
 @triton.jit
 def _prefetch_next(pf_ptr, rows, row_stride, row_lines, half, row_bytes, BLOCK: tl.constexpr,
-                   record_ptr=None):
+                   EVICT_LAST: tl.constexpr = False, record_ptr=None):
     # Pull the caller's next weight (`epilora_kernels.L2Prefetch`) into L2, its lines dealt
     # to the grid's programs BLOCK at a time in turn: issued after this program's K loop, when
     # its own weight stream is over; nothing is written, nothing waits for it. `record_ptr`
@@ -182,7 +187,7 @@ def _prefetch_next(pf_ptr, rows, row_stride, row_lines, half, row_bytes, BLOCK: 
         ptrs, inside = _next_lines(pf_ptr, first, rows, row_stride, row_lines, half,
                                    row_bytes, BLOCK)
         if record_ptr is None:
-            _prefetch_l2(ptrs)
+            _prefetch_l2(ptrs, EVICT_LAST)
         else:
             tl.store(record_ptr + first + tl.arange(0, BLOCK),
                      ptrs.to(tl.int64) - pf_ptr.to(tl.int64), mask=inside)
@@ -554,8 +559,11 @@ def _lora_gemm_kernel(
 
     if PREFETCH == 2 and not INTERPRETER:
         # The caller's next projection's weight, into L2 beside this GEMM's own stream (a
-        # small projection's decode GEMM is latency-bound and leaves HBM room).
-        _prefetch_next(pf_ptr, PF_ROWS, PF_STRIDE, PF_LINES, PF_HALF, PF_ROW_BYTES, PF_BLOCK)
+        # small projection's decode GEMM is latency-bound and leaves HBM room); evicted last,
+        # so that this GEMM's own lines, read once, make L2's room (its cp.async copies take
+        # no eviction hint in Triton 3.6).
+        _prefetch_next(pf_ptr, PF_ROWS, PF_STRIDE, PF_LINES, PF_HALF, PF_ROW_BYTES, PF_BLOCK,
+                       EVICT_LAST=True)
 
     if WAIT_CODES:
         # The decode path: launched while K1 runs, wait until its quantizing programs have

@@ -20,7 +20,8 @@ When: `at="end"`, past this GEMM's K loop, so that HBM works during the engine's
 between the two GEMMs (their loads may then wait behind the prefetches); `at="start"`, before
 the K loop, so that the prefetches share this GEMM's stream: at decode sizes the small
 projections' GEMMs are latency-bound (qkv's and o's at about 2 TB/s on the H200, of the ~3.7
-gate_up reaches) and leave HBM room.
+gate_up reaches) and leave HBM room. Those lines are marked evicted last
+(`prefetch.global.L2::evict_last`), so that the GEMM's own lines, read once, make the room.
 
 Untimed so far (no GPU in the session that built it); the vLLM plugin uses it only where asked
 (`EPILORA_VLLM_PREFETCH_MIB`, `EPILORA_VLLM_PREFETCH_AT`).
