@@ -46,11 +46,13 @@ def test_half_the_lines_start_where_a_two_way_split_of_k_starts():
     # they find the other half of each row's lines. 3000 columns split at 1536.
     prefetch = ek.L2Prefetch(next_weight(2, 3000), 2 * 4 * LINE_BYTES)
     assert prefetch.split_at == 1536
+    assert prefetch.nbytes == len(prefetch.offsets()) * LINE_BYTES
     assert prefetch.offsets() == [0, 1536, 128, 1664, 3000, 4536, 3128, 4664]
     whole = ek.L2Prefetch(next_weight(1, 3000), 1 << 20)  # the whole row's 23 whole lines
     assert whole.offsets() == [0, 1536, 128, 1664, 256, 1792, 384, 1920, 512, 2048, 640, 2176,
                                768, 2304, 896, 2432, 1024, 2560, 1152, 2688, 1280, 2816, 1408]
     # taken in turn from 0 and from 1536 (the part line at 2944 left out)
+    assert whole.nbytes == 23 * LINE_BYTES
 
 
 def test_the_geometry_is_in_bytes_for_wider_elements_and_strided_rows():

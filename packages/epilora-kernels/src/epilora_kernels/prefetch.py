@@ -96,8 +96,11 @@ class L2Prefetch:
 
     @property
     def nbytes(self) -> int:
-        """The bytes it pulls in."""
-        return len(self.offsets()) * LINE_BYTES
+        """The bytes it pulls in (`len(offsets()) * LINE_BYTES`, counted a row's lines once)."""
+        rows, _, lines, half, row_bytes = self.geometry
+        per_row = sum((line % 2) * half + (line // 2) * LINE_BYTES < row_bytes
+                      for line in range(lines))
+        return rows * per_row * LINE_BYTES
 
     def bytes_view(self) -> torch.Tensor:
         """The tensor as bytes: what the kernel addresses, a byte at a time."""
