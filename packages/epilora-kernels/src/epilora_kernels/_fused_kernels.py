@@ -177,9 +177,9 @@ def _next_lines(pf_ptr, first, rows, row_stride, row_lines, half, row_bytes,
 def _prefetch_next(pf_ptr, rows, row_stride, row_lines, half, row_bytes, BLOCK: tl.constexpr,
                    EVICT_LAST: tl.constexpr = False, record_ptr=None):
     # Pull the caller's next weight (`epilora_kernels.L2Prefetch`) into L2, its lines dealt
-    # to the grid's programs BLOCK at a time in turn: issued after this program's K loop, when
-    # its own weight stream is over; nothing is written, nothing waits for it. `record_ptr`
-    # (tests only): store each line's offset from `pf_ptr` at its number instead.
+    # to the grid's programs BLOCK at a time in turn (K2 calls it past its K loop, or before
+    # it); nothing is written, nothing waits for it. `record_ptr` (tests only): store each
+    # line's offset from `pf_ptr` at its number instead.
     programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
     pid = tl.program_id(0) + tl.num_programs(0) * (
         tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))

@@ -387,7 +387,7 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
               bias: torch.Tensor | None = None, prefetch: L2Prefetch | None = None):
     """K2 with the adapters' epilogue into `y` (MODE EXPAND: y is also its input, and no `bias`:
     the GEMM that made y added it). `counters`: as for `launch_k1`. `prefetch`: the caller's
-    next weight, pulled into L2 after the K loop."""
+    next weight, pulled into L2 past the K loop or before it (its `at`)."""
     if bias is not None and mode == EXPAND:
         raise ValueError("the expand adds no bias: the GEMM that made y adds it")
     t, n = y.shape

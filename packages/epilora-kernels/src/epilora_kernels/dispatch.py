@@ -177,8 +177,8 @@ def lora_linear(x: torch.Tensor | None, weight: torch.Tensor, weight_scale: torc
     `h = s_t (q_t A^T)`. `bias` (`[N]`, bf16 or fp32): the projection's, added to x W^T in
     fp32 before it is rounded, as vLLM's CUTLASS epilogue adds it (the hybrid path: by its
     default base GEMM; a caller's `base_gemm` adds its own). `prefetch` (`L2Prefetch`): the
-    caller's next projection's weight, pulled into L2 by the decode path's GEMM after its own
-    weight stream (a hint the other paths ignore; the same bits either way)."""
+    caller's next projection's weight, pulled into L2 by the decode path's GEMM (a hint the
+    other paths ignore; the same bits either way)."""
     _check_no_bias_beside(base_gemm, bias)  # on every path: the answer is the same
     if x is None:
         if x_quantized is None:

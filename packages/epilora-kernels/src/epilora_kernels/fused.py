@@ -257,7 +257,8 @@ def decode_lora_fp8_linear(
     vLLM's CUTLASS epilogue adds a biased projection's (Qwen2's qkv); likewise in every path.
 
     `prefetch` (an `L2Prefetch` of the caller's next projection's weight): K2's programs pull
-    it into L2 after their K loop, for the next GEMM (the same bits either way)."""
+    it into L2 past their K loop or before it (its `at`), for the next GEMM (the same bits
+    either way)."""
     return _linear(FP8, x, weight, weight_scale, lora, batch, k1_config, k2_config,
                    decode=True, pdl=pdl, workspace=workspace, x_quantized=x_quantized,
                    bias=bias, prefetch=prefetch)
@@ -364,10 +365,10 @@ def _k2_config(support, mode, a_dtype, weight, weight_scale, lora, batch, given,
     # K2's settings: given, else the table's or the heuristic's; at the decode token counts
     # (16- and 32-row tiles) then fitted to the device's waves unless tuned on this very shape
     # (`_launchers.fit_k2_waves`, which loads the compiled candidates, in the variant that will
-    # launch, on the weight's device; without an L2Prefetch, whose few registers come after the
-    # K loop: a call with one takes the same tiles, so the same bits, as one without). Every
-    # path that launches K2 asks here, so K2 alone and
-    # inside a fused call take the same tiles and give the same bits (the same compiled variant
+    # launch, on the weight's device; without an L2Prefetch, a few registers outside the K
+    # loop: a call with one takes the same tiles, so the same bits, as one without). Every path
+    # that launches K2 asks here, so K2 alone and inside a fused call take the same tiles and
+    # give the same bits (the same compiled variant
     # is fitted up to 32 tokens, where the fused call launches without PDL; beyond, only a
     # tuner entry of 16- or 32-row tiles could be fitted differently).
     cfg = _tiling.gemm_config(support, batch, lora, given)
