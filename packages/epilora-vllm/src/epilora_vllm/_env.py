@@ -78,9 +78,9 @@ def tune() -> bool:
 
 def prefetch_bytes() -> int:
     """EPILORA_VLLM_PREFETCH_MIB (0, the default: off): at decode sizes each served projection's
-    GEMM pulls up to this many MiB of the next served projection's weight into L2 after its own
-    weight stream (`epilora_kernels.L2Prefetch`; the first lines of every row). Off until an
-    H200 run has timed it."""
+    GEMM pulls up to this many MiB of the next served projection's weight into L2
+    (`epilora_kernels.L2Prefetch`: lines of every row; when: EPILORA_VLLM_PREFETCH_AT). Off
+    until an H200 run has timed it."""
     value = os.environ.get("EPILORA_VLLM_PREFETCH_MIB", "0")
     if not value.isdigit():
         raise ValueError(f"EPILORA_VLLM_PREFETCH_MIB={value!r}: expected a whole number of MiB")
