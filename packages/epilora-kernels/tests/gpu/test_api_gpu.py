@@ -528,9 +528,11 @@ def test_a_projection_gives_the_bits_of_lora_linear_eager_and_in_a_graph(path, k
         assert workspace.is_clean()
 
 
-@pytest.mark.parametrize("budget_mib", [1, 24, 200])  # a few lines a row, 24 MiB, past L2
+@pytest.mark.parametrize("at", ["end", "start"])
+@pytest.mark.parametrize("budget_mib", [4, 24, 200])  # a line a row, 24 MiB, past L2
 @pytest.mark.parametrize("tokens", [1, 16, 32])
-def test_a_decode_call_that_prefetches_the_next_weight_gives_the_same_bits(tokens, budget_mib):
+def test_a_decode_call_that_prefetches_the_next_weight_gives_the_same_bits(tokens, budget_mib,
+                                                                          at):
     # L2Prefetch only changes what L2 holds: the decode path with it gives the bits of the call
     # without it, through lora_linear and a bound projection, eager and in a CUDA graph replayed
     # many times back to back (the next weight: Qwen3-8B's gate_up, 96 MiB; after it, down).
@@ -539,7 +541,7 @@ def test_a_decode_call_that_prefetches_the_next_weight_gives_the_same_bits(token
     codes, scales, _ = exact_codes(22, tokens, 4096, device=CUDA)
     quantized = (codes, scales)
     following = torch.zeros(24576, 4096, dtype=torch.float8_e4m3fn, device=CUDA)
-    prefetch = ek.L2Prefetch(following, budget_mib << 20)
+    prefetch = ek.L2Prefetch(following, budget_mib << 20, at=at)
     assert prefetch.nbytes > 0
     want = ek.lora_linear(None, weight, w_scale, lora, batch, path="decode",
                           x_quantized=quantized)
