@@ -42,6 +42,13 @@ Variants (`--variants`):
   path) on the H200 at ac26b6b (the kernels as at ccc1e70); 32x64 at f715d55's layer page
   lost 2-5% on the decode path at 16 and 32.
 
+* `decode-prefill`: the decode path at every token count, prefill included. There K2 waits only
+  for K1's quantizing programs before its K loop (their count) and for the shrink before its
+  epilogue, where the fused path's K2 waits for all of K1 first: at 2048 tokens on Qwen3-8B's
+  shapes K1 took 141 us, 59 of them what our quantizer alone takes (docs/kernels.md,
+  "Prefill"), so the shrink's ~80 us could overlap K2's compute-bound loop. The prefill misses
+  its quarter of vLLM's added time in most cells (`--tokens 256 512 2048 4096`).
+
 * `prefetch-8`, `prefetch-24`: each projection's decode GEMM pulls up to 8 or 24 MiB of the
   next projection's weight into L2 past its K loop (`epilora_kernels.L2Prefetch`; down's next
   is qkv, the next layer's); `prefetch-start-24`: 24 MiB before its K loop, beside its own
@@ -125,6 +132,11 @@ def decode_path():
                                                 launch.DECODE_SHRINK_MAX_TOKENS))
 
 
+def decode_everywhere():
+    return _made_again_around(mock.patch.multiple(
+        dispatch, DECODE_MAX_TOKENS=1 << 30, DECODE_MAX_TOKENS_ONE_SLOT=1 << 30))
+
+
 def heuristic():
     return _made_again_around(mock.patch.dict(os.environ, {"EPILORA_LAUNCH_TABLES": "0"}))
 
@@ -168,7 +180,8 @@ def k1_split_by(times: float, most: int, rank_tile: int):
 VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "heuristic-deep-k": heuristic_deep_k, "k1-light": k1_split_by(2, 32, 32),
             "k1-lighter": k1_split_by(4, 64, 16), "k1-heavier": k1_split_by(0.5, 32, 128),
-            "k1-heaviest": k1_split_by(0.25, 32, 128), "decode-path": decode_path}
+            "k1-heaviest": k1_split_by(0.25, 32, 128), "decode-path": decode_path,
+            "decode-prefill": decode_everywhere}
 
 
 PREFETCH_MIB = {"prefetch-8": (8, "end"), "prefetch-24": (24, "end"),
