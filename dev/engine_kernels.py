@@ -37,6 +37,8 @@ SYSTEMS = {
     "epilora-prefetch-24": ("epilora", {"EPILORA_VLLM_PREFETCH_MIB": "24"}),
     "epilora-prefetch-start-24": ("epilora", {"EPILORA_VLLM_PREFETCH_MIB": "24",
                                               "EPILORA_VLLM_PREFETCH_AT": "start"}),
+    # the decode path's K1 as the programmatic dependent of the kernel before it
+    "epilora-after-previous": ("epilora", {"EPILORA_DECODE_AFTER_PREVIOUS": "1"}),
     "vllm-dual-stream": ("vllm-dual-stream", {}),
 }
 

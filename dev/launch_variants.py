@@ -49,6 +49,12 @@ Variants (`--variants`):
   "Prefill"), so the shrink's ~80 us could overlap K2's compute-bound loop. The prefill misses
   its quarter of vLLM's added time in most cells (`--tokens 256 512 2048 4096`).
 
+* `after-previous`: the decode path's K1 launched as the programmatic dependent of the kernel
+  before it (EPILORA_DECODE_AFTER_PREVIOUS=1), so that K1's launch and K2's overlap that
+  kernel's end (the timeline: K2 starts 1.3-1.5 us after K1, K1 about 1.2 us after the kernel
+  before; docs/kernels.md, "The decode path in one kernel (removed)", for the timeline). Give
+  `--gap-us` so that a kernel other than ours precedes each K1, as in an engine.
+
 * `prefetch-8`, `prefetch-24`: each projection's decode GEMM pulls up to 8 or 24 MiB of the
   next projection's weight into L2 past its K loop (`epilora_kernels.L2Prefetch`; down's next
   is qkv, the next layer's); `prefetch-start-24`: 24 MiB before its K loop, beside its own
@@ -137,6 +143,11 @@ def decode_everywhere():
         dispatch, DECODE_MAX_TOKENS=1 << 30, DECODE_MAX_TOKENS_ONE_SLOT=1 << 30))
 
 
+def after_previous():
+    return _made_again_around(mock.patch.dict(os.environ,
+                                              {"EPILORA_DECODE_AFTER_PREVIOUS": "1"}))
+
+
 def heuristic():
     return _made_again_around(mock.patch.dict(os.environ, {"EPILORA_LAUNCH_TABLES": "0"}))
 
@@ -181,7 +192,7 @@ VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "heuristic-deep-k": heuristic_deep_k, "k1-light": k1_split_by(2, 32, 32),
             "k1-lighter": k1_split_by(4, 64, 16), "k1-heavier": k1_split_by(0.5, 32, 128),
             "k1-heaviest": k1_split_by(0.25, 32, 128), "decode-path": decode_path,
-            "decode-prefill": decode_everywhere}
+            "decode-prefill": decode_everywhere, "after-previous": after_previous}
 
 
 PREFETCH_MIB = {"prefetch-8": (8, "end"), "prefetch-24": (24, "end"),

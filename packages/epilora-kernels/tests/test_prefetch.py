@@ -141,3 +141,4 @@ def test_a_prefetch_on_another_device_is_refused_before_any_launch(monkeypatch):
     with pytest.raises(ValueError, match="must be an epilora_kernels.L2Prefetch"):
         ek.lora_linear(x, weight, w_scale, lora, batch, prefetch=weight)
     assert not launched
+

@@ -20,3 +20,11 @@ def cache_dir() -> str:
     default = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
                            "epilora", "kernels")
     return os.environ.get("EPILORA_CACHE_DIR") or default
+
+
+def decode_after_previous() -> bool:
+    """EPILORA_DECODE_AFTER_PREVIOUS=1 (default 0, untimed): the decode path's K1 is launched as
+    the programmatic dependent of whatever kernel precedes it on the stream, so that its launch
+    and K2's overlap that kernel's end (`fused.decode_lora_fp8_linear`). The kernel before
+    must not write the batch's metadata (K1 reads it before waiting for that kernel)."""
+    return os.environ.get("EPILORA_DECODE_AFTER_PREVIOUS", "0") == "1"

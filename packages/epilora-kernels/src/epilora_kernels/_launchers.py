@@ -212,12 +212,17 @@ def k1_buffers(t: int, k: int, lora: LoraWeights, cfg: LaunchConfig, *, quantize
 def k1_template(support: DeviceSupport, lora: LoraWeights, num_entries: int, cfg: LaunchConfig,
                 *, stride_x: int, quantize: bool, signal_codes: bool, codes_sorted: bool,
                 pdl: bool, traced: bool, h_dtype: torch.dtype,
-                x_codes: bool) -> _fast_launch.Template:
-    """K1's launch template (slots `_K1_SLOTS`) for these settings, made once."""
+                x_codes: bool, after_previous: bool = False) -> _fast_launch.Template:
+    """K1's launch template (slots `_K1_SLOTS`) for these settings, made once.
+    `after_previous`: launched as the programmatic dependent of the kernel before it
+    (EPILORA_DECODE_AFTER_PREVIOUS). `signal_codes` without quantizing (the caller's codes,
+    K2 waiting on the count all the same): its first program counts every row at once."""
     k, rank, s_count = lora.in_features, lora.max_rank, len(lora.output_slices)
     interpreter = support.interpreter
+    after_previous = after_previous and use_pdl(support, pdl)  # the interpreter: in order
     key = (k, stride_x, rank, s_count, num_entries, cfg, quantize, signal_codes,
-           codes_sorted, use_pdl(support, pdl), traced, h_dtype, x_codes, interpreter)
+           codes_sorted, use_pdl(support, pdl), traced, h_dtype, x_codes, interpreter,
+           after_previous)
     template = _K1_TEMPLATES.get(key)
     if template is None:
         fixed = dict(
@@ -230,8 +235,11 @@ def k1_template(support: DeviceSupport, lora: LoraWeights, num_entries: int, cfg
             ENTRIES_BLOCK=_tiling.next_power_of_2(num_entries),
             USE_PDL=use_pdl(support, pdl), TRACE=traced,
             H_BF16=h_dtype == torch.bfloat16, X_CODES=x_codes,
+            AFTER_PREVIOUS=after_previous, RELEASE_ROWS=signal_codes and not quantize,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+        if after_previous:
+            fixed["launch_pdl"] = True
         template = _keep_template(_K1_TEMPLATES, key, _fast_launch.Template(
             _quantize_shrink_kernel, fixed, _K1_SLOTS))
     return template
@@ -247,11 +255,12 @@ def launch_k1(support: DeviceSupport, workspace: Workspace, x, lora: LoraWeights
               batch: AdapterBatch, cfg: LaunchConfig, *, quantize: bool, pdl: bool = False,
               signal_codes: bool = False, trace: torch.Tensor | None = None,
               codes_sorted: bool = False, h_dtype: torch.dtype = torch.float32,
-              x_scales: torch.Tensor | None = None, counters: torch.Tensor | None = None):
+              x_scales: torch.Tensor | None = None, counters: torch.Tensor | None = None,
+              after_previous: bool = False):
     """K1: `(codes, scales, h)` (codes and scales None without `quantize`). With `x_scales`,
     x is per-token FP8 codes and those their scales: the shrink reads them (no quantizing).
     `counters`: the workspace's buffer, where the caller already asked it for this launch's
-    tiles (`Workspace.counters`)."""
+    tiles (`Workspace.counters`). `after_previous`: as `k1_template` takes it."""
     if x_scales is not None and quantize:
         raise ValueError("K1 quantizes bf16 activations: codes (x_scales given) need none")
     t, k = x.shape
@@ -260,7 +269,8 @@ def launch_k1(support: DeviceSupport, workspace: Workspace, x, lora: LoraWeights
     template = k1_template(support, lora, batch.num_entries, cfg, stride_x=x.stride(0),
                            quantize=quantize, signal_codes=signal_codes,
                            codes_sorted=codes_sorted, pdl=pdl, traced=trace is not None,
-                           h_dtype=h_dtype, x_codes=x_scales is not None)
+                           h_dtype=h_dtype, x_codes=x_scales is not None,
+                           after_previous=after_previous)
     grid = k1_grid(t, lora, batch, cfg, quantize=quantize)
     a, _, _, _ = _slices(lora)
     if counters is None:

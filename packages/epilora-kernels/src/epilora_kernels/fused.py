@@ -28,7 +28,7 @@ import dataclasses
 
 import torch
 
-from epilora_kernels import _checks, _launchers, _tiling
+from epilora_kernels import _checks, _env, _launchers, _tiling
 from epilora_kernels._launchers import EXPAND, FP8, W8A16
 from epilora_kernels.arch import DeviceSupport, UnsupportedError, device_support
 from epilora_kernels.batch import AdapterBatch, LoraWeights
@@ -424,8 +424,13 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
                                f"{support.arch}: use fused_lora_fp8_linear or pdl=False")
     workspace = _workspace(workspace, x.device)
     t = x.shape[0]
-    # Only a quantizing K1 counts rows: a K2 waiting for a count nobody makes would spin forever.
-    counted = pdl and quantize and not wait_k1_first
+    # EPILORA_DECODE_AFTER_PREVIOUS: K1 launched as the programmatic dependent of the kernel
+    # before it, so K2 may start before that kernel (the caller's codes' maker) is done: it
+    # waits on K1's count of ready rows, which K1 makes once past its wait.
+    after_previous = decode and pdl and _env.decode_after_previous()
+    # Only a K1 that counts rows (quantizing, or after_previous) makes K2 wait for the count: a
+    # K2 waiting for a count nobody makes would spin forever.
+    counted = pdl and (quantize or after_previous) and not wait_k1_first
     cfg1, cfg2, tiles, a_sorted, h_dtype = _plan(
         support, mode, x, weight, weight_scale, lora, batch, k1_config, k2_config,
         decode=decode, quantize=quantize, pdl=pdl, counted=counted, warm_l2=warm_l2,
@@ -441,7 +446,7 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
                                             signal_codes=counted, trace=traces[0],
                                             codes_sorted=a_sorted, h_dtype=h_dtype,
                                             x_scales=x_quantized[1] if shrink_codes else None,
-                                            counters=counters)
+                                            counters=counters, after_previous=after_previous)
     a, a_scale = ((codes, scales) if quantize else x_quantized if mode == FP8
                   else (x, weight_scale))
     try:

@@ -26,7 +26,7 @@ import itertools
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from epilora_kernels import _checks, _launchers, _tiling, fused
+from epilora_kernels import _checks, _env, _launchers, _tiling, fused
 from epilora_kernels._launchers import FP8, W8A16
 from epilora_kernels.arch import UnsupportedError, device_support
 from epilora_kernels.batch import AdapterBatch, LoraWeights
@@ -168,15 +168,16 @@ class LoraProjection:
         rows = x if x is not None else x_quantized[0]
         t = rows.shape[0]
         prefetch = self._prefetch_args if path == "decode" else None
+        after_previous = path == "decode" and _env.decode_after_previous()
         key = (self._shapes, path, t, -1 if x is None else x.stride(0),
                -1 if x_quantized is None else x_quantized[0].stride(0), batch.num_entries,
-               biased, prefetch)
+               biased, prefetch, after_previous)
         step = _STEPS.get(key)
         if step is not None:
             return step
         mode, decode, pdl, wait_k1_first = _flags(path, t)
         quantize = mode == FP8 and x_quantized is None
-        counted = pdl and quantize and not wait_k1_first
+        counted = pdl and (quantize or after_previous) and not wait_k1_first  # fused._linear's
         support, lora = self._support, self.lora
         cfg1, cfg2, tiles, a_sorted, h_dtype = fused._plan(
             support, mode, rows, self.weight, self.weight_scale, lora, batch, None, None,
@@ -191,7 +192,8 @@ class LoraProjection:
             k1=_launchers.k1_template(
                 support, lora, batch.num_entries, cfg1, stride_x=rows.stride(0),
                 quantize=quantize, signal_codes=counted, codes_sorted=a_sorted, pdl=pdl,
-                traced=False, h_dtype=h_dtype, x_codes=x is None),
+                traced=False, h_dtype=h_dtype, x_codes=x is None,
+                after_previous=after_previous),
             k2=_launchers.k2_template(
                 support, mode, lora, batch.num_entries, cfg2,
                 stride_a=stride_a,

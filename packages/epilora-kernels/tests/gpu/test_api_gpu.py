@@ -559,3 +559,48 @@ def test_a_decode_call_that_prefetches_the_next_weight_gives_the_same_bits(token
     torch.cuda.synchronize()
     assert_bitwise_equal(out, want, name="graph replays with a prefetch")
     assert workspace.is_clean()
+
+
+@pytest.mark.parametrize("operands", ["codes", "x"])
+def test_k1_after_the_kernel_before_reads_what_that_kernel_wrote_over_many_replays(
+        operands, monkeypatch):
+    # EPILORA_DECODE_AFTER_PREVIOUS=1: K1 (and through it K2) may start while the kernel
+    # before it runs. Here that kernel writes the very activations the call reads (a copy
+    # into the input buffer, as an engine's norm writes its codes), in one CUDA graph with
+    # eight such pairs over different inputs, replayed 300 times: every output the bits of
+    # the call made alone, so no K1 or K2 read an input before the copy was done.
+    monkeypatch.setenv("EPILORA_DECODE_AFTER_PREVIOUS", "1")
+    _, _, _, weight, w_scale, _, lora, batch = make_integer_problem(
+        23, 4, 4096, (4096, 1024, 1024), 64, 4, "mixed_with_base", device=CUDA)
+    inputs = [exact_codes(23 + i, 4, 4096, device=CUDA) for i in range(8)]
+    monkeypatch.delenv("EPILORA_DECODE_AFTER_PREVIOUS")
+    wants = [ek.lora_linear(None if operands == "codes" else x, weight, w_scale, lora, batch,
+                            path="decode", x_quantized=(codes, scales) if operands == "codes"
+                            else None) for codes, scales, x in inputs]
+    monkeypatch.setenv("EPILORA_DECODE_AFTER_PREVIOUS", "1")
+    codes_in = torch.empty_like(inputs[0][0])
+    scales_in = torch.empty_like(inputs[0][1])
+    x_in = torch.empty_like(inputs[0][2])
+    workspace = ek.Workspace.for_batches(CUDA, max_tokens=4, max_out_features=6144,
+                                         max_rank=64, max_loras=4)
+    bound = ek.LoraProjection(weight, w_scale, lora, workspace=workspace)
+
+    def pairs():
+        outs = []
+        for codes, scales, x in inputs:
+            if operands == "codes":
+                codes_in.copy_(codes)
+                scales_in.copy_(scales)
+                outs.append(bound(None, batch, path="decode", x_quantized=(codes_in, scales_in)))
+            else:
+                x_in.copy_(x)
+                outs.append(bound(x_in, batch, path="decode"))
+        return outs
+
+    graph, outs = capture(pairs)
+    for _ in range(300):
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (out, want) in enumerate(zip(outs, wants, strict=True)):
+            assert_bitwise_equal(out, want, name=f"pair {i}")
+    assert workspace.is_clean()
