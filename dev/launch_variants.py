@@ -50,10 +50,10 @@ Variants (`--variants`):
   its quarter of vLLM's added time in most cells (`--tokens 256 512 2048 4096`).
 
 * `after-previous`: the decode path's K1 launched as the programmatic dependent of the kernel
-  before it (EPILORA_DECODE_AFTER_PREVIOUS=1), so that K1's launch and K2's overlap that
-  kernel's end (the timeline: K2 starts 1.3-1.5 us after K1, K1 about 1.2 us after the kernel
-  before; docs/kernels.md, "The decode path in one kernel (removed)", for the timeline). Give
-  `--gap-us` so that a kernel other than ours precedes each K1, as in an engine.
+  before it (EPILORA_DECODE_AFTER_PREVIOUS=1), so that K1's launch overlaps that kernel's end
+  (the committed timeline: each projection starts 1.1-1.2 us after the one before; docs/
+  kernels.md, Next steps 8). Give `--gap-us` so that a kernel other than ours precedes each
+  K1, as in an engine.
 
 * `prefetch-8`, `prefetch-24`: each projection's decode GEMM pulls up to 8 or 24 MiB of the
   next projection's weight into L2 past its K loop (`epilora_kernels.L2Prefetch`; down's next

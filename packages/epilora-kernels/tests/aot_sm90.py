@@ -90,26 +90,27 @@ def main() -> None:
     out["k2_no_prefetch_after_mma_without_next"] = (
         k2_pdl.rfind("prefetch.global.L2") < k2_pdl.find("mma.sync"))
     # EPILORA_DECODE_AFTER_PREVIOUS=1: K1 waits for the kernel before it (griddepcontrol.wait)
-    # after triggering K2 and before any load, store or atomic; on the caller's codes it then counts
-    # the rows ready (a release), which K2 acquires before its MMAs.
+    # before anything else, K2's trigger included: no load, store or atomic before the wait.
     import os
 
     os.environ["EPILORA_DECODE_AFTER_PREVIOUS"] = "1"
     try:
-        k1_after, k2_after = ptx_of(lambda: fused.decode_lora_fp8_linear(
+        k1_after_codes, _ = ptx_of(lambda: fused.decode_lora_fp8_linear(
             None, weight, w_scale, lora, batch, k1_config=K1, k2_config=K2,
             x_quantized=codes_given))
+        k1_after_x, _ = ptx_of(lambda: fused.decode_lora_fp8_linear(
+            x, weight, w_scale, lora, batch, k1_config=K1, k2_config=K2))
     finally:
         del os.environ["EPILORA_DECODE_AFTER_PREVIOUS"]
-    k1_wait = k1_after.find("griddepcontrol.wait")
-    out["k1_after_previous_order"] = (
-        0 <= k1_after.find("griddepcontrol.launch_dependents") < k1_wait
-        < k1_after.find("atom.global.gpu.release")
-        and not any(op in k1_after[:k1_wait] for op in ("st.global", "atom.", "ld.global",
-                                                         "cp.async")))
+
+    def waits_first(ptx: str) -> bool:
+        wait = ptx.find("griddepcontrol.wait")
+        return 0 <= wait < ptx.find("griddepcontrol.launch_dependents") and not any(
+            op in ptx[:wait] for op in ("ld.global", "st.global", "atom.", "cp.async"))
+
+    out["k1_after_previous_waits_first"] = (waits_first(k1_after_codes)
+                                            and waits_first(k1_after_x))
     out["k1_waits_only_after_previous"] = "griddepcontrol.wait" not in k1_pdl
-    out["k2_after_previous_acquires_before_mma"] = (
-        0 <= k2_after.find("ld.global.gpu.acquire") < k2_after.find("mma.sync"))
     # Split-K at decode: the partial stores and the tile counter's atomic come after the wait
     # (before it, the same counter atomics as without split-K).
     k2_split = ptx_of(lambda: fused.decode_lora_fp8_linear(

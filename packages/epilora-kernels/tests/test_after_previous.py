@@ -1,6 +1,7 @@
 """EPILORA_DECODE_AFTER_PREVIOUS=1: the decode path's K1 launched as the programmatic dependent
-of the kernel before it on the stream (on the GPU; the interpreter runs launches in order, so
-this checks the counts and the results, and test_compile_sm90.py the PTX's order)."""
+of the kernel before it on the stream (on the GPU; the interpreter has no PDL and runs launches
+in order, so this checks the setting's plumbing through every entry point, the results and the
+counters, and test_compile_sm90.py the PTX's order)."""
 
 import pytest
 
@@ -14,10 +15,9 @@ from kernel_cases import make_problem
 @pytest.mark.parametrize("tokens", [1, 9, 40])
 def test_k1_after_the_kernel_before_gives_the_same_bits_and_leaves_the_counters_at_rest(
         tokens, operands, monkeypatch):
-    # With the caller's codes K2 then waits on K1's count of ready rows, all made at once by
-    # K1's first program: the same bits as without, through lora_linear and a bound
-    # projection, and the counters at rest after each call (a count left set would let the
-    # next call's K2 pass its wait early).
+    # The same bits as without, through lora_linear and a bound projection, and the counters
+    # at rest after each call (a count left set would let the next call's K2 pass its wait
+    # early).
     x, weight, w_scale, lora, batch = make_problem(33, tokens, 64, (32, 16, 16), 16, 3,
                                                    "mixed_with_base")
     quantized = None if operands == "x" else ek.quantize(x)

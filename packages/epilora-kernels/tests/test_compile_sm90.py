@@ -40,11 +40,10 @@ def test_kernels_compile_for_sm90_with_the_expected_instructions():
     assert found["k2_no_prefetch_after_mma_without_next"]
     assert found["k2_prefetch_start_before_mma_only"]  # at="start": before the K loop only,
     assert found["k2_prefetch_evict_last_at_start_only"]  # its lines evicted last
-    # K1 after the kernel before (EPILORA_DECODE_AFTER_PREVIOUS): it waits for that kernel
-    # before any load, store or atomic, then counts the caller's codes ready for K2, which acquires
-    # the count before its MMAs; without the setting K1 waits for nothing.
-    assert found["k1_after_previous_order"] and found["k1_waits_only_after_previous"]
-    assert found["k2_after_previous_acquires_before_mma"]
+    # K1 after the kernel before (EPILORA_DECODE_AFTER_PREVIOUS), on x and on the caller's
+    # codes: it waits for that kernel before any load, store or atomic and before triggering
+    # K2; without the setting K1 waits for nothing.
+    assert found["k1_after_previous_waits_first"] and found["k1_waits_only_after_previous"]
     # The timeline's clocks (TRACE) are compiled out of every shipped launch.
     assert not any("%globaltimer" in ops for ops in found.values() if isinstance(ops, list))
     # Split-K: partials and the tile counter's acq_rel atomic only after the wait.

@@ -332,28 +332,23 @@ def _quantize_shrink_kernel(
     QUANT_BLOCK: tl.constexpr, INTERPRETER: tl.constexpr, ENTRIES_BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr = False, TRACE: tl.constexpr = False,
     H_BF16: tl.constexpr = False, X_CODES: tl.constexpr = False,
-    AFTER_PREVIOUS: tl.constexpr = False, RELEASE_ROWS: tl.constexpr = False,
+    AFTER_PREVIOUS: tl.constexpr = False,
 ):
     # X_CODES: x is the caller's per-token FP8 codes (scales at `scales_ptr`), not bf16: the
     # shrink widens them to bf16 (exact) and scales each row's sum, h = s_t * (q_t A^T), so an
     # engine need not keep the bf16 activations its compiler fused into the quantization.
     _stamp(trace_ptr, 0, TRACE)
+    if AFTER_PREVIOUS:
+        # Launched as the programmatic dependent of the kernel before it on the stream, so that
+        # this launch overlaps that kernel's end: wait for it before anything else, and let K2
+        # launch only after (K2 reads the caller's codes, and the counters, before its own
+        # wait: everything before K1 must be done by then).
+        tl.extra.cuda.gdc_wait()
     if USE_PDL:
         # The decode path: let the GEMM launched after us (our programmatic dependent) start
         # now; it waits for our codes (SIGNAL_CODES) before its K loop and for h before its
         # epilogue.
         tl.extra.cuda.gdc_launch_dependents()
-    if AFTER_PREVIOUS:
-        # Launched as the programmatic dependent of the kernel before it on the stream (its
-        # launch, and K2's, overlapping that kernel's end): wait for it before any read of
-        # what it may have written (x, the codes) and before any write (our buffers may be
-        # memory it was still reading).
-        tl.extra.cuda.gdc_wait()
-    if RELEASE_ROWS:
-        # The caller's codes (no quantizing programs) with K2 waiting on the count of ready
-        # rows before its K loop (K1 launched after the kernel before): every row at once.
-        if tl.program_id(0) == 0:
-            tl.atomic_add(ready_ptr, T, sem="release", scope="gpu")
     pid = tl.program_id(0)
     if QUANTIZE:
         if pid < T:

@@ -214,9 +214,8 @@ def k1_template(support: DeviceSupport, lora: LoraWeights, num_entries: int, cfg
                 pdl: bool, traced: bool, h_dtype: torch.dtype,
                 x_codes: bool, after_previous: bool = False) -> _fast_launch.Template:
     """K1's launch template (slots `_K1_SLOTS`) for these settings, made once.
-    `after_previous`: launched as the programmatic dependent of the kernel before it
-    (EPILORA_DECODE_AFTER_PREVIOUS). `signal_codes` without quantizing (the caller's codes,
-    K2 waiting on the count all the same): its first program counts every row at once."""
+    `after_previous`: launched as the programmatic dependent of the kernel before it, which
+    it waits for before anything else, K2's trigger included (EPILORA_DECODE_AFTER_PREVIOUS)."""
     k, rank, s_count = lora.in_features, lora.max_rank, len(lora.output_slices)
     interpreter = support.interpreter
     after_previous = after_previous and use_pdl(support, pdl)  # the interpreter: in order
@@ -235,7 +234,7 @@ def k1_template(support: DeviceSupport, lora: LoraWeights, num_entries: int, cfg
             ENTRIES_BLOCK=_tiling.next_power_of_2(num_entries),
             USE_PDL=use_pdl(support, pdl), TRACE=traced,
             H_BF16=h_dtype == torch.bfloat16, X_CODES=x_codes,
-            AFTER_PREVIOUS=after_previous, RELEASE_ROWS=signal_codes and not quantize,
+            AFTER_PREVIOUS=after_previous,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if after_previous:

@@ -425,12 +425,10 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
     workspace = _workspace(workspace, x.device)
     t = x.shape[0]
     # EPILORA_DECODE_AFTER_PREVIOUS: K1 launched as the programmatic dependent of the kernel
-    # before it, so K2 may start before that kernel (the caller's codes' maker) is done: it
-    # waits on K1's count of ready rows, which K1 makes once past its wait.
+    # before it (which it waits for before triggering K2).
     after_previous = decode and pdl and _env.decode_after_previous()
-    # Only a K1 that counts rows (quantizing, or after_previous) makes K2 wait for the count: a
-    # K2 waiting for a count nobody makes would spin forever.
-    counted = pdl and (quantize or after_previous) and not wait_k1_first
+    # Only a quantizing K1 counts rows: a K2 waiting for a count nobody makes would spin forever.
+    counted = pdl and quantize and not wait_k1_first
     cfg1, cfg2, tiles, a_sorted, h_dtype = _plan(
         support, mode, x, weight, weight_scale, lora, batch, k1_config, k2_config,
         decode=decode, quantize=quantize, pdl=pdl, counted=counted, warm_l2=warm_l2,

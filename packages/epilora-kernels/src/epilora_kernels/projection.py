@@ -177,7 +177,7 @@ class LoraProjection:
             return step
         mode, decode, pdl, wait_k1_first = _flags(path, t)
         quantize = mode == FP8 and x_quantized is None
-        counted = pdl and (quantize or after_previous) and not wait_k1_first  # fused._linear's
+        counted = pdl and quantize and not wait_k1_first
         support, lora = self._support, self.lora
         cfg1, cfg2, tiles, a_sorted, h_dtype = fused._plan(
             support, mode, rows, self.weight, self.weight_scale, lora, batch, None, None,

@@ -6,6 +6,8 @@ for bit with the serialized launch's)."""
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import epilora_kernels as ek
 from epilora_kernels import reference
@@ -561,44 +563,68 @@ def test_a_decode_call_that_prefetches_the_next_weight_gives_the_same_bits(token
     assert workspace.is_clean()
 
 
+
+@triton.jit
+def _early_trigger_slow_copy(src_ptr, dst_ptr, n, SPIN_NS: tl.constexpr, BLOCK: tl.constexpr):
+    # An adversarial kernel before K1: it lets its programmatic dependents launch at once,
+    # spins SPIN_NS, and only then writes (bytes). A dependent that read before waiting for it
+    # (griddepcontrol.wait) would read the previous replay's inputs.
+    tl.extra.cuda.gdc_launch_dependents()
+    start = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                      is_pure=False, pack=1)
+    now = start
+    while now - start < SPIN_NS:
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [],
+                                        dtype=tl.int64, is_pure=False, pack=1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
+
+
 @pytest.mark.parametrize("operands", ["codes", "x"])
-def test_k1_after_the_kernel_before_reads_what_that_kernel_wrote_over_many_replays(
-        operands, monkeypatch):
-    # EPILORA_DECODE_AFTER_PREVIOUS=1: K1 (and through it K2) may start while the kernel
-    # before it runs. Here that kernel writes the very activations the call reads (a copy
-    # into the input buffer, as an engine's norm writes its codes), in one CUDA graph with
-    # eight such pairs over different inputs, replayed 300 times: every output the bits of
-    # the call made alone, so no K1 or K2 read an input before the copy was done.
-    monkeypatch.setenv("EPILORA_DECODE_AFTER_PREVIOUS", "1")
+def test_k1_after_the_kernel_before_waits_for_what_that_kernel_writes(operands, monkeypatch):
+    # EPILORA_DECODE_AFTER_PREVIOUS=1: K1 may start while the kernel before it runs. Here that
+    # kernel triggers its dependents at once and writes the very activations the call reads
+    # only after spinning 5 us; a CUDA graph holds eight such (writer, decode call) pairs over
+    # different inputs, replayed 200 times: every output must be the bits of the call made
+    # alone (without the setting), so no K1 or K2 read an input before it was written.
     _, _, _, weight, w_scale, _, lora, batch = make_integer_problem(
         23, 4, 4096, (4096, 1024, 1024), 64, 4, "mixed_with_base", device=CUDA)
     inputs = [exact_codes(23 + i, 4, 4096, device=CUDA) for i in range(8)]
-    monkeypatch.delenv("EPILORA_DECODE_AFTER_PREVIOUS")
-    wants = [ek.lora_linear(None if operands == "codes" else x, weight, w_scale, lora, batch,
-                            path="decode", x_quantized=(codes, scales) if operands == "codes"
-                            else None) for codes, scales, x in inputs]
-    monkeypatch.setenv("EPILORA_DECODE_AFTER_PREVIOUS", "1")
-    codes_in = torch.empty_like(inputs[0][0])
-    scales_in = torch.empty_like(inputs[0][1])
-    x_in = torch.empty_like(inputs[0][2])
+    codes_bytes = inputs[0][0].numel()
+
+    def packed(codes, scales, x):  # the call's inputs as one byte buffer, one writer
+        if operands == "x":
+            return x.view(torch.uint8).flatten()
+        return torch.cat([codes.view(torch.uint8).flatten(), scales.view(torch.uint8).flatten()])
+
+    def call(buffer):
+        if operands == "x":
+            return bound(buffer.view(torch.bfloat16).view(4, 4096), batch, path="decode")
+        codes = buffer[:codes_bytes].view(torch.float8_e4m3fn).view(4, 4096)
+        scales = buffer[codes_bytes:].view(torch.float32).view(4, 1)
+        return bound(None, batch, path="decode", x_quantized=(codes, scales))
+
+    sources = [packed(*i) for i in inputs]
     workspace = ek.Workspace.for_batches(CUDA, max_tokens=4, max_out_features=6144,
                                          max_rank=64, max_loras=4)
     bound = ek.LoraProjection(weight, w_scale, lora, workspace=workspace)
+    wants = [call(source.clone()) for source in sources]
+    torch.cuda.synchronize()
+    monkeypatch.setenv("EPILORA_DECODE_AFTER_PREVIOUS", "1")
+    buffer = torch.zeros_like(sources[0])
+    n = buffer.numel()
 
     def pairs():
         outs = []
-        for codes, scales, x in inputs:
-            if operands == "codes":
-                codes_in.copy_(codes)
-                scales_in.copy_(scales)
-                outs.append(bound(None, batch, path="decode", x_quantized=(codes_in, scales_in)))
-            else:
-                x_in.copy_(x)
-                outs.append(bound(x_in, batch, path="decode"))
+        for source in sources:
+            _early_trigger_slow_copy[(triton.cdiv(n, 1024),)](source, buffer, n, SPIN_NS=5000,
+                                                               BLOCK=1024)
+            outs.append(call(buffer))
         return outs
 
     graph, outs = capture(pairs)
-    for _ in range(300):
+    for _ in range(200):
+        buffer.zero_()
         graph.replay()
         torch.cuda.synchronize()
         for i, (out, want) in enumerate(zip(outs, wants, strict=True)):
