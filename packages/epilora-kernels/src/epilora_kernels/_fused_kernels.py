@@ -7,7 +7,8 @@ epilora_quant.fp8, mode INDUCTOR), the rest compute one `BLOCK_M x BLOCK_R` tile
 Either kind may be launched alone. Split-K partials go to separate fp32 planes and the last
 split of each tile sums them in a fixed order into plane 0 (`_sum_splits`): deterministic, and
 K2 reads one plane. In the decode path (`SIGNAL_CODES`) the quantizing programs count the rows
-they finished, for the K2 that runs beside them.
+they finished, for the K2 that runs beside them. With `AFTER_PREVIOUS` K1 itself is launched as
+the programmatic dependent of the kernel before it and waits for that kernel first.
 
 `_lora_gemm_kernel` (K2) walks the tokens in adapter order. MODE 0: FP8 x FP8 GEMM scaled as
 vLLM's CUTLASS epilogue, `x_scale * (w_scale * acc)`, with one weight scale or one per output
