@@ -87,20 +87,23 @@ class L2Prefetch:
         return (rows, self.tensor.stride(0) * self.tensor.element_size(),
                 per_row // LINE_BYTES, self.split_at, row_bytes)
 
+    def _row_offsets(self) -> list[int]:
+        # The pulled lines' offsets within a row, in the kernel's order (`_next_lines`).
+        _, _, lines, half, row_bytes = self.geometry
+        return [offset for line in range(lines)
+                if (offset := (line % 2) * half + (line // 2) * LINE_BYTES) < row_bytes]
+
     def offsets(self) -> list[int]:
         """Each pulled line's byte offset in the tensor, in the kernel's numbering (what its
         tests compare the kernel's with)."""
-        rows, stride, lines, half, row_bytes = self.geometry
-        return [row * stride + offset for row in range(rows) for line in range(lines)
-                if (offset := (line % 2) * half + (line // 2) * LINE_BYTES) < row_bytes]
+        rows, stride = self.tensor.shape[0], self.geometry[1]
+        in_row = self._row_offsets()
+        return [row * stride + offset for row in range(rows) for offset in in_row]
 
     @property
     def nbytes(self) -> int:
-        """The bytes it pulls in (`len(offsets()) * LINE_BYTES`, counted a row's lines once)."""
-        rows, _, lines, half, row_bytes = self.geometry
-        per_row = sum((line % 2) * half + (line // 2) * LINE_BYTES < row_bytes
-                      for line in range(lines))
-        return rows * per_row * LINE_BYTES
+        """The bytes it pulls in."""
+        return self.tensor.shape[0] * len(self._row_offsets()) * LINE_BYTES
 
     def bytes_view(self) -> torch.Tensor:
         """The tensor as bytes: what the kernel addresses, a byte at a time."""

@@ -16,7 +16,8 @@ It computes what `lora_linear` computes given the same arguments, with the same 
 and kernels, hence the same bits. The decode, fused and W8A16 paths take the bound launch; the
 hybrid path and empty batches go through `lora_linear`. The tensors given at construction must
 keep their storage: an engine that replaces or moves a weight makes a new projection. The launch
-tables a projection reads are those of its construction (EPILORA_LAUNCH_TABLES read then);
+tables a projection reads are those of its construction (EPILORA_LAUNCH_TABLES read then, as
+EPILORA_DECODE_AFTER_PREVIOUS: not read again at every call);
 settings a tuner writes later reach it through `launch.clear_table_cache`, as they reach
 `lora_linear`.
 """
@@ -90,6 +91,7 @@ class LoraProjection:
                                                                      workspace)
         self.prefetch = prefetch
         self._prefetch_args = kernel_args(prefetch, self.device)
+        self._after_previous = _env.decode_after_previous()
         self._support = support = device_support(device)
         slices = tuple(lora.output_slices)
         self._supported = {path: _supports_on(support, path, lora.in_features, slices,
@@ -168,7 +170,7 @@ class LoraProjection:
         rows = x if x is not None else x_quantized[0]
         t = rows.shape[0]
         prefetch = self._prefetch_args if path == "decode" else None
-        after_previous = path == "decode" and _env.decode_after_previous()
+        after_previous = path == "decode" and self._after_previous
         key = (self._shapes, path, t, -1 if x is None else x.stride(0),
                -1 if x_quantized is None else x_quantized[0].stride(0), batch.num_entries,
                biased, prefetch, after_previous)

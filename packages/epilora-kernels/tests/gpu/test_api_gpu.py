@@ -611,6 +611,7 @@ def test_k1_after_the_kernel_before_waits_for_what_that_kernel_writes(operands, 
     wants = [call(source.clone()) for source in sources]
     torch.cuda.synchronize()
     monkeypatch.setenv("EPILORA_DECODE_AFTER_PREVIOUS", "1")
+    bound = ek.LoraProjection(weight, w_scale, lora, workspace=workspace)  # reads the setting
     buffer = torch.zeros_like(sources[0])
     n = buffer.numel()
 

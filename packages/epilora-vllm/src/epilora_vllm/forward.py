@@ -124,8 +124,12 @@ class EpiloraForward:
         self._precompiling = False  # epilora_vllm.precompile's jobs not yet waited for
         self._weight_view: tuple | None = None  # _weights': (parameter, its layout, view)
         self._projection: tuple | None = None  # _bound's: (its scale's address, projection)
+        # _bound's for the precompile's kernels with a stand-in prefetch and without one, kept
+        # apart from the serving one so that warming does not make it again at every size
+        self._warm_projections: dict[str, tuple] = {}
         self._next: weakref.ref | None = None  # the served layer the forward calls next (_link)
         self._prefetch: ek.L2Prefetch | None = None  # _next_prefetch's, of the next's weight
+        self._stand_in: ek.L2Prefetch | None = None  # _next_prefetch's, of this one's
 
     def adapters_created(self, *, matched: bool, path: str | None, quantize: str = "kernels",
                          timed: bool = False) -> None:
@@ -225,8 +229,12 @@ class EpiloraForward:
             return None
         if which == "stand-in":
             weight = self._weights()[0]
-            return ek.L2Prefetch(weight, max(budget, weight.shape[0] * 2 * LINE_BYTES),
-                                 at=self.mode.prefetch_at)
+            kept = self._stand_in
+            if kept is None or kept.tensor is not weight:
+                kept = self._stand_in = ek.L2Prefetch(
+                    weight, max(budget, weight.shape[0] * 2 * LINE_BYTES),
+                    at=self.mode.prefetch_at)
+            return kept
         if following is None or following.layer.device != self.layer.device:
             return None
         weight = following._weights()[0]
@@ -294,13 +302,17 @@ class EpiloraForward:
         # bound once (`ek.LoraProjection`: a fraction of lora_linear's host time a call); made
         # again with a new weight view (`_weights`), a scale vLLM replaced or moved, new
         # adapter buffers (`adapters_created` again) or a new next layer's weight to prefetch.
-        kept = self._projection
-        prefetch = self._next_prefetch(prefetch)
+        kept = self._projection if prefetch == "next" else self._warm_projections.get(prefetch)
+        wanted = self._next_prefetch(prefetch)
         if (kept is None or kept[1].weight is not weight or kept[1].weight_scale is not scale
                 or kept[1].lora is not self.lora or kept[0] != scale.data_ptr()
-                or kept[1].prefetch is not prefetch):
-            kept = self._projection = (scale.data_ptr(), ek.LoraProjection(
-                weight, scale, self.lora, prefetch=prefetch))
+                or kept[1].prefetch is not wanted):
+            kept = (scale.data_ptr(), ek.LoraProjection(weight, scale, self.lora,
+                                                        prefetch=wanted))
+            if prefetch == "next":
+                self._projection = kept
+            else:
+                self._warm_projections[prefetch] = kept
         return kept[1]
 
     def _on_cpu(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
