@@ -64,6 +64,15 @@ Variants (`--variants`):
   docs/kernels.md, Next steps 7), where back to back the prefetch would only compete with the
   next GEMM's own stream.
 
+* `swap-ab`, `swap-ab-split`: K2's decode tiles (16 and 32 rows) as the transposed product
+  (`LaunchConfig.swap_ab`: wgmma's 64 x 16 tiles, the weight by TMA), 64 weight rows a tile,
+  the K loop whole or split in two, the pipeline as deep as `tuner.swap_candidates` allows
+  (K tiles of 256 where that leaves 3 stages, else 128). In the committed engine step
+  (`engine_kernels.json` of 9a03a4b, `last_step`, medians of its four layers) vLLM's swap-AB
+  CUTLASS GEMM takes 8.7, 6.6, 26.6 and 15.3 us for qkv, o, gate_up and down, our K2 (K1
+  beside it) 12.3, 10.7, 29.0 and 21.0: 15.8 us a layer, most of the batch-1 TPOT's gap.
+  Decode sizes: `--codes --tokens 1 4 8 16 32`.
+
 `--gap-us G`: after every projection of every system, a kernel that spins G microseconds on one
 thread (`torch.cuda._sleep`), standing for the engine's other kernels between the GEMMs.
 
@@ -101,7 +110,7 @@ from layer import (  # noqa: E402
 from models import MODELS  # noqa: E402
 
 import epilora_kernels as ek  # noqa: E402
-from epilora_kernels import _launchers, _tiling, dispatch, fused, launch  # noqa: E402
+from epilora_kernels import _launchers, _tiling, dispatch, fused, launch, tuner  # noqa: E402
 
 
 def _made_again() -> None:
@@ -188,11 +197,32 @@ def k1_split_by(times: float, most: int, rank_tile: int):
     return variant
 
 
+def swap_ab(split: int):
+    def variant():
+        shipped = _tiling.select_config
+
+        def swapped(device, op, tokens, n, k, rank, slices=(), *args, **kwargs):
+            cfg = shipped(device, op, tokens, n, k, rank, slices, *args, **kwargs)
+            if op != "lora_gemm" or cfg.block_m > 32:
+                return cfg
+            # 64 weight rows a tile (CUTLASS's decode tile), K tiles of 256 where a pipeline
+            # of 3 stages still fits the one-wave rule, else 128; as deep as the rule allows
+            for cand in sorted(tuner.swap_candidates(cfg, n, k, slices, tokens),
+                               key=lambda c: -c.block_k):
+                if (cand.block_n, cand.split_k) == (64, split):
+                    return cand
+            return cfg
+
+        return _made_again_around(mock.patch.object(_tiling, "select_config", swapped))
+    return variant
+
+
 VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "heuristic-deep-k": heuristic_deep_k, "k1-light": k1_split_by(2, 32, 32),
             "k1-lighter": k1_split_by(4, 64, 16), "k1-heavier": k1_split_by(0.5, 32, 128),
             "k1-heaviest": k1_split_by(0.25, 32, 128), "decode-path": decode_path,
-            "decode-prefill": decode_everywhere, "after-previous": after_previous}
+            "decode-prefill": decode_everywhere, "after-previous": after_previous,
+            "swap-ab": swap_ab(1), "swap-ab-split": swap_ab(2)}
 
 
 PREFETCH_MIB = {"prefetch-8": (8, "end"), "prefetch-24": (24, "end"),

@@ -136,6 +136,29 @@ def main() -> None:
     out["k2_fence_after_acquire_before_tma"] = 0 <= acquire < k2_sorted.find(fence) < \
         k2_sorted.find("cp.async.bulk.tensor")
     out["no_fence_without_tma"] = fence not in k1_pdl and fence not in k2_pdl
+    # K2 swapped (`swap_ab`) in the decode path: the K loop on wgmma's 64-row tiles (the
+    # weight's side; 16 tokens are its n) with the weight by TMA, K1's sorted codes by TMA
+    # after the acquire and the fence; the wait for K1 still after the loop, no store before.
+    wide = make_problem(0, 5, 256, (128, 64, 64), 64, 4, "mixed_with_base")
+    swapped = LaunchConfig(block_m=16, block_n=64, block_k=128, block_r=64, num_stages=4,
+                           swap_ab=True)
+    _, k2_swap = ptx_of(lambda: fused.decode_lora_fp8_linear(*wide, k1_config=K1,
+                                                             k2_config=swapped))
+    _, k2_swap_codes = ptx_of(lambda: fused.decode_lora_fp8_linear(
+        None, *wide[1:], k1_config=K1, k2_config=swapped, x_quantized=(
+            torch.zeros(5, 256, dtype=torch.float8_e4m3fn), torch.ones(5, 1))))
+    out["k2_swap_ab"], out["k2_swap_ab_codes"] = found(k2_swap), found(k2_swap_codes)
+    wgmma = "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3"
+    swap_wait = k2_swap.find("griddepcontrol.wait")
+    out["k2_swap_ab_wgmma_n16"] = wgmma in k2_swap and wgmma in k2_swap_codes
+    out["k2_swap_ab_order"] = (
+        0 <= k2_swap.find("ld.global.gpu.acquire") < k2_swap.find(fence)
+        < k2_swap.find("cp.async.bulk.tensor") < k2_swap.find(wgmma) < swap_wait
+        and "st.global" not in k2_swap[:swap_wait])
+    # on the caller's codes: the weight by TMA, the codes by asynchronous copies
+    out["k2_swap_ab_codes_loads"] = ("cp.async.bulk.tensor" in k2_swap_codes
+                                     and "cp.async.cg.shared.global" in k2_swap_codes
+                                     and fence not in k2_swap_codes)
     print(json.dumps(out))
 
 

@@ -55,6 +55,10 @@ def test_kernels_compile_for_sm90_with_the_expected_instructions():
     # The proxy fences of the decode path's hand-off to TMA loads, and only there.
     assert found["k1_fence_before_release"] and found["k2_fence_after_acquire_before_tma"]
     assert found["no_fence_without_tma"]
+    # K2 swapped (swap_ab): its K loop on wgmma's 64 x 16 tiles, the weight by TMA, in the
+    # decode path's order (acquire, fence, TMA, MMA, then the wait for K1; no store before).
+    assert found["k2_swap_ab_wgmma_n16"] and found["k2_swap_ab_order"]
+    assert found["k2_swap_ab_codes_loads"]
 
 
 def test_every_launch_compiles_for_sm90_with_the_arguments_its_launcher_passes():

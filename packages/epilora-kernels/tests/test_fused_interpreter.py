@@ -189,6 +189,33 @@ def test_decode_path_equals_fused_path_bitwise(mapping, pdl):
 
 
 @pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize(("t", "mapping"), [(5, "mixed_with_base"), (21, "one_token_each"),
+                                            (3, "no_adapter")])
+def test_swapped_k2_gives_every_path_the_bits_of_k2_alone(t, mapping, split_k):
+    # K2 as the transposed product (`swap_ab`: wgmma's tiles on sm_90, the weight and the
+    # codes K1 sorts by TMA): the fused and decode paths give the bits of K2 called alone on
+    # K1's codes and h (K1 sorts its codes for the TMA reads here: the interpreter has TMA),
+    # and the unswapped K2's answer up to the order of the sums.
+    x, weight, w_scale, lora, batch = make_problem(13, t, 96, (64, 64, 32), 8, 4, mapping)
+    k1 = fused.LaunchConfig(block_m=16, block_k=32, block_r=16, split_k=2)
+    k2 = fused.LaunchConfig(block_m=16 if t <= 16 else 32, block_n=64, block_k=32,
+                            block_r=16, split_k=split_k, swap_ab=True)
+    codes, scales, h = fused.quantize_and_shrink(x, lora, batch, config=k1)
+    alone = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2)
+    for path in (fused.fused_lora_fp8_linear, fused.decode_lora_fp8_linear):
+        assert_bitwise_equal(path(x, weight, w_scale, lora, batch, k1_config=k1, k2_config=k2),
+                             alone, name=f"{path.__name__} with swapped K2 tiles")
+    unswapped = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch,
+                                    config=fused.LaunchConfig(block_m=16, block_n=64,
+                                                              block_k=32, block_r=16))
+    assert relative_error(alone, unswapped) < BF16_TOL
+    want = reference.decode_lora_fp8_linear(x, weight, w_scale, lora, batch,
+                                            arithmetic=Fp8Arithmetic.TORCH_CPU)
+    assert relative_error(alone, want) < BF16_TOL
+    assert _tiling.w_tma(INTERPRETER, weight, k2)  # the weight by TMA, as on sm_90
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
 def test_decode_path_beyond_the_decode_buckets_with_few_wide_k1_programs(split_k):
     # Beyond DECODE_SHRINK_MAX_TOKENS the decode path's K1 may have a decode_shrink entry of
     # its own (tune_layer.py): few programs over 64 rows and the whole rank, so that K2 finds

@@ -25,12 +25,18 @@ K2_CONFIGS = {
     "32-rows": LaunchConfig(block_m=32, block_n=32, block_k=32, block_r=16),
     "prefill-tma": LaunchConfig(block_m=64, block_n=16, block_k=32, block_r=16, num_stages=2),
     "rank-steps": LaunchConfig(block_m=64, block_n=16, block_k=32, block_r=128, num_warps=1),
+    # the transposed product (W x^T: wgmma's tiles on sm_90), whole and split, 16 and 32 rows
+    "swap-ab": LaunchConfig(block_m=16, block_n=64, block_k=32, block_r=16, swap_ab=True),
+    "swap-ab-split": LaunchConfig(block_m=32, block_n=64, block_k=32, block_r=16, split_k=2,
+                                  swap_ab=True),
 }
+SWAPPED = ("swap-ab", "swap-ab-split")
 CASES = [  # (tokens, K, slices, rank, max_loras, mapping)
     (5, 64, (32,), 8, 1, "one_adapter"),
     (9, 64, (32, 16, 16), 16, 4, "mixed_with_base"),
     (21, 96, (16, 32), 8, 3, "reversed_runs"),
     (70, 64, (32, 16, 16), 16, 8, "one_token_each"),
+    (12, 96, (64, 64, 48), 16, 4, "mixed_with_base"),  # slices whole 64-wide tiles
 ]
 
 
@@ -72,6 +78,11 @@ def test_k2_w8a16_and_expand_equal_reference_bitwise_and_every_rows_delta(case):
     y = fused.lora_w8a16_gemm(x, weight, w_scale, h, lora, batch, config=k2)
     assert_bitwise_equal(y, reference.lora_w8a16_gemm(x, weight, w_scale, h, lora, batch),
                          name="W8A16 K2 vs reference")
+    for name in SWAPPED:  # the transposed product, where its 64-wide tiles fit the slices
+        if not any(w % K2_CONFIGS[name].block_n for w in case[2][:-1]):
+            swapped = fused.lora_w8a16_gemm(x, weight, w_scale, h, lora, batch,
+                                            config=K2_CONFIGS[name])
+            assert_bitwise_equal(swapped, y, name=f"W8A16 K2 {name}")
     base = (w_scale * (x.float() @ weight.float().T)).to(torch.bfloat16)
     # K2 without adapters (the matched engine's), with the settings it picks itself too
     for cfg in (k2, K2_CONFIGS["split-k"], None):
@@ -106,7 +117,8 @@ def test_k2_with_per_channel_scales_equals_reference_bitwise(case):
     x, codes, scales, weight, _, h, lora, batch = make_integer_problem(3, *case)
     n = lora.out_features
     w_scale = 2.0 ** -(torch.arange(n) % 3).float()  # 1, 1/2, 1/4, ...
-    for k2 in (K2_CONFIGS["decode-tile"], K2_CONFIGS["prefill-tma"]):
+    swapped = [] if any(w % 64 for w in case[2][:-1]) else [K2_CONFIGS["swap-ab-split"]]
+    for k2 in (K2_CONFIGS["decode-tile"], K2_CONFIGS["prefill-tma"], *swapped):
         y = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2)
         assert_bitwise_equal(y, reference.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora,
                                                         batch), name="per-channel K2")
@@ -115,7 +127,8 @@ def test_k2_with_per_channel_scales_equals_reference_bitwise(case):
         assert_bitwise_equal(base, want.to(torch.bfloat16), name="per-channel GEMM columns")
         _check_rows(y, base, h, lora, batch, "per-channel K2")
     w8a16 = ((x.float() @ weight.float().T) * w_scale[None, :]).to(torch.bfloat16)
-    for k2 in (K2_CONFIGS["decode-tile"], K2_CONFIGS["split-k"], K2_CONFIGS["prefill-tma"]):
+    for k2 in (K2_CONFIGS["decode-tile"], K2_CONFIGS["split-k"], K2_CONFIGS["prefill-tma"],
+               *swapped):
         assert_bitwise_equal(fused.w8a16_gemm(x, weight, w_scale, config=k2), w8a16,
                              name="per-channel W8A16 GEMM columns")
 

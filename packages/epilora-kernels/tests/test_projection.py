@@ -224,3 +224,40 @@ def test_bad_input_is_refused_as_lora_linear_refuses_it(case):
         with pytest.raises(ValueError, match=message) as lora_linear_error:
             ek.lora_linear(**unbound)
         assert bound_error.type is lora_linear_error.type
+
+
+@pytest.mark.parametrize(("path", "kind"), [("decode", "x"), ("decode", "codes"),
+                                            ("fused", "x"), ("fused", "codes")])
+@pytest.mark.parametrize("tokens", [6, 20])
+def test_swapped_k2_settings_launch_bound_as_lora_linear_launches_them(path, kind, tokens,
+                                                                      monkeypatch, request):
+    # Settings that swap K2's decode tiles (as a tuner cache may give them; the interpreter
+    # reads the heuristic, patched here): a projection binds the weight's TMA descriptor and
+    # launches what lora_linear launches, with the same bits.
+    heuristic = launch.heuristic_config
+
+    def swapped(op, tokens, n, k, rank, slices=(), large_tiles=True):
+        cfg = heuristic(op, tokens, n, k, rank, slices, large_tiles)
+        if op != "lora_gemm" or tokens > 32:
+            return cfg
+        return launch.LaunchConfig(block_m=cfg.block_m, block_n=64, block_k=32, block_r=16,
+                                   split_k=2, num_stages=3, swap_ab=True)
+
+    monkeypatch.setattr(launch, "heuristic_config", swapped)
+    launch.clear_table_cache()  # the settings memos: derived here with the patch, then again
+    request.addfinalizer(launch.clear_table_cache)
+    x, weight, w_scale, lora, batch = make_problem(5, tokens, 96, (64, 64, 32), RANK, SLOTS,
+                                                   "mixed_with_base")
+    given, quantized = _inputs(kind, x)
+    launched = _launches(monkeypatch)
+    want = ek.lora_linear(given, weight, w_scale, lora, batch, path=path,
+                          x_quantized=quantized)
+    unbound = launched.copy()
+    launched.clear()
+    k2 = unbound[-1][2]
+    assert k2["SWAP_AB"] and k2["W_TMA"] and k2["w_desc"][0] == "descriptor"
+    assert k2["A_TMA"] == (kind == "x")  # K1 sorts the codes it makes for TMA reads
+    bound = ek.LoraProjection(weight, w_scale, lora)
+    assert_bitwise_equal(bound(given, batch, path=path, x_quantized=quantized), want,
+                         name="bound, swapped")
+    assert launched == unbound

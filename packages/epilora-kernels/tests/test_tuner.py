@@ -2,14 +2,17 @@
 reading): it measures the settings in use first, keeps a candidate only past its margin, stops
 at its budget, and writes a cache the table lookups then serve, per device and versions."""
 
+import dataclasses
 import json
 
 import pytest
+import torch
 
 import epilora_kernels.tuner as tuner
 from epilora_kernels import fused, launch
 
 PROJECTIONS = {"qkv": (2048, (64, 32, 32)), "down": (4096, (64,))}
+ANSWER = torch.linspace(-1.0, 1.0, 64).reshape(1, 64)
 
 
 @pytest.fixture
@@ -20,12 +23,16 @@ def cache(tmp_path, monkeypatch):
     launch.clear_table_cache()
 
 
-def _fake_gpu(monkeypatch, score):
-    """The decode path replaced by a recorder; the timer returns `score(k1, k2)`."""
+def _fake_gpu(monkeypatch, score, answer=lambda k1, k2: ANSWER):
+    """The decode path replaced by a recorder that returns `answer(k1, k2)` (by default the same
+    for every setting); the timer returns `score(k1, k2)`."""
     seen = []
-    monkeypatch.setattr(fused, "decode_lora_fp8_linear",
-                        lambda *a, k1_config, k2_config, **kw: seen.append((k1_config,
-                                                                            k2_config)))
+
+    def decode(*args, k1_config, k2_config, **kwargs):
+        seen.append((k1_config, k2_config))
+        return answer(k1_config, k2_config)
+
+    monkeypatch.setattr(fused, "decode_lora_fp8_linear", decode)
 
     def time_us(fn):
         fn()
@@ -85,15 +92,35 @@ def test_a_corrupt_cache_is_refused_by_name(cache):
         tuner.read_cache("triton-interpreter")
 
 
-def test_candidates_fit_the_shape():
+def test_candidates_fit_the_shape(monkeypatch):
     cfg = launch.heuristic_config("lora_gemm", 4, 6144, 4096, 64, (4096, 1024, 1024))
     k2 = tuner.k2_candidates(cfg, 6144, 4096, (4096, 1024, 1024))
     # 3 N tiles x 2 K tiles x 2 splits x 2 stage counts, less 128 x 512 tiles in 5 stages
     # (368 KB of shared memory)
-    assert len(k2) == 22 and cfg in k2
+    assert len(k2) == 22 and cfg in k2 and not any(c.swap_ab for c in k2)
+    # with EPILORA_TUNE_SWAP_AB=1 also 8 swapped ones (2 N tiles x 2 K tiles x 2 splits)
+    monkeypatch.setenv("EPILORA_TUNE_SWAP_AB", "1")
+    k2 = tuner.k2_candidates(cfg, 6144, 4096, (4096, 1024, 1024))
+    assert len(k2) == 30 and cfg in k2
     for cand in k2:
         assert 1024 % cand.block_n == 0 and 4096 // cand.split_k >= cand.block_k
         assert cand.num_stages * (cand.block_m + cand.block_n) * cand.block_k <= 227 * 1024
+    # Swapped: the deepest pipeline (at most 8 stages, a stage's room left over) in which
+    # every program of the grid runs at once on 132 SMs: 6144 / 64 = 96 programs take 8
+    # stages of 64 x 256 (20 KB each); split in two, 192 programs hold two an SM, 4 stages.
+    swapped = {(c.block_n, c.block_k, c.split_k, c.num_stages) for c in k2 if c.swap_ab}
+    assert swapped == {(64, 128, 1, 8), (64, 128, 2, 8), (64, 256, 1, 8), (64, 256, 2, 4),
+                       (128, 128, 1, 8), (128, 128, 2, 8), (128, 256, 1, 5), (128, 256, 2, 5)}
+    # gate_up at 16 tokens: 384 programs of 64 x 256 need 3 an SM, which 3 stages no longer
+    # leave; 64 x 128 tiles take 6
+    gate_up = tuner.swap_candidates(cfg, 24576, 4096, (12288, 12288), tokens=16)
+    assert (64, 256, 1) not in {(c.block_n, c.block_k, c.split_k) for c in gate_up}
+    assert {(c.block_k, c.num_stages) for c in gate_up if c.block_n == 64
+            and c.split_k == 1} == {(128, 6)}
+    # none for 64-row tiles, nor where 64-wide tiles would straddle two slices
+    assert tuner.swap_candidates(dataclasses.replace(cfg, block_m=64), 6144, 4096,
+                                 (4096, 1024, 1024)) == []
+    assert tuner.swap_candidates(cfg, 96, 512, (32, 32, 32)) == []
     narrow = tuner.k2_candidates(cfg, 48, 512, (16, 16, 16))
     assert {c.block_n for c in narrow} == {16} and all(c.split_k == 1 for c in narrow
                                                         if c.block_k == 512)
@@ -107,6 +134,8 @@ def test_candidates_fit_the_shape():
 
 
 def test_a_candidate_that_fails_is_skipped_and_reported(cache, monkeypatch):
+    monkeypatch.setenv("EPILORA_TUNE_SWAP_AB", "1")
+
     def score(k1, k2):
         if k2.block_n == 64:
             raise RuntimeError("does not compile")
@@ -117,7 +146,29 @@ def test_a_candidate_that_fails_is_skipped_and_reported(cache, monkeypatch):
                                progress=lambda line: None, write=False)
     (cell,) = report["cells"]
     assert (cell["k2"]["block_n"], cell["k2"]["num_stages"], cell["after_us"]) == (32, 3, 95.0)
-    assert len(report["failed"]) == 8 and "does not compile" in report["failed"][0]
+    # 8 unswapped and 4 swapped candidates with 64-wide tiles
+    assert len(report["failed"]) == 12 and "does not compile" in report["failed"][0]
+
+
+def test_a_candidate_with_another_answer_is_refused_however_fast(cache, monkeypatch):
+    # The fastest settings lose one row's adapter (a few percent of the answer): refused and
+    # reported; a sum in another order (1e-3 off) is an answer like the settings in use's.
+    lost = ANSWER.clone()
+    lost[0, :8] = 0.0
+    reordered = ANSWER * (1 + 1e-3)
+
+    def answer(k1, k2):
+        return lost if k2.block_n == 64 else reordered if k2.num_stages == 5 else ANSWER
+
+    _, time_us = _fake_gpu(monkeypatch, lambda k1, k2: 50.0 if k2.block_n == 64 else
+                           100.0 - 5 * (k2.num_stages == 5), answer)
+    report = tuner.tune_decode({"down": (4096, (64,))}, rank=16, tokens=(4,), time_us=time_us,
+                               progress=lambda line: None, write=False)
+    (cell,) = report["cells"]
+    assert (cell["k2"]["block_n"], cell["k2"]["num_stages"], cell["after_us"]) == (32, 5, 95.0)
+    off = [line for line in report["failed"] if "off the settings in use" in line]
+    assert off and len(off) == len(report["failed"])
+    assert all("block_n=64" in line.split("LaunchConfig")[2] for line in off)
 
 
 @pytest.mark.parametrize("codes", [False, True])
@@ -130,6 +181,7 @@ def test_the_parallel_compile_covers_every_launch_the_search_times(codes, monkey
     monkeypatch.setattr(_tiling, "shape_config", lambda support, op, *a: asked.add(op)
                         or shape_config(support, op, *a))
 
+    monkeypatch.setenv("EPILORA_TUNE_SWAP_AB", "1")  # the swapped candidates compiled too
     launches = tuner._launches(INTERPRETER, PROJECTIONS, (1, 8), 16, 1, codes)
     assert len(launches) == len(set(launches))
     for k, slices in PROJECTIONS.values():
@@ -137,7 +189,10 @@ def test_the_parallel_compile_covers_every_launch_the_search_times(codes, monkey
             k1, k2 = tuner._baseline(INTERPRETER, k, slices, t, 16, True, codes)
             cells = {(a, b) for kk, ss, tt, a, b in launches if (kk, ss, tt) == (k, slices, t)}
             assert (k1, k2) in cells
-            assert all((k1, c) in cells for c in tuner.k2_candidates(k2, sum(slices), k, slices))
+            k2s = tuner.k2_candidates(k2, sum(slices), k, slices, tokens=t)
+            assert all((k1, c) in cells for c in k2s)
+            # swapped where 64-wide tiles fit the slices (down's, not qkv's 32-wide ones)
+            assert any(c.swap_ab for c in k2s) == all(w % 64 == 0 for w in slices[:-1])
             assert all((c, k2) in cells for c in tuner.k1_candidates(k1, k, 16))
     assert asked == {"decode_shrink_codes" if codes else "decode_shrink", "lora_gemm"}
 
@@ -190,7 +245,7 @@ def test_codes_mode_is_tuned_on_the_codes_and_cached_apart(cache, monkeypatch):
     calls = []
     monkeypatch.setattr(fused, "decode_lora_fp8_linear",
                         lambda x, *a, k1_config, k2_config, x_quantized=None, **kw:
-                        calls.append((x, x_quantized, k1_config)))
+                        calls.append((x, x_quantized, k1_config)) or ANSWER)
 
     def time_us(fn):
         fn()

@@ -28,3 +28,9 @@ def decode_after_previous() -> bool:
     overlaps that kernel's end; K1 waits for that kernel before anything else, triggering K2
     included (`fused.decode_lora_fp8_linear`)."""
     return os.environ.get("EPILORA_DECODE_AFTER_PREVIOUS", "0") == "1"
+
+
+def tune_swap_ab() -> bool:
+    """EPILORA_TUNE_SWAP_AB=1 (default 0, not yet run on a GPU): the tuner also tries K2's
+    decode tiles as the transposed product (`LaunchConfig.swap_ab`, `tuner.swap_candidates`)."""
+    return os.environ.get("EPILORA_TUNE_SWAP_AB", "0") == "1"

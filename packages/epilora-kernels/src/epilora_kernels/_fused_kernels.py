@@ -16,7 +16,8 @@ channel (`W_SCALE_PER_CHANNEL`); MODE 1: W8A16 (FP8 weight widened to bf16 in re
 both the projection's bias (`HAS_BIAS`) is added to the scaled fp32 result, before any rounding,
 as CUTLASS's epilogue adds it. MODE 2: no GEMM, the tile starts from an existing output (the
 hybrid path's expand). Tiles of 64 rows or more (`W_TMA`) read the weight tile through a TMA
-descriptor (`w_desc`). Its epilogue sums `bf16(h) B_slot^T` for each adapter segment that meets
+descriptor (`w_desc`); so do decode tiles computed as the transposed product (`SWAP_AB`, W x^T
+on wgmma's 64-row side). Its epilogue sums `bf16(h) B_slot^T` for each adapter segment that meets
 the tile, reading only the tile's columns of B, and writes the bf16 tile once: in MODEs 0 and 2
 as vLLM's expand adds into its GEMM's output, `bf16(bf16(base) + bf16(delta))` (with several
 slots in tiles of 64 rows or more whose h is whole before the K loop, the delta is summed first
@@ -488,6 +489,7 @@ def _lora_gemm_kernel(
     W_TMA: tl.constexpr = False, WAIT_K1_FIRST: tl.constexpr = False,
     A_TMA: tl.constexpr = False, W_SCALE_PER_CHANNEL: tl.constexpr = False,
     HAS_BIAS: tl.constexpr = False, DELTA_FIRST: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False,
     pf_ptr=None, PF_ROWS=0, PF_STRIDE=0, PF_LINES=0, PF_HALF=0, PF_ROW_BYTES=0,
     PREFETCH: tl.constexpr = 0,
     PF_BLOCK: tl.constexpr = 128,
@@ -603,7 +605,19 @@ def _lora_gemm_kernel(
     if MODE == 2:
         acc = tl.load(y_tile, mask=out_mask, other=0.0).to(tl.float32)
     else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        # SWAP_AB: decode tiles (16 or 32 rows) as the transposed product, W x^T: the weight
+        # tile is the MMA's 64-row side, so sm_90 runs it on wgmma (m64n16 / m64n32) from
+        # shared memory, the weight streamed by TMA (W_TMA), as CUTLASS's swap-AB decode GEMM
+        # does, where a 16-row tile is mma.sync's; transposed back after the loop, so the
+        # epilogue is the same. FP8 wgmma sums in reduced precision (about 7% low on
+        # all-positive operands over K = 4096: docs/kernels.md, "FP8 accumulation"), so there
+        # each K tile's sum starts from zero and is then added to the fp32 accumulator
+        # (max_num_imprecise_acc): near the mma.sync tiles' fp32 sums, for a few FADDs a
+        # thread per K tile.
+        if SWAP_AB:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_begin, k_end, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             if A_TMA:  # codes in adapter order (K1's CODES_SORTED): the tile's rows by TMA
@@ -616,12 +630,20 @@ def _lora_gemm_kernel(
             else:
                 wt = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :],
                              mask=n_mask[:, None] & (k[None, :] < K), other=0.0)
-            if MODE == 0:
+            if MODE == 1:  # the weight widened (the interpreter's bf16 dot is an fp32 one)
+                wt = wt.to(tl.float32 if INTERPRETER else tl.bfloat16)
+                if INTERPRETER:
+                    at = at.to(tl.float32)
+            if SWAP_AB and MODE == 0:
+                acc = tl.dot(wt, tl.trans(at), acc, max_num_imprecise_acc=BLOCK_K)
+            elif SWAP_AB:
+                acc += tl.dot(wt, tl.trans(at))
+            elif MODE == 0:
                 acc = tl.dot(at, tl.trans(wt), acc)
-            elif INTERPRETER:
-                acc += tl.dot(at.to(tl.float32), tl.trans(wt.to(tl.float32)))
             else:
-                acc += tl.dot(at, tl.trans(wt.to(tl.bfloat16)))
+                acc += tl.dot(at, tl.trans(wt))
+        if SWAP_AB:
+            acc = tl.trans(acc)
     _stamp(trace_ptr, 2, TRACE)
     if PREFETCH == 1 and not INTERPRETER:
         # The caller's next projection's weight, into L2 while the engine runs what comes

@@ -352,6 +352,7 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
         B_IN_REGS=_tiling.b_in_registers(cfg), R_CHUNK=_tiling.epilogue_rank_chunk(cfg),
         W_TMA=w_tma, WAIT_K1_FIRST=wait_k1_first and pdl, A_TMA=a_sorted,
         W_SCALE_PER_CHANNEL=per_channel, HAS_BIAS=has_bias,
+        SWAP_AB=cfg.swap_ab and mode != EXPAND,  # the expand has no GEMM to swap
         # Several slots in prefill tiles of the FP8 GEMM, h whole before the K loop (no PDL, or
         # the fused path's wait for all of K1 first): the delta before the GEMM (the kernel).
         DELTA_FIRST=(mode == FP8 and cfg.block_m >= 64 and num_entries > 2 and split == 1
@@ -527,6 +528,7 @@ def launch_gemm_only(support: DeviceSupport, workspace: Workspace, a, a_scale, w
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=16,
         INTERPRETER=_env.triton_interpreter(), W_TMA=w_operand is not weight, A_TMA=by_tma,
         W_SCALE_PER_CHANNEL=weight_scale.numel() > 1, HAS_BIAS=bias is not None,
-        TRACE=trace is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SWAP_AB=cfg.swap_ab, TRACE=trace is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return y

@@ -195,8 +195,8 @@ def w_tma(support: DeviceSupport, weight, cfg: LaunchConfig) -> bool:
     # Prefill tiles (64 rows or more, wgmma) read the weight tile by TMA, which needs 16-byte
     # aligned rows: 1x128 at 256 tokens 187.4 -> 183.6 us. The 16- and 32-row decode tiles
     # (MMAv2) were slower with it (layer_1x128_tma_hbf16_ab_*.json and
-    # layer_decode_tma_ab_*.json of 0f3bdfb).
-    return (support.tma and cfg.block_m >= 64 and weight.stride(0) % 16 == 0
+    # layer_decode_tma_ab_*.json of 0f3bdfb); swapped (`swap_ab`), wgmma's again, they take it.
+    return (support.tma and (cfg.block_m >= 64 or cfg.swap_ab) and weight.stride(0) % 16 == 0
             and weight.data_ptr() % 16 == 0)
 
 

@@ -370,12 +370,14 @@ def _k2_config(support, mode, a_dtype, weight, weight_scale, lora, batch, given,
     # that launches K2 asks here, so K2 alone and inside a fused call take the same tiles and
     # give the same bits (the same compiled variant
     # is fitted up to 32 tokens, where the fused call launches without PDL; beyond, only a
-    # tuner entry of 16- or 32-row tiles could be fitted differently).
+    # tuner entry of 16- or 32-row tiles could be fitted differently). Swapped tiles are not
+    # fitted: the tuner sized their pipelines to one wave (`tuner.swap_candidates`), which
+    # the fitting's 3-stage candidates would cut.
     cfg = _tiling.gemm_config(support, batch, lora, given)
     if given is None and mode == W8A16:
         cfg = _w8a16_tiles(cfg)
     if (given is None and not support.interpreter and weight.is_cuda and cfg.block_m <= 32
-            and not _tiling.gemm_tuned_exactly(support, batch, lora)):
+            and not cfg.swap_ab and not _tiling.gemm_tuned_exactly(support, batch, lora)):
         cfg = _launchers.fit_k2_waves(
             support, mode, a_dtype, weight, weight_scale, torch.float32, lora, batch, cfg,
             pdl=_launchers.use_pdl(support, pdl), wait_codes=wait_codes, warm_l2=warm_l2,

@@ -39,7 +39,15 @@ DECODE_SHRINK_MAX_TOKENS = 32
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Tile sizes and launch parameters of one kernel launch."""
+    """Tile sizes and launch parameters of one kernel launch.
+
+    `swap_ab` (K2 only; K1 ignores it): the GEMM computed as its transpose, W x^T, so that the
+    weight tile is the MMA's 64-row side: sm_90 then runs decode tiles of 16 or 32 rows on
+    wgmma, the weight streamed by TMA (as CUTLASS's swap-AB decode GEMM), where they are
+    otherwise mma.sync's. It needs `block_n` >= 16 * `num_warps` (64 rows a warpgroup) and
+    gives the same results up to the order of the fp32 sums. Off in the shipped tables and
+    the heuristic; the tuner tries it at decode sizes with EPILORA_TUNE_SWAP_AB=1 (not yet
+    run on a GPU)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -48,16 +56,24 @@ class LaunchConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    swap_ab: bool = False
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if not isinstance(value, int) or value < 1:
+            if field.type is bool:
+                if not isinstance(value, bool):
+                    raise ValueError(f"LaunchConfig.{field.name} must be a bool, got {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"LaunchConfig.{field.name} must be a positive int, got {value!r}")
         for name in ("block_m", "block_n", "block_k", "block_r"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"LaunchConfig.{name} must be a power of two >= 16, got {value}")
+        if self.swap_ab and (self.num_warps % 4 or self.block_n < 16 * self.num_warps):
+            raise ValueError(f"LaunchConfig.swap_ab needs num_warps a multiple of 4 and block_n "
+                             f">= 16 * num_warps (64 weight rows a warpgroup), got block_n="
+                             f"{self.block_n}, num_warps={self.num_warps}")
 
 
 def _next_pow2(n: int) -> int:

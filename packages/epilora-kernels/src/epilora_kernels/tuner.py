@@ -94,9 +94,12 @@ def needs_tuning(n: int, k: int, rank: int, *, slots: int = 1, codes: bool = Fal
                                                   cache_device=support.name)
 
 
-def k2_candidates(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...]) -> list:
+def k2_candidates(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...],
+                  tokens: int | None = None) -> list:
     """K2 settings around `cfg`: N tiles of 32, 64 and 128, K tiles of 256 and 512, the K loop
-    split in 1 or 2, 3 or 5 stages (a tile must not straddle two slices)."""
+    split in 1 or 2, 3 or 5 stages (a tile must not straddle two slices); with
+    EPILORA_TUNE_SWAP_AB=1, for decode tiles (32 rows or fewer) also the swapped product
+    (`swap_ab`, `swap_candidates`) for a batch of `tokens` (default: one row tile)."""
     out = []
     for block_n in (32, 64, 128):
         for block_k in (256, 512):
@@ -108,8 +111,55 @@ def k2_candidates(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...]) ->
                         continue
                     out.append(dataclasses.replace(cfg, block_n=fit_slices(block_n, slices),
                                                    block_k=block_k, split_k=split_k,
-                                                   num_stages=stages))
+                                                   num_stages=stages, swap_ab=False))
+    if _env.tune_swap_ab():
+        out += swap_candidates(cfg, n, k, slices, tokens)
     return list(dict.fromkeys(out))
+
+
+SWAP_MAX_STAGES = 8
+SWAP_MIN_STAGES = 3
+
+
+def swap_candidates(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...],
+                    tokens: int | None = None, sms: int = 132) -> list:
+    """Swapped decode tiles (`LaunchConfig.swap_ab`) around `cfg` where its tiles have 32 rows
+    or fewer: 64 or 128 weight rows, K tiles of 128 or 256, the K loop whole or split in two,
+    each in the deepest pipeline (at most 8 stages) that still lets every program of the grid
+    run at once on `sms` SMs (a streamed GEMM's speed is its bytes in flight; a second wave
+    of programs would double its time), within an SM's shared memory."""
+    if cfg.block_m > 32:
+        return []
+    row_tiles = 1 if tokens is None else -(-tokens // cfg.block_m)
+    out = []
+    for block_n in (64, 128):
+        if fit_slices(block_n, slices) != block_n or block_n < 16 * cfg.num_warps:
+            continue
+        for block_k in (128, 256):
+            for split_k in (1, 2):
+                if k // split_k < block_k:
+                    continue
+                programs = row_tiles * -(-n // block_n) * split_k
+                stage_bytes = (block_n + cfg.block_m) * block_k  # FP8 weight and codes
+                per_sm = -(-programs // sms)
+                stages = min(SWAP_MAX_STAGES, SHARED_BYTES // (per_sm * stage_bytes) - 1)
+                if stages < SWAP_MIN_STAGES:
+                    continue
+                out.append(dataclasses.replace(cfg, block_n=block_n, block_k=block_k,
+                                               split_k=split_k, num_stages=stages,
+                                               swap_ab=True))
+    return out
+
+
+# A candidate's answer against the settings in use's (norm of the difference over the norm):
+# the same sums in another order (the swapped tiles' wgmma accumulates as CUTLASS does) stay
+# well below; one token's adapter lost or misplaced in the tuner's problem is ~0.4.
+ANSWER_TOL = 2e-2
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    want = want.float()
+    return float((got.float() - want).norm() / want.norm().clamp_min(1e-30))
 
 
 def k1_candidates(cfg: LaunchConfig, k: int, rank: int) -> list:
@@ -203,7 +253,8 @@ def _launches(support, projections: dict, tokens, rank: int, slots: int, codes: 
         for t in tokens:
             k1, k2 = _baseline(support, k, slices, t, rank, slots == 1, codes)
             out += [(k, slices, t, k1, k2)]
-            out += [(k, slices, t, k1, c) for c in k2_candidates(k2, sum(slices), k, slices)]
+            out += [(k, slices, t, k1, c)
+                    for c in k2_candidates(k2, sum(slices), k, slices, tokens=t)]
             out += [(k, slices, t, c, k2) for c in k1_candidates(k1, k, rank)]
     return list(dict.fromkeys(out))
 
@@ -324,11 +375,23 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
             x, weight, scale, lora, batch = _problem(t, k, slices, rank, slots, device)
             quantized = codes and fused.quantize(x)
 
+            answers = []  # the settings in use give the answer every candidate must give
+
             def run(k1, k2, x=x, weight=weight, scale=scale, lora=lora, batch=batch, name=name,
-                    t=t, quantized=quantized):
+                    t=t, quantized=quantized, answers=answers):
+                def call():
+                    return _decode(x, weight, scale, lora, batch, k1, k2, quantized, workspace)
+
                 try:
-                    return time_us(lambda: _decode(x, weight, scale, lora, batch, k1, k2,
-                                                   quantized, workspace))
+                    answer = call()
+                    if answers and (error := _relative_error(answer, answers[0])) > ANSWER_TOL:
+                        report.setdefault("failed", []).append(
+                            f"{name} {t} {k1} {k2}: its answer is {error:.2e} off the settings "
+                            "in use's")
+                        return float("inf")
+                    if not answers:
+                        answers.append(answer)
+                    return time_us(call)
                 except Exception as e:  # a candidate that does not compile or launch
                     failure = f"{name} {t} {k1} {k2}: {e!r}"[:300]
                     report.setdefault("failed", []).append(failure)
@@ -340,7 +403,7 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
             k1, k2 = fused.decode_settings(x, weight, scale, lora, batch, codes=codes)
             before = best = run(k1, k2)
             chosen = (k1, k2)
-            for cand in k2_candidates(k2, n, k, slices):
+            for cand in k2_candidates(k2, n, k, slices, tokens=t):
                 if time.monotonic() - start > budget_s:
                     report["complete"] = False  # this cell's search cut short
                     break
@@ -364,8 +427,10 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
                                     "before_us": None if before == float("inf") else before,
                                     "after_us": best, "k1": dataclasses.asdict(chosen[0]),
                                     "k2": dataclasses.asdict(chosen[1])})
+            k2 = chosen[1]
             progress(f"tune {name} ({n}x{k}) r{rank} {t:3d} tokens: {before:7.1f} -> "
-                     f"{best:7.1f} us")
+                     f"{best:7.1f} us (K2 {k2.block_m}x{k2.block_n}x{k2.block_k}, split "
+                     f"{k2.split_k}, {k2.num_stages} stages{', swapped' if k2.swap_ab else ''})")
         report["seconds"][name] = round(time.monotonic() - began, 1)
     if write:
         _write(support.name, table)

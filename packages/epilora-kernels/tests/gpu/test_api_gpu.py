@@ -223,6 +223,11 @@ K2_GPU = {
                                 num_warps=8),
     "prefill": ek.LaunchConfig(block_m=128, block_n=128, block_k=128, block_r=64,
                                num_warps=8, num_stages=3),
+    # the transposed product (wgmma's 64 x 16 and 64 x 32 tiles, the weight by TMA)
+    "swap-ab": ek.LaunchConfig(block_m=16, block_n=64, block_k=64, block_r=64, num_stages=6,
+                               swap_ab=True),
+    "swap-ab-split": ek.LaunchConfig(block_m=32, block_n=128, block_k=32, block_r=64,
+                                     split_k=2, num_stages=4, swap_ab=True),
 }
 
 
@@ -350,13 +355,23 @@ STRESS_K1 = ek.LaunchConfig(block_m=64, block_k=128, block_r=64, split_k=4, num_
 STRESS_ROUNDS = 400  # x 8 batches: 3200 launches of the decode path
 
 
-def test_stress_decode_handoff_to_tma_bitwise_over_thousands_of_launches():
+def _stress_k2(tokens: int, swapped: bool) -> ek.LaunchConfig | None:
+    # K2 reading K1's codes by TMA: 64-row tiles beyond 32 tokens (the launchers' own below),
+    # or swapped tiles of 16 and 32 rows at every count
+    if swapped:
+        return ek.LaunchConfig(block_m=16 if tokens <= 16 else 32, block_n=64, block_k=256,
+                               block_r=64, num_stages=6, swap_ab=True)
+    return STRESS_K2 if tokens > 32 else None
+
+
+@pytest.mark.parametrize("swapped", [False, True], ids=["64-row-tiles", "swapped-tiles"])
+def test_stress_decode_handoff_to_tma_bitwise_over_thousands_of_launches(swapped):
     cases = []
     for seed, (tokens, slots, mapping) in enumerate(STRESS):
         x, weight, w_scale, lora, batch = make_problem(seed, tokens, 4096, (2048, 512, 512), 64,
                                                        slots, mapping, device=CUDA)
         kwargs = {"k1_config": STRESS_K1 if tokens > 32 else None,
-                  "k2_config": STRESS_K2 if tokens > 32 else None}
+                  "k2_config": _stress_k2(tokens, swapped)}
         want = ek.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, pdl=False, **kwargs)
         cases.append((x, weight, w_scale, lora, batch, kwargs, want.view(torch.int16)))
     ws = ek.Workspace.for_batches(CUDA, max_tokens=256, max_out_features=3072, max_rank=64,
@@ -371,6 +386,44 @@ def test_stress_decode_handoff_to_tma_bitwise_over_thousands_of_launches():
     counts = dict(zip([c[:2] for c in STRESS], mismatches.tolist(), strict=True))
     assert not any(counts.values()), f"launches differing from the serialized bits: {counts}"
     assert ws.is_clean()
+
+
+QWEN3_8B = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)),
+            "gate_up": (4096, (12288, 12288)), "down": (12288, (4096,))}
+
+
+@pytest.mark.parametrize("kind", ["x", "codes"])
+@pytest.mark.parametrize("tokens", [1, 4, 16, 32])
+@pytest.mark.parametrize("projection", QWEN3_8B)
+def test_swapped_decode_tiles_the_tuner_offers_give_the_unswapped_answer(projection, tokens,
+                                                                          kind, monkeypatch):
+    # Every swapped K2 the tuner would time on Qwen3-8B's shapes (EPILORA_TUNE_SWAP_AB=1): the
+    # decode path's answer up to the order of the sums (each K tile's FP8 sum promoted to
+    # fp32), the same bits in a CUDA graph as eager, and as the fused path with those tiles.
+    from epilora_kernels import fused, tuner
+
+    monkeypatch.setenv("EPILORA_TUNE_SWAP_AB", "1")
+    k, slices = QWEN3_8B[projection]
+    x, weight, w_scale, lora, batch = make_problem(31, tokens, k, slices, 64, 1, "one_adapter",
+                                                   device=CUDA)
+    given, quantized = (x, None) if kind == "x" else (None, ek.quantize(x))
+    want = ek.decode_lora_fp8_linear(given, weight, w_scale, lora, batch,
+                                     x_quantized=quantized)
+    _, k2 = fused.decode_settings(x, weight, w_scale, lora, batch, codes=kind == "codes")
+    candidates = tuner.swap_candidates(k2, sum(slices), k, slices, tokens)
+    assert candidates
+    for cfg in candidates:
+        def call(cfg=cfg, linear=ek.decode_lora_fp8_linear):
+            return linear(given, weight, w_scale, lora, batch, k2_config=cfg,
+                          x_quantized=quantized)
+
+        y = call()
+        assert relative_error(y, want) < BF16_TOL, cfg
+        graph, out = capture(call)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitwise_equal(out, y, name=f"{cfg}, graph replay")
+        assert_bitwise_equal(call(linear=ek.fused_lora_fp8_linear), y, name=f"{cfg}, fused")
 
 
 @pytest.mark.parametrize(("k", "slices", "rank", "adapters"), [
