@@ -98,25 +98,27 @@ def test_candidates_fit_the_shape(monkeypatch):
     # 3 N tiles x 2 K tiles x 2 splits x 2 stage counts, less 128 x 512 tiles in 5 stages
     # (368 KB of shared memory)
     assert len(k2) == 22 and cfg in k2 and not any(c.swap_ab for c in k2)
-    # with EPILORA_TUNE_SWAP_AB=1 also 8 swapped ones (2 N tiles x 2 K tiles x 2 splits)
+    # with EPILORA_TUNE_SWAP_AB=1 also 9 swapped ones (2 N tiles x 2 K tiles x 2 splits, one
+    # of them in two depths)
     monkeypatch.setenv("EPILORA_TUNE_SWAP_AB", "1")
     k2 = tuner.k2_candidates(cfg, 6144, 4096, (4096, 1024, 1024))
-    assert len(k2) == 30 and cfg in k2
+    assert len(k2) == 31 and cfg in k2
     for cand in k2:
         assert 1024 % cand.block_n == 0 and 4096 // cand.split_k >= cand.block_k
         assert cand.num_stages * (cand.block_m + cand.block_n) * cand.block_k <= 227 * 1024
     # Swapped: the deepest pipeline (at most 8 stages, a stage's room left over) in which
     # every program of the grid runs at once on 132 SMs: 6144 / 64 = 96 programs take 8
-    # stages of 64 x 256 (20 KB each); split in two, 192 programs hold two an SM, 4 stages.
+    # stages of 64 x 256 (20 KB each); split in two, 192 programs hold two an SM, 4 stages;
+    # and the deepest at one program an SM where that differs (8 stages, two waves).
     swapped = {(c.block_n, c.block_k, c.split_k, c.num_stages) for c in k2 if c.swap_ab}
     assert swapped == {(64, 128, 1, 8), (64, 128, 2, 8), (64, 256, 1, 8), (64, 256, 2, 4),
-                       (128, 128, 1, 8), (128, 128, 2, 8), (128, 256, 1, 5), (128, 256, 2, 5)}
+                       (64, 256, 2, 8), (128, 128, 1, 8), (128, 128, 2, 8), (128, 256, 1, 5),
+                       (128, 256, 2, 5)}
     # gate_up at 16 tokens: 384 programs of 64 x 256 need 3 an SM, which 3 stages no longer
-    # leave; 64 x 128 tiles take 6
+    # leave: only the one-an-SM depth; 64 x 128 tiles take 6 stages in one wave, or 8
     gate_up = tuner.swap_candidates(cfg, 24576, 4096, (12288, 12288), tokens=16)
-    assert (64, 256, 1) not in {(c.block_n, c.block_k, c.split_k) for c in gate_up}
     assert {(c.block_k, c.num_stages) for c in gate_up if c.block_n == 64
-            and c.split_k == 1} == {(128, 6)}
+            and c.split_k == 1} == {(128, 6), (128, 8), (256, 8)}
     # none for 64-row tiles, nor where 64-wide tiles would straddle two slices
     assert tuner.swap_candidates(dataclasses.replace(cfg, block_m=64), 6144, 4096,
                                  (4096, 1024, 1024)) == []

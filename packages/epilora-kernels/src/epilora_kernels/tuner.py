@@ -124,10 +124,11 @@ SWAP_MIN_STAGES = 3
 def swap_candidates(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...],
                     tokens: int | None = None, sms: int = 132) -> list:
     """Swapped decode tiles (`LaunchConfig.swap_ab`) around `cfg` where its tiles have 32 rows
-    or fewer: 64 or 128 weight rows, K tiles of 128 or 256, the K loop whole or split in two,
-    each in the deepest pipeline (at most 8 stages) that still lets every program of the grid
-    run at once on `sms` SMs (a streamed GEMM's speed is its bytes in flight; a second wave
-    of programs would double its time), within an SM's shared memory."""
+    or fewer: 64 or 128 weight rows, K tiles of 128 or 256, the K loop whole or split in two.
+    A streamed GEMM's speed is its bytes in flight, so each takes the deepest pipeline (at
+    most 8 stages, a stage's worth of shared memory left to the epilogue) that lets every
+    program of the grid run at once on `sms` SMs, and, where that differs, the deepest at one
+    program an SM (CUTLASS's decode GEMM runs its 64 x 256 tiles so, in several waves)."""
     if cfg.block_m > 32:
         return []
     row_tiles = 1 if tokens is None else -(-tokens // cfg.block_m)
@@ -141,14 +142,13 @@ def swap_candidates(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...],
                     continue
                 programs = row_tiles * -(-n // block_n) * split_k
                 stage_bytes = (block_n + cfg.block_m) * block_k  # FP8 weight and codes
-                per_sm = -(-programs // sms)
-                stages = min(SWAP_MAX_STAGES, SHARED_BYTES // (per_sm * stage_bytes) - 1)
-                if stages < SWAP_MIN_STAGES:
-                    continue
-                out.append(dataclasses.replace(cfg, block_n=block_n, block_k=block_k,
-                                               split_k=split_k, num_stages=stages,
-                                               swap_ab=True))
-    return out
+                for per_sm in (-(-programs // sms), 1):
+                    stages = min(SWAP_MAX_STAGES, SHARED_BYTES // (per_sm * stage_bytes) - 1)
+                    if stages >= SWAP_MIN_STAGES:
+                        out.append(dataclasses.replace(cfg, block_n=block_n, block_k=block_k,
+                                                       split_k=split_k, num_stages=stages,
+                                                       swap_ab=True))
+    return list(dict.fromkeys(out))
 
 
 # A candidate's answer against the settings in use's (norm of the difference over the norm):
