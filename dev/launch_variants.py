@@ -66,12 +66,14 @@ Variants (`--variants`):
 
 * `swap-ab`, `swap-ab-split`: K2's decode tiles (16 and 32 rows) as the transposed product
   (`LaunchConfig.swap_ab`: wgmma's 64 x 16 tiles, the weight by TMA), 64 weight rows a tile,
-  the K loop whole or split in two, the pipeline as deep as `tuner.swap_candidates` allows
-  (K tiles of 256 where that leaves 3 stages, else 128). In the committed engine step
-  (`engine_kernels.json` of 9a03a4b, `last_step`, medians of its four layers) vLLM's swap-AB
-  CUTLASS GEMM takes 8.7, 6.6, 26.6 and 15.3 us for qkv, o, gate_up and down, our K2 (K1
-  beside it) 12.3, 10.7, 29.0 and 21.0: 15.8 us a layer, most of the batch-1 TPOT's gap.
-  Decode sizes: `--codes --tokens 1 4 8 16 32`.
+  256 deep, the K loop whole or split in two, the pipeline as deep as `tuner.swap_candidates`
+  allows (one wave of the grid where that leaves 3 stages, else one program an SM). In the
+  committed engine step (`engine_kernels.json` of 9a03a4b, `last_step`, medians of its four
+  layers) vLLM's swap-AB CUTLASS GEMM takes 8.7, 6.6, 26.6 and 15.3 us for qkv, o, gate_up and
+  down, our K2 (K1 beside it) 12.3, 10.7, 29.0 and 21.0: 15.8 us a layer, most of the batch-1
+  TPOT's gap. Decode sizes: `--codes --tokens 1 4 8 16 32`. `swap-ab-fast-acc`: `swap-ab`
+  without the promotion of each K tile's FP8 sum to fp32 (wgmma's reduced-precision sums over
+  the whole K, as CUTLASS's; ptxas waits for each tile's MMAs before the promotion's adds).
 
 `--gap-us G`: after every projection of every system, a kernel that spins G microseconds on one
 thread (`torch.cuda._sleep`), standing for the engine's other kernels between the GEMMs.
@@ -197,16 +199,22 @@ def k1_split_by(times: float, most: int, rank_tile: int):
     return variant
 
 
-def swap_ab(split: int):
+def swap_ab(split: int, promote: bool = True):
+    @contextlib.contextmanager
     def variant():
+        with mock.patch.object(_launchers, "SWAP_AB_PROMOTE", promote), swapped_settings():
+            yield
+
+    def swapped_settings():
         shipped = _tiling.select_config
 
         def swapped(device, op, tokens, n, k, rank, slices=(), *args, **kwargs):
             cfg = shipped(device, op, tokens, n, k, rank, slices, *args, **kwargs)
             if op != "lora_gemm" or cfg.block_m > 32:
                 return cfg
-            # 64 weight rows a tile (CUTLASS's decode tile), K tiles of 256 where a pipeline
-            # of 3 stages still fits the one-wave rule, else 128; as deep as the rule allows
+            # 64 weight rows a tile and 256 deep (CUTLASS's decode tile), the pipeline as deep
+            # as one wave of the grid allows where that is 3 stages or more, else as deep as
+            # one program an SM allows (tuner.swap_candidates' order)
             for cand in sorted(tuner.swap_candidates(cfg, n, k, slices, tokens),
                                key=lambda c: -c.block_k):
                 if (cand.block_n, cand.split_k) == (64, split):
@@ -222,7 +230,8 @@ VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "k1-lighter": k1_split_by(4, 64, 16), "k1-heavier": k1_split_by(0.5, 32, 128),
             "k1-heaviest": k1_split_by(0.25, 32, 128), "decode-path": decode_path,
             "decode-prefill": decode_everywhere, "after-previous": after_previous,
-            "swap-ab": swap_ab(1), "swap-ab-split": swap_ab(2)}
+            "swap-ab": swap_ab(1), "swap-ab-split": swap_ab(2),
+            "swap-ab-fast-acc": swap_ab(1, promote=False)}
 
 
 PREFETCH_MIB = {"prefetch-8": (8, "end"), "prefetch-24": (24, "end"),

@@ -11,7 +11,7 @@ import epilora_kernels as ek
 from epilora_kernels import fused
 from epilora_kernels.launch import LaunchConfig
 
-from aot_launchers_sm90 import compile_launch, record_launches
+from aot_launchers_sm90 import compile_launch, compile_launch_full, record_launches
 from kernel_cases import make_problem
 
 PATTERN = (r"(div\.[a-z.0-9]+|rcp\.[a-z.0-9]+|cvt\.rn\.satfinite\.e4m3x2\.f32|mma\.sync|wgmma"
@@ -155,10 +155,36 @@ def main() -> None:
         0 <= k2_swap.find("ld.global.gpu.acquire") < k2_swap.find(fence)
         < k2_swap.find("cp.async.bulk.tensor") < k2_swap.find(wgmma) < swap_wait
         and "st.global" not in k2_swap[:swap_wait])
+    # Each K tile's FP8 sum promoted to fp32: FADDs in the K loop (before the wait for K1)
+    # that the same launch without the promotion lacks (dev/launch_variants' swap-ab-fast-acc)
+    from epilora_kernels import _launchers
+
+    _launchers.SWAP_AB_PROMOTE = False
+    _launchers._K2_TEMPLATES.clear()  # made with the constant in force
+    try:
+        _, k2_fast_acc = ptx_of(lambda: fused.decode_lora_fp8_linear(*wide, k1_config=K1,
+                                                                     k2_config=swapped))
+    finally:
+        _launchers.SWAP_AB_PROMOTE = True
+        _launchers._K2_TEMPLATES.clear()
+
+    def loop_adds(ptx: str) -> int:
+        return len(re.findall(r"\badd\.f32", ptx[:ptx.find("griddepcontrol.wait")]))
+
+    out["k2_swap_ab_promotes"] = [loop_adds(k2_swap), loop_adds(k2_fast_acc)]
     # on the caller's codes: the weight by TMA, the codes by asynchronous copies
     out["k2_swap_ab_codes_loads"] = ("cp.async.bulk.tensor" in k2_swap_codes
                                      and "cp.async.cg.shared.global" in k2_swap_codes
                                      and fence not in k2_swap_codes)
+    # W8A16 in the tuner's deepest swapped tiles (FP8-sized: 8 stages of 32 x 64 x 256), as
+    # fused._w8a16_tiles fits them (7 stages): within an sm_90 block's shared memory.
+    deep = LaunchConfig(block_m=32, block_n=64, block_k=256, block_r=64, num_stages=8,
+                        swap_ab=True)
+    fitted = fused._w8a16_tiles(deep, w_by_tma=True)
+    (w8a16_swapped,) = [compile_launch_full(*call) for call in record_launches(
+        lambda: fused.lora_w8a16_gemm(wide[0], wide[1], wide[2], torch.zeros(1, 3, 5, 64),
+                                      wide[3], wide[4], config=fitted))]
+    out["w8a16_swapped_fitted"] = [fitted.num_stages, w8a16_swapped.metadata.shared]
     print(json.dumps(out))
 
 

@@ -368,3 +368,41 @@ def test_decode_only_entries_do_not_give_prefill_batches_decode_tiles():
     assert entry(tokens=4096, cover=True) is None
     # a several-slot batch never saw the one-slot entries
     assert table_entry(table, "lora_gemm", 8, 28672, 4096, 64).block_n == 16
+
+
+def test_a_swapped_entry_serves_slices_its_tiles_do_not_fit_unswapped(tmp_path, monkeypatch):
+    # A tuned swapped tile (64 weight rows) given to a shape whose slices take 32-wide tiles
+    # only: narrowed, it is no longer a wgmma tile, so it is served unswapped, not refused.
+    from epilora_kernels import launch
+
+    swapped = {"block_m": 16, "block_n": 64, "block_k": 128, "num_stages": 8, "swap_ab": True}
+    table = {"lora_gemm": {"128x64": {"16": swapped}}}
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "Test_GPU.json").write_text(json.dumps(table))
+    monkeypatch.setattr(launch.resources, "files", lambda _pkg: tmp_path)
+    launch._load_table.cache_clear()
+    try:
+        fits = launch.select_config("Test GPU", "lora_gemm", 4, 128, 64, 16, (64, 64))
+        assert (fits.block_n, fits.swap_ab, fits.num_stages) == (64, True, 8)
+        narrow = launch.select_config("Test GPU", "lora_gemm", 4, 128, 64, 16, (96, 32))
+        assert (narrow.block_n, narrow.swap_ab, narrow.num_stages) == (32, False, 8)
+    finally:
+        launch._load_table.cache_clear()
+
+
+def test_w8a16_fits_fp8_sized_pipelines_to_its_bf16_activations():
+    # W8A16 reads the FP8 GEMM's tuned tiles, which its bf16 activations make larger: the
+    # tuner's deepest swapped tile (8 stages of 32 x 64 x 256, the weight by TMA) keeps 7; the
+    # shipped table's entries, which fit, are kept as they are (the same tiles: the same bits).
+    from epilora_kernels import fused
+
+    deep = LaunchConfig(block_m=32, block_n=64, block_k=256, block_r=64, num_stages=8,
+                        swap_ab=True)
+    assert fused._w8a16_tiles(deep, w_by_tma=True).num_stages == 7
+    assert fused._w8a16_tiles(deep, w_by_tma=False).num_stages == 8  # 7 buffers of each fit
+    from epilora_kernels.launch import _load_table
+
+    for entries in _load_table("NVIDIA H200")["lora_gemm"].values():
+        for fields in entries.values():
+            cfg = LaunchConfig(**fields)
+            assert fused._w8a16_tiles(cfg, w_by_tma=cfg.block_m >= 64) == cfg, cfg

@@ -59,6 +59,13 @@ def test_kernels_compile_for_sm90_with_the_expected_instructions():
     # decode path's order (acquire, fence, TMA, MMA, then the wait for K1; no store before).
     assert found["k2_swap_ab_wgmma_n16"] and found["k2_swap_ab_order"]
     assert found["k2_swap_ab_codes_loads"]
+    # the promotion of each K tile's sum: a 64 x 16 fp32 tile over 128 threads, 8 FADDs each
+    promoted, fast = found["k2_swap_ab_promotes"]
+    assert promoted >= fast + 8, (promoted, fast)
+    # W8A16 in FP8-sized swapped tiles, fitted to its bf16 activations: 7 of 8 stages, within
+    # the 232,448 bytes of shared memory an sm_90 block may take (8 stages: 245,816)
+    stages, shared = found["w8a16_swapped_fitted"]
+    assert stages == 7 and shared <= 232448
 
 
 def test_every_launch_compiles_for_sm90_with_the_arguments_its_launcher_passes():

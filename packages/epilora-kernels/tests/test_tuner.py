@@ -153,24 +153,72 @@ def test_a_candidate_that_fails_is_skipped_and_reported(cache, monkeypatch):
 
 
 def test_a_candidate_with_another_answer_is_refused_however_fast(cache, monkeypatch):
-    # The fastest settings lose one row's adapter (a few percent of the answer): refused and
-    # reported; a sum in another order (1e-3 off) is an answer like the settings in use's.
+    # The fastest settings lose one row's adapter (a few percent of the answer) or give a NaN:
+    # refused and reported. A sum in another order (1e-3 off) is the settings in use's answer,
+    # and faster: it wins.
     lost = ANSWER.clone()
     lost[0, :8] = 0.0
+    nan = ANSWER.clone()
+    nan[0, 3] = float("nan")
     reordered = ANSWER * (1 + 1e-3)
 
     def answer(k1, k2):
-        return lost if k2.block_n == 64 else reordered if k2.num_stages == 5 else ANSWER
+        if k2.block_n == 64:
+            return lost if k2.num_stages == 3 else nan
+        return reordered if k2.block_n == 128 else ANSWER
 
-    _, time_us = _fake_gpu(monkeypatch, lambda k1, k2: 50.0 if k2.block_n == 64 else
-                           100.0 - 5 * (k2.num_stages == 5), answer)
+    _, time_us = _fake_gpu(monkeypatch, lambda k1, k2: {64: 50.0, 128: 90.0}.get(k2.block_n,
+                                                                                  100.0), answer)
     report = tuner.tune_decode({"down": (4096, (64,))}, rank=16, tokens=(4,), time_us=time_us,
                                progress=lambda line: None, write=False)
     (cell,) = report["cells"]
-    assert (cell["k2"]["block_n"], cell["k2"]["num_stages"], cell["after_us"]) == (32, 5, 95.0)
-    off = [line for line in report["failed"] if "off the settings in use" in line]
-    assert off and len(off) == len(report["failed"])
-    assert all("block_n=64" in line.split("LaunchConfig")[2] for line in off)
+    assert cell["before_us"] == 100.0  # the settings in use: 32-wide tiles
+    assert (cell["k2"]["block_n"], cell["after_us"]) == (128, 90.0)
+    wrong = [line for line in report["failed"] if "a wrong answer" in line]
+    assert len(wrong) == len(report["failed"]) == 8  # 64-wide tiles: 2 K tiles x 2 splits x 2
+    assert all("block_n=64" in line.split("LaunchConfig")[2] for line in wrong)
+    assert any("off the settings in use's" in line for line in wrong)
+
+
+def test_where_the_settings_in_use_fail_candidates_answer_as_the_torch_reference(cache,
+                                                                                  monkeypatch):
+    # No answer of the settings in use to hold the others to: the torch reference's is it. A
+    # candidate losing one token's adapter is refused however fast, the right ones compete.
+    from epilora_kernels import reference
+
+    def lost(k2):  # the first candidate tried among them: it must not set the answer
+        return (k2.block_n, k2.num_stages) == (32, 3)
+
+    def answer_of(x, weight, scale, lora, batch, k1_config, k2_config, **kwargs):
+        want = reference.decode_lora_fp8_linear(x, weight, scale, lora, batch)
+        if lost(k2_config):
+            want = want.clone()
+            want[0] = 0.0
+        return want
+
+    seen = []
+
+    def decode(*args, k1_config, k2_config, **kwargs):
+        seen.append((k1_config, k2_config))
+        if len(seen) == 1:  # the settings in use
+            raise RuntimeError("does not launch")
+        return answer_of(*args, k1_config=k1_config, k2_config=k2_config)
+
+    monkeypatch.setattr(fused, "decode_lora_fp8_linear", decode)
+
+    def time_us(fn):
+        fn()
+        k1, k2 = seen[-1]
+        return 10.0 if lost(k2) else 100.0 - 5 * (k2.block_n == 64)
+
+    report = tuner.tune_decode({"down": (4096, (64,))}, rank=16, tokens=(4,), time_us=time_us,
+                               progress=lambda line: None, write=False)
+    (cell,) = report["cells"]
+    assert cell["before_us"] is None and not lost(launch.LaunchConfig(**cell["k2"]))
+    assert (cell["k2"]["block_n"], cell["after_us"]) == (64, 95.0)
+    wrong = [line for line in report["failed"] if "a wrong answer" in line]
+    assert wrong and all("off the torch reference's" in line for line in wrong)
+    assert len(wrong) == sum(lost(k2) for _, k2 in seen[1:])  # those, and only those
 
 
 @pytest.mark.parametrize("codes", [False, True])

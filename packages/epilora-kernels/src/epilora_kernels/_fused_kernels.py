@@ -489,7 +489,7 @@ def _lora_gemm_kernel(
     W_TMA: tl.constexpr = False, WAIT_K1_FIRST: tl.constexpr = False,
     A_TMA: tl.constexpr = False, W_SCALE_PER_CHANNEL: tl.constexpr = False,
     HAS_BIAS: tl.constexpr = False, DELTA_FIRST: tl.constexpr = False,
-    SWAP_AB: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False, SWAP_PROMOTE: tl.constexpr = True,
     pf_ptr=None, PF_ROWS=0, PF_STRIDE=0, PF_LINES=0, PF_HALF=0, PF_ROW_BYTES=0,
     PREFETCH: tl.constexpr = 0,
     PF_BLOCK: tl.constexpr = 128,
@@ -611,9 +611,10 @@ def _lora_gemm_kernel(
         # does, where a 16-row tile is mma.sync's; transposed back after the loop, so the
         # epilogue is the same. FP8 wgmma sums in reduced precision (about 7% low on
         # all-positive operands over K = 4096: docs/kernels.md, "FP8 accumulation"), so there
-        # each K tile's sum starts from zero and is then added to the fp32 accumulator
-        # (max_num_imprecise_acc): near the mma.sync tiles' fp32 sums, for a few FADDs a
-        # thread per K tile.
+        # (SWAP_PROMOTE) each K tile's sum starts from zero and is then added to the fp32
+        # accumulator (max_num_imprecise_acc): near the mma.sync tiles' fp32 sums, for a few
+        # FADDs a thread per K tile and a wait for the tile's MMAs before them (ptxas injects
+        # it), where the wgmmas otherwise chain asynchronously.
         if SWAP_AB:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         else:
@@ -634,8 +635,10 @@ def _lora_gemm_kernel(
                 wt = wt.to(tl.float32 if INTERPRETER else tl.bfloat16)
                 if INTERPRETER:
                     at = at.to(tl.float32)
-            if SWAP_AB and MODE == 0:
+            if SWAP_AB and MODE == 0 and SWAP_PROMOTE:
                 acc = tl.dot(wt, tl.trans(at), acc, max_num_imprecise_acc=BLOCK_K)
+            elif SWAP_AB and MODE == 0:
+                acc = tl.dot(wt, tl.trans(at), acc)
             elif SWAP_AB:
                 acc += tl.dot(wt, tl.trans(at))
             elif MODE == 0:

@@ -163,6 +163,10 @@ def _keep_template(templates: dict, key: tuple,
 
 # Mode of K2: the FP8 GEMM, the W8A16 GEMM, or no GEMM (the hybrid path's expand).
 FP8, W8A16, EXPAND = 0, 1, 2
+# Swapped FP8 tiles promote each K tile's wgmma sum to fp32 (the kernel's SWAP_PROMOTE): the
+# sums near the unswapped tiles' at a wait for the tile's MMAs. Not a setting: a constant that
+# dev/launch_variants.py's `swap-ab-fast-acc` turns off to time what the promotion costs.
+SWAP_AB_PROMOTE = True
 
 
 def trace_arg(trace: torch.Tensor | None, unused: torch.Tensor, programs: int) -> torch.Tensor:
@@ -353,6 +357,7 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
         W_TMA=w_tma, WAIT_K1_FIRST=wait_k1_first and pdl, A_TMA=a_sorted,
         W_SCALE_PER_CHANNEL=per_channel, HAS_BIAS=has_bias,
         SWAP_AB=cfg.swap_ab and mode != EXPAND,  # the expand has no GEMM to swap
+        SWAP_PROMOTE=SWAP_AB_PROMOTE,
         # Several slots in prefill tiles of the FP8 GEMM, h whole before the K loop (no PDL, or
         # the fused path's wait for all of K1 first): the delta before the GEMM (the kernel).
         DELTA_FIRST=(mode == FP8 and cfg.block_m >= 64 and num_entries > 2 and split == 1
@@ -528,7 +533,8 @@ def launch_gemm_only(support: DeviceSupport, workspace: Workspace, a, a_scale, w
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=16,
         INTERPRETER=_env.triton_interpreter(), W_TMA=w_operand is not weight, A_TMA=by_tma,
         W_SCALE_PER_CHANNEL=weight_scale.numel() > 1, HAS_BIAS=bias is not None,
-        SWAP_AB=cfg.swap_ab, TRACE=trace is not None, num_warps=cfg.num_warps,
+        SWAP_AB=cfg.swap_ab, SWAP_PROMOTE=SWAP_AB_PROMOTE, TRACE=trace is not None,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     return y

@@ -32,7 +32,7 @@ from epilora_kernels import _checks, _env, _launchers, _tiling
 from epilora_kernels._launchers import EXPAND, FP8, W8A16
 from epilora_kernels.arch import DeviceSupport, UnsupportedError, device_support
 from epilora_kernels.batch import AdapterBatch, LoraWeights
-from epilora_kernels.launch import DECODE_SHRINK_MAX_TOKENS, LaunchConfig
+from epilora_kernels.launch import DECODE_SHRINK_MAX_TOKENS, SHARED_BYTES, LaunchConfig
 from epilora_kernels.prefetch import L2Prefetch, kernel_args
 from epilora_kernels.workspace import Workspace, default_workspace, normalized_device
 
@@ -120,7 +120,7 @@ def _k2_alone(support, mode, a, a_scale, weight, weight_scale, config, workspace
     t, k = a.shape
     cfg = config or _tiling.shape_config(support, "lora_gemm", t, weight.shape[0], k, 16, ())
     if config is None and mode == W8A16:
-        cfg = _w8a16_tiles(cfg)
+        cfg = _w8a16_tiles(cfg, _tiling.w_tma(support, weight, cfg))
     return _launchers.launch_gemm_only(support, _workspace(workspace, a.device), a, a_scale,
                                        weight, weight_scale, cfg, bias=bias, mode=mode)
 
@@ -205,12 +205,26 @@ def w8a16_gemm(
                      bias)
 
 
-def _w8a16_tiles(cfg: LaunchConfig) -> LaunchConfig:
-    # The prefill tile is sized for FP8 operands; W8A16's bf16 activations and the widened
-    # weight would take ~256 KB of shared memory in it. 128-wide in 3 stages: ~176 KB.
+def _w8a16_tiles(cfg: LaunchConfig, w_by_tma: bool) -> LaunchConfig:
+    # Settings sized for FP8 operands (the tables', the tuner's, the heuristic's), where W8A16
+    # takes twice the activations' bytes. The prefill tile: its bf16 activations and the
+    # widened weight would take ~256 KB of shared memory; 128-wide in 3 stages: ~176 KB.
+    # Deeper decode pipelines (the tuner's swapped tiles, up to 8 stages) as deep as their
+    # buffers fit. The same tiles: the same sums, the same bits.
     if cfg.block_m >= 128 and cfg.block_n > 128:
         return dataclasses.replace(cfg, block_n=128, num_stages=3)
-    return cfg
+    stages = cfg.num_stages
+    while stages > 2 and _pipeline_bytes(cfg, stages, 2, w_by_tma) > SHARED_BYTES:
+        stages -= 1
+    return dataclasses.replace(cfg, num_stages=stages)
+
+
+def _pipeline_bytes(cfg: LaunchConfig, stages: int, a_bytes: int, w_by_tma: bool) -> int:
+    # K2's K-loop buffers as Triton 3.6 lays them out for sm_90: a TMA-loaded operand takes
+    # `stages` buffers, an asynchronously copied one `stages - 1` (W8A16's 32 x 64 x 256 tiles
+    # in 8 stages, the weight by TMA: 245,816 bytes; 32 x 32 x 1024 in 3, no TMA: 196,608).
+    a = cfg.block_m * cfg.block_k * a_bytes * (stages - 1)
+    return a + cfg.block_n * cfg.block_k * (stages if w_by_tma else stages - 1)
 
 
 def lora_expand(
@@ -375,7 +389,7 @@ def _k2_config(support, mode, a_dtype, weight, weight_scale, lora, batch, given,
     # the fitting's 3-stage candidates would cut.
     cfg = _tiling.gemm_config(support, batch, lora, given)
     if given is None and mode == W8A16:
-        cfg = _w8a16_tiles(cfg)
+        cfg = _w8a16_tiles(cfg, _tiling.w_tma(support, weight, cfg))
     if (given is None and not support.interpreter and weight.is_cuda and cfg.block_m <= 32
             and not cfg.swap_ab and not _tiling.gemm_tuned_exactly(support, batch, lora)):
         cfg = _launchers.fit_k2_waves(

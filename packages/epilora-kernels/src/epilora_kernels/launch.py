@@ -165,6 +165,7 @@ def heuristic_config(
 
 
 H200_SMS = 132  # the heuristic's programs-per-SM rules (H100 SXM has 132 too)
+SHARED_BYTES = 227 * 1024  # an sm_90 block's shared memory at most: larger pipelines never run
 
 
 def wave_efficiency(programs: int, blocks_per_sm: int, sms: int) -> float:
@@ -432,6 +433,8 @@ def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int,
         return heuristic_config(op, tokens, n, k, rank, slices, large_tiles)
     if op != "lora_gemm":
         return tuned
-    # K2 holds the whole rank in its epilogue; a nearest shape's tiles may not fit the slices.
-    return dataclasses.replace(tuned, block_r=rank_block(rank),
-                               block_n=fit_slices(tuned.block_n, slices))
+    # K2 holds the whole rank in its epilogue; a nearest shape's tiles may not fit the slices
+    # (narrowed below 64 weight rows a warpgroup, a swapped tile is no longer one).
+    block_n = fit_slices(tuned.block_n, slices)
+    return dataclasses.replace(tuned, block_r=rank_block(rank), block_n=block_n,
+                               swap_ab=tuned.swap_ab and block_n >= 16 * tuned.num_warps)
