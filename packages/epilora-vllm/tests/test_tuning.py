@@ -80,9 +80,9 @@ def test_tune_passes_the_case_and_logs_what_it_found(no_cuda, monkeypatch, caplo
 
     def tune_decode(projections, **kw):
         calls.append((projections, kw))
-        return {"cells": [{"before_us": 10.0, "after_us": 8.0},
-                          {"before_us": 10.0, "after_us": 10.0}],
-                "compile_s": 1.5, "complete": True}
+        return {"cells": [{"before_us": 10.0, "after_us": 8.0, "k2": {"swap_ab": True}},
+                          {"before_us": 10.0, "after_us": 10.0, "k2": {"swap_ab": False}}],
+                "compile_s": 1.5, "complete": True, "failed": ["a wrong answer"]}
 
     monkeypatch.setattr(tuner, "tune_decode", tune_decode)
     with caplog.at_level(logging.INFO, logger="vllm.epilora_vllm"):
@@ -94,6 +94,7 @@ def test_tune_passes_the_case_and_logs_what_it_found(no_cuda, monkeypatch, caplo
                                                                       tuning.BUDGET_S)
     assert kw["compile_threads"] > 1 and kw.get("jobs", 0) == 0  # no processes in vLLM's
     assert "64x64 r16 l2 on codes" in caplog.text and "0.900 of its time" in caplog.text
+    assert "K2 swapped in 1; 1 candidates refused or failed" in caplog.text
 
 
 def test_a_tuner_that_found_nothing_says_the_next_start_tries_again(no_cuda, monkeypatch,

@@ -93,8 +93,11 @@ def _tune(forward) -> None:
                        "(EPILORA_VLLM_TUNE=0: never)", case, BUDGET_S, report["compile_s"])
         return
     faster = [c["after_us"] / c["before_us"] for c in cells if c["before_us"]]
+    swapped = sum(c["k2"].get("swap_ab", False) for c in cells)
     logger.info("epilora tune: %s in %.1f s (compiles %.1f s, %s): %d token buckets, the decode "
-                "path %.3f of its time before (mean; best %.3f)", case,
+                "path %.3f of its time before (mean; best %.3f); K2 swapped in %d; %d "
+                "candidates refused or failed", case,
                 time.perf_counter() - begin, report["compile_s"],
                 "complete" if report["complete"] else "budget reached", len(cells),
-                sum(faster) / len(faster) if faster else 1.0, min(faster, default=1.0))
+                sum(faster) / len(faster) if faster else 1.0, min(faster, default=1.0), swapped,
+                len(report.get("failed", [])))
