@@ -71,7 +71,8 @@ Variants (`--variants`):
   committed engine step (`engine_kernels.json` of 9a03a4b, `last_step`, medians of its four
   layers) vLLM's swap-AB CUTLASS GEMM takes 8.7, 6.6, 26.6 and 15.3 us for qkv, o, gate_up and
   down, our K2 (K1 beside it) 12.3, 10.7, 29.0 and 21.0: 15.8 us a layer, most of the batch-1
-  TPOT's gap. Decode sizes: `--codes --tokens 1 4 8 16 32`. `swap-ab-fast-acc`: `swap-ab`
+  TPOT's gap (flushed, our K2 alone is near CUTLASS; beside K1 it is not: docs/kernels.md,
+  Next steps 9). Decode sizes: `--codes --tokens 1 4 8 16 32`. `swap-ab-fast-acc`: `swap-ab`
   without the promotion of each K tile's FP8 sum to fp32 (wgmma's reduced-precision sums over
   the whole K, as CUTLASS's; ptxas waits for each tile's MMAs before the promotion's adds).
 
