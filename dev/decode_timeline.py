@@ -35,7 +35,9 @@ quantizer, then K2 with h given), `gemm` (our quantizer, then K2 without adapter
 tiles: against `h-given`, what the adapter's epilogue costs; its codes by TMA where the tiles
 allow, `fused.fp8_gemm`'s choice), `decode-codes` and `gemm-codes` (the same on per-token codes
 made outside the graph, as the plugin's default mode receives them from vLLM's fused
-quantization; against `cutlass-codes`); `--variants` picks them, `--traced` those also traced;
+quantization; against `cutlass-codes`), `decode-codes-swapped` and `gemm-codes-swapped` (those
+with K2's decode tiles swapped: `LaunchConfig.swap_ab`, the tile `tuner.swap_candidate`
+picks); `--variants` picks them, `--traced` those also traced;
 `--ranks`, `--tokens`, `--adapters` (tokens round robin over them) pick the cases, e.g. the
 layer page's misses: `--adapters 32 --ranks 64 --tokens 128 256 --variants fused h-given
 --traced fused h-given`, or the batch-1 gap of the plugin's default mode: `--ranks 64 --tokens 1
@@ -62,15 +64,24 @@ from layer import l2_flush_buffer, make_layer, run_layer, time_graph, write_resu
 from models import MODELS  # noqa: E402
 
 # The kernels' internals: the traced launches are a diagnostic, not the public API.
-from epilora_kernels import _launchers, _tiling, fused  # noqa: E402
+from epilora_kernels import _launchers, _tiling, fused, tuner  # noqa: E402
 from epilora_kernels.arch import device_support  # noqa: E402
 from epilora_kernels.workspace import default_workspace  # noqa: E402
 
 RANKS = (16, 64, 128)
 TOKENS = (1, 4, 16)
 TRACED_TOKENS = (1, 16)  # of the default TOKENS; given --tokens, all are traced
-UNTRACED_K1 = ("h-given", "gemm", "gemm-codes")  # no K1 (or our quantizer, untraced) before K2
-CODES_VARIANTS = ("decode-codes", "gemm-codes")  # on codes made outside the graph: vs cutlass-codes
+UNTRACED_K1 = ("h-given", "gemm", "gemm-codes", "gemm-codes-swapped")  # no K1 (or our
+# quantizer, untraced) before K2
+CODES_VARIANTS = ("decode-codes", "gemm-codes", "decode-codes-swapped",
+                  "gemm-codes-swapped")  # on codes made outside the graph: vs cutlass-codes
+
+
+def _swapped(cfg, batch, lora):
+    # the `-swapped` variants' K2: the swapped tile of `cfg` that dev/launch_variants.py's
+    # `swap-ab` takes (`tuner.swap_candidate`)
+    return tuner.swap_candidate(cfg, lora.out_features, lora.in_features, lora.output_slices,
+                                batch.num_tokens)
 
 
 def _k1_config(variant: str, tokens: int, lora):
@@ -91,33 +102,30 @@ def run_variant(variant, xs, layer, batch, hs, codes, traces=None):
     for name, (weight, scale, lora) in layer.items():
         pair = traces[name] if traces else (None, None)
         x = xs[name]
-        if variant == "decode-codes":  # the plugin's default mode: the codes alone (x=None)
-            fused._linear(0, None, weight, scale, lora, batch, None, None, decode=True,
+        support = device_support(x.device)
+        in_use = _tiling.gemm_config(support, batch, lora, None)
+        swapped = variant.endswith("-swapped")
+        if variant.startswith("decode-codes"):  # the plugin's default mode: the codes alone
+            fused._linear(0, None, weight, scale, lora, batch, None,
+                          _swapped(in_use, batch, lora) if swapped else None, decode=True,
                           pdl=True, traces=pair, x_quantized=codes[name])
-        elif variant == "gemm-codes":  # K2 without adapter on the same codes
-            support = device_support(x.device)
+        elif variant.startswith("gemm-codes"):  # K2 without adapter on the same codes
             _launchers.launch_gemm_only(support, default_workspace(x.device), *codes[name],
                                         weight, scale,
-                                        _tiling.gemm_config(support, batch, lora, None),
+                                        _swapped(in_use, batch, lora) if swapped else in_use,
                                         trace=pair[1])
         elif variant in ("fused", "fused-pdl"):  # K1 then K2, the fused path's settings
             fused._linear(0, x, weight, scale, lora, batch, None, None, traces=pair,
                           pdl=variant == "fused-pdl", wait_k1_first=True)
         elif variant == "gemm":
-            support = device_support(x.device)
             _launchers.launch_gemm_only(support, default_workspace(x.device), *fused.quantize(x),
-                                        weight, scale,
-                                        _tiling.gemm_config(support, batch, lora, None),
-                                        trace=pair[1])
+                                        weight, scale, in_use, trace=pair[1])
         elif variant == "h-given":
-            support = device_support(x.device)
             _launchers.launch_k2(support, default_workspace(x.device), _launchers.FP8,
                                  *fused.quantize(x), weight, scale,
                                  torch.empty(x.shape[0], lora.out_features,
                                              dtype=torch.bfloat16, device=x.device),
-                                 hs[name], lora, batch,
-                                 _tiling.gemm_config(support, batch, lora, None),
-                                 trace=pair[1])
+                                 hs[name], lora, batch, in_use, trace=pair[1])
         else:
             fused._linear(0, x, weight, scale, lora, batch,
                           _k1_config(variant, x.shape[0], lora), None, decode=True,

@@ -211,16 +211,9 @@ def swap_ab(split: int, promote: bool = True):
 
         def swapped(device, op, tokens, n, k, rank, slices=(), *args, **kwargs):
             cfg = shipped(device, op, tokens, n, k, rank, slices, *args, **kwargs)
-            if op != "lora_gemm" or cfg.block_m > 32:
+            if op != "lora_gemm":
                 return cfg
-            # 64 weight rows a tile and 256 deep (CUTLASS's decode tile), the pipeline as deep
-            # as one wave of the grid allows where that is 3 stages or more, else as deep as
-            # one program an SM allows (tuner.swap_candidates' order)
-            for cand in sorted(tuner.swap_candidates(cfg, n, k, slices, tokens),
-                               key=lambda c: -c.block_k):
-                if (cand.block_n, cand.split_k) == (64, split):
-                    return cand
-            return cfg
+            return tuner.swap_candidate(cfg, n, k, slices, tokens, split)
 
         return _made_again_around(mock.patch.object(_tiling, "select_config", swapped))
     return variant

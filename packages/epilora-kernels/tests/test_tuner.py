@@ -123,6 +123,15 @@ def test_candidates_fit_the_shape(monkeypatch):
     assert tuner.swap_candidates(dataclasses.replace(cfg, block_m=64), 6144, 4096,
                                  (4096, 1024, 1024)) == []
     assert tuner.swap_candidates(cfg, 96, 512, (32, 32, 32)) == []
+    # the A/B tools' pick: 64 x 256 tiles, the one-wave depth (qkv split in two: 4 stages);
+    # gate_up's 384 programs have none, so its one-an-SM depth; nothing to swap: as it was
+    pick = tuner.swap_candidate
+    assert [(c.block_n, c.block_k, c.split_k, c.num_stages, c.swap_ab) for c in (
+        pick(cfg, 6144, 4096, (4096, 1024, 1024), 1),
+        pick(cfg, 6144, 4096, (4096, 1024, 1024), 1, split_k=2),
+        pick(cfg, 24576, 4096, (12288, 12288), 16))] == [
+        (64, 256, 1, 8, True), (64, 256, 2, 4, True), (64, 256, 1, 8, True)]
+    assert pick(cfg, 96, 512, (32, 32, 32), 4) == cfg
     narrow = tuner.k2_candidates(cfg, 48, 512, (16, 16, 16))
     assert {c.block_n for c in narrow} == {16} and all(c.split_k == 1 for c in narrow
                                                         if c.block_k == 512)

@@ -157,6 +157,17 @@ def swap_candidates(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...],
     return list(dict.fromkeys(out))
 
 
+def swap_candidate(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...], tokens: int,
+                   split_k: int = 1) -> LaunchConfig:
+    """One swapped tile of `swap_candidates` (the A/B tools' pick, dev/launch_variants.py and
+    dev/decode_timeline.py): 64 weight rows, the deepest K tile, the K loop split `split_k`
+    ways, the one-wave pipeline where there is one; `cfg` itself where none fits."""
+    for cand in sorted(swap_candidates(cfg, n, k, slices, tokens), key=lambda c: -c.block_k):
+        if (cand.block_n, cand.split_k) == (64, split_k):
+            return cand
+    return cfg
+
+
 # A candidate's answer against the settings in use's (norm of the difference over the norm):
 # the same sums in another order stay far below; every token's adapter lost in the tuner's
 # problem is 0.34-0.38 off (Qwen3-8B's and Qwen2.5-7B's shapes, 1 and 32 tokens), one token's
