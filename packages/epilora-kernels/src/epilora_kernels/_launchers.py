@@ -534,7 +534,6 @@ def launch_gemm_only(support: DeviceSupport, workspace: Workspace, a, a_scale, w
         INTERPRETER=_env.triton_interpreter(), W_TMA=w_operand is not weight, A_TMA=by_tma,
         W_SCALE_PER_CHANNEL=weight_scale.numel() > 1, HAS_BIAS=bias is not None,
         SWAP_AB=cfg.swap_ab, SWAP_PROMOTE=SWAP_AB_PROMOTE, TRACE=trace is not None,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y

@@ -31,6 +31,7 @@ import torch
 
 from epilora_kernels import _env, reference
 from epilora_kernels.launch import (
+    H200_SMS,
     SHARED_BYTES,
     LaunchConfig,
     fit_slices,
@@ -128,7 +129,7 @@ SWAP_MIN_STAGES = 3
 
 
 def swap_candidates(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...],
-                    tokens: int | None = None, sms: int = 132) -> list:
+                    tokens: int | None = None, sms: int = H200_SMS) -> list:
     """Swapped decode tiles (`LaunchConfig.swap_ab`) around `cfg` where its tiles have 32 rows
     or fewer: 64 or 128 weight rows, K tiles of 128 or 256, the K loop whole or split in two.
     A streamed GEMM's speed is its bytes in flight, so each takes the deepest pipeline (at
