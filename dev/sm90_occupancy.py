@@ -14,8 +14,10 @@ of 256, 228 KB of shared memory with 1 KB reserved per block, 32 blocks, 2048 th
 
 `--candidates k2` compiles instead every K2 candidate `benchmarks/tune.py` offers (the fused
 path's K2, with its epilogue at the rank), `--candidates k1` every K1 candidate (the fused
-path's K1), to see before a GPU sweep which tiles fit how many blocks per SM and which spill,
-e.g. `--candidates k2 --tokens 256 --ranks 128 --projections gate_up`.
+path's K1), `--candidates swap` every swapped K2 the library's tuner offers with
+EPILORA_TUNE_SWAP_AB=1 (`tuner.swap_candidates`, in the decode path), to see before a GPU sweep
+which tiles fit how many blocks per SM and which spill, e.g. `--candidates k2 --tokens 256
+--ranks 128 --projections gate_up` or `--candidates swap --tokens 1 32 --ranks 64`.
 
 Why it exists: the decode timeline showed gate_up's K2 main loop slower at rank 128 than at
 rank 64 with h given (decode_timeline.json); here K2 there holds more registers at rank 128
@@ -62,8 +64,10 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, nargs="+", default=[1],
                         help="the tokens round robin over this many slots, as layer.py's "
                              "setups (several: K2's several-slot epilogue); each count's rows")
-    parser.add_argument("--candidates", choices=("k1", "k2"),
-                        help="every K1 or K2 candidate of benchmarks/tune.py, in the fused path")
+    parser.add_argument("--candidates", choices=("k1", "k2", "swap"),
+                        help="every K1 or K2 candidate of benchmarks/tune.py, in the fused "
+                             "path; swap: every swapped K2 of the library's tuner "
+                             "(tuner.swap_candidates), in the decode path")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "packages/epilora-kernels/tests"))
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -71,7 +75,7 @@ def main() -> None:
     from tune import k1_candidates, k2_candidates
 
     import epilora_kernels as ek
-    from epilora_kernels import _tiling
+    from epilora_kernels import _tiling, tuner
     from epilora_kernels._tiling import blocks_per_sm
     from epilora_kernels.batch import AdapterBatch, LoraWeights
     from epilora_kernels.launch import select_config
@@ -111,6 +115,9 @@ def main() -> None:
                 elif args.candidates == "k1":
                     launches = [("fused", cfg, k2, ("K1",))
                                 for cfg in k1_candidates(tokens, rank, k)]
+                elif args.candidates == "swap":
+                    launches = [("decode", None, cfg, ("K2",))
+                                for cfg in tuner.swap_candidates(k2, n, k, slices, tokens)]
                 for path, k1_cfg, k2_cfg, reported in launches:
                     linear = (ek.decode_lora_fp8_linear if path == "decode" else
                               ek.fused_lora_fp8_linear)
