@@ -409,12 +409,12 @@ def test_swapped_decode_tiles_the_tuner_offers_give_the_unswapped_answer(project
     given, quantized = (x, None) if kind == "x" else (None, ek.quantize(x))
     want = ek.decode_lora_fp8_linear(given, weight, w_scale, lora, batch,
                                      x_quantized=quantized)
-    _, k2 = fused.decode_settings(x, weight, w_scale, lora, batch, codes=kind == "codes")
+    k1, k2 = fused.decode_settings(x, weight, w_scale, lora, batch, codes=kind == "codes")
     candidates = tuner.swap_candidates(k2, sum(slices), k, slices, tokens)
     assert candidates
     for cfg in candidates:
-        def call(cfg=cfg, linear=ek.decode_lora_fp8_linear):
-            return linear(given, weight, w_scale, lora, batch, k2_config=cfg,
+        def call(cfg=cfg, linear=ek.decode_lora_fp8_linear):  # one K1 for both paths: one h
+            return linear(given, weight, w_scale, lora, batch, k1_config=k1, k2_config=cfg,
                           x_quantized=quantized)
 
         y = call()
