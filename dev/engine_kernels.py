@@ -147,7 +147,10 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--worker", "--name", name, "--system", system,
                "--model-dir", str(model_dir), "--adapter", str(adapter), "--work", str(work),
                "--steps", str(args.steps), "--out", str(out)]
-        env = {**serving.system_env(system), **extra, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        # each system's own kernels' cache: the start-time tuner tunes for each (a shared one
+        # would hand the first system's choices to the next, swapped tiles or not)
+        env = {**serving.system_env(system), **extra, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+               "EPILORA_CACHE_DIR": str(work / f"cache-{name}")}
         print(f"{name} ...", flush=True)
         log, _ = serving.run_worker(cmd, env=env, timeout=args.timeout)
         out.with_name(f"engine_kernels-{name}.log").write_text(log)

@@ -189,17 +189,22 @@ def test_a_candidate_with_another_answer_is_refused_however_fast(cache, monkeypa
     assert any("off the settings in use's" in line for line in wrong)
 
 
+@pytest.mark.parametrize("codes", [False, True])
 def test_where_the_settings_in_use_fail_candidates_answer_as_the_torch_reference(cache,
-                                                                                  monkeypatch):
-    # No answer of the settings in use to hold the others to: the torch reference's is it. A
-    # candidate losing one token's adapter is refused however fast, the right ones compete.
+                                                                                  monkeypatch,
+                                                                                  codes):
+    # No answer of the settings in use to hold the others to: the torch reference's on the
+    # call's own inputs (x, or the codes) is it. A candidate losing one token's adapter is
+    # refused however fast, the right ones compete.
     from epilora_kernels import reference
 
     def lost(k2):  # the first candidate tried among them: it must not set the answer
         return (k2.block_n, k2.num_stages) == (32, 3)
 
-    def answer_of(x, weight, scale, lora, batch, k1_config, k2_config, **kwargs):
-        want = reference.decode_lora_fp8_linear(x, weight, scale, lora, batch)
+    def answer_of(x, weight, scale, lora, batch, k1_config, k2_config, x_quantized=None,
+                  **kwargs):
+        want = reference.decode_lora_fp8_linear(x, weight, scale, lora, batch,
+                                                x_quantized=x_quantized)
         if lost(k2_config):
             want = want.clone()
             want[0] = 0.0
@@ -211,7 +216,8 @@ def test_where_the_settings_in_use_fail_candidates_answer_as_the_torch_reference
         seen.append((k1_config, k2_config))
         if len(seen) == 1:  # the settings in use
             raise RuntimeError("does not launch")
-        return answer_of(*args, k1_config=k1_config, k2_config=k2_config)
+        return answer_of(*args, k1_config=k1_config, k2_config=k2_config,
+                         x_quantized=kwargs.get("x_quantized"))
 
     monkeypatch.setattr(fused, "decode_lora_fp8_linear", decode)
 
@@ -221,7 +227,7 @@ def test_where_the_settings_in_use_fail_candidates_answer_as_the_torch_reference
         return 10.0 if lost(k2) else 100.0 - 5 * (k2.block_n == 64)
 
     report = tuner.tune_decode({"down": (4096, (64,))}, rank=16, tokens=(4,), time_us=time_us,
-                               progress=lambda line: None, write=False)
+                               progress=lambda line: None, write=False, codes=codes)
     (cell,) = report["cells"]
     assert cell["before_us"] is None and not lost(launch.LaunchConfig(**cell["k2"]))
     assert (cell["k2"]["block_n"], cell["after_us"]) == (64, 95.0)

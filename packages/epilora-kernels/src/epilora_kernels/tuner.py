@@ -136,7 +136,7 @@ def swap_candidates(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...],
     most 8 stages, a stage's worth of shared memory left to the epilogue) that lets every
     program of the grid run at once on `sms` SMs, and, where that differs, the deepest at one
     program an SM (CUTLASS's decode GEMM runs its 64 x 256 tiles so, in several waves)."""
-    if cfg.block_m > 32:
+    if cfg.block_m > 32 or cfg.num_warps % 4:  # a warpgroup's 64 rows: whole warpgroups
         return []
     row_tiles = 1 if tokens is None else -(-tokens // cfg.block_m)
     out = []
@@ -405,11 +405,18 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
 
                 try:
                     answer = call()
-                    if not baseline and not wanted:
-                        wanted["the torch reference's"] = reference.decode_lora_fp8_linear(
-                            x, weight, scale, lora, batch)
-                    whose, want = next(iter(wanted.items()), ("", None))
-                    error = 0.0 if baseline else _relative_error(answer, want)
+                    whose, error = "", 0.0
+                    if not baseline:
+                        if not wanted:  # on the call's own inputs: x, or its codes
+                            wanted["the torch reference's"] = None  # once, even if it fails
+                            wanted["the torch reference's"] = reference.decode_lora_fp8_linear(
+                                None if quantized else x, weight, scale, lora, batch,
+                                x_quantized=quantized or None)
+                        whose, want = next(iter(wanted.items()))
+                        if want is None:
+                            raise RuntimeError("no answer to hold it to: the torch reference "
+                                               "failed")
+                        error = _relative_error(answer, want)
                     if not error <= ANSWER_TOL or not bool(torch.isfinite(answer).all()):
                         report.setdefault("failed", []).append(
                             f"{name} {t} {k1} {k2}: a wrong answer ({error:.2e} off {whose}, "
