@@ -39,8 +39,10 @@ SYSTEMS = {
                                               "EPILORA_VLLM_PREFETCH_AT": "start"}),
     # the decode path's K1 as the programmatic dependent of the kernel before it
     "epilora-after-previous": ("epilora", {"EPILORA_DECODE_AFTER_PREVIOUS": "1"}),
-    # the engine-start tuner also tries K2's decode tiles swapped (wgmma, the weight by TMA)
+    # the engine-start tuner with and without K2's decode tiles swapped (wgmma, the weight by
+    # TMA; tried by default)
     "epilora-swap-ab": ("epilora", {"EPILORA_TUNE_SWAP_AB": "1"}),
+    "epilora-unswapped": ("epilora", {"EPILORA_TUNE_SWAP_AB": "0"}),
     "vllm-dual-stream": ("vllm-dual-stream", {}),
 }
 

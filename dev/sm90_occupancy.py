@@ -14,8 +14,8 @@ of 256, 228 KB of shared memory with 1 KB reserved per block, 32 blocks, 2048 th
 
 `--candidates k2` compiles instead every K2 candidate `benchmarks/tune.py` offers (the fused
 path's K2, with its epilogue at the rank), `--candidates k1` every K1 candidate (the fused
-path's K1), `--candidates swap` every swapped K2 the library's tuner offers with
-EPILORA_TUNE_SWAP_AB=1 (`tuner.swap_candidates`, in the decode path), to see before a GPU sweep
+path's K1), `--candidates swap` every swapped K2 the library's tuner offers
+(`tuner.swap_candidates`, in the decode path), to see before a GPU sweep
 which tiles fit how many blocks per SM and which spill, e.g. `--candidates k2 --tokens 256
 --ranks 128 --projections gate_up` or `--candidates swap --tokens 1 32 --ranks 64`.
 

@@ -94,15 +94,16 @@ def test_a_corrupt_cache_is_refused_by_name(cache):
 
 def test_candidates_fit_the_shape(monkeypatch):
     cfg = launch.heuristic_config("lora_gemm", 4, 6144, 4096, 64, (4096, 1024, 1024))
+    monkeypatch.setenv("EPILORA_TUNE_SWAP_AB", "0")
     k2 = tuner.k2_candidates(cfg, 6144, 4096, (4096, 1024, 1024))
     # 3 N tiles x 2 K tiles x 2 splits x 2 stage counts, less 128 x 512 tiles in 5 stages
     # (368 KB of shared memory)
     assert len(k2) == 22 and cfg in k2 and not any(c.swap_ab for c in k2)
-    # with EPILORA_TUNE_SWAP_AB=1 also 9 swapped ones (2 N tiles x 2 K tiles x 2 splits, one
-    # of them in two depths)
-    monkeypatch.setenv("EPILORA_TUNE_SWAP_AB", "1")
+    # by default (EPILORA_TUNE_SWAP_AB unset) also 9 swapped ones, first (2 N tiles x 2 K
+    # tiles x 2 splits, one of them in two depths)
+    monkeypatch.delenv("EPILORA_TUNE_SWAP_AB")
     k2 = tuner.k2_candidates(cfg, 6144, 4096, (4096, 1024, 1024))
-    assert len(k2) == 31 and cfg in k2
+    assert len(k2) == 31 and cfg in k2 and all(c.swap_ab for c in k2[:9])
     for cand in k2:
         assert 1024 % cand.block_n == 0 and 4096 // cand.split_k >= cand.block_k
         assert cand.num_stages * (cand.block_m + cand.block_n) * cand.block_k <= 227 * 1024
@@ -184,7 +185,8 @@ def test_a_candidate_with_another_answer_is_refused_however_fast(cache, monkeypa
     assert cell["before_us"] == 100.0  # the settings in use: 32-wide tiles
     assert (cell["k2"]["block_n"], cell["after_us"]) == (128, 90.0)
     wrong = [line for line in report["failed"] if "a wrong answer" in line]
-    assert len(wrong) == len(report["failed"]) == 8  # 64-wide tiles: 2 K tiles x 2 splits x 2
+    # 64-wide tiles: 8 unswapped (2 K tiles x 2 splits x 2 stage counts), 4 swapped
+    assert len(wrong) == len(report["failed"]) == 12
     assert all("block_n=64" in line.split("LaunchConfig")[2] for line in wrong)
     assert any("off the settings in use's" in line for line in wrong)
 

@@ -46,8 +46,7 @@ class LaunchConfig:
     wgmma, the weight streamed by TMA (as CUTLASS's swap-AB decode GEMM), where they are
     otherwise mma.sync's. It needs `block_n` >= 16 * `num_warps` (64 rows a warpgroup) and
     gives the same results up to the order of the fp32 sums. Off in the shipped tables and
-    the heuristic; the tuner tries it at decode sizes with EPILORA_TUNE_SWAP_AB=1 (not yet
-    run on a GPU)."""
+    the heuristic; the tuner tries it at decode sizes (EPILORA_TUNE_SWAP_AB=0: not)."""
 
     block_m: int = 16
     block_n: int = 64

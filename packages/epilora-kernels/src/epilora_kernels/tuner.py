@@ -104,9 +104,9 @@ def needs_tuning(n: int, k: int, rank: int, *, slots: int = 1, codes: bool = Fal
 def k2_candidates(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...],
                   tokens: int | None = None) -> list:
     """K2 settings around `cfg`: N tiles of 32, 64 and 128, K tiles of 256 and 512, the K loop
-    split in 1 or 2, 3 or 5 stages (a tile must not straddle two slices); with
-    EPILORA_TUNE_SWAP_AB=1, for decode tiles (32 rows or fewer) also the swapped product
-    (`swap_ab`, `swap_candidates`) for a batch of `tokens` (default: one row tile)."""
+    split in 1 or 2, 3 or 5 stages (a tile must not straddle two slices); unless
+    EPILORA_TUNE_SWAP_AB=0, for decode tiles (32 rows or fewer) also, first, the swapped
+    product (`swap_ab`, `swap_candidates`) for a batch of `tokens` (default: one row tile)."""
     out = []
     for block_n in (32, 64, 128):
         for block_k in (256, 512):
