@@ -55,6 +55,14 @@ Variants (`--variants`):
   kernels.md, Next steps 8). Give `--gap-us` so that a kernel other than ours precedes each
   K1, as in an engine.
 
+* `one-launch`: the decode path on the codes in one launch (EPILORA_DECODE_ONE_LAUNCH=1, one
+  adapter slot, `--codes`): K2's first programs are the shrink's, in settings of their own
+  (`decode_lead_shrink`: one or two K steps a program), and its GEMM programs wait for their
+  count only before the epilogue, where the two launches' K1 started 1.3-1.5 us before K2 and,
+  its programs 4 K steps deep beside K2's weight stream, ended near K2's loop end (o's: 11.4 us
+  against K2's 9.5, `decode_timeline.py`, H200, 7958fb8). `one-launch-swap-ab`: with `swap-ab`'s
+  K2 tiles, as the plugin's tuner picks them.
+
 * `prefetch-8`, `prefetch-24`: each projection's decode GEMM pulls up to 8 or 24 MiB of the
   next projection's weight into L2 past its K loop (`epilora_kernels.L2Prefetch`; down's next
   is qkv, the next layer's); `prefetch-start-24`: 24 MiB before its K loop, beside its own
@@ -160,6 +168,16 @@ def after_previous():
                                               {"EPILORA_DECODE_AFTER_PREVIOUS": "1"}))
 
 
+def one_launch():
+    return _made_again_around(mock.patch.dict(os.environ, {"EPILORA_DECODE_ONE_LAUNCH": "1"}))
+
+
+@contextlib.contextmanager
+def one_launch_swapped():
+    with one_launch(), swap_ab(1)():
+        yield
+
+
 def heuristic():
     return _made_again_around(mock.patch.dict(os.environ, {"EPILORA_LAUNCH_TABLES": "0"}))
 
@@ -225,7 +243,8 @@ VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "k1-heaviest": k1_split_by(0.25, 32, 128), "decode-path": decode_path,
             "decode-prefill": decode_everywhere, "after-previous": after_previous,
             "swap-ab": swap_ab(1), "swap-ab-split": swap_ab(2),
-            "swap-ab-fast-acc": swap_ab(1, promote=False)}
+            "swap-ab-fast-acc": swap_ab(1, promote=False), "one-launch": one_launch,
+            "one-launch-swap-ab": one_launch_swapped}
 
 
 PREFETCH_MIB = {"prefetch-8": (8, "end"), "prefetch-24": (24, "end"),

@@ -6,6 +6,7 @@ catches what the interpreter cannot: a pointer of the wrong type in a branch tha
 
 import functools
 import json
+import os
 
 import torch
 import triton
@@ -116,6 +117,12 @@ def main() -> None:
     wide = make_problem(0, 2, 12288, (32,), 16, 1, "one_adapter")  # the down projection's K
     channel_scales = torch.ones(weight.shape[0])
     eight_warps = LaunchConfig(block_m=16, block_k=128, block_r=16, split_k=8, num_warps=8)
+    # the decode path in one launch (EPILORA_DECODE_ONE_LAUNCH): one slot, the caller's codes,
+    # the shrink reading them or bf16 x, the GEMM in swapped tiles and split
+    one = make_problem(0, 5, 256, (128, 64, 64), 16, 1, "one_adapter")
+    one_codes = (one[0].to(torch.float8_e4m3fn), torch.ones(5, 1))
+    swapped = LaunchConfig(block_m=16, block_n=64, block_k=128, block_r=16, num_stages=4,
+                           swap_ab=True)
     launchers = {
         "quantize": lambda: fused.quantize(x),
         "fp8_gemm_from_bf16": lambda: fused.fp8_gemm_from_bf16(x, weight, w_scale),
@@ -134,6 +141,12 @@ def main() -> None:
         "k1_eight_warps_wide": lambda: fused.quantize_and_shrink(
             wide[0], wide[3], wide[4], config=eight_warps),
         "w8a16": lambda: fused.fused_lora_w8a16_linear(x, weight, w_scale, lora, batch),
+        "decode_one_launch": lambda: _one_launch(lambda: (
+            fused.decode_lora_fp8_linear(None, *one[1:], x_quantized=one_codes),
+            fused.decode_lora_fp8_linear(one[0], *one[1:], x_quantized=one_codes,
+                                         k2_config=swapped),
+            fused.decode_lora_fp8_linear(None, *one[1:], x_quantized=one_codes,
+                                         k2_config=split))),
         # one weight scale per output channel, in both GEMM modes and without adapters
         "per_channel": lambda: (
             fused.decode_lora_fp8_linear(x, weight, channel_scales, lora, batch),
@@ -160,6 +173,14 @@ def main() -> None:
             "same": (list(map(_signature, only)) == list(map(_signature, launched))
                      and only_grids == grids)}
     print(json.dumps(compiled))
+
+
+def _one_launch(launch):
+    os.environ["EPILORA_DECODE_ONE_LAUNCH"] = "1"
+    try:
+        return launch()
+    finally:
+        del os.environ["EPILORA_DECODE_ONE_LAUNCH"]
 
 
 def _compile_only(launch):

@@ -34,3 +34,10 @@ def tune_swap_ab() -> bool:
     """EPILORA_TUNE_SWAP_AB (1, the default; 0 off): the tuner also tries K2's decode tiles as
     the transposed product (`LaunchConfig.swap_ab`, `tuner.swap_candidates`)."""
     return os.environ.get("EPILORA_TUNE_SWAP_AB", "1") != "0"
+
+
+def decode_one_launch() -> bool:
+    """EPILORA_DECODE_ONE_LAUNCH=1 (default 0): the decode path on FP8 codes the caller made,
+    one adapter slot, runs as one launch, the shrink's programs first in K2's grid
+    (`fused.one_launch`)."""
+    return os.environ.get("EPILORA_DECODE_ONE_LAUNCH", "0") == "1"

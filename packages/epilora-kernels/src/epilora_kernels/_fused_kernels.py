@@ -318,6 +318,107 @@ def _sorted_token(sorted_ptr, start_ptr, pos, NUM_ENTRIES, ENTRIES_BLOCK: tl.con
     return tl.where(inside, tl.load(sorted_ptr + pos, mask=inside, other=0), pos)
 
 
+@triton.jit
+def _shrink_count(T, R, NUM_ENTRIES, NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    # The shrink's programs for T tokens (`_tiling.shrink_programs`, the same count): one per
+    # row tile of the entries' list, slice, rank tile and split. At most min(entries, T)
+    # entries have tokens, so the list has at most cdiv(T, BLOCK_M) + that - 1 row tiles.
+    row_tiles = tl.maximum(tl.cdiv(T, BLOCK_M) + tl.minimum(NUM_ENTRIES, T) - 1, 0)
+    return row_tiles * tl.cdiv(R, BLOCK_R) * NUM_SLICES * SPLIT_K
+
+
+@triton.jit
+def _shrink_tile(pid, x_ptr, scales_ptr, h_ptr, partial_ptr, a0_ptr, a1_ptr, a2_ptr,
+                 sorted_ptr, lora_ids_ptr, counts_ptr, start_ptr, counter_ptr, trace_ptr,
+                 T, K, R, stride_x, NUM_ENTRIES, NUM_SLICES: tl.constexpr,
+                 SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, INTERPRETER: tl.constexpr,
+                 ENTRIES_BLOCK: tl.constexpr, TRACE: tl.constexpr, H_BF16: tl.constexpr,
+                 X_CODES: tl.constexpr):
+    # Shrink program `pid`: one `BLOCK_M x BLOCK_R` tile of `h = x A_slot^T` for one adapter,
+    # one slice and one split of K (K1's shrink programs, and with LEAD_SHRINK K2's first
+    # programs). Its K loop in NUM_STAGES stages, whatever the launch's own.
+    n_m = tl.cdiv(T, BLOCK_M)
+    n_r = tl.cdiv(R, BLOCK_R)
+    per_tile = n_r * SPLIT_K * NUM_SLICES
+    m_tile = pid // per_tile
+    rest = pid % per_tile
+    s = rest // (n_r * SPLIT_K)
+    rest = rest % (n_r * SPLIT_K)
+    split = rest // n_r
+    pid_r = rest % n_r
+    # The entries' row tiles laid end to end (entry z has cdiv(count_z, BLOCK_M) of them): the
+    # launch has one program per tile of that list, not per tile of every entry times the
+    # tokens' tiles, most of which would find no row (32 adapters at 128 tokens: 40 tiles for
+    # 264). A program past the list's end (the launch's bound is larger) has nothing to do.
+    e = tl.arange(0, ENTRIES_BLOCK)
+    tiles = tl.cdiv(tl.load(counts_ptr + e, mask=e < NUM_ENTRIES, other=0), BLOCK_M)
+    z = tl.sum((tl.cumsum(tiles, axis=0) <= m_tile).to(tl.int32), axis=0)
+    if z < NUM_ENTRIES:
+        pid_m = m_tile - tl.sum(tl.where(e < z, tiles, 0), axis=0)
+        slot = tl.load(lora_ids_ptr + z)
+        count = tl.load(counts_ptr + z)
+        start = tl.load(start_ptr + z)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < count
+        tok = tl.load(sorted_ptr + start + rows, mask=row_mask, other=0)
+        r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        h_mask = row_mask[:, None] & (r[None, :] < R)
+        # H_BF16: h in bf16 (for K2's tiles of 64 rows or more, whose epilogue rounds h to bf16
+        # anyway: the same bits, half the bytes to read), split-K partials in fp32 planes of
+        # their own (`partial_ptr`), both addressed only after the K loop (held through it,
+        # their offsets spilled the decode path's K1 at 256 tokens, rank 128); else h is fp32
+        # and plane 0 of the partials.
+        if slot < 0:  # tokens without an adapter get zero rows of h: no loop, no partials
+            if split == 0:
+                tl.store(h_ptr + (s * T + tok[:, None]).to(tl.int64) * R + r[None, :],
+                         tl.zeros([BLOCK_M, BLOCK_R], dtype=h_ptr.dtype.element_ty),
+                         mask=h_mask)
+        else:
+            a_base = _pick(s, a0_ptr, a1_ptr, a2_ptr) + slot.to(tl.int64) * R * K
+            k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+            k_begin = split * k_per_split
+            k_end = tl.minimum(k_begin + k_per_split, K)
+            acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+            for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
+                k = k0 + tl.arange(0, BLOCK_K)
+                xt = tl.load(x_ptr + tok[:, None] * stride_x + k[None, :],
+                             mask=row_mask[:, None] & (k[None, :] < K), other=0.0)
+                if X_CODES:
+                    xt = xt.to(tl.bfloat16)
+                at = tl.load(a_base + r[:, None] * K + k[None, :],
+                             mask=(r[:, None] < R) & (k[None, :] < K), other=0.0)
+                if INTERPRETER:
+                    acc += tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)))
+                else:
+                    acc += tl.dot(xt, tl.trans(at))
+            h_offs = (s * T + tok[:, None]).to(tl.int64) * R + r[None, :]
+            h_tile = h_ptr + h_offs
+            if H_BF16:
+                part_tile = partial_ptr + h_offs
+            else:
+                part_tile = h_tile
+            last = True
+            if SPLIT_K > 1:
+                # Summed here, once, into plane 0 (the other planes are scratch), so K2's
+                # epilogue reads one plane: it read all of them in every output tile (at rank
+                # 128, 16 planes made the h-given layer ~25% slower than rank 16:
+                # results/h200/decode.json).
+                tile = ((z * NUM_SLICES + s) * n_m + pid_m) * n_r + pid_r
+                acc, last = _sum_splits(acc, part_tile, NUM_SLICES * T * R, h_mask, split,
+                                        counter_ptr + tile, SPLIT_K)
+            if last:
+                if X_CODES:  # once, on the summed rows: the same bits at every split
+                    acc = acc * tl.load(scales_ptr + tok, mask=row_mask, other=0.0)[:, None]
+                if H_BF16:  # rounded as K2 rounds an fp32 h: the same bits either way
+                    tl.store(h_tile, _to_bf16(acc, INTERPRETER), mask=h_mask)
+                else:
+                    tl.store(h_tile, acc, mask=h_mask)
+    _stamp(trace_ptr, 1, TRACE)
+
+
+
 # T, the batch's tokens, is not specialized (Triton would compile a kernel for T = 1, one for
 # multiples of 16 and one for the rest): vLLM's graph capture meets many batch sizes, each a
 # compile in the engine's start (dev/compile_variants.py), and no address here needs T's
@@ -334,7 +435,7 @@ def _quantize_shrink_kernel(
     QUANT_BLOCK: tl.constexpr, INTERPRETER: tl.constexpr, ENTRIES_BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr = False, TRACE: tl.constexpr = False,
     H_BF16: tl.constexpr = False, X_CODES: tl.constexpr = False,
-    AFTER_PREVIOUS: tl.constexpr = False,
+    AFTER_PREVIOUS: tl.constexpr = False, NUM_STAGES: tl.constexpr = 2,
 ):
     # X_CODES: x is the caller's per-token FP8 codes (scales at `scales_ptr`), not bf16: the
     # shrink widens them to bf16 (exact) and scales each row's sum, h = s_t * (q_t A^T), so an
@@ -375,89 +476,10 @@ def _quantize_shrink_kernel(
             _stamp(trace_ptr, 2, TRACE)  # marks a quantizing program (decode_timeline.py)
             return
         pid -= T
-    n_m = tl.cdiv(T, BLOCK_M)
-    n_r = tl.cdiv(R, BLOCK_R)
-    per_tile = n_r * SPLIT_K * NUM_SLICES
-    m_tile = pid // per_tile
-    rest = pid % per_tile
-    s = rest // (n_r * SPLIT_K)
-    rest = rest % (n_r * SPLIT_K)
-    split = rest // n_r
-    pid_r = rest % n_r
-    # The entries' row tiles laid end to end (entry z has cdiv(count_z, BLOCK_M) of them): the
-    # launch has one program per tile of that list, not per tile of every entry times the
-    # tokens' tiles, most of which would find no row (32 adapters at 128 tokens: 40 tiles for
-    # 264).
-    e = tl.arange(0, ENTRIES_BLOCK)
-    tiles = tl.cdiv(tl.load(counts_ptr + e, mask=e < NUM_ENTRIES, other=0), BLOCK_M)
-    z = tl.sum((tl.cumsum(tiles, axis=0) <= m_tile).to(tl.int32), axis=0)
-    if z >= NUM_ENTRIES:  # the list is shorter than the launch's bound
-        _stamp(trace_ptr, 1, TRACE)
-        return
-    pid_m = m_tile - tl.sum(tl.where(e < z, tiles, 0), axis=0)
-
-    slot = tl.load(lora_ids_ptr + z)
-    count = tl.load(counts_ptr + z)
-    start = tl.load(start_ptr + z)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < count
-    tok = tl.load(sorted_ptr + start + rows, mask=row_mask, other=0)
-    r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    h_mask = row_mask[:, None] & (r[None, :] < R)
-    # H_BF16: h in bf16 (for K2's tiles of 64 rows or more, whose epilogue rounds h to bf16
-    # anyway: the same bits, half the bytes to read), split-K partials in fp32 planes of their
-    # own (`partial_ptr`), both addressed only after the K loop (held through it, their
-    # offsets spilled the decode path's K1 at 256 tokens, rank 128); else h is fp32 and plane
-    # 0 of the partials.
-    if not H_BF16:
-        h_tile = h_ptr + (s * T + tok[:, None]).to(tl.int64) * R + r[None, :]
-    if slot < 0:  # tokens without an adapter get zero rows of h: no loop, no partials
-        if split == 0:
-            tl.store(h_ptr + (s * T + tok[:, None]).to(tl.int64) * R + r[None, :],
-                     tl.zeros([BLOCK_M, BLOCK_R], dtype=h_ptr.dtype.element_ty), mask=h_mask)
-        _stamp(trace_ptr, 1, TRACE)
-        return
-    a_base = _pick(s, a0_ptr, a1_ptr, a2_ptr) + slot.to(tl.int64) * R * K
-
-    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-    k_begin = split * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
-    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        xt = tl.load(x_ptr + tok[:, None] * stride_x + k[None, :],
-                     mask=row_mask[:, None] & (k[None, :] < K), other=0.0)
-        if X_CODES:
-            xt = xt.to(tl.bfloat16)
-        at = tl.load(a_base + r[:, None] * K + k[None, :],
-                     mask=(r[:, None] < R) & (k[None, :] < K), other=0.0)
-        if INTERPRETER:
-            acc += tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)))
-        else:
-            acc += tl.dot(xt, tl.trans(at))
-    if H_BF16:
-        h_offs = (s * T + tok[:, None]).to(tl.int64) * R + r[None, :]
-        h_tile = h_ptr + h_offs
-        part_tile = partial_ptr + h_offs
-    else:
-        part_tile = h_tile
-    if SPLIT_K > 1:
-        # Summed here, once, into plane 0 (the other planes are scratch), so K2's epilogue
-        # reads one plane: it read all of them in every output tile (at rank 128, 16 planes
-        # made the h-given layer ~25% slower than rank 16: results/h200/decode.json).
-        tile = ((z * NUM_SLICES + s) * n_m + pid_m) * n_r + pid_r
-        acc, last = _sum_splits(acc, part_tile, NUM_SLICES * T * R, h_mask, split,
-                                counter_ptr + tile, SPLIT_K)
-        if not last:
-            _stamp(trace_ptr, 1, TRACE)
-            return
-    if X_CODES:  # once, on the summed rows: the same bits at every split
-        acc = acc * tl.load(scales_ptr + tok, mask=row_mask, other=0.0)[:, None]
-    if H_BF16:  # rounded as K2 rounds an fp32 h: the same bits either way
-        tl.store(h_tile, _to_bf16(acc, INTERPRETER), mask=h_mask)
-    else:
-        tl.store(h_tile, acc, mask=h_mask)
-    _stamp(trace_ptr, 1, TRACE)
+    _shrink_tile(pid, x_ptr, scales_ptr, h_ptr, partial_ptr, a0_ptr, a1_ptr, a2_ptr,
+                 sorted_ptr, lora_ids_ptr, counts_ptr, start_ptr, counter_ptr, trace_ptr,
+                 T, K, R, stride_x, NUM_ENTRIES, NUM_SLICES, SPLIT_K, BLOCK_M, BLOCK_R, BLOCK_K,
+                 NUM_STAGES, INTERPRETER, ENTRIES_BLOCK, TRACE, H_BF16, X_CODES)
 
 
 @triton.jit
@@ -493,10 +515,42 @@ def _lora_gemm_kernel(
     pf_ptr=None, PF_ROWS=0, PF_STRIDE=0, PF_LINES=0, PF_HALF=0, PF_ROW_BYTES=0,
     PREFETCH: tl.constexpr = 0,
     PF_BLOCK: tl.constexpr = 128,
+    LEAD_SHRINK: tl.constexpr = False, x_ptr=None, x_scales_ptr=None, counts_ptr=None,
+    a0_ptr=None, a1_ptr=None, a2_ptr=None, stride_x=0, S_SPLIT_K: tl.constexpr = 1,
+    S_BLOCK_M: tl.constexpr = 16, S_BLOCK_R: tl.constexpr = 16, S_BLOCK_K: tl.constexpr = 16,
+    S_STAGES: tl.constexpr = 1, X_CODES: tl.constexpr = False,
 ):
     _stamp(trace_ptr, 0, TRACE)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    if LEAD_SHRINK:
+        # The decode path on the caller's codes in one launch: a 1-D grid whose first `lead`
+        # programs are the shrink's (K1's shrink programs, in the S_ settings), each counting
+        # itself done (a release) once its part of h is stored, and whose others are the
+        # GEMM's, which wait for that count only before their epilogue. The GPU starts a grid's
+        # blocks in order and the shrink's wait for nothing, so a spinning GEMM program never
+        # keeps one from running; the interpreter runs them in order.
+        lead = _shrink_count(T, R, NUM_ENTRIES, NUM_SLICES, S_SPLIT_K, S_BLOCK_M, S_BLOCK_R)
+        lin = tl.program_id(0)
+        if lin < lead:
+            _shrink_tile(lin, x_ptr, x_scales_ptr, h_ptr, h_ptr, a0_ptr, a1_ptr, a2_ptr,
+                         sorted_ptr, lora_ids_ptr, counts_ptr, start_ptr, counter_ptr,
+                         trace_ptr, T, K, R, stride_x, NUM_ENTRIES, NUM_SLICES, S_SPLIT_K,
+                         S_BLOCK_M, S_BLOCK_R, S_BLOCK_K, S_STAGES, INTERPRETER, ENTRIES_BLOCK,
+                         TRACE, False, X_CODES)
+            tl.debug_barrier()  # every thread's part of h stored before the count moves
+            tl.atomic_add(ready_ptr, 1, sem="release", scope="gpu")
+            return
+        lin -= lead
+        grid_m = tl.cdiv(T, BLOCK_M)
+        grid_n = tl.cdiv(N, BLOCK_N)
+        pid_m = lin % grid_m
+        pid_n = (lin // grid_m) % grid_n
+        pid_k = lin // (grid_m * grid_n)
+    else:
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        grid_m = tl.num_programs(0)
+        grid_n = tl.num_programs(1)
     pos = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pos_mask = pos < T
     if HAS_LORA:
@@ -556,7 +610,7 @@ def _lora_gemm_kernel(
         k_end = K
     else:  # this program's share of K, whole BLOCK_K steps
         k_step = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-        k_begin = tl.program_id(2) * k_step
+        k_begin = pid_k * k_step
         k_end = tl.minimum(k_begin + k_step, K)
 
     if WARM_L2 and not INTERPRETER:
@@ -661,6 +715,12 @@ def _lora_gemm_kernel(
         # results/h200/decode_v3_count_after_spin.json). Atomics: no plain store may precede
         # gdc_wait, and none is needed.
         _pass_and_reset(ready_ptr, tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2))
+    if LEAD_SHRINK:
+        # h: every shrink program counted (the last GEMM program past here zeroes the counts)
+        while tl.atomic_add(ready_ptr, 0, sem="acquire", scope="gpu") < lead:
+            pass
+        _pass_and_reset(ready_ptr, grid_m * grid_n * SPLIT_K)
+        _stamp(trace_ptr, 3, TRACE)
     if USE_PDL:
         # Everything above read what existed before K1 started or what K1 counted as done
         # (WAIT_CODES); h is K1's. Unconditional, and before any global store (split-K
@@ -668,11 +728,10 @@ def _lora_gemm_kernel(
         tl.extra.cuda.gdc_wait()
         _stamp(trace_ptr, 3, TRACE)
     if SPLIT_K > 1:
-        plane = (tl.num_programs(0) * BLOCK_M).to(tl.int64) * N
+        plane = (grid_m * BLOCK_M).to(tl.int64) * N
         acc, last = _sum_splits(
             acc, partial_ptr + pos[:, None].to(tl.int64) * N + n[None, :], plane,
-            n_mask[None, :], tl.program_id(2),
-            counter_ptr + pid_m * tl.num_programs(1) + pid_n, SPLIT_K)
+            n_mask[None, :], pid_k, counter_ptr + pid_m * grid_n + pid_n, SPLIT_K)
         if not last:
             _stamp(trace_ptr, 4, TRACE)
             return

@@ -151,6 +151,9 @@ _K2_SLOTS = ("T", "a_ptr", "a_desc", "a_scale_ptr", "w_ptr", "w_desc", "w_scale_
              "bias_ptr", "y_ptr", "h_ptr", "b0_ptr", "b1_ptr", "b2_ptr", "sorted_ptr",
              "lora_ids_ptr", "start_ptr", "partial_ptr", "counter_ptr", "ready_ptr", "trace_ptr",
              "pf_ptr")
+# K2 with the shrink's programs first (LEAD_SHRINK): K1's inputs besides
+_K2_LEAD_SLOTS = _K2_SLOTS[:-1] + ("x_ptr", "x_scales_ptr", "counts_ptr", "a0_ptr", "a1_ptr",
+                                   "a2_ptr")
 
 
 def _keep_template(templates: dict, key: tuple,
@@ -238,7 +241,7 @@ def k1_template(support: DeviceSupport, lora: LoraWeights, num_entries: int, cfg
             ENTRIES_BLOCK=_tiling.next_power_of_2(num_entries),
             USE_PDL=use_pdl(support, pdl), TRACE=traced,
             H_BF16=h_dtype == torch.bfloat16, X_CODES=x_codes,
-            AFTER_PREVIOUS=after_previous,
+            AFTER_PREVIOUS=after_previous, NUM_STAGES=cfg.num_stages,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if after_previous:
@@ -302,7 +305,7 @@ def launch_quantize(x: torch.Tensor):
         trace_ptr=unused, T=t, K=k, R=1, stride_x=x.stride(0), NUM_ENTRIES=1,
         QUANTIZE=True, SIGNAL_CODES=False, CODES_SORTED=False, NUM_SLICES=1, SPLIT_K=1,
         BLOCK_M=16, BLOCK_R=16, BLOCK_K=16, QUANT_BLOCK=_tiling.quant_block(k, 16384),
-        INTERPRETER=_env.triton_interpreter(), ENTRIES_BLOCK=1,
+        INTERPRETER=_env.triton_interpreter(), ENTRIES_BLOCK=1, NUM_STAGES=1,
         num_warps=8, num_stages=1,
     )
     return codes, scales
@@ -427,6 +430,74 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
         batch.sorted_token_indices, batch.lora_ids, batch.lora_token_start, partial,
         workspace.tile_counters(counters), counters, trace,
         weight if pf_args is None else prefetch.bytes_view()))
+    return y
+
+
+def k2_lead_template(support: DeviceSupport, lora: LoraWeights, num_entries: int,
+                     cfg1: LaunchConfig, cfg2: LaunchConfig, *, stride_a: int, stride_x: int,
+                     x_codes: bool, split: int, w_tma: bool, per_channel: bool, traced: bool,
+                     has_bias: bool = False) -> _fast_launch.Template:
+    """The decode path on the caller's codes in one launch (slots `_K2_LEAD_SLOTS`): K2 whose
+    first programs are the shrink's in `cfg1`'s tiles (its K loop in `cfg1.num_stages`
+    stages), h fp32; made once. `x_codes`: the shrink reads the codes (x_scales their scales),
+    else bf16 x."""
+    n = lora.out_features
+    key = ("lead", n, lora.in_features, lora.max_rank, tuple(lora.output_slices), num_entries,
+           cfg1, cfg2, stride_a, stride_x, x_codes, split, w_tma, per_channel, traced, has_bias,
+           support.interpreter)
+    template = _K2_TEMPLATES.get(key)
+    if template is None:
+        arguments = _k2_arguments(
+            FP8, lora, num_entries, cfg2, n=n, stride_a=stride_a, stride_y=n, h_planes=1,
+            split=split, w_tma=w_tma, per_channel=per_channel, traced=traced, pdl=False,
+            wait_codes=False, warm_l2=0, wait_k1_first=False, a_sorted=False,
+            interpreter=support.interpreter, has_bias=has_bias)
+        arguments.update(LEAD_SHRINK=True, stride_x=stride_x, S_SPLIT_K=cfg1.split_k,
+                         S_BLOCK_M=cfg1.block_m, S_BLOCK_R=cfg1.block_r,
+                         S_BLOCK_K=cfg1.block_k, S_STAGES=cfg1.num_stages, X_CODES=x_codes)
+        template = _keep_template(_K2_TEMPLATES, key, _fast_launch.Template(
+            _lora_gemm_kernel, arguments, _K2_LEAD_SLOTS))
+    return template
+
+
+def lead_grid(t: int, lora: LoraWeights, batch: AdapterBatch, cfg1: LaunchConfig,
+              cfg2: LaunchConfig) -> tuple[int]:
+    """The one-launch decode path's programs: the shrink's, then the GEMM's."""
+    return (_tiling.shrink_programs(t, lora, batch, cfg1)
+            + math.prod(_tiling.gemm_grid(FP8, t, lora.out_features, cfg2)),)
+
+
+def launch_lead(support: DeviceSupport, workspace: Workspace, x, x_scales, codes, code_scales,
+                weight, weight_scale, y, lora: LoraWeights, batch: AdapterBatch,
+                cfg1: LaunchConfig, cfg2: LaunchConfig, *, counters: torch.Tensor,
+                trace: torch.Tensor | None = None, bias: torch.Tensor | None = None):
+    """The decode path on the caller's `codes` in one launch (`k2_lead_template`): the shrink
+    reads `x` (bf16), or with `x_scales` x is the codes themselves. `counters`: the
+    workspace's, already asked for both parts' tiles."""
+    t, n = y.shape
+    _tiling.check_gemm_config(cfg2, lora)
+    split = _tiling.gemm_grid(FP8, t, n, cfg2)[2]
+    # h fp32: plane 0 of the shrink's partials, what the GEMM's epilogue reads
+    partials, _, _, _ = k1_buffers(t, lora.in_features, lora, cfg1, quantize=False,
+                                   h_dtype=torch.float32, device=y.device)
+    partial = (y if split == 1 else torch.empty(
+        gemm_partial_shape(_tiling.gemm_grid(FP8, t, n, cfg2), n, cfg2), dtype=torch.float32,
+        device=y.device))
+    w_operand = _w_operand(support, weight, cfg2)
+    grid = lead_grid(t, lora, batch, cfg1, cfg2)
+    template = k2_lead_template(
+        support, lora, batch.num_entries, cfg1, cfg2, stride_a=codes.stride(0),
+        stride_x=x.stride(0), x_codes=x_scales is not None, split=split,
+        w_tma=w_operand is not weight, per_channel=weight_scale.numel() > 1,
+        traced=trace is not None, has_bias=bias is not None)
+    a, b, _, _ = _slices(lora)
+    _start_template(support, template, grid, (
+        t, codes, codes, code_scales, weight, w_operand, weight_scale,
+        weight_scale if bias is None else bias, y, partials, b[0], b[1], b[2],
+        batch.sorted_token_indices, batch.lora_ids, batch.lora_token_start, partial,
+        workspace.tile_counters(counters), counters, trace_arg(trace, counters, grid[0]),
+        x, code_scales if x_scales is None else x_scales, batch.num_tokens_per_lora,
+        a[0], a[1], a[2]))
     return y
 
 

@@ -316,12 +316,29 @@ def fused_lora_w8a16_linear(
                    workspace=workspace, bias=bias)
 
 
+def one_launch(support, mode: int, tokens: int, batch: AdapterBatch, *, decode: bool,
+               pdl: bool, quantize: bool, prefetch, enabled: bool | None = None) -> bool:
+    """Whether a decode-path call runs as one launch (`enabled`, default
+    EPILORA_DECODE_ONE_LAUNCH=1): K2 whose first programs are the shrink's
+    (`_launchers.launch_lead`), for FP8 codes the caller made, one adapter slot, up to
+    DECODE_SHRINK_MAX_TOKENS tokens, with PDL (where the two-launch path would use it) and no
+    L2Prefetch (its lines are dealt to every program of a grid)."""
+    if enabled is None:
+        enabled = _env.decode_one_launch()
+    return (enabled and decode and pdl and mode == FP8 and not quantize and prefetch is None
+            and tokens <= DECODE_SHRINK_MAX_TOKENS and _tiling.one_slot(batch)
+            and (support.pdl or support.interpreter))
+
+
 def _settings(support, mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
-              decode, quantize, pdl, counted, warm_l2, wait_k1_first, has_bias=False):
+              decode, quantize, pdl, counted, warm_l2, wait_k1_first, has_bias=False,
+              lead=False):
     # K1's and K2's launch settings: given, else the table's or the heuristic's (K2's fitted to
-    # the device's waves: `_k2_config`).
+    # the device's waves: `_k2_config`). `lead`: the shrink's in K2's launch (`one_launch`).
     t = x.shape[0]
-    if decode:  # on the caller's codes K2 does not wait for K1's: K1 tuned apart
+    if lead:
+        op1 = "decode_lead_shrink"
+    elif decode:  # on the caller's codes K2 does not wait for K1's: K1 tuned apart
         op1 = "decode_shrink" if quantize or mode != FP8 else "decode_shrink_codes"
     else:
         op1 = "quantize_shrink" if quantize else "shrink"
@@ -341,14 +358,15 @@ _MAX_PLANS = 1 << 16  # a process calling with ever new shapes starts over past 
 
 
 def _plan(support, mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
-          decode, quantize, pdl, counted, warm_l2, wait_k1_first, has_bias=False):
+          decode, quantize, pdl, counted, warm_l2, wait_k1_first, has_bias=False, lead=False):
     # (K1's and K2's settings, the counter tiles they need, whether K1 sorts the codes for
     # K2's TMA reads, h's dtype): functions of the call's shapes, dtypes, alignment and flags.
+    # `lead`: one launch (`one_launch`), K1's settings the shrink's inside it, h fp32.
     key = (support, _tiling.table_of(support), mode, tuple(x.shape), x.dtype,
            tuple(weight.shape), weight.stride(), weight.dtype, weight.data_ptr() % 16,
            weight_scale.numel(), tuple(lora.output_slices), lora.max_rank, batch.num_entries,
            k1_config, k2_config, decode, quantize, pdl, counted, warm_l2, wait_k1_first,
-           has_bias)
+           has_bias, lead)
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
@@ -356,7 +374,7 @@ def _plan(support, mode, x, weight, weight_scale, lora, batch, k1_config, k2_con
     cfg1, cfg2 = _settings(support, mode, x, weight, weight_scale, lora, batch, k1_config,
                            k2_config, decode=decode, quantize=quantize, pdl=pdl,
                            counted=counted, warm_l2=warm_l2, wait_k1_first=wait_k1_first,
-                           has_bias=has_bias)
+                           has_bias=has_bias, lead=lead)
     _tiling.check_gemm_config(cfg2, lora)
     tiles = max(_tiling.k1_tiles(t, lora, batch, cfg1),
                 _tiling.k2_tiles(mode, t, lora.out_features, cfg2))
@@ -367,7 +385,7 @@ def _plan(support, mode, x, weight, weight_scale, lora, batch, k1_config, k2_con
     # tile; it rounds h to bf16 anyway): at 256 tokens, rank 128, bf16 h everywhere made the
     # layer ~1 us faster and the 16- and 32-row decode tiles slower (docs/kernels-history.md,
     # items 27 and 42).
-    h_dtype = torch.bfloat16 if cfg2.block_m >= 64 else torch.float32
+    h_dtype = torch.bfloat16 if cfg2.block_m >= 64 and not lead else torch.float32
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
     plan = _PLANS[key] = (cfg1, cfg2, tiles, a_sorted, h_dtype)
@@ -406,9 +424,11 @@ def decode_settings(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     none (the tuner starts from them); `codes`: called with `x_quantized` (x's shape and device
     are what count here)."""
     support = _support(x, "decode")
+    lead = one_launch(support, FP8, x.shape[0], batch, decode=True, pdl=True,
+                      quantize=not codes, prefetch=None)
     return _settings(support, FP8, x, weight, weight_scale, lora, batch, None, None,
                      decode=True, quantize=not codes, pdl=True, counted=not codes,
-                     warm_l2=DECODE_WARM_L2, wait_k1_first=False)
+                     warm_l2=DECODE_WARM_L2, wait_k1_first=False, lead=lead)
 
 
 def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
@@ -445,16 +465,23 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
     after_previous = decode and pdl and _env.decode_after_previous()
     # Only a quantizing K1 counts rows: a K2 waiting for a count nobody makes would spin forever.
     counted = pdl and quantize and not wait_k1_first
+    lead = one_launch(support, mode, t, batch, decode=decode, pdl=pdl, quantize=quantize,
+                      prefetch=prefetch)
     cfg1, cfg2, tiles, a_sorted, h_dtype = _plan(
         support, mode, x, weight, weight_scale, lora, batch, k1_config, k2_config,
         decode=decode, quantize=quantize, pdl=pdl, counted=counted, warm_l2=warm_l2,
-        wait_k1_first=wait_k1_first, has_bias=bias is not None)
+        wait_k1_first=wait_k1_first, has_bias=bias is not None, lead=lead)
     # Everything K2 needs is checked and sized before K1 launches: a K2 that failed after it
     # would leave K1's count of quantized rows set, and a counter buffer grown between the
     # launches would put a fill kernel between K1 and its dependent and free K1's counters
     # while K1 runs.
     counters = workspace.counters(tiles)  # K1's and K2's, asked once
     y = torch.empty(t, lora.out_features, dtype=torch.bfloat16, device=x.device)
+    if lead:
+        return _launchers.launch_lead(
+            support, workspace, x, x_quantized[1] if shrink_codes else None, *x_quantized,
+            weight, weight_scale, y, lora, batch, cfg1, cfg2, counters=counters,
+            trace=traces[1], bias=bias)
     codes, scales, h = _launchers.launch_k1(support, workspace, x, lora, batch, cfg1,
                                             quantize=quantize, pdl=pdl,
                                             signal_codes=counted, trace=traces[0],

@@ -25,7 +25,14 @@ from importlib import resources
 # (tuned apart: K2 overlaps the decode path's shrink, not the others), the decode path's shrink
 # on the caller's codes (K2 streams its weights from its start instead of after K1's quantizing
 # programs, so K1 meets a busier HBM: tuned apart again, where absent `decode_shrink`'s), and K2.
-OPS = ("quantize_shrink", "shrink", "decode_shrink", "decode_shrink_codes", "lora_gemm")
+# `decode_lead_shrink`: the decode path's shrink on the caller's codes as the first programs of
+# K2's own launch (EPILORA_DECODE_ONE_LAUNCH), tuned apart again: its programs take whole
+# GEMM-sized blocks and start with the GEMM's.
+OPS = ("quantize_shrink", "shrink", "decode_shrink", "decode_shrink_codes", "decode_lead_shrink",
+       "lora_gemm")
+# The one-launch shrink's programs at most (the heuristic's): the decode GEMM's swapped tiles
+# take 64-96 of the H200's 132 SMs at one block each, and a shrink program holds a whole block.
+LEAD_SHRINK_PROGRAMS = 32
 # Beyond this many tokens K1 and K2 take the heuristic's prefill tiles unless a table bucket
 # covers the batch: the tuned buckets end at 256, whose tiles stretched to prefill batches were
 # up to 1.5x slower than the prefill tiles (select_config).
@@ -101,6 +108,21 @@ def heuristic_config(
         op = "decode_shrink"
     block_m = 16 if tokens <= 16 else (32 if tokens <= 32 else 64)
     block_r = rank_block(rank)
+    if op == "decode_lead_shrink":
+        # Each program one or two 256-deep K steps (at 32 tokens 128: its x tile's registers):
+        # beside the GEMM's weight stream every dependent load waits a loaded HBM's latency
+        # (the two-launch K1's 4-step programs ended near the GEMM's end). K split in
+        # parts of whole K steps, none empty, the programs at most LEAD_SHRINK_PROGRAMS at
+        # one adapter's tiles.
+        block_k = 256 if tokens <= 16 else 128
+        block_r = min(block_r, 64)
+        tiles = -(-tokens // block_m) * -(-rank // block_r) * max(1, len(slices))
+        split_k = max(1, min(LEAD_SHRINK_PROGRAMS // tiles, k // block_k))
+        depth = -(-k // split_k)
+        depth = -(-depth // block_k) * block_k  # each split's share in whole K steps
+        split_k = -(-k // depth)
+        return LaunchConfig(block_m=block_m, block_n=64, block_k=block_k, block_r=block_r,
+                            split_k=split_k, num_warps=4, num_stages=2)
     if op in ("quantize_shrink", "shrink", "decode_shrink"):
         # K1's K loop is latency-bound (one dependent load per BLOCK_K step: unsplit, the down
         # projection's shrink took over 100 us at 64 tokens), so K is split and the last split

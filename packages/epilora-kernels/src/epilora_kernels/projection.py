@@ -92,6 +92,7 @@ class LoraProjection:
         self.prefetch = prefetch
         self._prefetch_args = kernel_args(prefetch, self.device)
         self._after_previous = _env.decode_after_previous()
+        self._one_launch = _env.decode_one_launch()
         self._support = support = device_support(device)
         slices = tuple(lora.output_slices)
         self._supported = {path: _supports_on(support, path, lora.in_features, slices,
@@ -181,15 +182,30 @@ class LoraProjection:
         quantize = mode == FP8 and x_quantized is None
         counted = pdl and quantize and not wait_k1_first
         support, lora = self._support, self.lora
+        lead = fused.one_launch(support, mode, t, batch, decode=decode, pdl=pdl,
+                                quantize=quantize, prefetch=prefetch, enabled=self._one_launch)
         cfg1, cfg2, tiles, a_sorted, h_dtype = fused._plan(
             support, mode, rows, self.weight, self.weight_scale, lora, batch, None, None,
             decode=decode, quantize=quantize, pdl=pdl, counted=counted,
-            warm_l2=fused.DECODE_WARM_L2, wait_k1_first=wait_k1_first, has_bias=biased)
+            warm_l2=fused.DECODE_WARM_L2, wait_k1_first=wait_k1_first, has_bias=biased,
+            lead=lead)
         grid2 = _tiling.gemm_grid(mode, t, lora.out_features, cfg2)
         w_tma = _tiling.w_tma(support, self.weight, cfg2)
         # K2's A: K1's codes ([T, K], contiguous), the caller's codes, or (W8A16) x
         stride_a = (lora.in_features if quantize else
                     x_quantized[0].stride(0) if mode == FP8 else x.stride(0))
+        if lead:  # one launch: no K1; K2's grid the shrink's programs and then its own
+            step = _Step(
+                k1=None, k2=_launchers.k2_lead_template(
+                    support, lora, batch.num_entries, cfg1, cfg2, stride_a=stride_a,
+                    stride_x=rows.stride(0), x_codes=x is None, split=grid2[2], w_tma=w_tma,
+                    per_channel=self.weight_scale.numel() > 1, traced=False, has_bias=biased),
+                grid1=None, grid2=_launchers.lead_grid(t, lora, batch, cfg1, cfg2),
+                partial_shape=(None if grid2[2] == 1 else
+                               _launchers.gemm_partial_shape(grid2, lora.out_features, cfg2)),
+                tiles=tiles, cfg1=cfg1, cfg2=cfg2, block_a=None, a_sorted=False,
+                h_dtype=h_dtype, quantize=False, prefetch=None)
+            return _keep_step(key, step)
         step = _Step(
             k1=_launchers.k1_template(
                 support, lora, batch.num_entries, cfg1, stride_x=rows.stride(0),
@@ -209,10 +225,7 @@ class LoraProjection:
                            _launchers.gemm_partial_shape(grid2, lora.out_features, cfg2)),
             tiles=tiles, cfg1=cfg1, cfg2=cfg2, block_a=[cfg2.block_m, cfg2.block_k],
             a_sorted=a_sorted, h_dtype=h_dtype, quantize=quantize, prefetch=prefetch)
-        if len(_STEPS) >= _MAX_STEPS:
-            _STEPS.clear()
-        _STEPS[key] = step
-        return step
+        return _keep_step(key, step)
 
     def _bind(self, template, step: _Step):
         # A shared template with this projection's weight or adapter tensors in its slots.
@@ -221,10 +234,13 @@ class LoraProjection:
         else:
             weight, b = self.weight, self._b
             w_operand = _launchers._w_operand(self._support, weight, step.cfg2)
-            # the template prefetches (the decode path's K2) only with this projection's
-            prefetched = weight if step.prefetch is None else self.prefetch.bytes_view()
+            if step.k1 is None:  # one launch: A for its shrink, no prefetch
+                tensors = self._k1_tensors
+            else:  # the template prefetches (the decode path's K2) only with this projection's
+                tensors = dict(pf_ptr=weight if step.prefetch is None
+                               else self.prefetch.bytes_view())
             bound = template.bind(w_ptr=weight, w_desc=w_operand, w_scale_ptr=self.weight_scale,
-                                  b0_ptr=b[0], b1_ptr=b[1], b2_ptr=b[2], pf_ptr=prefetched)
+                                  b0_ptr=b[0], b1_ptr=b[1], b2_ptr=b[2], **tensors)
         if len(self._bound) >= _MAX_BOUND:  # the shared templates were made anew
             self._bound.clear()
         self._bound[template] = bound
@@ -234,7 +250,6 @@ class LoraProjection:
                 bias: torch.Tensor | None) -> torch.Tensor:
         rows = self._check(path, x, x_quantized, batch)
         step = self._step(path, x, x_quantized, batch, bias is not None)
-        k1 = self._bound.get(step.k1) or self._bind(step.k1, step)
         k2 = self._bound.get(step.k2) or self._bind(step.k2, step)
         support, lora, device = self._support, self.lora, self.device
         workspace = self.workspace or default_workspace(device)
@@ -242,6 +257,10 @@ class LoraProjection:
         # Everything K2 needs is made before K1 launches (as in fused._linear).
         counters = workspace.counters(step.tiles)
         tile_counters = workspace.tile_counters(counters)
+        if step.k1 is None:
+            return self._launch_one(k2, step, rows, x, x_quantized, batch, bias, counters,
+                                    tile_counters)
+        k1 = self._bound.get(step.k1) or self._bind(step.k1, step)
         partials, h, codes, scales = _launchers.k1_buffers(
             t, lora.in_features, lora, step.cfg1, quantize=step.quantize, h_dtype=step.h_dtype,
             device=device)
@@ -273,6 +292,31 @@ class LoraProjection:
                 workspace.reset()
             raise
         return y
+
+    def _launch_one(self, k2, step: _Step, rows, x, x_quantized, batch: AdapterBatch,
+                    bias: torch.Tensor | None, counters, tile_counters) -> torch.Tensor:
+        # The decode path in one launch (`_launchers.launch_lead`): the shrink reads `rows`
+        # (bf16 x, or the codes with their scales), the GEMM the caller's codes.
+        lora, device, t = self.lora, self.device, rows.shape[0]
+        partials, _, _, _ = _launchers.k1_buffers(t, lora.in_features, lora, step.cfg1,
+                                                  quantize=False, h_dtype=torch.float32,
+                                                  device=device)
+        y = torch.empty(t, lora.out_features, dtype=torch.bfloat16, device=device)
+        partial = (y if step.partial_shape is None else
+                   torch.empty(step.partial_shape, dtype=torch.float32, device=device))
+        codes, scales = x_quantized
+        _launchers._start_template(self._support, k2, step.grid2, (
+            t, codes, codes, scales, self.weight_scale if bias is None else bias, y, partials,
+            batch.sorted_token_indices, batch.lora_ids, batch.lora_token_start, partial,
+            tile_counters, counters, counters, rows, scales, batch.num_tokens_per_lora))
+        return y
+
+
+def _keep_step(key: tuple, step: _Step) -> _Step:
+    if len(_STEPS) >= _MAX_STEPS:
+        _STEPS.clear()
+    _STEPS[key] = step
+    return step
 
 
 def _flags(path: str, tokens: int) -> tuple[int, bool, bool, bool]:
