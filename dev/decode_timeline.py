@@ -37,7 +37,9 @@ allow, `fused.fp8_gemm`'s choice), `decode-codes` and `gemm-codes` (the same on 
 made outside the graph, as the plugin's default mode receives them from vLLM's fused
 quantization; against `cutlass-codes`), `decode-codes-swapped` and `gemm-codes-swapped` (those
 with K2's decode tiles swapped: `LaunchConfig.swap_ab`, the tile `tuner.swap_candidate`
-picks); `--variants` picks them, `--traced` those also traced;
+picks), `one-launch` and `one-launch-swapped` (`decode-codes` and its swapped form in one
+launch, EPILORA_DECODE_ONE_LAUNCH=1: K2's first programs, the shrink's, stand for K1 in the
+columns); `--variants` picks them, `--traced` those also traced;
 `--ranks`, `--tokens`, `--adapters` (tokens round robin over them) pick the cases, e.g. the
 layer page's misses: `--adapters 32 --ranks 64 --tokens 128 256 --variants fused h-given
 --traced fused h-given`, or the batch-1 gap of the plugin's default mode: `--ranks 64 --tokens 1
@@ -52,9 +54,11 @@ import argparse
 import dataclasses
 import functools
 import itertools
+import os
 import statistics
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -74,7 +78,10 @@ TRACED_TOKENS = (1, 16)  # of the default TOKENS; given --tokens, all are traced
 UNTRACED_K1 = ("h-given", "gemm", "gemm-codes", "gemm-codes-swapped")  # no K1 (or our
 # quantizer, untraced) before K2
 CODES_VARIANTS = ("decode-codes", "gemm-codes", "decode-codes-swapped",
-                  "gemm-codes-swapped")  # on codes made outside the graph: vs cutlass-codes
+                  "gemm-codes-swapped", "one-launch", "one-launch-swapped")  # on codes made
+# outside the graph: vs cutlass-codes
+ONE_LAUNCH = ("one-launch", "one-launch-swapped")  # EPILORA_DECODE_ONE_LAUNCH=1: K2's trace
+# holds the shrink's programs (stamps 0 and 1) and the GEMM's (stamps 0, 2, 3, 4)
 
 
 def _swapped(cfg, batch, lora):
@@ -109,6 +116,11 @@ def run_variant(variant, xs, layer, batch, hs, codes, traces=None):
             fused._linear(0, None, weight, scale, lora, batch, None,
                           _swapped(in_use, batch, lora) if swapped else None, decode=True,
                           pdl=True, traces=pair, x_quantized=codes[name])
+        elif variant in ONE_LAUNCH:
+            with mock.patch.dict(os.environ, {"EPILORA_DECODE_ONE_LAUNCH": "1"}):
+                fused._linear(0, None, weight, scale, lora, batch, None,
+                              _swapped(in_use, batch, lora) if swapped else None, decode=True,
+                              pdl=True, traces=pair, x_quantized=codes[name])
         elif variant.startswith("gemm-codes"):  # K2 without adapter on the same codes
             _launchers.launch_gemm_only(support, default_workspace(x.device), *codes[name],
                                         weight, scale,
@@ -210,7 +222,11 @@ def timeline(variant, xs, layer, batch, hs, codes, reps, flush) -> dict:
         torch.cuda.synchronize()
         rep = {}
         for name, (k1, k2) in traces.items():
-            rep[name] = _stats(None if variant in UNTRACED_K1 else k1.cpu(), k2.cpu())
+            k1, k2 = k1.cpu(), k2.cpu()
+            if variant in ONE_LAUNCH:  # the shrink's programs stand for K1
+                k1 = k2[(k2[:, 0] != 0) & (k2[:, 2] == 0)]
+                k2 = k2[k2[:, 2] != 0]
+            rep[name] = _stats(None if variant in UNTRACED_K1 else k1, k2)
         per_rep.append(_place_in_layer(rep))
     return {name: {key: statistics.median(r[name][key] for r in per_rep)
                    for key in per_rep[0][name] if all(key in r[name] for r in per_rep)}
