@@ -27,6 +27,10 @@ launch, and waits for all of K1 before its K loop. In the decode path (`USE_PDL`
 it is K1's programmatic dependent: it waits for K1's count of quantized rows before its K loop
 (prefetching the first `WARM_L2` bytes of its weight rows into L2 meanwhile), streams its
 weights while K1's shrink runs, and waits for all of K1 (`gdc_wait`) only before its epilogue.
+With `LEAD_SHRINK` (the decode path on the caller's codes in one launch) there is no K1: the
+grid is 1-D and its first programs are K1's shrink programs (`_shrink_tile`, in `S_` settings),
+each releasing a count once its part of h is stored; the GEMM programs after them spin on that
+count before their epilogue instead of `gdc_wait`, and the last of them zeroes it.
 With `SPLIT_K` > 1 the K loop is split over programs and the last split of each tile reduces in
 a fixed order. Counters (split-K tiles, the decode path's counts) are zero at rest
 (epilora_kernels.workspace): whoever arrives last resets them. With `PREFETCH` every program,
@@ -416,7 +420,6 @@ def _shrink_tile(pid, x_ptr, scales_ptr, h_ptr, partial_ptr, a0_ptr, a1_ptr, a2_
                 else:
                     tl.store(h_tile, acc, mask=h_mask)
     _stamp(trace_ptr, 1, TRACE)
-
 
 
 # T, the batch's tokens, is not specialized (Triton would compile a kernel for T = 1, one for
