@@ -25,9 +25,8 @@ def cache_dir() -> str:
 def decode_after_previous() -> bool:
     """EPILORA_DECODE_AFTER_PREVIOUS=1 (default 0; no gain on the H200): the decode path's K1
     is launched as the programmatic dependent of whatever kernel precedes it on the stream, so
-    that its launch
-    overlaps that kernel's end; K1 waits for that kernel before anything else, triggering K2
-    included (`fused.decode_lora_fp8_linear`)."""
+    that its launch overlaps that kernel's end; K1 waits for that kernel before anything else,
+    triggering K2 included (`fused.decode_lora_fp8_linear`)."""
     return os.environ.get("EPILORA_DECODE_AFTER_PREVIOUS", "0") == "1"
 
 
