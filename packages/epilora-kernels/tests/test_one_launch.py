@@ -5,13 +5,27 @@ test_compile_sm90.py compiles it for sm_90 and tests/gpu/ runs it there)."""
 import pytest
 
 import epilora_kernels as ek
-from epilora_kernels import _launchers, fused, launch, reference
+from epilora_kernels import _fused_kernels, _launchers, fused, launch, reference, tuner
 from epilora_kernels.arch import device_support
 from epilora_testing import assert_bitwise_equal
 
 from kernel_cases import make_problem
 
 K1_SETTINGS = ek.LaunchConfig(block_m=16, block_k=32, block_r=16, split_k=2, num_stages=2)
+
+
+def _launch_forms(monkeypatch) -> list:
+    # per launch from here on: whether it was the one launch (K2 with the shrink's inputs)
+    forms = []
+    real_start = _launchers._start_template
+
+    def start(support, template, *rest):
+        forms.append(template.kernel is _fused_kernels._lora_gemm_kernel
+                     and "counts_ptr" in template.slots)
+        return real_start(support, template, *rest)
+
+    monkeypatch.setattr(_launchers, "_start_template", start)
+    return forms
 
 
 @pytest.mark.parametrize("operands", ["x+codes", "codes"])
@@ -29,10 +43,7 @@ def test_one_launch_gives_the_two_launches_bits_and_leaves_the_counters_at_rest(
     want = ek.decode_lora_fp8_linear(given, weight, w_scale, lora, batch, x_quantized=quantized,
                                      k1_config=K1_SETTINGS)
     monkeypatch.setenv("EPILORA_DECODE_ONE_LAUNCH", "1")
-    starts = []  # per launch: whether it was the one launch (K2 with the shrink's inputs)
-    real_start = _launchers._start_template
-    monkeypatch.setattr(_launchers, "_start_template", lambda support, template, *rest: (
-        starts.append("counts_ptr" in template.slots), real_start(support, template, *rest)))
+    starts = _launch_forms(monkeypatch)
     workspace = ek.Workspace.for_batches("cpu", max_tokens=16, max_out_features=64, max_rank=16,
                                          max_loras=1)
     for _ in range(2):
@@ -80,3 +91,31 @@ def test_lead_shrink_heuristic_splits_k_in_whole_steps_within_the_budget(tokens,
     assert (cfg.split_k - 1) * depth < k  # no split without K
     tiles = -(-tokens // cfg.block_m) * -(-rank // cfg.block_r) * len(slices)
     assert tiles * cfg.split_k <= max(tiles, launch.LEAD_SHRINK_PROGRAMS)
+
+
+def test_projections_made_with_and_without_it_keep_their_own_form(monkeypatch):
+    # The setting is read when a projection is made; two projections of the same shapes made
+    # either side of it share the launch plans of their shapes, not their form.
+    x, weight, w_scale, lora, batch = make_problem(5, 4, 128, (64,), 16, 1, "one_adapter")
+    quantized = ek.quantize(x)
+    two = ek.LoraProjection(weight, w_scale, lora)
+    monkeypatch.setenv("EPILORA_DECODE_ONE_LAUNCH", "1")
+    one = ek.LoraProjection(weight, w_scale, lora)
+    forms = _launch_forms(monkeypatch)
+    for projection in (two, one, two, one):
+        projection(None, batch, path="decode", x_quantized=quantized)
+    assert forms == [False, False, True, False, False, True]  # K1 + K2, one launch, ...
+
+
+def test_the_tuner_and_the_settings_identity_follow_it(monkeypatch):
+    # The tuner's K1 op and whether it searches K1 (one launch: not, up to 32 tokens only), and
+    # the identity an engine's precompile record is kept under.
+    before = launch.settings_identity("NVIDIA H200")
+    assert tuner._k1_op(True, 1, 4) == "decode_shrink_codes"
+    monkeypatch.setenv("EPILORA_DECODE_ONE_LAUNCH", "1")
+    assert launch.settings_identity("NVIDIA H200") != before
+    assert tuner._k1_op(True, 1, 32) == "decode_lead_shrink"
+    assert not tuner.k1_tuned(True, 1, 32)
+    assert tuner._k1_op(True, 1, 33) == "decode_shrink_codes"  # beyond: two launches
+    assert tuner._k1_op(True, 2, 4) == "decode_shrink_codes"  # several slots: two launches
+    assert tuner._k1_op(False, 1, 4) == "decode_shrink"  # K1 quantizes: two launches

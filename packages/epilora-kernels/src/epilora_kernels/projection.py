@@ -17,7 +17,7 @@ and kernels, hence the same bits. The decode, fused and W8A16 paths take the bou
 hybrid path and empty batches go through `lora_linear`. The tensors given at construction must
 keep their storage: an engine that replaces or moves a weight makes a new projection. The launch
 tables a projection reads are those of its construction (EPILORA_LAUNCH_TABLES read then, as
-EPILORA_DECODE_AFTER_PREVIOUS: not read again at every call);
+EPILORA_DECODE_AFTER_PREVIOUS and EPILORA_DECODE_ONE_LAUNCH: not read again at every call);
 settings a tuner writes later reach it through `launch.clear_table_cache`, as they reach
 `lora_linear`.
 """
@@ -174,7 +174,7 @@ class LoraProjection:
         after_previous = path == "decode" and self._after_previous
         key = (self._shapes, path, t, -1 if x is None else x.stride(0),
                -1 if x_quantized is None else x_quantized[0].stride(0), batch.num_entries,
-               biased, prefetch, after_previous)
+               biased, prefetch, after_previous, self._one_launch)
         step = _STEPS.get(key)
         if step is not None:
             return step

@@ -31,6 +31,7 @@ import torch
 
 from epilora_kernels import _env, reference
 from epilora_kernels.launch import (
+    DECODE_SHRINK_MAX_TOKENS,
     H200_SMS,
     SHARED_BYTES,
     LaunchConfig,
@@ -97,9 +98,8 @@ def needs_tuning(n: int, k: int, rank: int, *, slots: int = 1, codes: bool = Fal
 
     support = device_support(device)
     name = table_of(support)
-    return name is not None and not tuned_exactly(name, _k1_op(codes, slots), n, k, rank,
-                                                  slots == 1,
-                                                  cache_device=support.name)
+    return name is not None and not tuned_exactly(name, _k1_op(codes, slots, 1), n, k, rank,
+                                                  slots == 1, cache_device=support.name)
 
 
 def k2_candidates(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...],
@@ -249,19 +249,21 @@ def graph_timer(reps: int, flush: torch.Tensor):
     return time_us
 
 
-def _k1_op(codes: bool, slots: int) -> str:
-    # The decode path in one launch (`fused.one_launch`: codes, one slot) has its shrink's
-    # settings apart, and the tuner leaves them to the heuristic (`k1_tuned`).
-    if codes and slots == 1 and _env.decode_one_launch():
+def _k1_op(codes: bool, slots: int, tokens: int) -> str:
+    # The decode path in one launch (`fused.one_launch`: codes, one slot, the decode path's
+    # token counts) has its shrink's settings apart, and the tuner leaves them to the heuristic
+    # (`k1_tuned`).
+    if (codes and slots == 1 and tokens <= DECODE_SHRINK_MAX_TOKENS
+            and _env.decode_one_launch()):
         return "decode_lead_shrink"
     return "decode_shrink_codes" if codes else "decode_shrink"
 
 
-def k1_tuned(codes: bool, slots: int) -> bool:
+def k1_tuned(codes: bool, slots: int, tokens: int) -> bool:
     """Whether the tuner searches K1's settings for this case: not in one launch, where each
     shrink setting with each GEMM setting is a kernel of its own to compile (the search would
     be their product), and the shrink's heuristic already ends it early beside the GEMM."""
-    return _k1_op(codes, slots) != "decode_lead_shrink"
+    return _k1_op(codes, slots, tokens) != "decode_lead_shrink"
 
 
 def _baseline(support, k: int, slices: tuple[int, ...], t: int, rank: int, one_slot: bool,
@@ -270,7 +272,7 @@ def _baseline(support, k: int, slices: tuple[int, ...], t: int, rank: int, one_s
     from epilora_kernels._tiling import shape_config
 
     n = sum(slices)
-    k1 = shape_config(support, _k1_op(codes, 1 if one_slot else 2), t, n, k, rank, slices,
+    k1 = shape_config(support, _k1_op(codes, 1 if one_slot else 2, t), t, n, k, rank, slices,
                       one_slot)
     k2 = shape_config(support, "lora_gemm", t, n, k, rank, slices, one_slot)
     return k1, dataclasses.replace(k2, block_r=rank_block(rank))
@@ -287,7 +289,7 @@ def _launches(support, projections: dict, tokens, rank: int, slots: int, codes: 
             out += [(k, slices, t, k1, k2)]
             out += [(k, slices, t, k1, c)
                     for c in k2_candidates(k2, sum(slices), k, slices, tokens=t)]
-            if k1_tuned(codes, slots):
+            if k1_tuned(codes, slots, t):
                 out += [(k, slices, t, c, k2) for c in k1_candidates(k1, k, rank)]
     return list(dict.fromkeys(out))
 
@@ -457,7 +459,7 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
                 us = run(chosen[0], cand)
                 if us < best * (1 - MARGIN):
                     best, chosen = us, (chosen[0], cand)
-            for cand in k1_candidates(k1, k, rank) if k1_tuned(codes, slots) else ():
+            for cand in k1_candidates(k1, k, rank) if k1_tuned(codes, slots, t) else ():
                 if time.monotonic() - start > budget_s:
                     report["complete"] = False
                     break
@@ -468,7 +470,7 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
                 report.setdefault("untuned", []).append({"projection": name, "tokens": t})
                 continue
             key = shape_key(n, k, rank, one_slot)
-            for op, cfg in ((_k1_op(codes, slots), chosen[0]), ("lora_gemm", chosen[1])):
+            for op, cfg in ((_k1_op(codes, slots, t), chosen[0]), ("lora_gemm", chosen[1])):
                 table.setdefault(op, {}).setdefault(key, {})[str(t)] = dataclasses.asdict(cfg)
             report["cells"].append({"projection": name, "tokens": t,
                                     "before_us": None if before == float("inf") else before,
