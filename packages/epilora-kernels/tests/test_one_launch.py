@@ -28,12 +28,17 @@ def _launch_forms(monkeypatch) -> list:
     return forms
 
 
+# K2 split in two: its own split-K counters, the same buffer as the shrink's, used after them
+K2_SPLIT = ek.LaunchConfig(block_m=16, block_n=16, block_k=32, block_r=16, split_k=2)
+
+
 @pytest.mark.parametrize("operands", ["x+codes", "codes"])
-@pytest.mark.parametrize(("tokens", "slices", "mapping"), [
-    (1, (32, 16, 16), "one_adapter"), (5, (64,), "one_adapter"),
-    (9, (32, 32), "mixed_with_base"), (3, (48,), "no_adapter")])
+@pytest.mark.parametrize(("tokens", "slices", "mapping", "k2"), [
+    (1, (32, 16, 16), "one_adapter", None), (5, (64,), "one_adapter", None),
+    (9, (32, 32), "mixed_with_base", None), (3, (48,), "no_adapter", None),
+    (6, (32, 16, 16), "mixed_with_base", K2_SPLIT)])
 def test_one_launch_gives_the_two_launches_bits_and_leaves_the_counters_at_rest(
-        tokens, slices, mapping, operands, monkeypatch):
+        tokens, slices, mapping, k2, operands, monkeypatch):
     # With the same shrink settings, the same h and so the same bits as the two launches,
     # through decode_lora_fp8_linear (each call twice: a count left set would let the second
     # call's GEMM programs pass their wait before h is whole), then a bound projection.
@@ -41,7 +46,7 @@ def test_one_launch_gives_the_two_launches_bits_and_leaves_the_counters_at_rest(
     quantized = ek.quantize(x)
     given = None if operands == "codes" else x
     want = ek.decode_lora_fp8_linear(given, weight, w_scale, lora, batch, x_quantized=quantized,
-                                     k1_config=K1_SETTINGS)
+                                     k1_config=K1_SETTINGS, k2_config=k2)
     monkeypatch.setenv("EPILORA_DECODE_ONE_LAUNCH", "1")
     starts = _launch_forms(monkeypatch)
     workspace = ek.Workspace.for_batches("cpu", max_tokens=16, max_out_features=64, max_rank=16,
@@ -49,7 +54,7 @@ def test_one_launch_gives_the_two_launches_bits_and_leaves_the_counters_at_rest(
     for _ in range(2):
         got = ek.decode_lora_fp8_linear(given, weight, w_scale, lora, batch,
                                         x_quantized=quantized, workspace=workspace,
-                                        k1_config=K1_SETTINGS)
+                                        k1_config=K1_SETTINGS, k2_config=k2)
         assert_bitwise_equal(got, want, name="one launch")
         assert workspace.is_clean()
     assert starts == [True] * 2  # each call one launch, the one launch
