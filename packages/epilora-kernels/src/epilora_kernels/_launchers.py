@@ -476,13 +476,13 @@ def launch_lead(support: DeviceSupport, workspace: Workspace, x, x_scales, codes
     workspace's, already asked for both parts' tiles."""
     t, n = y.shape
     _tiling.check_gemm_config(cfg2, lora)
-    split = _tiling.gemm_grid(FP8, t, n, cfg2)[2]
+    gemm = _tiling.gemm_grid(FP8, t, n, cfg2)
+    split = gemm[2]
     # h fp32: plane 0 of the shrink's partials, what the GEMM's epilogue reads
     partials, _, _, _ = k1_buffers(t, lora.in_features, lora, cfg1, quantize=False,
                                    h_dtype=torch.float32, device=y.device)
-    partial = (y if split == 1 else torch.empty(
-        gemm_partial_shape(_tiling.gemm_grid(FP8, t, n, cfg2), n, cfg2), dtype=torch.float32,
-        device=y.device))
+    partial = (y if split == 1 else torch.empty(gemm_partial_shape(gemm, n, cfg2),
+                                                dtype=torch.float32, device=y.device))
     w_operand = _w_operand(support, weight, cfg2)
     grid = lead_grid(t, lora, batch, cfg1, cfg2)
     template = k2_lead_template(

@@ -323,11 +323,20 @@ def one_launch(support, mode: int, tokens: int, batch: AdapterBatch, *, decode: 
     (`_launchers.launch_lead`), for FP8 codes the caller made, one adapter slot, up to
     DECODE_SHRINK_MAX_TOKENS tokens, with PDL (where the two-launch path would use it) and no
     L2Prefetch (its lines are dealt to every program of a grid)."""
+    return (decode and pdl and mode == FP8 and prefetch is None
+            and one_launch_case(codes=not quantize, one_slot=_tiling.one_slot(batch),
+                                tokens=tokens, enabled=enabled)
+            and (support.pdl or support.interpreter))
+
+
+def one_launch_case(*, codes: bool, one_slot: bool, tokens: int,
+                    enabled: bool | None = None) -> bool:
+    """`one_launch`'s conditions on the case alone (what the tuner knows of a cell): the
+    caller's codes, one adapter slot, the decode path's token counts, and the setting
+    (`enabled`, default EPILORA_DECODE_ONE_LAUNCH)."""
     if enabled is None:
         enabled = _env.decode_one_launch()
-    return (enabled and decode and pdl and mode == FP8 and not quantize and prefetch is None
-            and tokens <= DECODE_SHRINK_MAX_TOKENS and _tiling.one_slot(batch)
-            and (support.pdl or support.interpreter))
+    return enabled and codes and one_slot and tokens <= DECODE_SHRINK_MAX_TOKENS
 
 
 def _settings(support, mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,

@@ -31,7 +31,6 @@ import torch
 
 from epilora_kernels import _env, reference
 from epilora_kernels.launch import (
-    DECODE_SHRINK_MAX_TOKENS,
     H200_SMS,
     SHARED_BYTES,
     LaunchConfig,
@@ -250,11 +249,11 @@ def graph_timer(reps: int, flush: torch.Tensor):
 
 
 def _k1_op(codes: bool, slots: int, tokens: int) -> str:
-    # The decode path in one launch (`fused.one_launch`: codes, one slot, the decode path's
-    # token counts) has its shrink's settings apart, and the tuner leaves them to the heuristic
-    # (`k1_tuned`).
-    if (codes and slots == 1 and tokens <= DECODE_SHRINK_MAX_TOKENS
-            and _env.decode_one_launch()):
+    # The decode path in one launch (`fused.one_launch_case`) has its shrink's settings apart,
+    # and the tuner leaves them to the heuristic (`k1_tuned`).
+    from epilora_kernels import fused
+
+    if fused.one_launch_case(codes=codes, one_slot=slots == 1, tokens=tokens):
         return "decode_lead_shrink"
     return "decode_shrink_codes" if codes else "decode_shrink"
 
