@@ -32,6 +32,52 @@ def test_the_entry_point_is_discovered():
     assert ep.load() is register
 
 
+def test_the_endpoint_plugin_is_loaded_when_allowlisted_and_adds_both_middlewares(monkeypatch):
+    # vLLM's own loader and protocol: the entry point under `vllm.endpoint_plugins`, loaded only
+    # when VLLM_PLUGINS names it; on the app, refuse_bad_adapters inside
+    # hold_reloads_until_drained (as `--middleware` in that order), no route added.
+    from fastapi import FastAPI
+    from vllm.plugins import load_endpoint_plugins
+    from vllm.plugins.endpoint_plugins.interface import EndpointPlugin
+
+    from epilora_vllm.adapter_check import refuse_bad_adapters
+    from epilora_vllm.reload_guard import hold_reloads_until_drained
+    from epilora_vllm.server import ServerPlugin
+
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    assert load_endpoint_plugins(("generate",)) == []
+    monkeypatch.setenv("VLLM_PLUGINS", "epilora,epilora-server")
+    assert load_endpoint_plugins(("embed",)) == []  # adapters serve generation only
+    (plugin,) = load_endpoint_plugins(("generate",))
+    assert isinstance(plugin, ServerPlugin) and isinstance(plugin, EndpointPlugin)
+    app = FastAPI()
+    routes = len(app.routes)
+    plugin.attach_router(app)
+    dispatches = [m.kwargs["dispatch"] for m in app.user_middleware]
+    assert dispatches == [hold_reloads_until_drained, refuse_bad_adapters]  # outermost first
+    assert len(app.routes) == routes
+    monkeypatch.setenv("EPILORA_VLLM_DISABLE", "1")
+    app = FastAPI()
+    plugin.attach_router(app)
+    assert app.user_middleware == []
+
+
+@pytest.mark.parametrize("allowlist, warned", [("epilora,epilora-server", True),
+                                               ("epilora,epilora-server,lora_filesystem_resolver",
+                                                False)])
+def test_the_endpoint_plugin_warns_when_the_allowlist_turns_the_resolver_off(
+        allowlist, warned, monkeypatch, tmp_path, caplog):
+    from fastapi import FastAPI
+
+    from epilora_vllm.server import ServerPlugin
+
+    monkeypatch.setenv("VLLM_PLUGINS", allowlist)
+    monkeypatch.setenv("VLLM_LORA_RESOLVER_CACHE_DIR", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="vllm.epilora_vllm"):
+        ServerPlugin().attach_router(FastAPI())
+    assert ("leaves out vLLM's lora_filesystem_resolver" in caplog.text) == warned
+
+
 def test_register_is_idempotent_and_can_be_turned_off(monkeypatch):
     import vllm.lora.model_manager as model_manager
     import vllm.lora.utils as lora_utils

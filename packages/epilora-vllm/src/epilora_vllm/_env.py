@@ -1,7 +1,8 @@
 """The environment variables epilora-vllm reads, all here, read at call time (not import).
 
-vLLM's own `VLLM_PLUGINS` (a comma-separated allowlist of plugin names; ours is `epilora`)
-also turns the plugin off: vLLM then never calls `register`.
+vLLM's own `VLLM_PLUGINS` (a comma-separated allowlist of plugin names; ours are `epilora`, the
+layers, and `epilora-server`, the server's middlewares, which vLLM loads only when named) also
+turns the plugin off: vLLM then never calls `register`.
 """
 
 import os
@@ -74,6 +75,21 @@ def tune() -> bool:
     each projection shape the engine serves that the kernels' table and cache do not have, while
     the engine starts (`epilora_vllm.tuning`)."""
     return _switch("EPILORA_VLLM_TUNE")
+
+
+def tune_budget_s() -> float:
+    """EPILORA_VLLM_TUNE_BUDGET_S (30, the default): the engine-start tuner's bound per
+    projection case, in seconds, its candidates' compiles included (`epilora_vllm.tuning`); a
+    case cut short keeps the settings it found so far for the buckets it finished."""
+    value = os.environ.get("EPILORA_VLLM_TUNE_BUDGET_S", "30")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"EPILORA_VLLM_TUNE_BUDGET_S={value!r}: expected a positive number "
+                         "of seconds")
+    return seconds
 
 
 def prefetch_bytes() -> int:

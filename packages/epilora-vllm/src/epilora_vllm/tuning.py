@@ -26,9 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from epilora_vllm import _env
+
 logger = logging.getLogger("vllm.epilora_vllm")
 
-BUDGET_S = 30.0  # per projection case: the whole search's bound, compiles included
 COMPILE_THREADS = 8
 
 
@@ -71,6 +72,7 @@ def _tune(forward) -> None:
     # vLLM's codes given (`codes` and `vllm` modes): K2 streams from its start, whether the
     # shrink reads the codes or x; the tuner times that regime with the codes alone.
     lora, codes = forward.lora, forward.mode.vllm_quantizes
+    budget_s = _env.tune_budget_s()  # per projection case, compiles included
     case = f"{lora.out_features}x{lora.in_features} r{lora.max_rank} l{lora.max_loras}" + (
         " on codes" if codes else "")
     begin = time.perf_counter()
@@ -78,7 +80,7 @@ def _tune(forward) -> None:
         with torch.cuda.device(forward.layer.device):
             report = tuner.tune_decode(
                 {case: (lora.in_features, tuple(lora.output_slices))}, rank=lora.max_rank,
-                slots=lora.max_loras, codes=codes, budget_s=BUDGET_S,
+                slots=lora.max_loras, codes=codes, budget_s=budget_s,
                 compile_threads=COMPILE_THREADS, progress=logger.debug)
             # the candidates' buffers and graphs back to the GPU before vLLM sizes its cache
             torch.cuda.empty_cache()
@@ -90,7 +92,8 @@ def _tune(forward) -> None:
     if not cells:  # nothing written: the next start tries again
         logger.warning("epilora tune: %s found nothing within %.0f s (compiles %.1f s); the "
                        "shipped settings serve it and the next start tunes again "
-                       "(EPILORA_VLLM_TUNE=0: never)", case, BUDGET_S, report["compile_s"])
+                       "(EPILORA_VLLM_TUNE=0: never; EPILORA_VLLM_TUNE_BUDGET_S: more time)", case,
+                       budget_s, report["compile_s"])
         return
     faster = [c["after_us"] / c["before_us"] for c in cells if c["before_us"]]
     swapped = sum(c["k2"].get("swap_ab", False) for c in cells)
