@@ -29,9 +29,13 @@ import epilora_kernels as ek  # noqa: E402
 from epilora_kernels.launch import LaunchConfig  # noqa: E402
 
 # K1's tiles: (block_m, block_r, block_k, split_k, warps, stages)
+# The shrink's reads of x and A from L2 fall with wider row and rank tiles (x is read once per
+# slice and rank tile, A once per row tile: 64 x 32 tiles read Qwen3-8B's x six times for qkv at
+# 2048 tokens), their programs and blocks per SM too; the last three trade them otherwise.
 K1_TILES = [(16, 32, 128, 8, 4, 2), (16, 64, 128, 8, 4, 2), (32, 64, 128, 8, 4, 3),
             (64, 64, 128, 4, 4, 3), (64, 64, 128, 8, 4, 3), (64, 64, 256, 2, 4, 3),
-            (128, 64, 128, 4, 8, 3), (64, 32, 128, 4, 4, 3)]
+            (128, 64, 128, 4, 8, 3), (64, 32, 128, 4, 4, 3),
+            (128, 64, 128, 8, 8, 3), (128, 64, 64, 8, 8, 4), (64, 64, 64, 8, 4, 4)]
 
 
 def kernels(x, weight, scale, lora, batch):

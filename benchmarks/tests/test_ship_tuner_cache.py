@@ -1,0 +1,68 @@
+"""tools/ship_tuner_cache.py: a tuner cache's entries into a launch table, as the tuner wrote
+them, the table's other entries kept, the runs stamped; a bad cache or another device's table
+refused."""
+
+import json
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TOOL = Path(__file__).parents[2] / "tools/ship_tuner_cache.py"
+SHIP = runpy.run_path(str(TOOL))
+SWAPPED = {"block_m": 16, "block_n": 64, "block_k": 128, "block_r": 64, "num_stages": 6,
+           "swap_ab": True}
+PLAIN = {"block_m": 16, "block_n": 64, "block_k": 128, "block_r": 64}
+RUN = {"device": "NVIDIA H200", "tool": "epilora_kernels.tuner", "rank": 64, "slots": 1,
+       "codes": True}
+
+
+def _cache():
+    return {"_meta": {"runs": [RUN]},
+            "lora_gemm": {"4096x4096@r64/one-slot": {"1": SWAPPED, "32": SWAPPED}},
+            "decode_shrink_codes": {"4096x4096@r64/one-slot": {"1": PLAIN}}}
+
+
+def _table():
+    return {"_meta": {"device": "NVIDIA H200", "runs": [{"git_sha": "abc"}]},
+            "lora_gemm": {"4096x4096@r64/one-slot": {"1": PLAIN, "4": PLAIN},
+                          "6144x4096": {"8": PLAIN}}}
+
+
+def test_the_caches_entries_replace_the_tables_and_the_rest_stays():
+    merged, changes = SHIP["ship"](_cache(), _table(), "f00d")
+    assert merged["lora_gemm"]["4096x4096@r64/one-slot"] == {"1": SWAPPED, "4": PLAIN,
+                                                              "32": SWAPPED}
+    assert merged["lora_gemm"]["6144x4096"] == {"8": PLAIN}
+    assert merged["decode_shrink_codes"] == {"4096x4096@r64/one-slot": {"1": PLAIN}}
+    assert merged["_meta"]["runs"] == [{"git_sha": "abc"}, {
+        **RUN, "git_sha": "f00d", "shipped_by": "tools/ship_tuner_cache.py"}]
+    assert len(changes) == 3 and all(" -> " in c for c in changes)
+    assert _table()["lora_gemm"]["4096x4096@r64/one-slot"]["1"] == PLAIN  # input untouched
+    assert SHIP["ship"](_cache(), merged, "f00d")[1] == []  # shipped twice: nothing changes
+
+
+def test_a_cache_with_a_bad_entry_is_refused():
+    cache = _cache()
+    cache["lora_gemm"]["4096x4096@r64/one-slot"]["1"] = {**PLAIN, "block_q": 3}
+    with pytest.raises(TypeError):
+        SHIP["ship"](cache, _table(), "f00d")
+    with pytest.raises(ValueError, match="unknown op"):
+        SHIP["ship"]({"k9": {}}, _table(), "f00d")
+
+
+def test_the_tool_writes_its_devices_table_and_refuses_another(tmp_path):
+    cache = tmp_path / "cache.json"
+    cache.write_text(json.dumps(_cache()))
+    table = tmp_path / "NVIDIA_H200.json"
+    table.write_text(json.dumps(_table()))
+    run = [sys.executable, str(TOOL), str(cache), "--git-sha", "f00d", "--table"]
+    done = subprocess.run([*run, str(table)], capture_output=True, text=True, check=True)
+    assert "3 entries added or changed" in done.stdout
+    assert json.loads(table.read_text())["lora_gemm"]["4096x4096@r64/one-slot"]["1"] == SWAPPED
+    other = tmp_path / "NVIDIA_H100_80GB_HBM3.json"
+    refused = subprocess.run([*run, str(other)], capture_output=True, text=True)
+    assert refused.returncode != 0 and "its table is NVIDIA_H200.json" in refused.stderr
+    assert not other.exists()
