@@ -2,11 +2,14 @@
 tuning the shapes it covers.
 
 `epilora_kernels.tuner.tune_decode` writes its winners into a cache file that is itself a launch
-table (`gpu_kernels.sh tune-decode` brings a copy back in `$OUT/tune-cache/`). Here
-every (op, shape, token bucket) entry of that file replaces the shipped table's, as the tuner
-wrote it; the cache's runs join the table's `_meta.runs`, stamped with the commit they were tuned
-at; the merged table is validated (`launch.validate_table`) before it is written, and every
-entry added or changed is printed. Nothing is typed by hand.
+table (`gpu_kernels.sh tune-decode` brings a copy back in `$OUT/tune-cache/`). Here each
+(op, shape) of that file replaces the shipped table's whole, as an engine with the cache reads
+them (`launch._load_table` overlays the cache shape by shape: the table's other buckets of that
+shape were not what the engine ran); the cache's runs join the table's `_meta.runs`, stamped
+with the commit they were tuned at; the merged table is validated (`launch.validate_table`)
+before it is written, and every bucket added, changed or dropped is printed. The table must
+exist: a device without one reads its architecture's (an H100 the H200's), which is where its
+cache goes (`--table`). Nothing is typed by hand.
 
     python tools/ship_tuner_cache.py CACHE.json --git-sha SHA \\
         [--table packages/epilora-kernels/src/epilora_kernels/configs/NVIDIA_H200.json]
@@ -22,7 +25,7 @@ CONFIGS = Path(__file__).parents[1] / "packages/epilora-kernels/src/epilora_kern
 
 
 def ship(cache: dict, table: dict, git_sha: str) -> tuple[dict, list[str]]:
-    """`table` with `cache`'s entries in it, and what changed ("op shape bucket: was -> now")."""
+    """`table` with `cache`'s shapes in it, and what changed ("op shape bucket: was -> now")."""
     validate_table(cache)
     merged = json.loads(json.dumps(table))  # a copy, the table's own order kept
     changes = []
@@ -30,11 +33,12 @@ def ship(cache: dict, table: dict, git_sha: str) -> tuple[dict, list[str]]:
         if op == "_meta":
             continue
         for shape, buckets in shapes.items():
-            entries = merged.setdefault(op, {}).setdefault(shape, {})
-            for bucket, fields in buckets.items():
-                if entries.get(bucket) != fields:
-                    changes.append(f"{op} {shape} {bucket}: {entries.get(bucket)} -> {fields}")
-                entries[bucket] = fields
+            was = merged.setdefault(op, {}).get(shape, {})
+            for bucket in sorted({*was, *buckets}, key=int):
+                if was.get(bucket) != buckets.get(bucket):
+                    changes.append(f"{op} {shape} {bucket}: {was.get(bucket)} -> "
+                                   f"{buckets.get(bucket)}")
+            merged[op][shape] = dict(buckets)
     runs = merged.setdefault("_meta", {}).setdefault("runs", [])
     for run in cache.get("_meta", {}).get("runs", []):
         runs.append({**run, "git_sha": git_sha, "shipped_by": "tools/ship_tuner_cache.py"})
@@ -51,14 +55,19 @@ def main() -> None:
     args = parser.parse_args()
     cache = json.loads(args.cache.read_text())
     devices = {run.get("device") for run in cache.get("_meta", {}).get("runs", [])}
-    if len(devices) != 1 or None in devices:
-        raise SystemExit(f"{args.cache}: expected the runs of one device, found {devices}")
-    (device,) = devices
-    path = args.table or CONFIGS / table_name(device)
-    if path.name != table_name(device):
-        raise SystemExit(f"{args.cache} was tuned on {device}: its table is "
-                         f"{table_name(device)}, not {path.name}")
-    table = json.loads(path.read_text()) if path.is_file() else {}
+    if args.table is None:
+        if len(devices) != 1 or None in devices:
+            raise SystemExit(f"{args.cache}: the runs of one device expected (found {devices}); "
+                             "name the table with --table")
+        path = CONFIGS / table_name(devices.pop())
+    else:
+        path = args.table
+        if len(devices) == 1 and None not in devices and path.name != table_name(*devices):
+            raise SystemExit(f"{args.cache} was tuned on {devices.pop()}, not for {path.name}")
+    if not path.is_file():
+        raise SystemExit(f"{path}: no such table (a device without one reads its "
+                         "architecture's: ship into that one with --table)")
+    table = json.loads(path.read_text())
     merged, changes = ship(cache, table, args.git_sha)
     write_table(merged, path)
     print("\n".join(changes) or "no entry changed")

@@ -1,5 +1,6 @@
 """`check_adapter` on the adapters a tenant might bring: each bad kind refused with its reason,
-a good one and paths that are vLLM's to resolve let through."""
+a good one and paths that are vLLM's to resolve let through; the server middleware's API-key
+test, vLLM's."""
 
 import json
 from types import SimpleNamespace
@@ -61,3 +62,21 @@ def test_good_adapters_of_other_layouts_are_not_refused(base, tmp_path):
                 torch.zeros(RANK, config.hidden_size * 2, dtype=torch.bfloat16)}
         check_adapter(good_adapter(tmp_path / "wide", base_dir, overrides=wide), nested,
                       MAX_RANK)
+
+
+@pytest.mark.parametrize("header, let_through", [
+    ("Bearer key-1", True), ("bearer key-1", True), ("BEARER key-2", True),
+    ("Bearer key-3", False), ("Basic key-1", False), ("key-1", False), (None, False)])
+def test_adapters_are_looked_at_only_for_callers_vllms_key_check_lets_through(
+        header, let_through, monkeypatch):
+    # vLLM's own test (AuthenticationMiddleware.verify_token): any case of the scheme, the
+    # token after the first space, any of the keys.
+    from epilora_vllm.adapter_check import _authorized
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    headers = {} if header is None else {"authorization": header}
+    request = SimpleNamespace(headers=headers, app=SimpleNamespace(state=SimpleNamespace(
+        args=SimpleNamespace(api_key=["key-1", "key-2"]))))
+    assert _authorized(request) == let_through
+    request.app.state.args.api_key = None  # no key: everyone
+    assert _authorized(request)

@@ -32,10 +32,21 @@ def test_the_entry_point_is_discovered():
     assert ep.load() is register
 
 
-def test_the_endpoint_plugin_is_loaded_when_allowlisted_and_adds_both_middlewares(monkeypatch):
+@pytest.fixture
+def vllm_env_read_afresh():
+    # An engine started earlier in this process left vLLM's environment cached
+    # (vllm.envs.enable_envs_cache): VLLM_PLUGINS set by a test would not be seen.
+    import vllm.envs as envs
+
+    envs.disable_envs_cache()  # vLLM's own means "to isolate environments between unit tests"
+
+
+def test_the_endpoint_plugin_is_loaded_when_allowlisted_and_adds_both_middlewares(
+        monkeypatch, vllm_env_read_afresh):
     # vLLM's own loader and protocol: the entry point under `vllm.endpoint_plugins`, loaded only
     # when VLLM_PLUGINS names it; on the app, refuse_bad_adapters inside
-    # hold_reloads_until_drained (as `--middleware` in that order), no route added.
+    # hold_reloads_until_drained (as `--middleware` in that order), no route added; not turned
+    # off with the layers (EPILORA_VLLM_DISABLE).
     from fastapi import FastAPI
     from vllm.plugins import load_endpoint_plugins
     from vllm.plugins.endpoint_plugins.interface import EndpointPlugin
@@ -47,35 +58,42 @@ def test_the_endpoint_plugin_is_loaded_when_allowlisted_and_adds_both_middleware
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     assert load_endpoint_plugins(("generate",)) == []
     monkeypatch.setenv("VLLM_PLUGINS", "epilora,epilora-server")
-    assert load_endpoint_plugins(("embed",)) == []  # adapters serve generation only
+    assert load_endpoint_plugins(("embed",)) == []
     (plugin,) = load_endpoint_plugins(("generate",))
     assert isinstance(plugin, ServerPlugin) and isinstance(plugin, EndpointPlugin)
+    monkeypatch.setenv("EPILORA_VLLM_DISABLE", "1")
     app = FastAPI()
     routes = len(app.routes)
     plugin.attach_router(app)
     dispatches = [m.kwargs["dispatch"] for m in app.user_middleware]
     assert dispatches == [hold_reloads_until_drained, refuse_bad_adapters]  # outermost first
     assert len(app.routes) == routes
-    monkeypatch.setenv("EPILORA_VLLM_DISABLE", "1")
-    app = FastAPI()
-    plugin.attach_router(app)
-    assert app.user_middleware == []
 
 
 @pytest.mark.parametrize("allowlist, warned", [("epilora,epilora-server", True),
                                                ("epilora,epilora-server,lora_filesystem_resolver",
                                                 False)])
 def test_the_endpoint_plugin_warns_when_the_allowlist_turns_the_resolver_off(
-        allowlist, warned, monkeypatch, tmp_path, caplog):
+        allowlist, warned, monkeypatch, tmp_path, vllm_env_read_afresh):
     from fastapi import FastAPI
 
     from epilora_vllm.server import ServerPlugin
 
     monkeypatch.setenv("VLLM_PLUGINS", allowlist)
     monkeypatch.setenv("VLLM_LORA_RESOLVER_CACHE_DIR", str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="vllm.epilora_vllm"):
+    # Heard on the plugin's logger itself: vLLM's "vllm" logger does not propagate to the root,
+    # where caplog listens.
+    said = []
+    heard = logging.Handler(logging.WARNING)
+    heard.emit = lambda record: said.append(record.getMessage())
+    plugin_logger = logging.getLogger("vllm.epilora_vllm")
+    plugin_logger.addHandler(heard)
+    try:
         ServerPlugin().attach_router(FastAPI())
-    assert ("leaves out vLLM's lora_filesystem_resolver" in caplog.text) == warned
+    finally:
+        plugin_logger.removeHandler(heard)
+    assert any("leaves out vLLM's lora_filesystem_resolver" in m for m in said) == warned
+    assert all("epilora" in m for m in said)  # nothing else warned
 
 
 def test_register_is_idempotent_and_can_be_turned_off(monkeypatch):

@@ -85,6 +85,7 @@ def test_tune_passes_the_case_and_logs_what_it_found(no_cuda, monkeypatch, caplo
                 "compile_s": 1.5, "complete": True, "failed": ["a wrong answer"]}
 
     monkeypatch.setattr(tuner, "tune_decode", tune_decode)
+    monkeypatch.delenv("EPILORA_VLLM_TUNE_BUDGET_S", raising=False)  # the default's
     with caplog.at_level(logging.INFO, logger="vllm.epilora_vllm"):
         tuning.tune(_forward(max_loras=2))
         tuning.tune(_forward(max_loras=2))  # another layer of the case: tuned once

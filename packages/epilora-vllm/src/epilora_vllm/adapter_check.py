@@ -107,14 +107,17 @@ def _check_weights(weights: Path, rank: int | None, hf_config) -> None:
 
 
 def _authorized(request) -> bool:
-    # This middleware runs outside vLLM's API-key check: look at an adapter only for a caller
-    # vLLM would let through (others get vLLM's 401, their path untouched).
+    # Named by `--middleware`, this middleware runs outside vLLM's API-key check: look at an
+    # adapter only for a caller vLLM would let through (others get vLLM's 401, their path
+    # untouched), by vLLM's own test (AuthenticationMiddleware.verify_token: the scheme in
+    # any case, the token after the first space).
     import os
 
     args = getattr(request.app.state, "args", None)
     keys = [k for k in [getattr(args, "api_key", None), os.environ.get("VLLM_API_KEY")] if k]
     keys = [k for key in keys for k in ([key] if isinstance(key, str) else key)]
-    return not keys or request.headers.get("authorization") in {f"Bearer {k}" for k in keys}
+    scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
+    return not keys or (scheme.lower() == "bearer" and token in keys)
 
 
 async def request_json(request) -> dict:

@@ -10,15 +10,16 @@ VLLM_LORA_RESOLVER_CACHE_DIR, `lora_filesystem_resolver`; this plugin warns when
     VLLM_PLUGINS=epilora,epilora-server vllm serve ... --enable-lora
 
 which is the same server as `--middleware epilora_vllm.adapter_check.refuse_bad_adapters
---middleware epilora_vllm.reload_guard.hold_reloads_until_drained`, with one difference: vLLM
-adds its own middlewares (CORS, the API key's check) after its endpoint plugins' and after its
-`--middleware` ones, so here the key is checked before either of ours runs (each also checks it
-itself, for the `--middleware` route). Adds no route.
+--middleware epilora_vllm.reload_guard.hold_reloads_until_drained`, but for one difference:
+vLLM adds its own middlewares (CORS, the API key's check) after its endpoint plugins' and
+before its `--middleware` ones, and the one added last runs first, so here the key is checked
+before either of ours runs (named by `--middleware` they run before it: `refuse_bad_adapters`
+checks the key itself there, and the reload guard may hold a load that vLLM then answers 401).
+Adds no route. EPILORA_VLLM_DISABLE does not turn it off (the guard holds reloads that kill
+stock vLLM's engine too): leaving it out of VLLM_PLUGINS does.
 """
 
 import logging
-
-from epilora_vllm import _env
 
 logger = logging.getLogger("vllm.epilora_vllm")
 
@@ -27,13 +28,11 @@ class ServerPlugin:
     """vLLM's `EndpointPlugin` protocol (vllm/plugins/endpoint_plugins/interface.py)."""
 
     name = "epilora-server"
-    required_tasks = ("generate",)  # adapters serve generation only
+    # the servers that generate (a pooling model's server with adapters keeps `--middleware`)
+    required_tasks = ("generate",)
 
     def attach_router(self, app) -> None:
         """Called once by vLLM's `build_app`, before the app starts."""
-        if _env.disabled():
-            logger.info("epilora: EPILORA_VLLM_DISABLE=1, the server keeps vLLM's own checks")
-            return
         from epilora_vllm.adapter_check import refuse_bad_adapters
         from epilora_vllm.reload_guard import hold_reloads_until_drained
 

@@ -61,18 +61,18 @@ def tune(forward) -> None:
             lora.max_rank, lora.max_loras, mode.vllm_quantizes)
     if case in _tried:
         return
+    budget_s = _env.tune_budget_s()  # a bad value stops the start here, saying why
     _tried.add(case)
     with ThreadPoolExecutor(1, thread_name_prefix="epilora-tune") as thread:
-        thread.submit(_tune, forward).result()
+        thread.submit(_tune, forward, budget_s).result()
 
 
-def _tune(forward) -> None:
+def _tune(forward, budget_s: float) -> None:
     from epilora_kernels import tuner
 
     # vLLM's codes given (`codes` and `vllm` modes): K2 streams from its start, whether the
     # shrink reads the codes or x; the tuner times that regime with the codes alone.
     lora, codes = forward.lora, forward.mode.vllm_quantizes
-    budget_s = _env.tune_budget_s()  # per projection case, compiles included
     case = f"{lora.out_features}x{lora.in_features} r{lora.max_rank} l{lora.max_loras}" + (
         " on codes" if codes else "")
     begin = time.perf_counter()
