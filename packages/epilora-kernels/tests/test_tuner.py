@@ -264,6 +264,30 @@ def test_the_parallel_compile_covers_every_launch_the_search_times(codes, monkey
     assert asked == {"decode_shrink_codes" if codes else "decode_shrink", "lora_gemm"}
 
 
+def test_the_compile_workers_run_their_shares_and_report_what_failed():
+    # The workers are commands (vLLM's engine core, a daemonic process, may not start
+    # multiprocessing children), each running its share once on the device named, here the
+    # CPU under the interpreter the workers inherit: real launches, their settings through
+    # the share's file and back.
+    from epilora_kernels.arch import INTERPRETER
+
+    projections = {"o": (64, (32,))}
+    launches = tuner._launches(INTERPRETER, projections, (1, 4), 32, 1, False)[:3]
+    cpu = torch.device("cpu")
+    assert tuner._compile_in_parallel(launches, 32, 1, False, 2, cpu, timeout_s=300) == []
+    k, slices, t, k1, k2 = launches[0]
+    wrong = (k, slices, t, k1, dataclasses.replace(k2, block_r=16))  # narrower than the rank
+    errors = tuner._compile_in_parallel([wrong, *launches[1:]], 32, 1, False, 2, cpu,
+                                        timeout_s=300)
+    assert len(errors) == 1 and errors[0].startswith(f"{k} {slices} {t}"), errors
+    assert "must cover the adapters' max rank" in errors[0]
+    stopped = tuner._compile_in_parallel(launches, 32, 1, False, 2, cpu, timeout_s=0.01)
+    assert stopped == ["a compile worker stopped at the budget (0 s)"] * 2
+    gone = tuner._compile_in_parallel(launches, 32, 1, False, 1, torch.device("cuda", 7),
+                                      timeout_s=300)
+    assert len(gone) == 1 and gone[0].startswith("a compile worker exited 1: "), gone
+
+
 def test_a_later_run_keeps_the_buckets_an_earlier_one_tuned(cache):
     fields = {"block_n": 64}
     tuner._write("triton-interpreter", {"lora_gemm": {"64x4096@r16/one-slot": {

@@ -85,16 +85,38 @@ def test_tune_passes_the_case_and_logs_what_it_found(no_cuda, monkeypatch, caplo
                 "compile_s": 1.5, "complete": True, "failed": ["a wrong answer"]}
 
     monkeypatch.setattr(tuner, "tune_decode", tune_decode)
-    monkeypatch.delenv("EPILORA_VLLM_TUNE_BUDGET_S", raising=False)  # the default's
+    for name in ("EPILORA_VLLM_TUNE_BUDGET_S", "EPILORA_VLLM_TUNE_COMPILE"):  # the defaults
+        monkeypatch.delenv(name, raising=False)
     with caplog.at_level(logging.INFO, logger="vllm.epilora_vllm"):
         tuning.tune(_forward(max_loras=2))
         tuning.tune(_forward(max_loras=2))  # another layer of the case: tuned once
     ((projections, kw),) = calls
     assert list(projections.values()) == [(64, (32, 32))]
     assert (kw["rank"], kw["slots"], kw["codes"], kw["budget_s"]) == (16, 2, True, 30.0)
-    assert kw["compile_threads"] > 1 and kw.get("jobs", 0) == 0  # no processes in vLLM's
+    assert kw["compile_threads"] > 1 and kw.get("jobs", 0) == 0  # threads, by default
     assert "64x64 r16 l2 on codes" in caplog.text and "0.900 of its time" in caplog.text
+    assert "compiles 1.5 s in 8 threads, 0 failed" in caplog.text
     assert "K2 swapped in 1; 1 candidates refused or failed" in caplog.text
+
+
+@pytest.mark.parametrize("value, where", [("threads", {"compile_threads": 8}),
+                                          ("processes", {"jobs": None}), ("both", None)])
+def test_the_tuner_compiles_in_threads_or_in_worker_processes(value, where, no_cuda,
+                                                              monkeypatch):
+    calls = []
+    monkeypatch.setattr(tuner, "tune_decode", lambda projections, **kw: calls.append(kw) or {
+        "cells": [], "compile_s": 0.0, "complete": True})
+    monkeypatch.setenv("EPILORA_VLLM_TUNE_COMPILE", value)
+    if where is None:
+        with pytest.raises(ValueError, match="EPILORA_VLLM_TUNE_COMPILE"):
+            tuning.tune(_forward())
+        return
+    tuning.tune(_forward())
+    ((kw,),) = [calls]
+    if "jobs" in where:
+        assert 2 <= kw["jobs"] <= 8 and "compile_threads" not in kw
+    else:
+        assert kw["compile_threads"] == 8 and "jobs" not in kw
 
 
 @pytest.mark.parametrize("value, budget", [("45", 45.0), ("2.5", 2.5), ("0", None),

@@ -304,14 +304,15 @@ def _decode(x, weight, scale, lora, batch, k1, k2, quantized, workspace=None):
                                         x_quantized=quantized or None)
 
 
-def _compile(launches: list, rank: int, slots: int, codes: bool) -> list[str]:
-    """Run each launch once, so that Triton compiles it (in a worker process, into its disk
-    cache, which the tuning process then reads; or under `compile_only`, into this process's
-    caches); the errors, as text."""
+def _compile(launches: list, rank: int, slots: int, codes: bool,
+             device: torch.device | None = None) -> list[str]:
+    """Run each launch once on `device` (default: the current CUDA device), so that Triton
+    compiles it (in a worker process, into its disk cache, which the tuning process then reads;
+    or under `compile_only`, into this process's caches); the errors, as text."""
     from epilora_kernels import fused
 
     errors = []
-    device = torch.device("cuda")
+    device = torch.device("cuda") if device is None else device
     fitted = set()
     for k, slices, t, k1, k2 in launches:
         try:
@@ -320,7 +321,8 @@ def _compile(launches: list, rank: int, slots: int, codes: bool) -> list[str]:
                 fitted.add((k, slices, t))
                 fused.decode_settings(x, weight, scale, lora, batch, codes=codes)
             _decode(x, weight, scale, lora, batch, k1, k2, codes and fused.quantize(x))
-            torch.cuda.synchronize()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 (reported; the timed search skips it)
             errors.append(f"{k} {slices} {t} {k1} {k2}: {e!r}"[:500])
     return errors
@@ -339,16 +341,49 @@ def _compile_in_threads(launches: list, rank: int, slots: int, codes: bool,
         return [f"compile: {e!r}"[:500]]
 
 
-def _compile_in_parallel(launches: list, rank: int, slots: int, codes: bool,
-                         jobs: int) -> list[str]:
-    import concurrent.futures
-    import multiprocessing
+def _compile_in_parallel(launches: list, rank: int, slots: int, codes: bool, jobs: int,
+                         device: torch.device, timeout_s: float) -> list[str]:
+    """`_compile` in `jobs` worker processes (`epilora_kernels._compile_worker`), a share of the
+    launches each, within `timeout_s`; the errors, as text. Started as commands, not with
+    multiprocessing, which a daemonic process (vLLM's engine core, where an engine tunes at
+    start) may not use to start children: Triton's compiles hold the GIL, so threads barely
+    overlap them."""
+    import subprocess
+    import sys
+    import tempfile
 
-    shares = [launches[i::jobs] for i in range(jobs)]
-    context = multiprocessing.get_context("spawn")  # no CUDA state inherited
-    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        results = pool.map(_compile, shares, [rank] * jobs, [slots] * jobs, [codes] * jobs)
-        return [error for errors in results for error in errors]
+    if device.type == "cuda" and device.index is None:  # the workers number devices alike
+        device = torch.device("cuda", torch.cuda.current_device())
+    shares = [share for share in (launches[i::jobs] for i in range(jobs)) if share]
+    errors: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="epilora-compile-") as folder:
+        workers = []
+        for i, share in enumerate(shares):
+            share_path = Path(folder, f"share{i}.json")
+            errors_path = Path(folder, f"errors{i}.json")
+            share_path.write_text(json.dumps({
+                "device": str(device), "rank": rank, "slots": slots, "codes": codes,
+                "launches": [[k, list(slices), t, dataclasses.asdict(k1), dataclasses.asdict(k2)]
+                             for k, slices, t, k1, k2 in share]}))
+            workers.append((subprocess.Popen(
+                [sys.executable, "-m", "epilora_kernels._compile_worker", str(share_path),
+                 str(errors_path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                text=True), errors_path))
+        deadline = time.monotonic() + timeout_s
+        for worker, errors_path in workers:
+            try:
+                _, stderr = worker.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.communicate()
+                errors.append(f"a compile worker stopped at the budget ({timeout_s:.0f} s)")
+                continue
+            if worker.returncode != 0 or not errors_path.is_file():
+                errors.append(f"a compile worker exited {worker.returncode}: "
+                              f"{stderr.strip()[-400:]}")
+                continue
+            errors += json.loads(errors_path.read_text())
+    return errors
 
 
 def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: int,
@@ -386,7 +421,8 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
     if (jobs > 1 or compile_threads > 1) and not support.interpreter:
         launches = _launches(support, projections, tokens, rank, slots, codes)
         if jobs > 1:
-            compile_errors = _compile_in_parallel(launches, rank, slots, codes, jobs)
+            compile_errors = _compile_in_parallel(launches, rank, slots, codes, jobs, device,
+                                                  timeout_s=budget_s)
             where = f"{jobs} processes"
         else:
             compile_errors = _compile_in_threads(launches, rank, slots, codes, compile_threads)

@@ -92,6 +92,19 @@ def tune_budget_s() -> float:
     return seconds
 
 
+def tune_compile() -> str:
+    """EPILORA_VLLM_TUNE_COMPILE=threads|processes (default threads): where the engine-start
+    tuner compiles its candidates before timing them: in 8 threads of the engine's process
+    (Triton's compiles hold the GIL, so they barely overlap), or in worker processes started as
+    commands (`epilora_kernels._compile_worker`; each makes a CUDA context of its own while it
+    runs). Not the default until an engine start on the H200 has timed it."""
+    value = os.environ.get("EPILORA_VLLM_TUNE_COMPILE", "threads")
+    if value not in ("threads", "processes"):
+        raise ValueError(f"EPILORA_VLLM_TUNE_COMPILE={value!r}: expected 'threads' or "
+                         "'processes'")
+    return value
+
+
 def prefetch_bytes() -> int:
     """EPILORA_VLLM_PREFETCH_MIB (0, the default: off): at decode sizes each served projection's
     GEMM pulls up to this many MiB of the next served projection's weight into L2

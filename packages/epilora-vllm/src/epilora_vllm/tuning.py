@@ -16,8 +16,9 @@ beside vLLM's main thread broke vLLM's own compile there (PyTorch's CUDA random 
 registered with a capture for the whole process: Inductor's random inputs then failed with
 "Offset increment outside graph capture", on the H200 at e2fb500). It runs in a thread of its
 own (vLLM's sleep mode routes the main thread's allocations to its weights pool, as
-`forward.size_workspace` explains), its candidates compiled in that thread's process (threads;
-no processes spawned inside vLLM's worker).
+`forward.size_workspace` explains), its candidates compiled first in threads of the engine's
+process or, with EPILORA_VLLM_TUNE_COMPILE=processes, in worker processes started as commands
+(vLLM's engine core is a daemonic process, which multiprocessing may not start children from).
 """
 
 import logging
@@ -31,6 +32,14 @@ from epilora_vllm import _env
 logger = logging.getLogger("vllm.epilora_vllm")
 
 COMPILE_THREADS = 8
+
+
+def compile_processes() -> int:
+    """The compile workers of EPILORA_VLLM_TUNE_COMPILE=processes: half the CPUs this process
+    may use (the others' engine ranks tune beside it), 2 to 8."""
+    import os
+
+    return min(8, max(2, len(os.sched_getaffinity(0)) // 2))
 
 
 def needed(forward) -> bool:
@@ -61,13 +70,14 @@ def tune(forward) -> None:
             lora.max_rank, lora.max_loras, mode.vllm_quantizes)
     if case in _tried:
         return
-    budget_s = _env.tune_budget_s()  # a bad value stops the start here, saying why
+    # bad values stop the start here, saying why
+    budget_s, compile_in = _env.tune_budget_s(), _env.tune_compile()
     _tried.add(case)
     with ThreadPoolExecutor(1, thread_name_prefix="epilora-tune") as thread:
-        thread.submit(_tune, forward, budget_s).result()
+        thread.submit(_tune, forward, budget_s, compile_in).result()
 
 
-def _tune(forward, budget_s: float) -> None:
+def _tune(forward, budget_s: float, compile_in: str) -> None:
     from epilora_kernels import tuner
 
     # vLLM's codes given (`codes` and `vllm` modes): K2 streams from its start, whether the
@@ -75,13 +85,15 @@ def _tune(forward, budget_s: float) -> None:
     lora, codes = forward.lora, forward.mode.vllm_quantizes
     case = f"{lora.out_features}x{lora.in_features} r{lora.max_rank} l{lora.max_loras}" + (
         " on codes" if codes else "")
+    where = ({"jobs": compile_processes()} if compile_in == "processes"
+             else {"compile_threads": COMPILE_THREADS})
     begin = time.perf_counter()
     try:
         with torch.cuda.device(forward.layer.device):
             report = tuner.tune_decode(
                 {case: (lora.in_features, tuple(lora.output_slices))}, rank=lora.max_rank,
                 slots=lora.max_loras, codes=codes, budget_s=budget_s,
-                compile_threads=COMPILE_THREADS, progress=logger.debug)
+                progress=logger.debug, **where)
             # the candidates' buffers and graphs back to the GPU before vLLM sizes its cache
             torch.cuda.empty_cache()
     except Exception as e:  # noqa: BLE001 - an optimization: the shipped settings serve
@@ -97,10 +109,13 @@ def _tune(forward, budget_s: float) -> None:
         return
     faster = [c["after_us"] / c["before_us"] for c in cells if c["before_us"]]
     swapped = sum(c["k2"].get("swap_ab", False) for c in cells)
-    logger.info("epilora tune: %s in %.1f s (compiles %.1f s, %s): %d token buckets, the decode "
-                "path %.3f of its time before (mean; best %.3f); K2 swapped in %d; %d "
-                "candidates refused or failed", case,
-                time.perf_counter() - begin, report["compile_s"],
+    compiled_in = (f"{where['jobs']} processes" if "jobs" in where
+                   else f"{where['compile_threads']} threads")
+    logger.info("epilora tune: %s in %.1f s (compiles %.1f s in %s, %d failed; %s): %d token "
+                "buckets, the decode path %.3f of its time before (mean; best %.3f); K2 swapped "
+                "in %d; %d candidates refused or failed", case,
+                time.perf_counter() - begin, report["compile_s"], compiled_in,
+                len(report.get("compile_errors", [])),
                 "complete" if report["complete"] else "budget reached", len(cells),
                 sum(faster) / len(faster) if faster else 1.0, min(faster, default=1.0), swapped,
                 len(report.get("failed", [])))
