@@ -31,11 +31,15 @@ from epilora_kernels.launch import LaunchConfig  # noqa: E402
 # K1's tiles: (block_m, block_r, block_k, split_k, warps, stages)
 # The shrink's reads of x and A from L2 fall with wider row and rank tiles (x is read once per
 # slice and rank tile, A once per row tile: 64 x 32 tiles read Qwen3-8B's x six times for qkv at
-# 2048 tokens), their programs and blocks per SM too; the last three trade them otherwise.
+# 2048 tokens), and with every slice in one program (`slices_together`: x once per rank
+# tile), their programs and blocks per SM too; the later ones trade them otherwise.
+# (block_m, block_r, block_k, split_k, warps, stages[, slices_together])
 K1_TILES = [(16, 32, 128, 8, 4, 2), (16, 64, 128, 8, 4, 2), (32, 64, 128, 8, 4, 3),
             (64, 64, 128, 4, 4, 3), (64, 64, 128, 8, 4, 3), (64, 64, 256, 2, 4, 3),
             (128, 64, 128, 4, 8, 3), (64, 32, 128, 4, 4, 3),
-            (128, 64, 128, 8, 8, 3), (128, 64, 64, 8, 8, 4), (64, 64, 64, 8, 4, 4)]
+            (128, 64, 128, 8, 8, 3), (128, 64, 64, 8, 8, 4), (64, 64, 64, 8, 4, 4),
+            (64, 32, 128, 4, 4, 3, True), (64, 32, 64, 4, 4, 4, True),
+            (128, 32, 64, 4, 8, 3, True), (128, 64, 64, 8, 8, 3, True)]
 
 
 def kernels(x, weight, scale, lora, batch):
@@ -53,10 +57,11 @@ def kernels(x, weight, scale, lora, batch):
         "ek-k2-lora": lambda: ek.lora_fp8_gemm(codes, x_scale, weight, scale, h, lora, batch),
         "ek-fused": lambda: ek.fused_lora_fp8_linear(x, weight, scale, lora, batch),
     }
-    for bm, br, bk, split, warps, stages in K1_TILES:
+    for bm, br, bk, split, warps, stages, *together in K1_TILES:
         cfg = LaunchConfig(block_m=bm, block_r=br, block_k=bk, split_k=split, num_warps=warps,
-                           num_stages=stages)
-        fns[f"ek-k1-{bm}r{br}k{bk}s{split}w{warps}p{stages}"] = (
+                           num_stages=stages, slices_together=bool(together))
+        name = f"ek-k1-{bm}r{br}k{bk}s{split}w{warps}p{stages}" + ("-together" if together else "")
+        fns[name] = (
             lambda cfg=cfg: ek.quantize_and_shrink(x, lora, batch, config=cfg))
     return fns, h.float().clone()
 

@@ -51,6 +51,9 @@
 #   serving benchmarks/serving.py $SERVING_ARGS -> $OUT/serving.json, engine logs in
 #           $OUT/serving-logs/ (`--scenarios start`: each system's first start on empty caches
 #           of its own, then a later one)                                     SERVING_TIMEOUT
+#   large-m-probe dev/large_m_probe.py $LARGE_M_ARGS: the fused path's kernels at prefill
+#           sizes one by one, K1 in each of its tilings (slices together or not), per
+#           projection -> $OUT/large_m_probe.json and .log              LARGE_M_TIMEOUT (420)
 #   prefill-probe dev/prefill_probe.py for each of $PROBE_SYSTEMS (epilora vllm-default), each
 #           under PROBE_TIMEOUT (300) -> $OUT/prefill_probe_SYSTEM.json and .log (with
 #           EPILORA_VLLM_TUNE=0 in the environment the plugin's engine starts ~60 s sooner);
@@ -158,6 +161,9 @@ shutil.copy(cache_path(torch.cuda.get_device_name()), '$OUT/tune-cache/')"
             timeout "${DECODE_TIMEOUT:-360}" python3 benchmarks/decode.py \
               --out "$OUT/decode.json" --git-sha "$sha" --jobs "$jobs" 2>&1 \
               | tee "$OUT/decode.log" ;;
+    large-m-probe) timeout "${LARGE_M_TIMEOUT:-420}" python3 dev/large_m_probe.py \
+                     --out "$OUT/large_m_probe.json" ${LARGE_M_ARGS:-} 2>&1 \
+                     | tee "$OUT/large_m_probe.log" ;;
     timeline) timeout "${TIMELINE_TIMEOUT:-240}" python3 dev/decode_timeline.py \
                 --out "$OUT/decode_timeline.json" --git-sha "$sha" ${TIMELINE_ARGS:-} 2>&1 \
                 | tee "$OUT/decode_timeline.log" ;;

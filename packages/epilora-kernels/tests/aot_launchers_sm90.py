@@ -123,6 +123,8 @@ def main() -> None:
     one_codes = (one[0].to(torch.float8_e4m3fn), torch.ones(5, 1))
     swapped = LaunchConfig(block_m=16, block_n=64, block_k=128, block_r=16, num_stages=4,
                            swap_ab=True)
+    # K1's shrink programs each taking every slice (LaunchConfig.slices_together), split
+    together = LaunchConfig(block_m=16, block_k=64, block_r=16, split_k=2, slices_together=True)
     launchers = {
         "quantize": lambda: fused.quantize(x),
         "fp8_gemm_from_bf16": lambda: fused.fp8_gemm_from_bf16(x, weight, w_scale),
@@ -141,6 +143,8 @@ def main() -> None:
         "k1_eight_warps_wide": lambda: fused.quantize_and_shrink(
             wide[0], wide[3], wide[4], config=eight_warps),
         "w8a16": lambda: fused.fused_lora_w8a16_linear(x, weight, w_scale, lora, batch),
+        "k1_slices_together": lambda: fused.fused_lora_fp8_linear(x, weight, w_scale, lora,
+                                                                  batch, k1_config=together),
         "decode_one_launch": lambda: _one_launch(lambda: (
             fused.decode_lora_fp8_linear(None, *one[1:], x_quantized=one_codes),
             fused.decode_lora_fp8_linear(one[0], *one[1:], x_quantized=one_codes,

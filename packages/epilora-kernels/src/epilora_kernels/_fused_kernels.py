@@ -333,22 +333,60 @@ def _shrink_count(T, R, NUM_ENTRIES, NUM_SLICES: tl.constexpr, SPLIT_K: tl.const
 
 
 @triton.jit
+def _store_h(acc, s, h_ptr, partial_ptr, scales_ptr, counter_ptr, tok, r, row_mask, h_mask, z,
+             split, pid_m, pid_r, n_m, n_r, T, R, NUM_SLICES: tl.constexpr,
+             SPLIT_K: tl.constexpr, H_BF16: tl.constexpr, X_CODES: tl.constexpr,
+             INTERPRETER: tl.constexpr):
+    # A shrink tile's part of slice `s` of h: its split's partial summed with the others' (the
+    # last split's program stores), scaled by each row's scale on codes, stored.
+    h_offs = (s * T + tok[:, None]).to(tl.int64) * R + r[None, :]
+    h_tile = h_ptr + h_offs
+    if H_BF16:
+        part_tile = partial_ptr + h_offs
+    else:
+        part_tile = h_tile
+    last = True
+    if SPLIT_K > 1:
+        # Summed here, once, into plane 0 (the other planes are scratch), so K2's epilogue
+        # reads one plane: it read all of them in every output tile (at rank 128, 16 planes
+        # made the h-given layer ~25% slower than rank 16: results/h200/decode.json).
+        tile = ((z * NUM_SLICES + s) * n_m + pid_m) * n_r + pid_r
+        acc, last = _sum_splits(acc, part_tile, NUM_SLICES * T * R, h_mask, split,
+                                counter_ptr + tile, SPLIT_K)
+    if last:
+        if X_CODES:  # once, on the summed rows: the same bits at every split
+            acc = acc * tl.load(scales_ptr + tok, mask=row_mask, other=0.0)[:, None]
+        if H_BF16:  # rounded as K2 rounds an fp32 h: the same bits either way
+            tl.store(h_tile, _to_bf16(acc, INTERPRETER), mask=h_mask)
+        else:
+            tl.store(h_tile, acc, mask=h_mask)
+
+
+@triton.jit
 def _shrink_tile(pid, x_ptr, scales_ptr, h_ptr, partial_ptr, a0_ptr, a1_ptr, a2_ptr,
                  sorted_ptr, lora_ids_ptr, counts_ptr, start_ptr, counter_ptr, trace_ptr,
                  T, K, R, stride_x, NUM_ENTRIES, NUM_SLICES: tl.constexpr,
                  SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
                  BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, INTERPRETER: tl.constexpr,
                  ENTRIES_BLOCK: tl.constexpr, TRACE: tl.constexpr, H_BF16: tl.constexpr,
-                 X_CODES: tl.constexpr):
+                 X_CODES: tl.constexpr, SLICES_TOGETHER: tl.constexpr = False):
     # Shrink program `pid`: one `BLOCK_M x BLOCK_R` tile of `h = x A_slot^T` for one adapter,
     # one slice and one split of K (K1's shrink programs, and with LEAD_SHRINK K2's first
     # programs). Its K loop in NUM_STAGES stages, whatever the launch's own.
+    # SLICES_TOGETHER (`LaunchConfig.slices_together`, more than one slice): the same tile of
+    # every slice, each x tile read once for all of them (one accumulator a slice).
     n_m = tl.cdiv(T, BLOCK_M)
     n_r = tl.cdiv(R, BLOCK_R)
-    per_tile = n_r * SPLIT_K * NUM_SLICES
+    if SLICES_TOGETHER:
+        per_tile = n_r * SPLIT_K
+    else:
+        per_tile = n_r * SPLIT_K * NUM_SLICES
     m_tile = pid // per_tile
     rest = pid % per_tile
-    s = rest // (n_r * SPLIT_K)
+    if SLICES_TOGETHER:
+        s = 0  # and the others after it
+    else:
+        s = rest // (n_r * SPLIT_K)
     rest = rest % (n_r * SPLIT_K)
     split = rest // n_r
     pid_r = rest % n_r
@@ -379,46 +417,61 @@ def _shrink_tile(pid, x_ptr, scales_ptr, h_ptr, partial_ptr, a0_ptr, a1_ptr, a2_
                 tl.store(h_ptr + (s * T + tok[:, None]).to(tl.int64) * R + r[None, :],
                          tl.zeros([BLOCK_M, BLOCK_R], dtype=h_ptr.dtype.element_ty),
                          mask=h_mask)
+                if SLICES_TOGETHER:
+                    for other in tl.static_range(1, NUM_SLICES):
+                        tl.store(h_ptr + (other * T + tok[:, None]).to(tl.int64) * R
+                                 + r[None, :],
+                                 tl.zeros([BLOCK_M, BLOCK_R], dtype=h_ptr.dtype.element_ty),
+                                 mask=h_mask)
         else:
             a_base = _pick(s, a0_ptr, a1_ptr, a2_ptr) + slot.to(tl.int64) * R * K
+            if SLICES_TOGETHER:  # slices 1 and 2 (a third only where there is one)
+                a_base1 = a1_ptr + slot.to(tl.int64) * R * K
+                a_base2 = a2_ptr + slot.to(tl.int64) * R * K
             k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
             k_begin = split * k_per_split
             k_end = tl.minimum(k_begin + k_per_split, K)
             acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+            if SLICES_TOGETHER:
+                acc1 = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+                acc2 = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
             for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
                 k = k0 + tl.arange(0, BLOCK_K)
                 xt = tl.load(x_ptr + tok[:, None] * stride_x + k[None, :],
                              mask=row_mask[:, None] & (k[None, :] < K), other=0.0)
                 if X_CODES:
                     xt = xt.to(tl.bfloat16)
-                at = tl.load(a_base + r[:, None] * K + k[None, :],
-                             mask=(r[:, None] < R) & (k[None, :] < K), other=0.0)
+                a_mask = (r[:, None] < R) & (k[None, :] < K)
+                at = tl.load(a_base + r[:, None] * K + k[None, :], mask=a_mask, other=0.0)
                 if INTERPRETER:
-                    acc += tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)))
+                    xt = xt.to(tl.float32)
+                    acc += tl.dot(xt, tl.trans(at.to(tl.float32)))
                 else:
                     acc += tl.dot(xt, tl.trans(at))
-            h_offs = (s * T + tok[:, None]).to(tl.int64) * R + r[None, :]
-            h_tile = h_ptr + h_offs
-            if H_BF16:
-                part_tile = partial_ptr + h_offs
-            else:
-                part_tile = h_tile
-            last = True
-            if SPLIT_K > 1:
-                # Summed here, once, into plane 0 (the other planes are scratch), so K2's
-                # epilogue reads one plane: it read all of them in every output tile (at rank
-                # 128, 16 planes made the h-given layer ~25% slower than rank 16:
-                # results/h200/decode.json).
-                tile = ((z * NUM_SLICES + s) * n_m + pid_m) * n_r + pid_r
-                acc, last = _sum_splits(acc, part_tile, NUM_SLICES * T * R, h_mask, split,
-                                        counter_ptr + tile, SPLIT_K)
-            if last:
-                if X_CODES:  # once, on the summed rows: the same bits at every split
-                    acc = acc * tl.load(scales_ptr + tok, mask=row_mask, other=0.0)[:, None]
-                if H_BF16:  # rounded as K2 rounds an fp32 h: the same bits either way
-                    tl.store(h_tile, _to_bf16(acc, INTERPRETER), mask=h_mask)
-                else:
-                    tl.store(h_tile, acc, mask=h_mask)
+                if SLICES_TOGETHER:  # the same x tile, the next slices' A
+                    at = tl.load(a_base1 + r[:, None] * K + k[None, :], mask=a_mask, other=0.0)
+                    if INTERPRETER:
+                        acc1 += tl.dot(xt, tl.trans(at.to(tl.float32)))
+                    else:
+                        acc1 += tl.dot(xt, tl.trans(at))
+                    if NUM_SLICES > 2:
+                        at = tl.load(a_base2 + r[:, None] * K + k[None, :], mask=a_mask,
+                                     other=0.0)
+                        if INTERPRETER:
+                            acc2 += tl.dot(xt, tl.trans(at.to(tl.float32)))
+                        else:
+                            acc2 += tl.dot(xt, tl.trans(at))
+            _store_h(acc, s, h_ptr, partial_ptr, scales_ptr, counter_ptr, tok, r, row_mask,
+                     h_mask, z, split, pid_m, pid_r, n_m, n_r, T, R, NUM_SLICES, SPLIT_K,
+                     H_BF16, X_CODES, INTERPRETER)
+            if SLICES_TOGETHER:
+                _store_h(acc1, 1, h_ptr, partial_ptr, scales_ptr, counter_ptr, tok, r,
+                         row_mask, h_mask, z, split, pid_m, pid_r, n_m, n_r, T, R, NUM_SLICES,
+                         SPLIT_K, H_BF16, X_CODES, INTERPRETER)
+                if NUM_SLICES > 2:
+                    _store_h(acc2, 2, h_ptr, partial_ptr, scales_ptr, counter_ptr, tok, r,
+                             row_mask, h_mask, z, split, pid_m, pid_r, n_m, n_r, T, R,
+                             NUM_SLICES, SPLIT_K, H_BF16, X_CODES, INTERPRETER)
     _stamp(trace_ptr, 1, TRACE)
 
 
@@ -439,6 +492,7 @@ def _quantize_shrink_kernel(
     USE_PDL: tl.constexpr = False, TRACE: tl.constexpr = False,
     H_BF16: tl.constexpr = False, X_CODES: tl.constexpr = False,
     AFTER_PREVIOUS: tl.constexpr = False, NUM_STAGES: tl.constexpr = 2,
+    SLICES_TOGETHER: tl.constexpr = False,
 ):
     # X_CODES: x is the caller's per-token FP8 codes (scales at `scales_ptr`), not bf16: the
     # shrink widens them to bf16 (exact) and scales each row's sum, h = s_t * (q_t A^T), so an
@@ -482,7 +536,7 @@ def _quantize_shrink_kernel(
     _shrink_tile(pid, x_ptr, scales_ptr, h_ptr, partial_ptr, a0_ptr, a1_ptr, a2_ptr,
                  sorted_ptr, lora_ids_ptr, counts_ptr, start_ptr, counter_ptr, trace_ptr,
                  T, K, R, stride_x, NUM_ENTRIES, NUM_SLICES, SPLIT_K, BLOCK_M, BLOCK_R, BLOCK_K,
-                 NUM_STAGES, INTERPRETER, ENTRIES_BLOCK, TRACE, H_BF16, X_CODES)
+                 NUM_STAGES, INTERPRETER, ENTRIES_BLOCK, TRACE, H_BF16, X_CODES, SLICES_TOGETHER)
 
 
 @triton.jit

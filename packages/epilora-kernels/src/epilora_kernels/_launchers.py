@@ -242,6 +242,7 @@ def k1_template(support: DeviceSupport, lora: LoraWeights, num_entries: int, cfg
             USE_PDL=use_pdl(support, pdl), TRACE=traced,
             H_BF16=h_dtype == torch.bfloat16, X_CODES=x_codes,
             AFTER_PREVIOUS=after_previous, NUM_STAGES=cfg.num_stages,
+            SLICES_TOGETHER=_tiling.slices_together(cfg, lora),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if after_previous:

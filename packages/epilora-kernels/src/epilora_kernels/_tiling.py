@@ -164,12 +164,19 @@ def quant_block(k: int, cap: int) -> int:
 
 
 def shrink_programs(t: int, lora: LoraWeights, batch: AdapterBatch, cfg: LaunchConfig) -> int:
-    # K1's shrink programs: one per (row tile of the entries' list, slice, rank tile, split).
-    # The entries' row tiles number at most cdiv(T, block_m) + (entries with tokens) - 1, and
-    # at most min(entries, T) entries have tokens.
+    # K1's shrink programs: one per (row tile of the entries' list, slice, rank tile, split),
+    # every slice in one with `slices_together`. The entries' row tiles number at most
+    # cdiv(T, block_m) + (entries with tokens) - 1, and at most min(entries, T) entries have
+    # tokens.
     row_tiles = max(0, cdiv(t, cfg.block_m) + min(batch.num_entries, t) - 1)
-    return (row_tiles * cdiv(lora.max_rank, cfg.block_r) * len(lora.output_slices)
-            * cfg.split_k)
+    return (row_tiles * cdiv(lora.max_rank, cfg.block_r) * cfg.split_k
+            * (1 if slices_together(cfg, lora) else len(lora.output_slices)))
+
+
+def slices_together(cfg: LaunchConfig, lora: LoraWeights) -> bool:
+    # K1's SLICES_TOGETHER: asked for, and more than one slice (one alone is the plain tile:
+    # one kernel for both).
+    return cfg.slices_together and len(lora.output_slices) > 1
 
 
 def k1_tiles(t: int, lora: LoraWeights, batch: AdapterBatch, cfg: LaunchConfig) -> int:

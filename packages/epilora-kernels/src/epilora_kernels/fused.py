@@ -352,6 +352,8 @@ def _settings(support, mode, x, weight, weight_scale, lora, batch, k1_config, k2
     else:
         op1 = "quantize_shrink" if quantize else "shrink"
     cfg1 = _tiling.config(support, op1, t, lora, k1_config, one_slot=_tiling.one_slot(batch))
+    if lead and cfg1.slices_together:  # the one launch's shrink programs take a slice each
+        cfg1 = dataclasses.replace(cfg1, slices_together=False)
     cfg2 = _k2_config(support, mode, torch.float8_e4m3fn if mode == FP8 else x.dtype, weight,
                       weight_scale, lora, batch, k2_config, pdl=pdl, wait_codes=counted,
                       warm_l2=warm_l2, wait_k1_first=wait_k1_first, has_bias=has_bias)

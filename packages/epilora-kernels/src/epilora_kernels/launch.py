@@ -53,7 +53,14 @@ class LaunchConfig:
     wgmma, the weight streamed by TMA (as CUTLASS's swap-AB decode GEMM), where they are
     otherwise mma.sync's. It needs `block_n` >= 16 * `num_warps` (64 rows a warpgroup) and
     gives the same results up to the order of the fp32 sums. Off in the shipped tables and
-    the heuristic; the tuner tries it at decode sizes (EPILORA_TUNE_SWAP_AB=0: not)."""
+    the heuristic; the tuner tries it at decode sizes (EPILORA_TUNE_SWAP_AB=0: not).
+
+    `slices_together` (K1 only; K2 ignores it): each shrink program computes its rank tile of
+    every output slice (qkv's three, gate_up's two) from one read of its x tile, the slices'
+    A rows side by side in one operand of the next power of two >= slices x `block_r` rows,
+    where otherwise each slice's programs read x again. The same h up to the order of the
+    fp32 sums (bit for bit on integer-valued operands). Off in the shipped tables and the
+    heuristic: not yet timed."""
 
     block_m: int = 16
     block_n: int = 64
@@ -63,6 +70,7 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 3
     swap_ab: bool = False
+    slices_together: bool = False
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -2,6 +2,8 @@
 torch reference, exact math and vLLM's own LoRA path (CUTLASS + Punica), results repeat bit for
 bit, and a CUDA-graph replay gives the eager bits."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given
@@ -177,3 +179,27 @@ def test_weight_by_tma_equals_pointer_loads_bitwise(block, monkeypatch):
                                                              k2_config=k2), name="fused")
     assert_bitwise_equal(gemm_by_tma, fused.fp8_gemm_from_bf16(x, weight, w_scale, config=k2),
                          name="gemm")
+
+
+@pytest.mark.parametrize("tiles", [(64, 32, 128, 4, 4, 3), (64, 32, 64, 4, 4, 4),
+                                   (128, 64, 64, 8, 8, 3)], ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("shape", [(2048, 4096, (4096, 1024, 1024), 64, 1),
+                                   (300, 4096, (12288, 12288), 64, 2),
+                                   (512, 1024, (512, 256, 256), 16, 8)],
+                         ids=lambda s: f"T{s[0]}-S{len(s[2])}-r{s[3]}-l{s[4]}")
+def test_k1_with_every_slice_in_one_program_gives_the_same_bits(shape, tiles):
+    # LaunchConfig.slices_together: each slice's sum in the same tiles and K order as a program
+    # of its own (the same bits, here on random operands too), a third or half the programs.
+    x, weight, w_scale, lora, batch = _problem(shape, "mixed_with_base", seed=4)
+    bm, br, bk, split, warps, stages = tiles
+    apart = fused.LaunchConfig(block_m=bm, block_r=br, block_k=bk, split_k=split,
+                               num_warps=warps, num_stages=stages)
+    together = dataclasses.replace(apart, slices_together=True)
+    want = fused.quantize_and_shrink(x, lora, batch, config=apart)
+    got = fused.quantize_and_shrink(x, lora, batch, config=together)
+    for name, a, b in zip(("codes", "scales", "h"), got, want, strict=True):
+        assert_bitwise_equal(a, b, name=name)
+    assert_bitwise_equal(
+        fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch, k1_config=together),
+        fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch, k1_config=apart),
+        name="fused path")
