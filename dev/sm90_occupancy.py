@@ -14,10 +14,11 @@ of 256, 228 KB of shared memory with 1 KB reserved per block, 32 blocks, 2048 th
 
 `--candidates k2` compiles instead every K2 candidate `benchmarks/tune.py` offers (the fused
 path's K2, with its epilogue at the rank), `--candidates k1` every K1 candidate (the fused
-path's K1), `--candidates swap` every swapped K2 the library's tuner offers
-(`tuner.swap_candidates`, in the decode path), to see before a GPU sweep
-which tiles fit how many blocks per SM and which spill, e.g. `--candidates k2 --tokens 256
---ranks 128 --projections gate_up` or `--candidates swap --tokens 1 32 --ranks 64`.
+path's K1), `--candidates k1-probe` the K1 tilings `dev/large_m_probe.py` times (the fused
+path's K1 at prefill sizes, `slices_together` among them), `--candidates swap` every swapped
+K2 the library's tuner offers (`tuner.swap_candidates`, in the decode path), to see before a
+GPU sweep which tiles fit how many blocks per SM and which spill, e.g. `--candidates k2
+--tokens 256 --ranks 128 --projections gate_up` or `--candidates swap --tokens 1 32 --ranks 64`.
 
 Why it exists: the decode timeline showed gate_up's K2 main loop slower at rank 128 than at
 rank 64 with h given (decode_timeline.json); here K2 there holds more registers at rank 128
@@ -64,10 +65,11 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, nargs="+", default=[1],
                         help="the tokens round robin over this many slots, as layer.py's "
                              "setups (several: K2's several-slot epilogue); each count's rows")
-    parser.add_argument("--candidates", choices=("k1", "k2", "swap"),
+    parser.add_argument("--candidates", choices=("k1", "k2", "swap", "k1-probe"),
                         help="every K1 or K2 candidate of benchmarks/tune.py, in the fused "
                              "path; swap: every swapped K2 of the library's tuner "
-                             "(tuner.swap_candidates), in the decode path")
+                             "(tuner.swap_candidates), in the decode path; k1-probe: "
+                             "dev/large_m_probe.py's K1 tilings, in the fused path")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "packages/epilora-kernels/tests"))
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -78,9 +80,12 @@ def main() -> None:
     from epilora_kernels import _tiling, tuner
     from epilora_kernels._tiling import blocks_per_sm
     from epilora_kernels.batch import AdapterBatch, LoraWeights
-    from epilora_kernels.launch import select_config
+    from epilora_kernels.launch import LaunchConfig, select_config
 
     from aot_launchers_sm90 import compile_launch_full, record_launches
+
+    sys.path.insert(0, str(ROOT / "dev"))
+    from large_m_probe import K1_TILES as K1_PROBE_TILES
 
     config = functools.partial(select_config, "NVIDIA H200")  # what the launchers pick there
 
@@ -115,6 +120,11 @@ def main() -> None:
                 elif args.candidates == "k1":
                     launches = [("fused", cfg, k2, ("K1",))
                                 for cfg in k1_candidates(tokens, rank, k)]
+                elif args.candidates == "k1-probe":  # dev/large_m_probe.py's K1 tilings
+                    launches = [("fused", LaunchConfig(
+                        block_m=bm, block_r=br, block_k=bk, split_k=split, num_warps=warps,
+                        num_stages=stages, slices_together=bool(together)), k2, ("K1",))
+                        for bm, br, bk, split, warps, stages, *together in K1_PROBE_TILES]
                 elif args.candidates == "swap":
                     launches = [("decode", None, cfg, ("K2",))
                                 for cfg in tuner.swap_candidates(k2, n, k, slices, tokens)]
