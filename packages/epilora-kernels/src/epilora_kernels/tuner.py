@@ -324,7 +324,7 @@ def _compile(launches: list, rank: int, slots: int, codes: bool,
             if device.type == "cuda":
                 torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 (reported; the timed search skips it)
-            errors.append(f"{k} {slices} {t} {k1} {k2}: {e!r}"[:500])
+            errors.append(f"{k} {slices} {t} {k1} {k2}: {e!r}"[:800])
     return errors
 
 
@@ -477,7 +477,7 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
                         wanted["the settings in use's"] = answer
                     return time_us(call)
                 except Exception as e:  # a candidate that does not compile or launch
-                    failure = f"{name} {t} {k1} {k2}: {e!r}"[:300]
+                    failure = f"{name} {t} {k1} {k2}: {e!r}"[:800]
                     report.setdefault("failed", []).append(failure)
                     workspace.reset()
                     return float("inf")
