@@ -346,8 +346,7 @@ def _compile_in_parallel(launches: list, rank: int, slots: int, codes: bool, job
     """`_compile` in `jobs` worker processes (`epilora_kernels._compile_worker`), a share of the
     launches each, within `timeout_s`; the errors, as text. Started as commands, not with
     multiprocessing, which a daemonic process (vLLM's engine core, where an engine tunes at
-    start) may not use to start children: Triton's compiles hold the GIL, so threads barely
-    overlap them."""
+    start) may not use to start children."""
     import subprocess
     import sys
     import tempfile

@@ -94,10 +94,10 @@ def tune_budget_s() -> float:
 
 def tune_compile() -> str:
     """EPILORA_VLLM_TUNE_COMPILE=threads|processes (default threads): where the engine-start
-    tuner compiles its candidates before timing them: in 8 threads of the engine's process
-    (Triton's compiles hold the GIL, so they barely overlap), or in worker processes started as
-    commands (`epilora_kernels._compile_worker`; each makes a CUDA context of its own while it
-    runs). Not the default until an engine start on the H200 has timed it."""
+    tuner compiles its candidates before timing them: in 8 threads of the engine's process, or
+    in worker processes started as commands (`epilora_kernels._compile_worker`; each makes a
+    CUDA context of its own while it runs). Whether the processes are the faster on the H200's
+    host (the compiles take most of a case's tuning) is not measured yet: not the default."""
     value = os.environ.get("EPILORA_VLLM_TUNE_COMPILE", "threads")
     if value not in ("threads", "processes"):
         raise ValueError(f"EPILORA_VLLM_TUNE_COMPILE={value!r}: expected 'threads' or "
