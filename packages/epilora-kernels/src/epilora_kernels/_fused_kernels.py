@@ -3,7 +3,8 @@
 `_quantize_shrink_kernel` (K1) has two kinds of programs in one launch: the first T quantize one
 token each (per-token FP8, in Triton's own arithmetic, which is vLLM's compiled arithmetic: see
 epilora_quant.fp8, mode INDUCTOR), the rest compute one `BLOCK_M x BLOCK_R` tile of
-`h = x A_slot^T` for one adapter, one slice and one split of K, over that adapter's tokens.
+`h = x A_slot^T` for one adapter, one slice (or with `SLICES_TOGETHER` every slice) and one
+split of K, over that adapter's tokens.
 Either kind may be launched alone. Split-K partials go to separate fp32 planes and the last
 split of each tile sums them in a fixed order into plane 0 (`_sum_splits`): deterministic, and
 K2 reads one plane. In the decode path (`SIGNAL_CODES`) the quantizing programs count the rows

@@ -56,11 +56,10 @@ class LaunchConfig:
     the heuristic; the tuner tries it at decode sizes (EPILORA_TUNE_SWAP_AB=0: not).
 
     `slices_together` (K1 only; K2 ignores it): each shrink program computes its rank tile of
-    every output slice (qkv's three, gate_up's two) from one read of its x tile, the slices'
-    A rows side by side in one operand of the next power of two >= slices x `block_r` rows,
-    where otherwise each slice's programs read x again. The same h up to the order of the
-    fp32 sums (bit for bit on integer-valued operands). Off in the shipped tables and the
-    heuristic: not yet timed."""
+    every output slice (qkv's three, gate_up's two) from one read of its x tile, one
+    accumulator a slice, where otherwise each slice's programs read x again. Each slice's sums
+    in the same tiles and K order as apart (bit for bit on integer-valued operands under the
+    interpreter). Off in the shipped tables and the heuristic: not yet timed."""
 
     block_m: int = 16
     block_n: int = 64

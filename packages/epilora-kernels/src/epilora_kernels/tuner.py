@@ -346,7 +346,9 @@ def _compile_in_parallel(launches: list, rank: int, slots: int, codes: bool, job
     """`_compile` in `jobs` worker processes (`epilora_kernels._compile_worker`), a share of the
     launches each, within `timeout_s`; the errors, as text. Started as commands, not with
     multiprocessing, which a daemonic process (vLLM's engine core, where an engine tunes at
-    start) may not use to start children."""
+    start) may not use to start children. Each worker runs in a session of its own, so that
+    stopping it stops what it started (ptxas); none outlives this call, however it ends."""
+    import signal
     import subprocess
     import sys
     import tempfile
@@ -357,31 +359,37 @@ def _compile_in_parallel(launches: list, rank: int, slots: int, codes: bool, job
     errors: list[str] = []
     with tempfile.TemporaryDirectory(prefix="epilora-compile-") as folder:
         workers = []
-        for i, share in enumerate(shares):
-            share_path = Path(folder, f"share{i}.json")
-            errors_path = Path(folder, f"errors{i}.json")
-            share_path.write_text(json.dumps({
-                "device": str(device), "rank": rank, "slots": slots, "codes": codes,
-                "launches": [[k, list(slices), t, dataclasses.asdict(k1), dataclasses.asdict(k2)]
-                             for k, slices, t, k1, k2 in share]}))
-            workers.append((subprocess.Popen(
-                [sys.executable, "-m", "epilora_kernels._compile_worker", str(share_path),
-                 str(errors_path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                text=True), errors_path))
-        deadline = time.monotonic() + timeout_s
-        for worker, errors_path in workers:
-            try:
-                _, stderr = worker.communicate(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                worker.communicate()
-                errors.append(f"a compile worker stopped at the budget ({timeout_s:.0f} s)")
-                continue
-            if worker.returncode != 0 or not errors_path.is_file():
-                errors.append(f"a compile worker exited {worker.returncode}: "
-                              f"{stderr.strip()[-400:]}")
-                continue
-            errors += json.loads(errors_path.read_text())
+        try:
+            for i, share in enumerate(shares):
+                files = {part: Path(folder, f"{part}{i}.json") for part in
+                         ("share", "errors", "stderr")}
+                files["share"].write_text(json.dumps({
+                    "device": str(device), "rank": rank, "slots": slots, "codes": codes,
+                    "launches": [[k, list(slices), t, dataclasses.asdict(k1),
+                                  dataclasses.asdict(k2)] for k, slices, t, k1, k2 in share]}))
+                with open(files["stderr"], "w") as stderr:  # a file: no pipe to fill
+                    workers.append((subprocess.Popen(
+                        [sys.executable, "-m", "epilora_kernels._compile_worker",
+                         str(files["share"]), str(files["errors"])],
+                        stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True),
+                        files))
+            deadline = time.monotonic() + timeout_s
+            for worker, files in workers:
+                try:
+                    worker.wait(timeout=max(deadline - time.monotonic(), 0.1))
+                except subprocess.TimeoutExpired:
+                    errors.append(f"a compile worker stopped at the budget ({timeout_s:.0f} s)")
+                    continue
+                if worker.returncode != 0 or not files["errors"].is_file():
+                    said = files["stderr"].read_text(errors="replace").strip()
+                    errors.append(f"a compile worker exited {worker.returncode}: {said[-400:]}")
+                    continue
+                errors += json.loads(files["errors"].read_text())
+        finally:
+            for worker, _ in workers:
+                if worker.poll() is None:
+                    os.killpg(worker.pid, signal.SIGKILL)
+                    worker.wait()
     return errors
 
 
