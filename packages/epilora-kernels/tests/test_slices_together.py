@@ -66,7 +66,7 @@ def test_every_slice_in_one_program_gives_the_same_h_with_fewer_programs(
 def test_the_fused_and_decode_paths_give_the_same_bits_with_either(
         tokens, slices, rank, slots, mapping, fields):
     # The fused path (K2 in 64-row tiles: bf16 h) on x, the decode path on the caller's codes
-    # (the shrink reading them, h scaled by each row's scale after its exact sum).
+    # (the shrink reading them, h scaled by each row's scale after its exact sum) and on x.
     x, weight, w_scale, lora, batch = _integer_problem(2, tokens, 128, slices, rank, slots,
                                                        mapping)
     apart = ek.LaunchConfig(**fields)
@@ -80,6 +80,9 @@ def test_the_fused_and_decode_paths_give_the_same_bits_with_either(
                                            x_quantized=codes, k1_config=cfg)
                  for cfg in (apart, together)]
     assert_bitwise_equal(decode_ys[1], decode_ys[0], name="decode path on codes")
+    quantizing = [ek.decode_lora_fp8_linear(x, weight, w_scale, lora, batch, k1_config=cfg)
+                  for cfg in (apart, together)]  # K1 quantizing x beside the shrink
+    assert_bitwise_equal(quantizing[1], quantizing[0], name="decode path on x")
 
 
 def test_the_one_launch_takes_its_shrink_a_slice_a_program():

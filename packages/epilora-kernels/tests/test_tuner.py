@@ -143,6 +143,11 @@ def test_candidates_fit_the_shape(monkeypatch):
     assert {(c.split_k, c.block_k, c.block_r) for c in tuner.k1_candidates(k1, 12288, 128)} == {
         (s, b, r) for s in (2, 4, 8, 16, 32) for b in (128, 256) for r in (32, 64)}
     assert {c.split_k for c in tuner.k1_candidates(k1, 512, 16)} == {2, 4}
+    assert not any(c.slices_together for c in tuner.k1_candidates(k1, 4096, 64))
+    # several slices: also the three deepest splits with every slice in one program
+    together = [(c.split_k, c.block_k, c.block_r)
+                for c in tuner.k1_candidates(k1, 4096, 64, slices=3) if c.slices_together]
+    assert together == [(8, 256, 64), (16, 256, 64), (32, 128, 64)]
 
 
 def test_a_candidate_that_fails_is_skipped_and_reported(cache, monkeypatch):
@@ -260,7 +265,8 @@ def test_the_parallel_compile_covers_every_launch_the_search_times(codes, monkey
             assert all((k1, c) in cells for c in k2s)
             # swapped where 64-wide tiles fit the slices (down's, not qkv's 32-wide ones)
             assert any(c.swap_ab for c in k2s) == all(w % 64 == 0 for w in slices[:-1])
-            assert all((c, k2) in cells for c in tuner.k1_candidates(k1, k, 16))
+            assert all((c, k2) in cells
+                       for c in tuner.k1_candidates(k1, k, 16, len(slices)))
     assert asked == {"decode_shrink_codes" if codes else "decode_shrink", "lora_gemm"}
 
 

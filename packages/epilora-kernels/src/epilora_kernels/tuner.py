@@ -181,12 +181,14 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).norm() / want.norm().clamp_min(1e-30))
 
 
-def k1_candidates(cfg: LaunchConfig, k: int, rank: int) -> list:
+def k1_candidates(cfg: LaunchConfig, k: int, rank: int, slices: int = 1) -> list:
     """The decode K1's settings around `cfg`: K split in 2 to 32 parts, K tiles of 128 and 256
     (each split at least one tile deep), rank tiles of 32 and 64 (the rank's own where it is
     smaller). Beside K2's weight stream each K step of K1 waits a loaded HBM's latency, so K1
     ends after about (its share of K) / block_k steps: deep splits and wide tiles end it
-    sooner, at the price of more programs on K2's SMs."""
+    sooner, at the price of more programs on K2's SMs. With several output `slices`, the three
+    deepest splits also with every slice in one program (`slices_together`: the same steps in
+    a third or half the programs), in their deepest K tiles and widest rank tiles."""
     out = []
     for split_k in (2, 4, 8, 16, 32):
         for block_k in (128, 256):
@@ -194,7 +196,14 @@ def k1_candidates(cfg: LaunchConfig, k: int, rank: int) -> list:
                 if k // split_k < block_k:
                     continue
                 out.append(dataclasses.replace(cfg, split_k=split_k, block_k=block_k,
-                                               block_r=block_r))
+                                               block_r=block_r, slices_together=False))
+    if slices > 1:
+        for split_k in (8, 16, 32):
+            block_k = 256 if k // split_k >= 256 else 128
+            if k // split_k >= block_k:
+                out.append(dataclasses.replace(cfg, split_k=split_k, block_k=block_k,
+                                               block_r=min(64, rank_block(rank)),
+                                               slices_together=True))
     return list(dict.fromkeys(out))
 
 
@@ -289,7 +298,8 @@ def _launches(support, projections: dict, tokens, rank: int, slots: int, codes: 
             out += [(k, slices, t, k1, c)
                     for c in k2_candidates(k2, sum(slices), k, slices, tokens=t)]
             if k1_tuned(codes, slots, t):
-                out += [(k, slices, t, c, k2) for c in k1_candidates(k1, k, rank)]
+                out += [(k, slices, t, c, k2)
+                        for c in k1_candidates(k1, k, rank, len(slices))]
     return list(dict.fromkeys(out))
 
 
@@ -501,7 +511,8 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
                 us = run(chosen[0], cand)
                 if us < best * (1 - MARGIN):
                     best, chosen = us, (chosen[0], cand)
-            for cand in k1_candidates(k1, k, rank) if k1_tuned(codes, slots, t) else ():
+            for cand in (k1_candidates(k1, k, rank, len(slices))
+                         if k1_tuned(codes, slots, t) else ()):
                 if time.monotonic() - start > budget_s:
                     report["complete"] = False
                     break

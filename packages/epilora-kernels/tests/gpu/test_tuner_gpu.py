@@ -1,6 +1,7 @@
 """The tuner on the H200: its candidates compiled first in worker processes (started as
 commands, as an engine's daemonic process must), then timed, the search reading what the
-workers compiled from Triton's disk cache."""
+workers compiled from Triton's disk cache; K1's candidates with every slice in one program give
+the settings in use's answer."""
 
 from epilora_kernels import tuner
 
@@ -10,8 +11,11 @@ def test_the_tuner_compiles_in_worker_processes_then_times_every_bucket(tmp_path
     # (the search's own compiles would add entries after theirs).
     cache = tmp_path / "triton"
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
-    report = tuner.tune_decode({"o": (1024, (512,))}, rank=16, tokens=(1, 8), jobs=2,
-                               budget_s=240, reps=3, write=False, progress=lambda line: None)
+    # two slices: K1's candidates with every slice in one program among those timed, each
+    # held to the settings in use's answer (`failed` lists any that is not)
+    report = tuner.tune_decode({"gate_up": (1024, (512, 512))}, rank=16, tokens=(1, 8),
+                               jobs=2, budget_s=240, reps=3, write=False,
+                               progress=lambda line: None)
     assert report["compile_errors"] == [], report["compile_errors"]
     assert report["complete"] and len(report["cells"]) == 2
     assert not report.get("failed"), report.get("failed")
