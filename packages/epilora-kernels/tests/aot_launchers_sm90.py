@@ -143,8 +143,10 @@ def main() -> None:
         "k1_eight_warps_wide": lambda: fused.quantize_and_shrink(
             wide[0], wide[3], wide[4], config=eight_warps),
         "w8a16": lambda: fused.fused_lora_w8a16_linear(x, weight, w_scale, lora, batch),
-        "k1_slices_together": lambda: fused.fused_lora_fp8_linear(x, weight, w_scale, lora,
-                                                                  batch, k1_config=together),
+        "k1_slices_together": lambda: (
+            fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch, k1_config=together),
+            fused.decode_lora_fp8_linear(None, *one[1:], x_quantized=one_codes,
+                                         k1_config=together)),
         "decode_one_launch": lambda: _one_launch(lambda: (
             fused.decode_lora_fp8_linear(None, *one[1:], x_quantized=one_codes),
             fused.decode_lora_fp8_linear(one[0], *one[1:], x_quantized=one_codes,
