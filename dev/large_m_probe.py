@@ -122,6 +122,35 @@ def main():
             rows += json.loads(part.read_text())
             part.unlink()
         Path(args.out).write_text(json.dumps(rows))
+    print(summary(rows))
+
+
+def summary(rows: list[dict]) -> str:
+    """Per projection and token count: the launchers' K1 (`ek-k1`), the fastest of its tilings
+    and their ratio; then, per tiling, its time summed over the projections against the
+    launchers' K1's."""
+    lines = ["projection tokens  ek-k1 us  fastest tiling                        us   ratio"]
+    cells = sorted({(r["projection"], r["tokens"]) for r in rows})
+    totals: dict[tuple[int, str], float] = {}
+    for projection, tokens in cells:
+        times = {r["kernel"]: r["us"] for r in rows
+                 if (r["projection"], r["tokens"]) == (projection, tokens)}
+        tilings = {k: v for k, v in times.items() if k.startswith("ek-k1-")}
+        for name, us in [("ek-k1", times.get("ek-k1")), *tilings.items()]:
+            if us is not None:
+                totals[(tokens, name)] = totals.get((tokens, name), 0.0) + us
+        if "ek-k1" not in times or not tilings:
+            continue
+        best = min(tilings, key=tilings.get)
+        lines.append(f"{projection:10s} {tokens:6d} {times['ek-k1']:9.1f}  {best:36s} "
+                     f"{tilings[best]:6.1f}  {tilings[best] / times['ek-k1']:5.2f}")
+    lines.append("tokens  tiling                                summed us  against ek-k1")
+    for tokens in sorted({t for t, _ in totals}):
+        base = totals.get((tokens, "ek-k1"))
+        for (t, name), us in sorted(totals.items(), key=lambda item: item[1]):
+            if t == tokens and name != "ek-k1" and base:
+                lines.append(f"{tokens:6d}  {name:36s} {us:10.1f}  {us / base:5.2f}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
