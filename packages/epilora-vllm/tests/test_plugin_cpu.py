@@ -21,6 +21,8 @@ from engine_cases import (
     serve_and_record,
 )
 
+from epilora_testing.logs import heard
+
 pytestmark = pytest.mark.vllm
 
 
@@ -81,17 +83,8 @@ def test_the_endpoint_plugin_warns_when_the_allowlist_turns_the_resolver_off(
 
     monkeypatch.setenv("VLLM_PLUGINS", allowlist)
     monkeypatch.setenv("VLLM_LORA_RESOLVER_CACHE_DIR", str(tmp_path))
-    # Heard on the plugin's logger itself: vLLM's "vllm" logger does not propagate to the root,
-    # where caplog listens.
-    said = []
-    heard = logging.Handler(logging.WARNING)
-    heard.emit = lambda record: said.append(record.getMessage())
-    plugin_logger = logging.getLogger("vllm.epilora_vllm")
-    plugin_logger.addHandler(heard)
-    try:
+    with heard("vllm.epilora_vllm") as said:  # caplog does not hear vLLM's loggers
         ServerPlugin().attach_router(FastAPI())
-    finally:
-        plugin_logger.removeHandler(heard)
     assert any("leaves out vLLM's lora_filesystem_resolver" in m for m in said) == warned
     assert all("epilora" in m for m in said)  # nothing else warned
 
@@ -377,21 +370,14 @@ def test_the_matched_modes_kernel_declines_what_it_cannot_compute_and_says_so(mo
     blocks = QuantKey(FP8_DTYPE, ScaleDesc(torch.float32, True, GroupShape(128, 128)),
                       symmetric=True)
     monkeypatch.setenv("EPILORA_VLLM_MATCHED", "1")
-    said = []  # each record once, on the plugin's logger (vLLM's may not propagate to root)
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: said.append(record.getMessage())
-    ours = logging.getLogger("vllm.epilora_vllm")
-    ours.addHandler(handler)
-    try:
-        with set_current_vllm_config(VllmConfig()):
-            assert Kernel.is_supported() == (True, None)
-            for weights in (kFp8StaticTensorSym, kFp8StaticChannelSym, kFp8StaticTokenSym):
-                assert Kernel.can_implement(layer(weights)) == (True, None), weights
-            for _ in range(2):
-                assert Kernel.can_implement(layer(blocks))[0] is False
-                assert Kernel.can_implement(layer(kFp8StaticTensorSym, torch.float16))[0] is False
-    finally:
-        ours.removeHandler(handler)
+    # each record once, on the plugin's logger (vLLM's may not propagate to root)
+    with heard("vllm.epilora_vllm") as said, set_current_vllm_config(VllmConfig()):
+        assert Kernel.is_supported() == (True, None)
+        for weights in (kFp8StaticTensorSym, kFp8StaticChannelSym, kFp8StaticTokenSym):
+            assert Kernel.can_implement(layer(weights)) == (True, None), weights
+        for _ in range(2):
+            assert Kernel.can_implement(layer(blocks))[0] is False
+            assert Kernel.can_implement(layer(kFp8StaticTensorSym, torch.float16))[0] is False
     assert len(said) == 2 and all("leaves to vLLM's W8A8 kernels" in s for s in said), said
     assert any("groups" in s for s in said) and any("float16" in s for s in said), said
 

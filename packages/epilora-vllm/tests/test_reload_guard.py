@@ -4,7 +4,6 @@ until the test lets them end, and the load and unload routes). The end to end ca
 engine under unloads and reloads, is test_server_cpu.py's."""
 
 import asyncio
-import logging
 import weakref
 from collections import Counter
 from types import SimpleNamespace
@@ -14,6 +13,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from epilora_testing.logs import heard
 from epilora_vllm import reload_guard
 
 
@@ -150,19 +150,10 @@ def test_one_of_several_api_servers_says_once_that_it_counts_only_its_own(monkey
                                               json={"lora_name": name, "lora_path": "p"})
                 assert response.status_code == 200
 
-    # Heard on the plugin's logger itself (once vLLM is imported, its "vllm" logger does not
-    # propagate to the root, where pytest's caplog listens).
-    said = []
-    heard = logging.Handler(logging.WARNING)
-    heard.emit = lambda record: said.append(record.getMessage())
-    plugin_logger = logging.getLogger("vllm.epilora_vllm")
-    plugin_logger.addHandler(heard)
-    try:
+    with heard("vllm.epilora_vllm") as said:  # caplog does not hear vLLM's loggers
         asyncio.run(scenario(1))
         assert not said
         asyncio.run(scenario(4))
-    finally:
-        plugin_logger.removeHandler(heard)
     assert len(said) == 1 and "one of 4 API server processes" in said[0], said
 
 

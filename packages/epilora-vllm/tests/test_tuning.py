@@ -99,13 +99,19 @@ def test_tune_passes_the_case_and_logs_what_it_found(no_cuda, monkeypatch, caplo
     assert "K2 swapped in 1; 1 candidates refused or failed" in caplog.text
 
 
+def _recording_tuner(monkeypatch) -> list[dict]:
+    # tune_decode replaced by a recorder of its keyword arguments that finds nothing
+    calls = []
+    monkeypatch.setattr(tuner, "tune_decode", lambda projections, **kw: calls.append(kw) or {
+        "cells": [], "compile_s": 0.0, "complete": True})
+    return calls
+
+
 @pytest.mark.parametrize("value, where", [("threads", {"compile_threads": 8}),
                                           ("processes", {"jobs": None}), ("both", None)])
 def test_the_tuner_compiles_in_threads_or_in_worker_processes(value, where, no_cuda,
                                                               monkeypatch):
-    calls = []
-    monkeypatch.setattr(tuner, "tune_decode", lambda projections, **kw: calls.append(kw) or {
-        "cells": [], "compile_s": 0.0, "complete": True})
+    calls = _recording_tuner(monkeypatch)
     monkeypatch.setenv("EPILORA_VLLM_TUNE_COMPILE", value)
     if where is None:
         with pytest.raises(ValueError, match="EPILORA_VLLM_TUNE_COMPILE"):
@@ -122,9 +128,7 @@ def test_the_tuner_compiles_in_threads_or_in_worker_processes(value, where, no_c
 @pytest.mark.parametrize("value, budget", [("45", 45.0), ("2.5", 2.5), ("0", None),
                                            ("-1", None), ("inf", None), ("soon", None)])
 def test_the_tuners_budget_is_read_and_checked(value, budget, no_cuda, monkeypatch):
-    calls = []
-    monkeypatch.setattr(tuner, "tune_decode", lambda projections, **kw: calls.append(kw) or {
-        "cells": [], "compile_s": 0.0, "complete": True})
+    calls = _recording_tuner(monkeypatch)
     monkeypatch.setenv("EPILORA_VLLM_TUNE_BUDGET_S", value)
     if budget is None:
         with pytest.raises(ValueError, match="EPILORA_VLLM_TUNE_BUDGET_S"):

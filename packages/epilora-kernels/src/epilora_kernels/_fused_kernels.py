@@ -334,6 +334,15 @@ def _shrink_count(T, R, NUM_ENTRIES, NUM_SLICES: tl.constexpr, SPLIT_K: tl.const
 
 
 @triton.jit
+def _shrink_step(acc, xt, a_ptrs, a_mask, INTERPRETER: tl.constexpr):
+    # One K step of a shrink tile: this slice's A tile, its product with the x tile added.
+    at = tl.load(a_ptrs, mask=a_mask, other=0.0)
+    if INTERPRETER:  # the interpreter's bf16 dot is an fp32 one (xt widened by the caller)
+        return acc + tl.dot(xt, tl.trans(at.to(tl.float32)))
+    return acc + tl.dot(xt, tl.trans(at))
+
+
+@triton.jit
 def _store_h(acc, s, h_ptr, partial_ptr, scales_ptr, counter_ptr, tok, r, row_mask, h_mask, z,
              split, pid_m, pid_r, n_m, n_r, T, R, NUM_SLICES: tl.constexpr,
              SPLIT_K: tl.constexpr, H_BF16: tl.constexpr, X_CODES: tl.constexpr,
@@ -442,26 +451,17 @@ def _shrink_tile(pid, x_ptr, scales_ptr, h_ptr, partial_ptr, a0_ptr, a1_ptr, a2_
                              mask=row_mask[:, None] & (k[None, :] < K), other=0.0)
                 if X_CODES:
                     xt = xt.to(tl.bfloat16)
-                a_mask = (r[:, None] < R) & (k[None, :] < K)
-                at = tl.load(a_base + r[:, None] * K + k[None, :], mask=a_mask, other=0.0)
                 if INTERPRETER:
                     xt = xt.to(tl.float32)
-                    acc += tl.dot(xt, tl.trans(at.to(tl.float32)))
-                else:
-                    acc += tl.dot(xt, tl.trans(at))
+                a_mask = (r[:, None] < R) & (k[None, :] < K)
+                acc = _shrink_step(acc, xt, a_base + r[:, None] * K + k[None, :], a_mask,
+                                   INTERPRETER)
                 if SLICES_TOGETHER:  # the same x tile, the next slices' A
-                    at = tl.load(a_base1 + r[:, None] * K + k[None, :], mask=a_mask, other=0.0)
-                    if INTERPRETER:
-                        acc1 += tl.dot(xt, tl.trans(at.to(tl.float32)))
-                    else:
-                        acc1 += tl.dot(xt, tl.trans(at))
+                    acc1 = _shrink_step(acc1, xt, a_base1 + r[:, None] * K + k[None, :],
+                                        a_mask, INTERPRETER)
                     if NUM_SLICES > 2:
-                        at = tl.load(a_base2 + r[:, None] * K + k[None, :], mask=a_mask,
-                                     other=0.0)
-                        if INTERPRETER:
-                            acc2 += tl.dot(xt, tl.trans(at.to(tl.float32)))
-                        else:
-                            acc2 += tl.dot(xt, tl.trans(at))
+                        acc2 = _shrink_step(acc2, xt, a_base2 + r[:, None] * K + k[None, :],
+                                            a_mask, INTERPRETER)
             _store_h(acc, s, h_ptr, partial_ptr, scales_ptr, counter_ptr, tok, r, row_mask,
                      h_mask, z, split, pid_m, pid_r, n_m, n_r, T, R, NUM_SLICES, SPLIT_K,
                      H_BF16, X_CODES, INTERPRETER)

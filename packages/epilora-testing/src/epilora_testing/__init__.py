@@ -2,8 +2,8 @@
 
 `assert_bitwise_equal` (integer-view comparison with hex reports), hypothesis strategies
 (`strategies`), named special-value corpora (`corpora`), vLLM oracles (`vllm_oracles`, imported
-on use), the result files' text (`results`) and a pytest plugin (`pytest_plugin`, loaded
-through the `pytest11` entry point).
+on use), the result files' text (`results`), what a non-propagating logger said (`logs`) and
+a pytest plugin (`pytest_plugin`, loaded through the `pytest11` entry point).
 """
 
 from epilora_testing.assertions import assert_bitwise_equal, bits, bitwise_mismatches
