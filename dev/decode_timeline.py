@@ -36,7 +36,7 @@ tiles: against `h-given`, what the adapter's epilogue costs; its codes by TMA wh
 allow, `fused.fp8_gemm`'s choice), `decode-codes` and `gemm-codes` (the same on per-token codes
 made outside the graph, as the plugin's default mode receives them from vLLM's fused
 quantization; against `cutlass-codes`), `decode-codes-swapped` and `gemm-codes-swapped` (those
-with K2's decode tiles swapped: `LaunchConfig.swap_ab`, the tile `tuner.swap_candidate`
+with K2's decode tiles swapped: `LaunchConfig.swap_ab`, the tile `launch.swap_candidate`
 picks), `one-launch` and `one-launch-swapped` (`decode-codes` and its swapped form in one
 launch, EPILORA_DECODE_ONE_LAUNCH=1: K2's first programs, the shrink's, stand for K1 in the
 columns); `--variants` picks them, `--traced` those also traced;
@@ -68,7 +68,7 @@ from layer import l2_flush_buffer, make_layer, run_layer, time_graph, write_resu
 from models import MODELS  # noqa: E402
 
 # The kernels' internals: the traced launches are a diagnostic, not the public API.
-from epilora_kernels import _launchers, _tiling, fused, tuner  # noqa: E402
+from epilora_kernels import _launchers, _tiling, fused, launch  # noqa: E402
 from epilora_kernels.arch import device_support  # noqa: E402
 from epilora_kernels.workspace import default_workspace  # noqa: E402
 
@@ -86,8 +86,8 @@ ONE_LAUNCH = ("one-launch", "one-launch-swapped")  # EPILORA_DECODE_ONE_LAUNCH=1
 
 def _swapped(cfg, batch, lora):
     # the `-swapped` variants' K2: the swapped tile of `cfg` that dev/launch_variants.py's
-    # `swap-ab` takes (`tuner.swap_candidate`)
-    return tuner.swap_candidate(cfg, lora.out_features, lora.in_features, lora.output_slices,
+    # `swap-ab` takes (`launch.swap_candidate`)
+    return launch.swap_candidate(cfg, lora.out_features, lora.in_features, lora.output_slices,
                                 batch.num_tokens)
 
 

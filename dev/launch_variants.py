@@ -18,11 +18,11 @@ Variants (`--variants`):
   where shared memory allows 3); in rank steps 48-72 (`dev/sm90_occupancy.py` with this rule).
 * `heuristic`: no launch table or tuner cache (EPILORA_LAUNCH_TABLES=0), the heuristic alone:
   the layer benchmark's `epilora-heuristic`.
-* `heuristic-deep-k`: the same with K2's heuristic at 33-256 tokens changed to what the tuned
-  Qwen3-8B entries there share (configs/NVIDIA_H200.json): 256-deep K tiles, 64-wide N tiles
-  where the row tiles times N/64 fill the SMs' one wave, else 32-wide, the K loop split in two
-  where K is at least twice N and the programs do not fill the SMs. Read from one model's
-  table: the other models' shapes are the test.
+* `heuristic-before`: the same with the heuristic's rules as before 2026-12-05's change
+  (`launch.heuristic_config`): K2 at 33-256 tokens in 64 x 64 x 128 tiles of 4 stages, K2's
+  32-row tiles unswapped, the decode path's K1 at 1-32 tokens split K // 1024 ways (at most
+  16). The change was read from the tuned Qwen3-8B entries (configs/NVIDIA_H200.json) and two
+  A/B runs of one swapped tile: the other models' shapes are its test.
 * `k1-light`: the decode path's K1 (up to 32 tokens) in more, lighter programs: the shipped
   settings' K split twice as often (at most 32 ways) and rank tiles of at most 32. In a vLLM
   engine step K1 ends only near the end of K2's weight stream and K2's epilogue waits for it
@@ -74,7 +74,7 @@ Variants (`--variants`):
 
 * `swap-ab`, `swap-ab-split`: K2's decode tiles (16 and 32 rows) as the transposed product
   (`LaunchConfig.swap_ab`: wgmma's 64 x 16 tiles, the weight by TMA), 64 weight rows a tile,
-  256 deep, the K loop whole or split in two, the pipeline as deep as `tuner.swap_candidates`
+  256 deep, the K loop whole or split in two, the pipeline as deep as `launch.swap_candidates`
   allows (one wave of the grid where that leaves 3 stages, else one program an SM). In the
   committed engine step (`engine_kernels.json` of 9a03a4b, `last_step`, medians of its four
   layers) vLLM's swap-AB CUTLASS GEMM takes 8.7, 6.6, 26.6 and 15.3 us for qkv, o, gate_up and
@@ -121,7 +121,7 @@ from layer import (  # noqa: E402
 from models import MODELS  # noqa: E402
 
 import epilora_kernels as ek  # noqa: E402
-from epilora_kernels import _launchers, _tiling, dispatch, fused, launch, tuner  # noqa: E402
+from epilora_kernels import _launchers, _tiling, dispatch, fused, launch  # noqa: E402
 
 
 def _made_again() -> None:
@@ -183,21 +183,22 @@ def heuristic():
 
 
 @contextlib.contextmanager
-def heuristic_deep_k():
-    shipped = launch.heuristic_config
+def heuristic_before():
+    new = launch.heuristic_config
 
-    def deep_k(op, tokens, n, k, rank, slices=(), large_tiles=True):
-        cfg = shipped(op, tokens, n, k, rank, slices, large_tiles)
-        if op != "lora_gemm" or not 32 < tokens <= launch.PREFILL_MIN_TOKENS:
-            return cfg
-        row_tiles = -(-tokens // cfg.block_m)
-        block_n = 64 if row_tiles * (n // 64) >= launch.H200_SMS else 32
-        programs = row_tiles * -(-n // block_n)
-        split = 2 if k >= 2 * n and programs < launch.H200_SMS else 1
-        return dataclasses.replace(cfg, block_n=launch.fit_slices(block_n, slices),
-                                   block_k=256, split_k=split, num_stages=4)
+    def before(op, tokens, n, k, rank, slices=(), large_tiles=True):
+        if op == "lora_gemm" and 32 < tokens <= launch.PREFILL_MIN_TOKENS:
+            return launch.LaunchConfig(block_m=64, block_n=launch.fit_slices(64, slices),
+                                       block_k=128, block_r=launch.rank_block(rank),
+                                       num_warps=4, num_stages=4)
+        if op == "lora_gemm" and tokens <= 32:
+            return new(op, tokens, n, k, rank, slices, large_tiles=False)  # never swapped
+        cfg = new(op, tokens, n, k, rank, slices, large_tiles)
+        if op in ("decode_shrink", "decode_shrink_codes") and tokens <= 32:
+            return dataclasses.replace(cfg, split_k=max(1, min(16, k // 1024)))
+        return cfg
 
-    with heuristic(), _made_again_around(mock.patch.object(launch, "heuristic_config", deep_k)):
+    with heuristic(), _made_again_around(mock.patch.object(launch, "heuristic_config", before)):
         yield
 
 
@@ -231,14 +232,14 @@ def swap_ab(split: int, promote: bool = True):
             cfg = shipped(device, op, tokens, n, k, rank, slices, *args, **kwargs)
             if op != "lora_gemm":
                 return cfg
-            return tuner.swap_candidate(cfg, n, k, slices, tokens, split)
+            return launch.swap_candidate(cfg, n, k, slices, tokens, split)
 
         return _made_again_around(mock.patch.object(_tiling, "select_config", swapped))
     return variant
 
 
 VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
-            "heuristic-deep-k": heuristic_deep_k, "k1-light": k1_split_by(2, 32, 32),
+            "heuristic-before": heuristic_before, "k1-light": k1_split_by(2, 32, 32),
             "k1-lighter": k1_split_by(4, 64, 16), "k1-heavier": k1_split_by(0.5, 32, 128),
             "k1-heaviest": k1_split_by(0.25, 32, 128), "decode-path": decode_path,
             "decode-prefill": decode_everywhere, "after-previous": after_previous,

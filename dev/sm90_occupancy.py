@@ -10,13 +10,13 @@ of 256, 228 KB of shared memory with 1 KB reserved per block, 32 blocks, 2048 th
 = programs / (blocks per SM x 132).
 
     python dev/sm90_occupancy.py --out benchmarks/results/cpu/sm90_occupancy.json \
-        --tokens 1 4 8 16 32 64 128 256 512 2048 --adapters 1 8
+        --tokens 1 4 8 16 32 64 128 256 512 2048 --adapters 1 8 [--heuristic]
 
 `--candidates k2` compiles instead every K2 candidate `benchmarks/tune.py` offers (the fused
 path's K2, with its epilogue at the rank), `--candidates k1` every K1 candidate (the fused
 path's K1), `--candidates k1-probe` the K1 tilings `dev/large_m_probe.py` times (the fused
 path's K1 at prefill sizes, `slices_together` among them), `--candidates swap` every swapped
-K2 the library's tuner offers (`tuner.swap_candidates`, in the decode path), to see before a
+K2 the library's tuner offers (`launch.swap_candidates`, in the decode path), to see before a
 GPU sweep which tiles fit how many blocks per SM and which spill, e.g. `--candidates k2
 --tokens 256 --ranks 128 --projections gate_up` or `--candidates swap --tokens 1 32 --ranks 64`.
 
@@ -68,8 +68,10 @@ def main() -> None:
     parser.add_argument("--candidates", choices=("k1", "k2", "swap", "k1-probe"),
                         help="every K1 or K2 candidate of benchmarks/tune.py, in the fused "
                              "path; swap: every swapped K2 of the library's tuner "
-                             "(tuner.swap_candidates), in the decode path; k1-probe: "
+                             "(launch.swap_candidates), in the decode path; k1-probe: "
                              "dev/large_m_probe.py's K1 tilings, in the fused path")
+    parser.add_argument("--heuristic", action="store_true",
+                        help="the heuristic's settings (no table), as EPILORA_LAUNCH_TABLES=0")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "packages/epilora-kernels/tests"))
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -77,7 +79,7 @@ def main() -> None:
     from tune import k1_candidates, k2_candidates
 
     import epilora_kernels as ek
-    from epilora_kernels import _tiling, tuner
+    from epilora_kernels import _tiling, launch
     from epilora_kernels._tiling import blocks_per_sm
     from epilora_kernels.batch import AdapterBatch, LoraWeights
     from epilora_kernels.launch import LaunchConfig, select_config
@@ -87,7 +89,8 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "dev"))
     from large_m_probe import K1_TILES as K1_PROBE_TILES
 
-    config = functools.partial(select_config, "NVIDIA H200")  # what the launchers pick there
+    # what the launchers pick on the H200 (with --heuristic: without a table)
+    config = functools.partial(select_config, None if args.heuristic else "NVIDIA H200")
 
     rows = []
     for name, (k, slices) in PROJECTIONS.items():
@@ -127,7 +130,7 @@ def main() -> None:
                         for bm, br, bk, split, warps, stages, *together in K1_PROBE_TILES]
                 elif args.candidates == "swap":
                     launches = [("decode", None, cfg, ("K2",))
-                                for cfg in tuner.swap_candidates(k2, n, k, slices, tokens)]
+                                for cfg in launch.swap_candidates(k2, n, k, slices, tokens)]
                 for path, k1_cfg, k2_cfg, reported in launches:
                     linear = (ek.decode_lora_fp8_linear if path == "decode" else
                               ek.fused_lora_fp8_linear)

@@ -41,9 +41,10 @@ def test_launch_config_validation_and_heuristic():
             for slices in ((6144,), (4096, 1024, 1024), (4096, 1040, 1040), (96, 48)):
                 k2 = heuristic_config("lora_gemm", tokens, sum(slices), 4096, rank, slices)
                 # K2 holds the whole rank in its epilogue and never straddles two slices; it
-                # splits K only at decode sizes where K is at least twice N
-                deep = tokens <= 32 and 4096 >= 2 * sum(slices)
-                assert k2.block_r >= rank and k2.split_k == (2 if deep else 1), (tokens, k2)
+                # splits K only where K is at least twice N, always at 1-16 tokens
+                deep = 4096 >= 2 * sum(slices)
+                assert k2.block_r >= rank and k2.split_k in ((1, 2) if deep else (1,)), k2
+                assert tokens > 16 or k2.split_k == (2 if deep else 1), (tokens, k2)
                 assert all(width % k2.block_n == 0 for width in slices[:-1]), (slices, k2)
                 k1 = heuristic_config("quantize_shrink", tokens, sum(slices), 4096, rank)
                 # the split K loop covers K in whole BLOCK_K steps of at least 256 each
@@ -257,8 +258,12 @@ def test_shrink_heuristics_split_small_batches():
         assert heuristic_config(op, 1, 4096, 12288, 64).split_k == 16
         assert heuristic_config(op, 32, 4096, 2048, 64).split_k == 8
         assert heuristic_config(op, 1, 64, 128, 16).split_k == 1
+    # The decode path's K1: two K steps a program (256 deep up to 16 tokens, 128 at 32), K
+    # in at most 16 parts of whole steps (18944 / 16 rounded up to 1280: 15 parts)
     assert [heuristic_config("decode_shrink", 8, 4096, k, 128).split_k
-            for k in (4096, 12288, 18944, 512)] == [4, 12, 16, 1]
+            for k in (4096, 12288, 18944, 3584, 512, 256)] == [8, 16, 15, 7, 1, 1]
+    assert [heuristic_config("decode_shrink", 32, 4096, k, 128).split_k
+            for k in (4096, 3584, 512)] == [16, 14, 2]
     assert heuristic_config("decode_shrink", 8, 4096, 4096, 128).block_r == 64
     assert heuristic_config("decode_shrink", 8, 4096, 4096, 16).block_r == 16
     for op in ("shrink", "quantize_shrink", "decode_shrink"):
@@ -350,6 +355,69 @@ def test_heuristic_decode_gemm_rules():
     assert (down.block_n, down.num_stages, down.split_k) == (32, 5, 2)
     qkv = heuristic_config("lora_gemm", 1, 4608, 3584, 16, (3584, 512, 512))
     assert (qkv.block_n, qkv.split_k, qkv.block_r) == (32, 1, 16)
+
+
+def test_heuristic_swaps_32_row_decode_tiles_on_sm90():
+    # 17-32 tokens: the swapped tile (64 weight rows, 256 deep, K whole, the one-wave pipeline)
+    # where 64-wide tiles fit the slices and the blocks may take sm_90's shared memory
+    from epilora_kernels.launch import heuristic_config, swap_candidate
+
+    for tokens in (17, 32):
+        for n, k, slices in ((6144, 4096, (4096, 1024, 1024)), (4096, 14336, (4096,)),
+                             (37888, 3584, (18944, 18944))):
+            k2 = heuristic_config("lora_gemm", tokens, n, k, 64, slices)
+            assert (k2.block_m, k2.block_n, k2.block_k, k2.split_k, k2.swap_ab) == (
+                32, 64, 256, 1, True), (tokens, n, k2)
+            unswapped = heuristic_config("lora_gemm", tokens, n, k, 64, slices,
+                                         large_tiles=False)
+            assert not unswapped.swap_ab and swap_candidate(unswapped, n, k, slices,
+                                                            tokens) == k2
+    # one grid of 96 programs holds 8 stages; 16 tokens and slices 64-wide tiles straddle: not
+    assert heuristic_config("lora_gemm", 32, 6144, 4096, 64, (4096, 1024, 1024)).num_stages == 8
+    assert not heuristic_config("lora_gemm", 16, 6144, 4096, 64, (4096, 1024, 1024)).swap_ab
+    assert not heuristic_config("lora_gemm", 32, 144, 4096, 16, (96, 48)).swap_ab
+
+
+def test_heuristic_mid_gemm_fills_the_sms_in_one_wave_of_deep_pipelines():
+    # 33-256 tokens: 64-row tiles whose grid gives every SM a program (32-wide N tiles where
+    # 64-wide do not, K split in two where K >= 2N and the grid is still short), 256 deep in
+    # the deepest pipeline of 3-4 stages the whole grid holds at once, else 128 deep in 4;
+    # from 129 tokens 128 x 128 tiles in 8 warps where they fill the SMs.
+    from epilora_kernels.launch import H200_SMS, SHARED_BYTES, heuristic_config
+
+    shapes = [(6144, 4096, (4096, 1024, 1024)), (4096, 4096, (4096,)),
+              (28672, 4096, (14336, 14336)), (4096, 14336, (4096,)),
+              (4608, 3584, (3584, 512, 512)), (3584, 18944, (3584,)), (2048, 2048, (2048,))]
+    for tokens in (33, 64, 100, 128, 129, 200, 256):
+        for n, k, slices in shapes:
+            cfg = heuristic_config("lora_gemm", tokens, n, k, 64, slices)
+            programs = -(-tokens // cfg.block_m) * -(-n // cfg.block_n) * cfg.split_k
+            if cfg.block_m == 128:
+                assert tokens >= 129 and cfg.num_warps == 8 and programs >= H200_SMS, cfg
+                continue
+            assert cfg.block_m == 64 and cfg.num_warps == 4 and not cfg.swap_ab, cfg
+            narrower = -(-tokens // 64) * (n // 64) < H200_SMS
+            assert cfg.block_n == (32 if narrower else 64), (tokens, n, cfg)
+            unsplit = programs // cfg.split_k
+            assert cfg.split_k == (2 if k >= 2 * n and unsplit < H200_SMS else 1), cfg
+            per_sm = -(-programs // H200_SMS)
+            stage = (64 + cfg.block_n) * cfg.block_k
+            if cfg.block_k == 256:
+                assert 3 <= cfg.num_stages <= 4
+                assert per_sm * cfg.num_stages * stage <= SHARED_BYTES, cfg
+                assert cfg.num_stages == 4 or per_sm * 4 * stage > SHARED_BYTES, cfg
+            else:  # no 3-stage 256-deep pipeline holds the whole grid at once
+                assert (cfg.block_k, cfg.num_stages) == (128, 4)
+                assert per_sm * 3 * (64 + cfg.block_n) * 256 > SHARED_BYTES, cfg
+    # e.g. Llama-3.1-8B's down at 64 tokens: 128 programs of 32-wide tiles, split in two
+    down = heuristic_config("lora_gemm", 64, 4096, 14336, 64, (4096,))
+    assert (down.block_n, down.block_k, down.split_k, down.num_stages) == (32, 256, 2, 4)
+    gate_up = heuristic_config("lora_gemm", 256, 28672, 4096, 64, (14336, 14336))
+    assert (gate_up.block_m, gate_up.block_n, gate_up.num_warps) == (128, 128, 8)
+    # without sm_90's shared memory: 128-deep tiles in 4 stages, 64 rows
+    small = heuristic_config("lora_gemm", 256, 28672, 4096, 64, (14336, 14336),
+                             large_tiles=False)
+    assert (small.block_m, small.block_k, small.num_stages) == (64, 128, 4)
 
 
 def test_decode_only_entries_do_not_give_prefill_batches_decode_tiles():

@@ -42,15 +42,15 @@ def _fake_gpu(monkeypatch, score, answer=lambda k1, k2: ANSWER):
 
 
 def test_the_fastest_candidates_are_cached_and_served(cache, monkeypatch):
-    # The stand-in GPU likes 64-wide K2 tiles in 3 stages and K1 split in 8.
+    # The stand-in GPU likes 64-wide K2 tiles in 3 stages and K1 split in 16.
     def score(k1, k2):
-        return 100.0 - 10 * (k2.block_n == 64) - 5 * (k2.num_stages == 3) - 3 * (k1.split_k == 8)
+        return 100.0 - 10 * (k2.block_n == 64) - 5 * (k2.num_stages == 3) - 3 * (k1.split_k == 16)
 
     seen, time_us = _fake_gpu(monkeypatch, score)
     report = tuner.tune_decode(PROJECTIONS, rank=16, tokens=(1, 8), time_us=time_us,
                                progress=lambda line: None)
     assert report["complete"] and len(report["cells"]) == 4
-    best = {"down": (64, 3, 8, 82.0), "qkv": (32, 3, 8, 92.0)}  # qkv: 32-wide slices keep 32
+    best = {"down": (64, 3, 16, 82.0), "qkv": (32, 3, 16, 92.0)}  # qkv: 32-wide slices keep 32
     for cell in report["cells"]:
         assert cell["before_us"] == 100.0, cell  # the settings in use, measured first
         assert (cell["k2"]["block_n"], cell["k2"]["num_stages"], cell["k1"]["split_k"],
@@ -61,7 +61,7 @@ def test_the_fastest_candidates_are_cached_and_served(cache, monkeypatch):
     cfg = launch.table_config("triton-interpreter", "lora_gemm", 8, 64, 4096, 16, one_slot=True)
     assert (cfg.block_n, cfg.num_stages) == (64, 3)
     assert launch.table_config("triton-interpreter", "decode_shrink", 1, 128, 2048, 16,
-                               one_slot=True).split_k == 8
+                               one_slot=True).split_k == 16
     # several-slot batches do not take one-slot entries
     assert launch.table_config("triton-interpreter", "lora_gemm", 8, 64, 4096, 16) is None
 
@@ -117,16 +117,16 @@ def test_candidates_fit_the_shape(monkeypatch):
                        (128, 256, 2, 5)}
     # gate_up at 16 tokens: 384 programs of 64 x 256 need 3 an SM, which 3 stages no longer
     # leave: only the one-an-SM depth; 64 x 128 tiles take 6 stages in one wave, or 8
-    gate_up = tuner.swap_candidates(cfg, 24576, 4096, (12288, 12288), tokens=16)
+    gate_up = launch.swap_candidates(cfg, 24576, 4096, (12288, 12288), tokens=16)
     assert {(c.block_k, c.num_stages) for c in gate_up if c.block_n == 64
             and c.split_k == 1} == {(128, 6), (128, 8), (256, 8)}
     # none for 64-row tiles, nor where 64-wide tiles would straddle two slices
-    assert tuner.swap_candidates(dataclasses.replace(cfg, block_m=64), 6144, 4096,
+    assert launch.swap_candidates(dataclasses.replace(cfg, block_m=64), 6144, 4096,
                                  (4096, 1024, 1024)) == []
-    assert tuner.swap_candidates(cfg, 96, 512, (32, 32, 32)) == []
+    assert launch.swap_candidates(cfg, 96, 512, (32, 32, 32)) == []
     # the A/B tools' pick: 64 x 256 tiles, the one-wave depth (qkv split in two: 4 stages);
     # gate_up's 384 programs have none, so its one-an-SM depth; nothing to swap: as it was
-    pick = tuner.swap_candidate
+    pick = launch.swap_candidate
     assert [(c.block_n, c.block_k, c.split_k, c.num_stages, c.swap_ab) for c in (
         pick(cfg, 6144, 4096, (4096, 1024, 1024), 1),
         pick(cfg, 6144, 4096, (4096, 1024, 1024), 1, split_k=2),

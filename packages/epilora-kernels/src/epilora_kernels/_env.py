@@ -32,7 +32,7 @@ def decode_after_previous() -> bool:
 
 def tune_swap_ab() -> bool:
     """EPILORA_TUNE_SWAP_AB (1, the default; 0 off): the tuner also tries K2's decode tiles as
-    the transposed product (`LaunchConfig.swap_ab`, `tuner.swap_candidates`)."""
+    the transposed product (`LaunchConfig.swap_ab`, `launch.swap_candidates`)."""
     return os.environ.get("EPILORA_TUNE_SWAP_AB", "1") != "0"
 
 

@@ -414,7 +414,7 @@ def _k2_config(support, mode, a_dtype, weight, weight_scale, lora, batch, given,
     # give the same bits (the same compiled variant
     # is fitted up to 32 tokens, where the fused call launches without PDL; beyond, only a
     # tuner entry of 16- or 32-row tiles could be fitted differently). Swapped tiles are not
-    # fitted: the tuner sized their pipelines to one wave (`tuner.swap_candidates`), which
+    # fitted: the tuner sized their pipelines to one wave (`launch.swap_candidates`), which
     # the fitting's 3-stage candidates would cut.
     cfg = _tiling.gemm_config(support, batch, lora, given)
     if given is None and mode == W8A16:

@@ -52,8 +52,9 @@ class LaunchConfig:
     weight tile is the MMA's 64-row side: sm_90 then runs decode tiles of 16 or 32 rows on
     wgmma, the weight streamed by TMA (as CUTLASS's swap-AB decode GEMM), where they are
     otherwise mma.sync's. It needs `block_n` >= 16 * `num_warps` (64 rows a warpgroup) and
-    gives the same results up to the order of the fp32 sums. Off in the shipped tables and
-    the heuristic; the tuner tries it at decode sizes (EPILORA_TUNE_SWAP_AB=0: not).
+    gives the same results up to the order of the fp32 sums. Off in the shipped tables; the
+    heuristic takes it at 17-32 tokens on sm_90, the tuner tries it at decode sizes
+    (EPILORA_TUNE_SWAP_AB=0: not).
 
     `slices_together` (K1 only; K2 ignores it): each shrink program computes its rank tile of
     every output slice (qkv's three, gate_up's two) from one read of its x tile, one
@@ -124,10 +125,7 @@ def heuristic_config(
         block_k = 256 if tokens <= 16 else 128
         block_r = min(block_r, 64)
         tiles = -(-tokens // block_m) * -(-rank // block_r) * max(1, len(slices))
-        split_k = max(1, min(LEAD_SHRINK_PROGRAMS // tiles, k // block_k))
-        depth = -(-k // split_k)
-        depth = -(-depth // block_k) * block_k  # each split's share in whole K steps
-        split_k = -(-k // depth)
+        split_k = whole_steps_split(k, block_k, min(LEAD_SHRINK_PROGRAMS // tiles, k // block_k))
         return LaunchConfig(block_m=block_m, block_n=64, block_k=block_k, block_r=block_r,
                             split_k=split_k, num_warps=4, num_stages=2)
     if op in ("quantize_shrink", "shrink", "decode_shrink"):
@@ -138,11 +136,15 @@ def heuristic_config(
         # adapter, 16-row by 32-rank tiles split 8 were fastest or within 3% at 64-256 tokens on
         # every shape (tune_k1_64_256.json; 64-row unsplit tiles, the previous rule, 2-4x slower).
         if tokens <= 32 and op == "decode_shrink":
-            # The decode path's K1 runs beside K2 and only has to finish before K2's epilogue:
-            # the table's tuned entries on Qwen3-8B's shapes split K into 4-16 parts about
-            # 1024 deep, in rank tiles of at most 64 (configs/NVIDIA_H200.json).
-            return LaunchConfig(block_m=block_m, block_n=64, block_k=256 if tokens <= 16 else 128,
-                                block_r=min(block_r, 64), split_k=max(1, min(16, k // 1024)),
+            # The decode path's K1 runs beside K2 and has to end before K2's epilogue; there
+            # each dependent K step waits a loaded HBM's latency, so each program takes two K
+            # steps (K split in up to 16 parts of whole steps), in rank tiles of at most 64.
+            # The table's tuned entries on Qwen3-8B's shapes split K 8 or 16 ways in 12 of 16
+            # (rank 64, 1-16 tokens; configs/NVIDIA_H200.json), where this rule said 4 before.
+            block_k = 256 if tokens <= 16 else 128
+            return LaunchConfig(block_m=block_m, block_n=64, block_k=block_k,
+                                block_r=min(block_r, 64),
+                                split_k=whole_steps_split(k, block_k, min(16, k // (2 * block_k))),
                                 num_warps=4, num_stages=2)
         if tokens <= 32:
             return LaunchConfig(block_m=block_m, block_n=64, block_k=256 if tokens <= 16 else 128,
@@ -173,6 +175,8 @@ def heuristic_config(
         waves = {c: wave_efficiency(-(-tokens // 128) * -(-n // c.block_n), 1, H200_SMS)
                  for c in (cfg, narrow)}
         return narrow if waves[narrow] > waves[cfg] + 0.1 else cfg
+    if tokens > 32:
+        return _mid_gemm_config(tokens, n, k, block_r, slices, large_tiles)
     # Decode is bandwidth-bound: narrow N tiles give every SM weights to stream (N=4096 in
     # 128-wide tiles is 32 programs for 132 SMs; in 32-wide tiles, 128). The rules below are
     # what the H200 table's tuned decode entries on Qwen3-8B's four shapes have in common
@@ -180,16 +184,62 @@ def heuristic_config(
     # where they still give two programs per SM (gate_up), in 3 stages, else 32-wide in 5; and
     # the K loop split in two where K is at least twice N (down), so its few columns still
     # spread over every SM.
-    split_k = 1
-    if tokens <= 32:
-        block_k = 256
-        block_n, stages = (64, 3) if n // 64 >= 2 * H200_SMS else (32, 5)
-        if k >= 2 * n:
-            split_k = 2
-    else:
-        block_n, block_k, stages = 64, 128, 4
-    return LaunchConfig(block_m=block_m, block_n=fit_slices(block_n, slices), block_k=block_k,
-                        block_r=block_r, split_k=split_k, num_warps=4, num_stages=stages)
+    block_n, stages = (64, 3) if n // 64 >= 2 * H200_SMS else (32, 5)
+    cfg = LaunchConfig(block_m=block_m, block_n=fit_slices(block_n, slices), block_k=256,
+                       block_r=block_r, split_k=2 if k >= 2 * n else 1, num_warps=4,
+                       num_stages=stages)
+    if block_m == 32 and large_tiles:
+        # 32-row tiles run on mma.sync unless swapped (LaunchConfig.swap_ab: wgmma, the weight
+        # by TMA). The engine-start tuner chose swapped tiles in 17 of 20 buckets on Qwen3-8B's
+        # shapes, and this one swapped tile (64 weight rows, 256 deep, K whole, the one-wave
+        # pipeline) took 0.95x the shipped table's layer at 32 tokens, 0.98x at 16 and 1.05x
+        # at 1 and 4 (docs/kernels.md, Next steps 9): hence only from 17 tokens.
+        return swap_candidate(cfg, n, k, slices, tokens)
+    return cfg
+
+
+# From this many tokens K2 takes 128 x 128 tiles in 8 warps (wgmma at its widest) where they
+# fill the SMs: the tuned gate_up entry at 256 tokens (Qwen3-8B's, the only shape of four whose
+# 128-wide tiles make a program an SM), while at 128 tokens the tuner kept 64-row tiles.
+MID_LARGE_TILE_TOKENS = 129
+
+
+def _mid_gemm_config(tokens: int, n: int, k: int, block_r: int, slices: tuple[int, ...],
+                     large_tiles: bool) -> LaunchConfig:
+    """K2 between the decode tiles and prefill's (33-256 tokens). Still mostly a weight stream
+    at 64 tokens, compute at 256: 64-row tiles whose grid fills every SM at least once (64-wide
+    N tiles where that gives a program an SM, else 32-wide, and the K loop split in two where
+    K is at least twice N and the grid is still short of the SMs), 256 deep in the deepest
+    pipeline of 3-4 stages in which the whole grid runs at once, else 128 deep in 4; from
+    MID_LARGE_TILE_TOKENS, 128 x 128 tiles in 8 warps where they fill the SMs. Of the H200
+    table's 12 tuned entries at 64, 128 and 256 tokens on Qwen3-8B's shapes, 9 are what this
+    gives; the other 3 take wider N tiles (the rule it replaced gave 64 x 64 x 128 in 4 stages
+    everywhere and matched 2, and took 1.6-4.5x the table's added time at 64 tokens on the
+    three models' layers: layer_models.json of b10d3da)."""
+    if tokens >= MID_LARGE_TILE_TOKENS and large_tiles:
+        wide = LaunchConfig(block_m=128, block_n=fit_slices(128, slices), block_k=128,
+                            block_r=block_r, num_warps=8, num_stages=4)
+        if -(-tokens // 128) * -(-n // wide.block_n) >= H200_SMS:
+            return wide
+    row_tiles = -(-tokens // 64)
+    block_n = fit_slices(64 if row_tiles * (n // 64) >= H200_SMS else 32, slices)
+    programs = row_tiles * -(-n // block_n)
+    split_k = 2 if k >= 2 * n and programs < H200_SMS and k // 2 >= 256 else 1
+    per_sm = -(-programs * split_k // H200_SMS)
+    stages = min(4, SHARED_BYTES // (per_sm * (64 + block_n) * 256))
+    if stages >= 3 and large_tiles:
+        return LaunchConfig(block_m=64, block_n=block_n, block_k=256, block_r=block_r,
+                            split_k=split_k, num_warps=4, num_stages=stages)
+    return LaunchConfig(block_m=64, block_n=block_n, block_k=128, block_r=block_r,
+                        split_k=split_k, num_warps=4, num_stages=4)
+
+
+def whole_steps_split(k: int, block_k: int, split_k: int) -> int:
+    """`split_k` (at least 1) made to cut K into parts of whole `block_k` steps, none empty:
+    each part ceil(K / split_k) rounded up to whole steps, then as many parts as K needs."""
+    depth = -(-k // max(1, split_k))
+    depth = -(-depth // block_k) * block_k
+    return -(-k // depth)
 
 
 H200_SMS = 132  # the heuristic's programs-per-SM rules (H100 SXM has 132 too)
@@ -214,6 +264,52 @@ def fit_slices(block_n: int, slices: tuple[int, ...]) -> int:
     while block_n > 16 and any(width % block_n for width in slices[:-1]):
         block_n //= 2
     return block_n
+
+
+SWAP_MAX_STAGES = 8
+SWAP_MIN_STAGES = 3
+
+
+def swap_candidates(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...],
+                    tokens: int | None = None, sms: int = H200_SMS) -> list:
+    """Swapped decode tiles (`LaunchConfig.swap_ab`) around `cfg` where its tiles have 32 rows
+    or fewer: 64 or 128 weight rows, K tiles of 128 or 256, the K loop whole or split in two.
+    A streamed GEMM's speed is its bytes in flight, so each takes the deepest pipeline (at
+    most 8 stages, a stage's worth of shared memory left to the epilogue) that lets every
+    program of the grid run at once on `sms` SMs, and, where that differs, the deepest at one
+    program an SM (CUTLASS's decode GEMM runs its 64 x 256 tiles so, in several waves)."""
+    if cfg.block_m > 32 or cfg.num_warps % 4:  # a warpgroup's 64 rows: whole warpgroups
+        return []
+    row_tiles = 1 if tokens is None else -(-tokens // cfg.block_m)
+    out = []
+    for block_n in (64, 128):
+        if fit_slices(block_n, slices) != block_n or block_n < 16 * cfg.num_warps:
+            continue
+        for block_k in (128, 256):
+            for split_k in (1, 2):
+                if k // split_k < block_k:
+                    continue
+                programs = row_tiles * -(-n // block_n) * split_k
+                stage_bytes = (block_n + cfg.block_m) * block_k  # FP8 weight and codes
+                for per_sm in (-(-programs // sms), 1):
+                    stages = min(SWAP_MAX_STAGES, SHARED_BYTES // (per_sm * stage_bytes) - 1)
+                    if stages >= SWAP_MIN_STAGES:
+                        out.append(dataclasses.replace(cfg, block_n=block_n, block_k=block_k,
+                                                       split_k=split_k, num_stages=stages,
+                                                       swap_ab=True))
+    return list(dict.fromkeys(out))
+
+
+def swap_candidate(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...], tokens: int,
+                   split_k: int = 1) -> LaunchConfig:
+    """One swapped tile of `swap_candidates` (the heuristic's at 17-32 tokens, and the A/B
+    tools' pick, dev/launch_variants.py and dev/decode_timeline.py): 64 weight rows, the
+    deepest K tile, the K loop split `split_k` ways, the one-wave pipeline where there is one;
+    `cfg` itself where none fits."""
+    for cand in sorted(swap_candidates(cfg, n, k, slices, tokens), key=lambda c: -c.block_k):
+        if (cand.block_n, cand.split_k) == (64, split_k):
+            return cand
+    return cfg
 
 
 def table_name(device_name: str) -> str:

@@ -31,12 +31,12 @@ import torch
 
 from epilora_kernels import _env, reference
 from epilora_kernels.launch import (
-    H200_SMS,
     SHARED_BYTES,
     LaunchConfig,
     fit_slices,
     rank_block,
     shape_key,
+    swap_candidates,
     validate_table,
 )
 
@@ -122,51 +122,6 @@ def k2_candidates(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...],
     if _env.tune_swap_ab():  # first: what the setting asks to try is timed within the budget
         out = swap_candidates(cfg, n, k, slices, tokens) + out
     return list(dict.fromkeys(out))
-
-
-SWAP_MAX_STAGES = 8
-SWAP_MIN_STAGES = 3
-
-
-def swap_candidates(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...],
-                    tokens: int | None = None, sms: int = H200_SMS) -> list:
-    """Swapped decode tiles (`LaunchConfig.swap_ab`) around `cfg` where its tiles have 32 rows
-    or fewer: 64 or 128 weight rows, K tiles of 128 or 256, the K loop whole or split in two.
-    A streamed GEMM's speed is its bytes in flight, so each takes the deepest pipeline (at
-    most 8 stages, a stage's worth of shared memory left to the epilogue) that lets every
-    program of the grid run at once on `sms` SMs, and, where that differs, the deepest at one
-    program an SM (CUTLASS's decode GEMM runs its 64 x 256 tiles so, in several waves)."""
-    if cfg.block_m > 32 or cfg.num_warps % 4:  # a warpgroup's 64 rows: whole warpgroups
-        return []
-    row_tiles = 1 if tokens is None else -(-tokens // cfg.block_m)
-    out = []
-    for block_n in (64, 128):
-        if fit_slices(block_n, slices) != block_n or block_n < 16 * cfg.num_warps:
-            continue
-        for block_k in (128, 256):
-            for split_k in (1, 2):
-                if k // split_k < block_k:
-                    continue
-                programs = row_tiles * -(-n // block_n) * split_k
-                stage_bytes = (block_n + cfg.block_m) * block_k  # FP8 weight and codes
-                for per_sm in (-(-programs // sms), 1):
-                    stages = min(SWAP_MAX_STAGES, SHARED_BYTES // (per_sm * stage_bytes) - 1)
-                    if stages >= SWAP_MIN_STAGES:
-                        out.append(dataclasses.replace(cfg, block_n=block_n, block_k=block_k,
-                                                       split_k=split_k, num_stages=stages,
-                                                       swap_ab=True))
-    return list(dict.fromkeys(out))
-
-
-def swap_candidate(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...], tokens: int,
-                   split_k: int = 1) -> LaunchConfig:
-    """One swapped tile of `swap_candidates` (the A/B tools' pick, dev/launch_variants.py and
-    dev/decode_timeline.py): 64 weight rows, the deepest K tile, the K loop split `split_k`
-    ways, the one-wave pipeline where there is one; `cfg` itself where none fits."""
-    for cand in sorted(swap_candidates(cfg, n, k, slices, tokens), key=lambda c: -c.block_k):
-        if (cand.block_n, cand.split_k) == (64, split_k):
-            return cand
-    return cfg
 
 
 # A candidate's answer against the settings in use's (norm of the difference over the norm):

@@ -404,7 +404,7 @@ def test_swapped_decode_tiles_the_tuner_offers_give_the_unswapped_answer(project
     # tools only): the decode path's answer up to the order of the sums (each K tile's FP8 sum
     # promoted to fp32), the same bits in a CUDA graph as eager; the pick's, as the fused path
     # with those tiles. Compiled first, in parallel (about 8-11 candidates a case).
-    from epilora_kernels import fused, tuner
+    from epilora_kernels import fused, launch
 
     k, slices = QWEN3_8B[projection]
     x, weight, w_scale, lora, batch = make_problem(31, tokens, k, slices, 64, 1, "one_adapter",
@@ -413,9 +413,9 @@ def test_swapped_decode_tiles_the_tuner_offers_give_the_unswapped_answer(project
     want = ek.decode_lora_fp8_linear(given, weight, w_scale, lora, batch,
                                      x_quantized=quantized)
     k1, k2 = fused.decode_settings(x, weight, w_scale, lora, batch, codes=kind == "codes")
-    pick = tuner.swap_candidate(k2, sum(slices), k, slices, tokens)
+    pick = launch.swap_candidate(k2, sum(slices), k, slices, tokens)
     assert pick.swap_ab
-    candidates = (tuner.swap_candidates(k2, sum(slices), k, slices, tokens) if kind == "codes"
+    candidates = (launch.swap_candidates(k2, sum(slices), k, slices, tokens) if kind == "codes"
                   else [pick])
 
     def call(cfg, linear=ek.decode_lora_fp8_linear):  # one K1 for both paths: one h

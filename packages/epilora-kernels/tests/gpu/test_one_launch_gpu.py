@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import epilora_kernels as ek
-from epilora_kernels import fused, tuner
+from epilora_kernels import fused, launch
 from epilora_testing import assert_bitwise_equal
 from epilora_testing.cuda_graphs import capture
 
@@ -28,7 +28,7 @@ def _calls(seed, tokens, shape, mapping, swapped, operands):
     k2 = None
     if swapped:
         cfg = fused.decode_settings(x, weight, w_scale, lora, batch, codes=True)[1]
-        k2 = tuner.swap_candidate(cfg, sum(slices), k, slices, tokens)
+        k2 = launch.swap_candidate(cfg, sum(slices), k, slices, tokens)
         assert k2.swap_ab
 
     def call(projection=None):
