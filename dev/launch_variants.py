@@ -84,6 +84,13 @@ Variants (`--variants`):
   without the promotion of each K tile's FP8 sum to fp32 (wgmma's reduced-precision sums over
   the whole K, as CUTLASS's; ptxas waits for each tile's MMAs before the promotion's adds).
 
+* `segments-in-flight`: K2's loop over adapter segments (several slots) with as many slices
+  of B in flight as `_tiling.segment_stages` allows (`LaunchConfig.segment_stages`), where the
+  shipped settings wait for each in turn: its sm_90 PTX waits once a segment
+  (`cp.async.wait_group 0`), and a decode tile meets one segment a token when each token has
+  its own adapter. Give several slots: `--adapters 8 --ranks 16` and `--adapters 32 --ranks
+  64`, `--tokens 4 8 16 32`.
+
 `--gap-us G`: after every projection of every system, a kernel that spins G microseconds on one
 thread (`torch.cuda._sleep`), standing for the engine's other kernels between the GEMMs.
 
@@ -121,7 +128,7 @@ from layer import (  # noqa: E402
 from models import MODELS  # noqa: E402
 
 import epilora_kernels as ek  # noqa: E402
-from epilora_kernels import _launchers, _tiling, dispatch, fused, launch  # noqa: E402
+from epilora_kernels import _launchers, _tiling, dispatch, fused, launch, tuner  # noqa: E402
 
 
 def _made_again() -> None:
@@ -238,6 +245,16 @@ def swap_ab(split: int, promote: bool = True):
     return variant
 
 
+def segments_in_flight():
+    shipped = _tiling.select_config
+
+    def in_flight(device, op, tokens, n, k, rank, *args, **kwargs):
+        cfg = shipped(device, op, tokens, n, k, rank, *args, **kwargs)
+        return tuner.in_flight(cfg) if op == "lora_gemm" else cfg
+
+    return _made_again_around(mock.patch.object(_tiling, "select_config", in_flight))
+
+
 VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "heuristic-before": heuristic_before, "k1-light": k1_split_by(2, 32, 32),
             "k1-lighter": k1_split_by(4, 64, 16), "k1-heavier": k1_split_by(0.5, 32, 128),
@@ -245,7 +262,7 @@ VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "decode-prefill": decode_everywhere, "after-previous": after_previous,
             "swap-ab": swap_ab(1), "swap-ab-split": swap_ab(2),
             "swap-ab-fast-acc": swap_ab(1, promote=False), "one-launch": one_launch,
-            "one-launch-swap-ab": one_launch_swapped}
+            "one-launch-swap-ab": one_launch_swapped, "segments-in-flight": segments_in_flight}
 
 
 PREFETCH_MIB = {"prefetch-8": (8, "end"), "prefetch-24": (24, "end"),

@@ -10,7 +10,7 @@ of 256, 228 KB of shared memory with 1 KB reserved per block, 32 blocks, 2048 th
 = programs / (blocks per SM x 132).
 
     python dev/sm90_occupancy.py --out benchmarks/results/cpu/sm90_occupancy.json \
-        --tokens 1 4 8 16 32 64 128 256 512 2048 --adapters 1 8 [--heuristic]
+        --tokens 1 4 8 16 32 64 128 256 512 2048 --adapters 1 8 [--heuristic] [--in-flight]
 
 `--candidates k2` compiles instead every K2 candidate `benchmarks/tune.py` offers (the fused
 path's K2, with its epilogue at the rank), `--candidates k1` every K1 candidate (the fused
@@ -72,6 +72,8 @@ def main() -> None:
                              "dev/large_m_probe.py's K1 tilings, in the fused path")
     parser.add_argument("--heuristic", action="store_true",
                         help="the heuristic's settings (no table), as EPILORA_LAUNCH_TABLES=0")
+    parser.add_argument("--in-flight", action="store_true",
+                        help="K2's loop over adapter segments in flight (tuner.in_flight)")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "packages/epilora-kernels/tests"))
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -79,7 +81,7 @@ def main() -> None:
     from tune import k1_candidates, k2_candidates
 
     import epilora_kernels as ek
-    from epilora_kernels import _tiling, launch
+    from epilora_kernels import _tiling, launch, tuner
     from epilora_kernels._tiling import blocks_per_sm
     from epilora_kernels.batch import AdapterBatch, LoraWeights
     from epilora_kernels.launch import LaunchConfig, select_config
@@ -111,6 +113,8 @@ def main() -> None:
                 one_slot = _tiling.one_slot(batch)  # both kernels' lookups, as fused._linear's
                 k1 = config("quantize_shrink", tokens, n, k, rank, slices, one_slot=one_slot)
                 k2 = config("lora_gemm", tokens, n, k, rank, slices, one_slot=one_slot)
+                if args.in_flight:
+                    k2 = tuner.in_flight(k2)
                 # (path, K1, K2, the kernels reported): the launchers' choices, the decode
                 # path's at every count (beyond 32 tokens its K1 has settings of its own where a
                 # decode_shrink bucket covers the batch: launch.select_config), or candidates.

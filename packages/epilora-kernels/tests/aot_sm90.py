@@ -2,6 +2,7 @@
 with TRITON_INTERPRET unset: see test_compile_sm90.py). The launches are the launchers' own,
 recorded on CPU tensors (aot_launchers_sm90.py), with fixed launch settings."""
 
+import dataclasses
 import json
 import re
 
@@ -185,6 +186,16 @@ def main() -> None:
         lambda: fused.lora_w8a16_gemm(wide[0], wide[1], wide[2], torch.zeros(1, 3, 5, 64),
                                       wide[3], wide[4], config=fitted))]
     out["w8a16_swapped_fitted"] = [fitted.num_stages, w8a16_swapped.metadata.shared]
+    # Several slots: eight tokens, each its own adapter, meet a decode tile as eight segments.
+    # The epilogue's loop over them waits for each slice of B in turn (cp.async.wait_group 0
+    # only), or with segment_stages=8 keeps several in flight (it waits with 6 pending).
+    tenants = make_problem(0, 8, 256, (64, 32, 32), 16, 8, "one_token_each")
+    for stages in (1, 8):
+        _, k2_tenants = ptx_of(lambda stages=stages: fused.decode_lora_fp8_linear(
+            *tenants, k1_config=K1, k2_config=dataclasses.replace(K2, segment_stages=stages)))
+        tail = k2_tenants[k2_tenants.find("griddepcontrol.wait"):]
+        out[f"k2_segment_loop_waits_{stages}"] = sorted({int(n) for n in re.findall(
+            r"cp\.async\.wait_group\s+(\d+)", tail)})
     print(json.dumps(out))
 
 

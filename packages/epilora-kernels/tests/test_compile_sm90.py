@@ -58,6 +58,10 @@ def test_kernels_compile_for_sm90_with_the_expected_instructions():
     # K2 swapped (swap_ab): its K loop on wgmma's 64 x 16 tiles, the weight by TMA, in the
     # decode path's order (acquire, fence, TMA, MMA, then the wait for K1; no store before).
     assert found["k2_swap_ab_wgmma_n16"] and found["k2_swap_ab_order"]
+    # Several slots: the epilogue's loop over adapter segments waits for each slice of B in
+    # turn, or with LaunchConfig(segment_stages=8) keeps several in flight.
+    assert found["k2_segment_loop_waits_1"] == [0], found["k2_segment_loop_waits_1"]
+    assert max(found["k2_segment_loop_waits_8"]) >= 2, found["k2_segment_loop_waits_8"]
     assert found["k2_swap_ab_codes_loads"]
     # the promotion of each K tile's sum: a 64 x 16 fp32 tile over 128 threads, 8 FADDs each
     promoted, fast = found["k2_swap_ab_promotes"]

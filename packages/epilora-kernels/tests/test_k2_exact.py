@@ -29,6 +29,14 @@ K2_CONFIGS = {
     "swap-ab": LaunchConfig(block_m=16, block_n=64, block_k=32, block_r=16, swap_ab=True),
     "swap-ab-split": LaunchConfig(block_m=32, block_n=64, block_k=32, block_r=16, split_k=2,
                                   swap_ab=True),
+    # several slots' segment loop with slices of B in flight (slots and bounds from vectors):
+    # decode tiles, prefill tiles (the delta first) and the rank in steps
+    "segments": LaunchConfig(block_m=16, block_n=16, block_k=32, block_r=16, num_stages=2,
+                             segment_stages=4),
+    "prefill-segments": LaunchConfig(block_m=64, block_n=16, block_k=32, block_r=16,
+                                     num_stages=2, segment_stages=3),
+    "rank-steps-segments": LaunchConfig(block_m=64, block_n=16, block_k=32, block_r=128,
+                                        num_warps=1, segment_stages=2),
 }
 SWAPPED = ("swap-ab", "swap-ab-split")
 CASES = [  # (tokens, K, slices, rank, max_loras, mapping)
@@ -134,7 +142,8 @@ def test_k2_with_per_channel_scales_equals_reference_bitwise(case):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("cfg", ["decode-tile", "split-k", "prefill-tma", "rank-steps"])
+@pytest.mark.parametrize("cfg", ["decode-tile", "split-k", "prefill-tma", "rank-steps",
+                                 "segments", "rank-steps-segments"])
 def test_fp8_k2_adds_the_adapters_as_vllms_expand(cfg):
     check_k2_adds_the_adapters_as_vllms_expand(K2_CONFIGS[cfg], seed=4, tokens=70,
                                                widths=(32, 16, 16))

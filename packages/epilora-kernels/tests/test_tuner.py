@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import epilora_kernels.tuner as tuner
+from epilora_kernels import _tiling as launch_tiling
 from epilora_kernels import fused, launch
 
 PROJECTIONS = {"qkv": (2048, (64, 32, 32)), "down": (4096, (64,))}
@@ -75,6 +76,30 @@ def test_noise_below_the_margin_keeps_the_settings_in_use(cache, monkeypatch):
     assert cell["k2"] == tuner.dataclasses.asdict(seen[0][1])  # the baseline's, unchanged
     assert any(k2.block_n == 64 for _, k2 in seen)  # the 0.5% faster one was tried
     assert list(cache.iterdir()) == []  # write=False
+
+
+def test_several_slots_try_the_segment_loop_in_flight_last(cache, monkeypatch):
+    # Several slots: after K2's candidates, the best one with its loop over adapter segments in
+    # flight (kept here: the stand-in GPU likes it); one slot never times it.
+    def score(k1, k2):
+        return 100.0 - 10 * (k2.block_n == 64) - 4 * (k2.segment_stages > 1)
+
+    seen, time_us = _fake_gpu(monkeypatch, score)
+    report = tuner.tune_decode({"down": (4096, (64,))}, rank=16, slots=4, tokens=(8,),
+                               time_us=time_us, progress=lambda line: None)
+    (cell,) = report["cells"]
+    assert cell["after_us"] == 86.0 and cell["k2"]["block_n"] == 64
+    assert cell["k2"]["segment_stages"] == launch_tiling.segment_stages(
+        launch.LaunchConfig(**cell["k2"])) > 1
+    # the one K2 in flight tried is the best of the others (K1's candidates then run with it)
+    assert {k2 for _, k2 in seen if k2.segment_stages > 1} == {
+        launch.LaunchConfig(**cell["k2"])}
+    cfg = launch.table_config("triton-interpreter", "lora_gemm", 8, 64, 4096, 16)
+    assert cfg.segment_stages == cell["k2"]["segment_stages"]  # served to several slots
+    seen.clear()
+    tuner.tune_decode({"down": (4096, (64,))}, rank=16, tokens=(8,), time_us=time_us,
+                      progress=lambda line: None, write=False)
+    assert seen and not any(k2.segment_stages > 1 for _, k2 in seen)
 
 
 def test_the_budget_bounds_the_search(cache, monkeypatch):

@@ -252,13 +252,45 @@ def _dot_acc(acc, hz, bt, INTERPRETER: tl.constexpr):
 
 
 @triton.jit
+def _segment(z, e, slots, seg_begins, seg_ends, lora_ids_ptr, start_ptr,
+             SEG_STAGES: tl.constexpr):
+    # Segment z's slot and bounds. SEG_STAGES 1: loaded here, so the slice of B the loop
+    # loads next waits on them and the loop waits for each slice in turn (cp.async.wait_group
+    # 0 in the sm_90 PTX); more: taken from the vectors loaded before the loop, so no load in
+    # it waits on another and Triton's pipeliner keeps SEG_STAGES - 1 slices in flight.
+    if SEG_STAGES == 1:
+        slot = tl.load(lora_ids_ptr + z)
+        begin = tl.load(start_ptr + z)
+        end = tl.load(start_ptr + z + 1)
+    else:
+        slot = tl.max(tl.where(e == z, slots, -1), axis=0)
+        begin = tl.max(tl.where(e == z, seg_begins, 0), axis=0)
+        end = tl.max(tl.where(e == z, seg_ends, 0), axis=0)
+    return slot, begin, end
+
+
+@triton.jit
 def _several_slots_delta(acc, h_ptr, tok, pos, pos_mask, s, T, R, n, n_mask, slice_begin,
-                         slice_end, b_base, b_offs, b_mask, lora_ids_ptr, start_ptr, z_first,
-                         z_last, NUM_SLICES: tl.constexpr, H_PLANES: tl.constexpr,
-                         BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr,
+                         slice_end, b_base, b_offs, b_mask, lora_ids_ptr, start_ptr,
+                         NUM_ENTRIES, z_first, z_last, NUM_SLICES: tl.constexpr,
+                         H_PLANES: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr,
+                         ENTRIES_BLOCK: tl.constexpr, SEG_STAGES: tl.constexpr,
                          INTERPRETER: tl.constexpr):
-    # acc += bf16(h) B_slot^T for every adapter segment z_first..z_last that meets the tile.
+    # acc += bf16(h) B_slot^T for every adapter segment z_first..z_last that meets the tile,
+    # in the segments' order whatever SEG_STAGES (the same bits).
     b_stride = (slice_end - slice_begin) * R  # one slot's slice of B
+    e = tl.arange(0, ENTRIES_BLOCK)
+    if SEG_STAGES > 1:
+        # The segments' slots and bounds again, one round of loads beside h's (the vectors
+        # loaded before the K loop are not held through it: registers).
+        e_mask = e < NUM_ENTRIES
+        slots = tl.load(lora_ids_ptr + e, mask=e_mask, other=-1)
+        seg_begins = tl.load(start_ptr + e, mask=e_mask, other=0)
+        seg_ends = tl.load(start_ptr + e + 1, mask=e_mask, other=0)
+    else:  # unused: each segment's are loaded in the loop
+        slots = e
+        seg_begins = e
+        seg_ends = e
     if R_CHUNK > 0 and R_CHUNK < BLOCK_R:
         # The rank in R_CHUNK-wide steps: each step's columns of h are loaded once for all
         # segments, then the segments' slices of B for that step in a loop Triton pipelines
@@ -268,21 +300,25 @@ def _several_slots_delta(acc, h_ptr, tok, pos, pos_mask, s, T, R, n, n_mask, sli
         for step in tl.static_range(steps):
             rr = step * R_CHUNK + tl.arange(0, R_CHUNK)
             hs = _h_bf16(h_ptr, tok, pos_mask, s, T, R, rr, NUM_SLICES, H_PLANES, INTERPRETER)
-            for z in range(z_first, z_last + 1):
-                slot = tl.load(lora_ids_ptr + z)
-                in_seg = (pos >= tl.load(start_ptr + z)) & (pos < tl.load(start_ptr + z + 1))
+            for z in tl.range(z_first, z_last + 1,
+                              num_stages=None if SEG_STAGES == 1 else SEG_STAGES):
+                slot, begin, end = _segment(z, e, slots, seg_begins, seg_ends, lora_ids_ptr,
+                                            start_ptr, SEG_STAGES)
+                in_seg = (pos >= begin) & (pos < end)
                 bt = _b_step(b_base, slot, b_stride, n, n_mask, slice_begin, slice_end, R, rr)
                 acc = _add_rows(acc, hs, in_seg, bt, INTERPRETER)
     else:
         # A tile may meet many segments (32 adapters at 128 tokens, 16 per 64-row tile). The
         # loop over them is a K loop of its own, branch-free (a slot's B masked to zero for
-        # tokens without an adapter), so Triton's pipeliner keeps num_stages - 1 segments'
-        # slices of B in flight.
+        # tokens without an adapter), so Triton's pipeliner keeps the next segments' slices
+        # of B in flight (SEG_STAGES).
         hb = _h_bf16(h_ptr, tok, pos_mask, s, T, R, tl.arange(0, BLOCK_R), NUM_SLICES,
                      H_PLANES, INTERPRETER)
-        for z in range(z_first, z_last + 1):
-            slot = tl.load(lora_ids_ptr + z)
-            in_seg = (pos >= tl.load(start_ptr + z)) & (pos < tl.load(start_ptr + z + 1))
+        for z in tl.range(z_first, z_last + 1,
+                          num_stages=None if SEG_STAGES == 1 else SEG_STAGES):
+            slot, begin, end = _segment(z, e, slots, seg_begins, seg_ends, lora_ids_ptr,
+                                        start_ptr, SEG_STAGES)
+            in_seg = (pos >= begin) & (pos < end)
             bt = tl.load(b_base + slot.to(tl.int64) * b_stride + b_offs,
                          mask=b_mask & (slot >= 0), other=0.0)
             acc = _add_rows(acc, hb, in_seg, bt, INTERPRETER)
@@ -566,6 +602,7 @@ def _lora_gemm_kernel(
     BLOCK_R: tl.constexpr, INTERPRETER: tl.constexpr, USE_PDL: tl.constexpr = False,
     WAIT_CODES: tl.constexpr = False, WARM_L2: tl.constexpr = 0, TRACE: tl.constexpr = False,
     B_IN_REGS: tl.constexpr = True, R_CHUNK: tl.constexpr = 0,  # 0: the whole rank at once
+    SEG_STAGES: tl.constexpr = 1,
     W_TMA: tl.constexpr = False, WAIT_K1_FIRST: tl.constexpr = False,
     A_TMA: tl.constexpr = False, W_SCALE_PER_CHANNEL: tl.constexpr = False,
     HAS_BIAS: tl.constexpr = False, DELTA_FIRST: tl.constexpr = False,
@@ -712,7 +749,8 @@ def _lora_gemm_kernel(
         delta = _several_slots_delta(
             tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), h_ptr, tok, pos, pos_mask, s, T, R,
             n, n_mask, slice_begin, slice_end, b_base, b_offs, b_mask, lora_ids_ptr, start_ptr,
-            z_first, z_last, NUM_SLICES, H_PLANES, BLOCK_R, R_CHUNK, INTERPRETER)
+            NUM_ENTRIES, z_first, z_last, NUM_SLICES, H_PLANES, BLOCK_R, R_CHUNK, ENTRIES_BLOCK,
+            SEG_STAGES, INTERPRETER)
         tl.store(y_tile, _to_bf16(delta, INTERPRETER), mask=out_mask)
     if MODE == 2:
         acc = tl.load(y_tile, mask=out_mask, other=0.0).to(tl.float32)
@@ -825,8 +863,8 @@ def _lora_gemm_kernel(
         if ENTRIES_BLOCK > 2:
             acc = _several_slots_delta(
                 acc, h_ptr, tok, pos, pos_mask, s, T, R, n, n_mask, slice_begin, slice_end,
-                b_base, b_offs, b_mask, lora_ids_ptr, start_ptr, z_first, z_last, NUM_SLICES,
-                H_PLANES, BLOCK_R, R_CHUNK, INTERPRETER)
+                b_base, b_offs, b_mask, lora_ids_ptr, start_ptr, NUM_ENTRIES, z_first, z_last,
+                NUM_SLICES, H_PLANES, BLOCK_R, R_CHUNK, ENTRIES_BLOCK, SEG_STAGES, INTERPRETER)
         elif R_CHUNK > 0 and R_CHUNK < BLOCK_R:
             # One slot, the rank in R_CHUNK-wide steps: a loop Triton pipelines, no step's
             # loads waiting on another load.

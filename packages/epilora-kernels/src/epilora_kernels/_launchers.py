@@ -358,6 +358,7 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
         INTERPRETER=interpreter, USE_PDL=pdl,
         WAIT_CODES=wait_codes, WARM_L2=warm_l2 if wait_codes else 0, TRACE=traced,
         B_IN_REGS=_tiling.b_in_registers(cfg), R_CHUNK=_tiling.epilogue_rank_chunk(cfg),
+        SEG_STAGES=cfg.segment_stages if num_entries > 2 else 1,
         W_TMA=w_tma, WAIT_K1_FIRST=wait_k1_first and pdl, A_TMA=a_sorted,
         W_SCALE_PER_CHANNEL=per_channel, HAS_BIAS=has_bias,
         SWAP_AB=cfg.swap_ab and mode != EXPAND,  # the expand has no GEMM to swap

@@ -232,6 +232,22 @@ def b_in_registers(cfg: LaunchConfig) -> bool:
     return b_fits_registers(cfg) or cfg.block_m == 32
 
 
+# The several-slot epilogue's loop over adapter segments in flight (`LaunchConfig.
+# segment_stages` above 1): its slices of B within SEGMENT_BYTES of shared memory, in at most
+# MAX_SEGMENT_STAGES stages (the K loop's buffers, dead by then, hold them: no block takes
+# more shared memory, dev/sm90_occupancy.py).
+SEGMENT_BYTES = 16 * 1024
+MAX_SEGMENT_STAGES = 8
+
+
+def segment_stages(cfg: LaunchConfig) -> int:
+    """The deepest segment loop for `cfg`'s tiles (the tuner's candidate): as many slices of B
+    (bf16, block_n x the rank or its epilogue step) as SEGMENT_BYTES hold, 2 to
+    MAX_SEGMENT_STAGES."""
+    step = cfg.block_n * (epilogue_rank_chunk(cfg) or cfg.block_r) * 2
+    return max(2, min(MAX_SEGMENT_STAGES, SEGMENT_BYTES // step))
+
+
 def epilogue_rank_chunk(cfg: LaunchConfig) -> int:
     # Prefill tiles (64 rows or more) whose slice of B is too big to hold in registers add
     # h B^T in 32-wide rank steps, pipelined loops: whole, h and B took K2 past 200 registers

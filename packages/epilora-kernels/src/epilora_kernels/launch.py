@@ -60,7 +60,16 @@ class LaunchConfig:
     every output slice (qkv's three, gate_up's two) from one read of its x tile, one
     accumulator a slice, where otherwise each slice's programs read x again. Each slice's sums
     in the same tiles and K order as apart (bit for bit on integer-valued operands under the
-    interpreter). Off in the shipped tables and the heuristic: not yet timed."""
+    interpreter). Off in the shipped tables and the heuristic: not yet timed.
+
+    `segment_stages` (K2 only; one adapter slot ignores it): the stages of K2's epilogue loop
+    over the adapter segments that meet its tile (several slots; a decode tile meets one
+    segment a token when each token has its own adapter). 1: the loop reads each segment's
+    slot and bounds from memory, and B's address waits on them, so it waits for each
+    segment's slice of B in turn; 2 or more: the slots and bounds come from vectors loaded
+    before the loop, so that many minus one slices of B are in flight at once. The same sums
+    in the same order either way (the same bits). 1 in the shipped tables and the heuristic:
+    the tuner offers more for several slots (`_tiling.segment_stages`), untimed."""
 
     block_m: int = 16
     block_n: int = 64
@@ -71,6 +80,7 @@ class LaunchConfig:
     num_stages: int = 3
     swap_ab: bool = False
     slices_together: bool = False
+    segment_stages: int = 1
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -9,8 +9,9 @@ into a cache the launchers read (the user's cache directory, per GPU and version
 For each projection and token bucket it times the decode path (K1 and K2 together: K2 hides
 K1, so they are tuned as a pair) in a CUDA graph with the L2 flushed, median of `reps`
 replays: first the launch settings the launchers would use now (the shipped table, its nearest
-shape, or the heuristic), then K2 candidates around them with that K1, then K1 candidates with
-the best K2. A candidate replaces the settings in use only if it is faster by more than
+shape, or the heuristic), then K2 candidates around them with that K1 (for several slots
+last the best with its loop over adapter segments in flight, `in_flight`), then K1 candidates
+with the best K2. A candidate replaces the settings in use only if it is faster by more than
 `MARGIN`: noise does not churn the cache. When the budget runs out the remaining cells keep the
 settings they had. With `codes` it tunes the path as an engine that quantizes x itself calls it
 (the codes given, K2 streaming from its start), whose K1 is cached apart. The cache is a launch
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from epilora_kernels import _env, reference
+from epilora_kernels import _env, _tiling, reference
 from epilora_kernels.launch import (
     SHARED_BYTES,
     LaunchConfig,
@@ -162,6 +163,12 @@ def k1_candidates(cfg: LaunchConfig, k: int, rank: int, slices: int = 1) -> list
     return list(dict.fromkeys(out))
 
 
+def in_flight(cfg: LaunchConfig) -> LaunchConfig:
+    """`cfg` with K2's loop over adapter segments as deep as `_tiling.segment_stages` allows
+    (`LaunchConfig.segment_stages`): the tuner's last K2 candidate for several slots."""
+    return dataclasses.replace(cfg, segment_stages=_tiling.segment_stages(cfg))
+
+
 def _problem(tokens: int, k: int, slices: tuple[int, ...], rank: int, slots: int, device):
     from epilora_kernels.batch import AdapterBatch, LoraWeights
 
@@ -250,8 +257,12 @@ def _launches(support, projections: dict, tokens, rank: int, slots: int, codes: 
         for t in tokens:
             k1, k2 = _baseline(support, k, slices, t, rank, slots == 1, codes)
             out += [(k, slices, t, k1, k2)]
-            out += [(k, slices, t, k1, c)
-                    for c in k2_candidates(k2, sum(slices), k, slices, tokens=t)]
+            k2s = k2_candidates(k2, sum(slices), k, slices, tokens=t)
+            out += [(k, slices, t, k1, c) for c in k2s]
+            if slots > 1:  # the segment loop in flight, of those K2 likely kept (the search's
+                # last K2 step: compiled ahead where the chosen K2 is among them)
+                out += [(k, slices, t, k1, in_flight(c))
+                        for c in [k2, *(c for c in k2s if c.swap_ab)]]
             if k1_tuned(codes, slots, t):
                 out += [(k, slices, t, c, k2)
                         for c in k1_candidates(k1, k, rank, len(slices))]
@@ -466,6 +477,12 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
                 us = run(chosen[0], cand)
                 if us < best * (1 - MARGIN):
                     best, chosen = us, (chosen[0], cand)
+            if slots > 1 and time.monotonic() - start <= budget_s:
+                # several slots: the chosen K2 with its segment loop in flight
+                cand = in_flight(chosen[1])
+                us = run(chosen[0], cand)
+                if us < best * (1 - MARGIN):
+                    best, chosen = us, (chosen[0], cand)
             for cand in (k1_candidates(k1, k, rank, len(slices))
                          if k1_tuned(codes, slots, t) else ()):
                 if time.monotonic() - start > budget_s:
@@ -487,7 +504,8 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
             k2 = chosen[1]
             progress(f"tune {name} ({n}x{k}) r{rank} {t:3d} tokens: {before:7.1f} -> "
                      f"{best:7.1f} us (K2 {k2.block_m}x{k2.block_n}x{k2.block_k}, split "
-                     f"{k2.split_k}, {k2.num_stages} stages{', swapped' if k2.swap_ab else ''})")
+                     f"{k2.split_k}, {k2.num_stages} stages{', swapped' if k2.swap_ab else ''}"
+                     f"{f', {k2.segment_stages} segment stages' if k2.segment_stages > 1 else ''})")
         report["seconds"][name] = round(time.monotonic() - began, 1)
     if write:
         _write(support.name, table)

@@ -203,3 +203,26 @@ def test_k1_with_every_slice_in_one_program_gives_the_same_bits(shape, tiles):
         fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch, k1_config=together),
         fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch, k1_config=apart),
         name="fused path")
+
+
+@pytest.mark.parametrize("shape", [(8, 4096, (12288, 12288), 16, 8),
+                                   (16, 4096, (4096,), 64, 32),
+                                   (256, 1024, (512, 128, 128), 128, 32)],
+                         ids=lambda s: f"T{s[0]}-N{sum(s[2])}-r{s[3]}-l{s[4]}")
+def test_the_segment_loop_in_flight_gives_the_same_bits(shape):
+    # LaunchConfig.segment_stages: K2's loop over adapter segments with several slices of B in
+    # flight sums the same segments in the same order (the same bits, random operands), on the
+    # decode and fused paths, eager and in a CUDA graph; each token its own adapter.
+    x, weight, w_scale, lora, batch = _problem(shape, "one_token_each", seed=5)
+    k1, k2 = fused.decode_settings(x, weight, w_scale, lora, batch)
+    deep = dataclasses.replace(k2, segment_stages=_tiling.segment_stages(k2))
+    assert deep.segment_stages > 1
+    for path in (fused.decode_lora_fp8_linear, fused.fused_lora_fp8_linear):
+        want = path(x, weight, w_scale, lora, batch, k1_config=k1, k2_config=k2)
+        got = path(x, weight, w_scale, lora, batch, k1_config=k1, k2_config=deep)
+        assert_bitwise_equal(got, want, name=f"{path.__name__} in flight")
+        graph, out = capture(lambda path=path: path(x, weight, w_scale, lora, batch,
+                                                    k1_config=k1, k2_config=deep))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitwise_equal(out, want, name=f"{path.__name__} in flight, graph")
