@@ -418,6 +418,11 @@ def test_heuristic_mid_gemm_fills_the_sms_in_one_wave_of_deep_pipelines():
     small = heuristic_config("lora_gemm", 256, 28672, 4096, 64, (14336, 14336),
                              large_tiles=False)
     assert (small.block_m, small.block_k, small.num_stages) == (64, 128, 4)
+    # beyond 256 tokens without it: 64 x 64 x 128 in 4 stages, as before the mid rule
+    for n, k, slices in shapes:
+        cfg = heuristic_config("lora_gemm", 512, n, k, 64, slices, large_tiles=False)
+        assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_stages) == (
+            64, 64, 128, 1, 4), cfg
 
 
 def test_decode_only_entries_do_not_give_prefill_batches_decode_tiles():

@@ -100,6 +100,23 @@ def test_several_slots_try_the_segment_loop_in_flight_last(cache, monkeypatch):
     tuner.tune_decode({"down": (4096, (64,))}, rank=16, tokens=(8,), time_us=time_us,
                       progress=lambda line: None, write=False)
     assert seen and not any(k2.segment_stages > 1 for _, k2 in seen)
+    # Settings in use that come in flight (a cache's): the candidates are as shipped, and the
+    # best K2 is timed as shipped too, where the stand-in GPU now likes that.
+    settings = fused.decode_settings
+    monkeypatch.setattr(fused, "decode_settings", lambda *a, **kw: (
+        settings(*a, **kw)[0], tuner.in_flight(settings(*a, **kw)[1])))
+    seen.clear()
+    seen, time_us = _fake_gpu(monkeypatch, lambda k1, k2: 100.0 - 4 * (k2.segment_stages == 1)
+                              - 10 * (k2.block_n == 64))
+    report = tuner.tune_decode({"down": (4096, (64,))}, rank=16, slots=4, tokens=(8,),
+                               time_us=time_us, progress=lambda line: None, write=False)
+    (cell,) = report["cells"]
+    assert seen[0][1].segment_stages > 1  # the settings in use, measured first
+    assert cell["k2"]["segment_stages"] == 1 and cell["after_us"] == 86.0
+    # one slot writes the loop as shipped whatever it started from (it ignores it)
+    report = tuner.tune_decode({"down": (4096, (64,))}, rank=16, tokens=(8,), time_us=time_us,
+                               progress=lambda line: None, write=False)
+    assert report["cells"][0]["k2"]["segment_stages"] == 1
 
 
 def test_the_budget_bounds_the_search(cache, monkeypatch):

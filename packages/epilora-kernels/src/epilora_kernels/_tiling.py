@@ -242,8 +242,9 @@ MAX_SEGMENT_STAGES = 8
 
 def segment_stages(cfg: LaunchConfig) -> int:
     """The deepest segment loop for `cfg`'s tiles (the tuner's candidate): as many slices of B
-    (bf16, block_n x the rank or its epilogue step) as SEGMENT_BYTES hold, 2 to
-    MAX_SEGMENT_STAGES."""
+    (bf16, block_n x the rank or its epilogue step) as SEGMENT_BYTES hold, at most
+    MAX_SEGMENT_STAGES and at least 2 (beyond SEGMENT_BYTES where one slice is over half of
+    it: a 64-wide tile at rank 128 takes 2 x 16 KB)."""
     step = cfg.block_n * (epilogue_rank_chunk(cfg) or cfg.block_r) * 2
     return max(2, min(MAX_SEGMENT_STAGES, SEGMENT_BYTES // step))
 

@@ -185,6 +185,9 @@ def heuristic_config(
         waves = {c: wave_efficiency(-(-tokens // 128) * -(-n // c.block_n), 1, H200_SMS)
                  for c in (cfg, narrow)}
         return narrow if waves[narrow] > waves[cfg] + 0.1 else cfg
+    if tokens > PREFILL_MIN_TOKENS:  # without sm_90's shared memory (sm_89: 99 KB)
+        return LaunchConfig(block_m=64, block_n=fit_slices(64, slices), block_k=128,
+                            block_r=block_r, num_warps=4, num_stages=4)
     if tokens > 32:
         return _mid_gemm_config(tokens, n, k, block_r, slices, large_tiles)
     # Decode is bandwidth-bound: narrow N tiles give every SM weights to stream (N=4096 in
@@ -198,7 +201,7 @@ def heuristic_config(
     cfg = LaunchConfig(block_m=block_m, block_n=fit_slices(block_n, slices), block_k=256,
                        block_r=block_r, split_k=2 if k >= 2 * n else 1, num_warps=4,
                        num_stages=stages)
-    if block_m == 32 and large_tiles:
+    if block_m == 32 and large_tiles:  # (sm_90, or the interpreter, which runs any tile)
         # 32-row tiles run on mma.sync unless swapped (LaunchConfig.swap_ab: wgmma, the weight
         # by TMA). The engine-start tuner chose swapped tiles in 17 of 20 buckets on Qwen3-8B's
         # shapes, and this one swapped tile (64 weight rows, 256 deep, K whole, the one-wave

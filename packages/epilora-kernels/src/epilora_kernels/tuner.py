@@ -122,7 +122,9 @@ def k2_candidates(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...],
                                                    num_stages=stages, swap_ab=False))
     if _env.tune_swap_ab():  # first: what the setting asks to try is timed within the budget
         out = swap_candidates(cfg, n, k, slices, tokens) + out
-    return list(dict.fromkeys(out))
+    # the segment loop as shipped: its depth is the search's last K2 step (`in_flight`), from
+    # wherever the settings in use (a cache's) had it
+    return list(dict.fromkeys(dataclasses.replace(c, segment_stages=1) for c in out))
 
 
 # A candidate's answer against the settings in use's (norm of the difference over the norm):
@@ -477,12 +479,19 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
                 us = run(chosen[0], cand)
                 if us < best * (1 - MARGIN):
                     best, chosen = us, (chosen[0], cand)
-            if slots > 1 and time.monotonic() - start <= budget_s:
-                # several slots: the chosen K2 with its segment loop in flight
-                cand = in_flight(chosen[1])
+            # Several slots: the chosen K2 with its segment loop in flight, and as shipped
+            # (the settings in use may come with either); one slot ignores it: as shipped.
+            depths = ({in_flight(chosen[1]), dataclasses.replace(chosen[1], segment_stages=1)}
+                      - {chosen[1]}) if slots > 1 else ()
+            for cand in sorted(depths, key=lambda c: -c.segment_stages):
+                if time.monotonic() - start > budget_s:
+                    report["complete"] = False
+                    break
                 us = run(chosen[0], cand)
                 if us < best * (1 - MARGIN):
                     best, chosen = us, (chosen[0], cand)
+            if slots == 1:
+                chosen = (chosen[0], dataclasses.replace(chosen[1], segment_stages=1))
             for cand in (k1_candidates(k1, k, rank, len(slices))
                          if k1_tuned(codes, slots, t) else ()):
                 if time.monotonic() - start > budget_s:
