@@ -229,7 +229,9 @@ def _mid_gemm_config(tokens: int, n: int, k: int, block_r: int, slices: tuple[in
     table's 12 tuned entries at 64, 128 and 256 tokens on Qwen3-8B's shapes, 9 are what this
     gives; the other 3 take wider N tiles (the rule it replaced gave 64 x 64 x 128 in 4 stages
     everywhere and matched 2, and took 1.6-4.5x the table's added time at 64 tokens on the
-    three models' layers: layer_models.json of b10d3da)."""
+    three models' layers: layer_models.json of b10d3da). On an H100 the layer with these
+    tiles took 0.99-1.01x the table's time at 64 and 256 tokens on all three models, the old
+    rule's 1.10-1.14x (docs/kernels.md, Next steps 2)."""
     if tokens >= MID_LARGE_TILE_TOKENS and large_tiles:
         wide = LaunchConfig(block_m=128, block_n=fit_slices(128, slices), block_k=128,
                             block_r=block_r, num_warps=8, num_stages=4)
