@@ -107,18 +107,27 @@ def _recording_tuner(monkeypatch) -> list[dict]:
     return calls
 
 
+def _tuned_with(monkeypatch, name: str, value: str, valid: bool) -> dict | None:
+    # The engine-start tuner under `name=value`: the recorded tune_decode call's keyword
+    # arguments, or (not `valid`) the start refused with the variable named.
+    calls = _recording_tuner(monkeypatch)
+    monkeypatch.setenv(name, value)
+    if not valid:
+        with pytest.raises(ValueError, match=name):
+            tuning.tune(_forward())
+        return None
+    tuning.tune(_forward())
+    (kw,) = calls
+    return kw
+
+
 @pytest.mark.parametrize("value, where", [("threads", {"compile_threads": 8}),
                                           ("processes", {"jobs": None}), ("both", None)])
 def test_the_tuner_compiles_in_threads_or_in_worker_processes(value, where, no_cuda,
                                                               monkeypatch):
-    calls = _recording_tuner(monkeypatch)
-    monkeypatch.setenv("EPILORA_VLLM_TUNE_COMPILE", value)
+    kw = _tuned_with(monkeypatch, "EPILORA_VLLM_TUNE_COMPILE", value, where is not None)
     if where is None:
-        with pytest.raises(ValueError, match="EPILORA_VLLM_TUNE_COMPILE"):
-            tuning.tune(_forward())
         return
-    tuning.tune(_forward())
-    ((kw,),) = [calls]
     if "jobs" in where:
         assert 2 <= kw["jobs"] <= 8 and "compile_threads" not in kw
     else:
@@ -128,14 +137,9 @@ def test_the_tuner_compiles_in_threads_or_in_worker_processes(value, where, no_c
 @pytest.mark.parametrize("value, budget", [("45", 45.0), ("2.5", 2.5), ("0", None),
                                            ("-1", None), ("inf", None), ("soon", None)])
 def test_the_tuners_budget_is_read_and_checked(value, budget, no_cuda, monkeypatch):
-    calls = _recording_tuner(monkeypatch)
-    monkeypatch.setenv("EPILORA_VLLM_TUNE_BUDGET_S", value)
-    if budget is None:
-        with pytest.raises(ValueError, match="EPILORA_VLLM_TUNE_BUDGET_S"):
-            tuning.tune(_forward())
-        return
-    tuning.tune(_forward())
-    assert [kw["budget_s"] for kw in calls] == [budget]
+    kw = _tuned_with(monkeypatch, "EPILORA_VLLM_TUNE_BUDGET_S", value, budget is not None)
+    if budget is not None:
+        assert kw["budget_s"] == budget
 
 
 def test_a_tuner_that_found_nothing_says_the_next_start_tries_again(no_cuda, monkeypatch,
