@@ -5,6 +5,9 @@ writes goes to $EPILORA_CACHE_DIR, which the layer benchmark of the same call th
 
     EPILORA_CACHE_DIR=out/cache python3 benchmarks/tune_decode.py --models llama3.1-8b \\
         --ranks 16 64 128 --slots 1 8 --budget 60 --out benchmarks/results/h200/tune_decode.json
+
+`--setups SLOTSxRANK ...` (the layer benchmark's setups, e.g. 1x16 8x16 32x64) tunes those
+pairs instead of every rank with every slot count.
 """
 
 import argparse
@@ -22,6 +25,8 @@ def main() -> None:
     parser.add_argument("--ranks", "--rank", type=int, nargs="+", default=[64])
     parser.add_argument("--slots", type=int, nargs="+", default=[1],
                         help="adapter slots of the batches tuned for (1: the one-slot entries)")
+    parser.add_argument("--setups", nargs="+", metavar="SLOTSxRANK",
+                        help="these (slots, rank) pairs instead of --ranks x --slots")
     parser.add_argument("--budget", type=float, default=60.0, help="seconds per model")
     parser.add_argument("--jobs", type=int, default=15,
                         help="compile the candidates in this many processes first (0: none)")
@@ -30,12 +35,24 @@ def main() -> None:
                              "plugin's default mode calls it")
     parser.add_argument("--git-sha", default=None)
     args = parser.parse_args()
+    pairs = ([parse_setup(s, parser) for s in args.setups] if args.setups
+             else [(slots, rank) for rank in args.ranks for slots in args.slots])
     rows = []
     for model in args.models:
-        for rank in args.ranks:
-            for slots in args.slots:
-                rows += tune(model, rank, slots, args)
-                write_results(args, rows)
+        for slots, rank in pairs:
+            rows += tune(model, rank, slots, args)
+            write_results(args, rows)
+
+
+def parse_setup(text: str, parser: argparse.ArgumentParser) -> tuple[int, int]:
+    """'8x16' -> (8 slots, rank 16); a clear error otherwise."""
+    try:
+        slots, rank = (int(v) for v in text.split("x"))
+    except ValueError:
+        parser.error(f"--setups takes SLOTSxRANK, e.g. 8x16, not {text!r}")
+    if slots < 1 or rank < 1:
+        parser.error(f"--setups {text!r}: slots and rank must be positive")
+    return slots, rank
 
 
 def tune(model: str, rank: int, slots: int, args) -> list[dict]:
