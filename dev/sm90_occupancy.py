@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--heuristic", action="store_true",
                         help="the heuristic's settings (no table), as EPILORA_LAUNCH_TABLES=0")
     parser.add_argument("--in-flight", action="store_true",
-                        help="K2's loop over adapter segments in flight (tuner.in_flight)")
+                        help="K2's loop over adapter segments in flight (_tiling.in_flight)")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "packages/epilora-kernels/tests"))
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -81,7 +81,7 @@ def main() -> None:
     from tune import k1_candidates, k2_candidates
 
     import epilora_kernels as ek
-    from epilora_kernels import _tiling, launch, tuner
+    from epilora_kernels import _tiling, launch
     from epilora_kernels._tiling import blocks_per_sm
     from epilora_kernels.batch import AdapterBatch, LoraWeights
     from epilora_kernels.launch import LaunchConfig, select_config
@@ -114,7 +114,7 @@ def main() -> None:
                 k1 = config("quantize_shrink", tokens, n, k, rank, slices, one_slot=one_slot)
                 k2 = config("lora_gemm", tokens, n, k, rank, slices, one_slot=one_slot)
                 if args.in_flight:
-                    k2 = tuner.in_flight(k2)
+                    k2 = _tiling.in_flight(k2)
                 # (path, K1, K2, the kernels reported): the launchers' choices, the decode
                 # path's at every count (beyond 32 tokens its K1 has settings of its own where a
                 # decode_shrink bucket covers the batch: launch.select_config), or candidates.

@@ -4,6 +4,10 @@ at its budget, and writes a cache the table lookups then serve, per device and v
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,9 +82,10 @@ def test_noise_below_the_margin_keeps_the_settings_in_use(cache, monkeypatch):
     assert list(cache.iterdir()) == []  # write=False
 
 
-def test_several_slots_try_the_segment_loop_in_flight_last(cache, monkeypatch):
-    # Several slots: after K2's candidates, the best one with its loop over adapter segments in
-    # flight (kept here: the stand-in GPU likes it); one slot never times it.
+def test_the_segment_loop_is_tuned_as_shipped(cache, monkeypatch):
+    # In flight it timed no faster (an H100 A/B; no H200 tuner cell chose it) and each cell's
+    # winner in flight was one more kernel to compile during the search: the search times it
+    # as shipped only, even where the stand-in GPU likes it in flight.
     def score(k1, k2):
         return 100.0 - 10 * (k2.block_n == 64) - 4 * (k2.segment_stages > 1)
 
@@ -88,24 +93,15 @@ def test_several_slots_try_the_segment_loop_in_flight_last(cache, monkeypatch):
     report = tuner.tune_decode({"down": (4096, (64,))}, rank=16, slots=4, tokens=(8,),
                                time_us=time_us, progress=lambda line: None)
     (cell,) = report["cells"]
-    assert cell["after_us"] == 86.0 and cell["k2"]["block_n"] == 64
-    assert cell["k2"]["segment_stages"] == launch_tiling.segment_stages(
-        launch.LaunchConfig(**cell["k2"])) > 1
-    # the one K2 in flight tried is the best of the others (K1's candidates then run with it)
-    assert {k2 for _, k2 in seen if k2.segment_stages > 1} == {
-        launch.LaunchConfig(**cell["k2"])}
-    cfg = launch.table_config("triton-interpreter", "lora_gemm", 8, 64, 4096, 16)
-    assert cfg.segment_stages == cell["k2"]["segment_stages"]  # served to several slots
-    seen.clear()
-    tuner.tune_decode({"down": (4096, (64,))}, rank=16, tokens=(8,), time_us=time_us,
-                      progress=lambda line: None, write=False)
+    assert cell["after_us"] == 90.0 and cell["k2"]["block_n"] == 64
     assert seen and not any(k2.segment_stages > 1 for _, k2 in seen)
-    # Settings in use that come in flight (a cache's): the candidates are as shipped, and the
-    # best K2 is timed as shipped too, where the stand-in GPU now likes that.
+    assert launch.table_config("triton-interpreter", "lora_gemm", 8, 64, 4096,
+                               16).segment_stages == 1
+    # Settings in use that come in flight (an earlier cache's): the candidates are as
+    # shipped, and the best K2 is timed as shipped too, where the stand-in GPU now likes that.
     settings = fused.decode_settings
     monkeypatch.setattr(fused, "decode_settings", lambda *a, **kw: (
-        settings(*a, **kw)[0], tuner.in_flight(settings(*a, **kw)[1])))
-    seen.clear()
+        settings(*a, **kw)[0], launch_tiling.in_flight(settings(*a, **kw)[1])))
     seen, time_us = _fake_gpu(monkeypatch, lambda k1, k2: 100.0 - 4 * (k2.segment_stages == 1)
                               - 10 * (k2.block_n == 64))
     report = tuner.tune_decode({"down": (4096, (64,))}, rank=16, slots=4, tokens=(8,),
@@ -113,6 +109,11 @@ def test_several_slots_try_the_segment_loop_in_flight_last(cache, monkeypatch):
     (cell,) = report["cells"]
     assert seen[0][1].segment_stages > 1  # the settings in use, measured first
     assert cell["k2"]["segment_stages"] == 1 and cell["after_us"] == 86.0
+    # ... and kept in flight where that stays faster
+    seen, time_us = _fake_gpu(monkeypatch, lambda k1, k2: 100.0 - 4 * (k2.segment_stages > 1))
+    report = tuner.tune_decode({"down": (4096, (64,))}, rank=16, slots=4, tokens=(8,),
+                               time_us=time_us, progress=lambda line: None, write=False)
+    assert report["cells"][0]["k2"]["segment_stages"] > 1
     # one slot writes the loop as shipped whatever it started from (it ignores it)
     report = tuner.tune_decode({"down": (4096, (64,))}, rank=16, tokens=(8,), time_us=time_us,
                                progress=lambda line: None, write=False)
@@ -310,6 +311,18 @@ def test_the_parallel_compile_covers_every_launch_the_search_times(codes, monkey
             assert all((c, k2) in cells
                        for c in tuner.k1_candidates(k1, k, 16, len(slices)))
     assert asked == {"decode_shrink_codes" if codes else "decode_shrink", "lora_gemm"}
+
+
+def test_the_parallel_compile_leaves_no_kernel_to_compile_in_the_timed_search():
+    # Kernel by kernel (its constexprs: K1's follow K2's form, the codes sorted for a K2 that
+    # reads them by TMA), for sm_90 on the CPU: aot_tuner_sm90.py's docstring.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("aot_tuner_sm90.py")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            env=env, timeout=600, cwd=script.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    missing = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(missing) == 3 and missing == {case: [] for case in missing}, missing
 
 
 def test_the_compile_workers_run_their_shares_and_report_what_failed():

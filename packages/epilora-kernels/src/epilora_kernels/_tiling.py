@@ -249,6 +249,12 @@ def segment_stages(cfg: LaunchConfig) -> int:
     return max(2, min(MAX_SEGMENT_STAGES, SEGMENT_BYTES // step))
 
 
+def in_flight(cfg: LaunchConfig) -> LaunchConfig:
+    """`cfg` with K2's loop over adapter segments as deep as `segment_stages` allows (several
+    slots; dev/launch_variants.py's `segments-in-flight`, off in the tables and the tuner)."""
+    return dataclasses.replace(cfg, segment_stages=segment_stages(cfg))
+
+
 def epilogue_rank_chunk(cfg: LaunchConfig) -> int:
     # Prefill tiles (64 rows or more) whose slice of B is too big to hold in registers add
     # h B^T in 32-wide rank steps, pipelined loops: whole, h and B took K2 past 200 registers

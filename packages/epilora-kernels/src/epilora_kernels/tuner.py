@@ -9,9 +9,8 @@ into a cache the launchers read (the user's cache directory, per GPU and version
 For each projection and token bucket it times the decode path (K1 and K2 together: K2 hides
 K1, so they are tuned as a pair) in a CUDA graph with the L2 flushed, median of `reps`
 replays: first the launch settings the launchers would use now (the shipped table, its nearest
-shape, or the heuristic), then K2 candidates around them with that K1 (for several slots
-last the best with its loop over adapter segments in flight, `in_flight`), then K1 candidates
-with the best K2. A candidate replaces the settings in use only if it is faster by more than
+shape, or the heuristic), then K2 candidates around them with that K1, then K1 candidates with
+the best K2. A candidate replaces the settings in use only if it is faster by more than
 `MARGIN`: noise does not churn the cache. When the budget runs out the remaining cells keep the
 settings they had. With `codes` it tunes the path as an engine that quantizes x itself calls it
 (the codes given, K2 streaming from its start), whose K1 is cached apart. The cache is a launch
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from epilora_kernels import _env, _tiling, reference
+from epilora_kernels import _env, reference
 from epilora_kernels.launch import (
     SHARED_BYTES,
     LaunchConfig,
@@ -122,8 +121,8 @@ def k2_candidates(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...],
                                                    num_stages=stages, swap_ab=False))
     if _env.tune_swap_ab():  # first: what the setting asks to try is timed within the budget
         out = swap_candidates(cfg, n, k, slices, tokens) + out
-    # the segment loop as shipped: its depth is the search's last K2 step (`in_flight`), from
-    # wherever the settings in use (a cache's) had it
+    # the segment loop as shipped (`LaunchConfig.segment_stages` 1), wherever the settings in
+    # use (a cache's) had it: in flight it timed no faster (docs/kernels.md, Next steps 3)
     return list(dict.fromkeys(dataclasses.replace(c, segment_stages=1) for c in out))
 
 
@@ -163,12 +162,6 @@ def k1_candidates(cfg: LaunchConfig, k: int, rank: int, slices: int = 1) -> list
                                                block_r=min(64, rank_block(rank)),
                                                slices_together=True))
     return list(dict.fromkeys(out))
-
-
-def in_flight(cfg: LaunchConfig) -> LaunchConfig:
-    """`cfg` with K2's loop over adapter segments as deep as `_tiling.segment_stages` allows
-    (`LaunchConfig.segment_stages`): the tuner's last K2 candidate for several slots."""
-    return dataclasses.replace(cfg, segment_stages=_tiling.segment_stages(cfg))
 
 
 def _problem(tokens: int, k: int, slices: tuple[int, ...], rank: int, slots: int, device):
@@ -252,8 +245,9 @@ def _baseline(support, k: int, slices: tuple[int, ...], t: int, rank: int, one_s
 
 def _launches(support, projections: dict, tokens, rank: int, slots: int, codes: bool) -> list:
     """Every (K, slices, tokens, K1, K2) the search may time: the settings in use, the K2
-    candidates with K1's in use, the K1 candidates with K2's in use (the best K2 differs, but
-    K1 and K2 are separate kernels: compiling each once is enough)."""
+    candidates with K1's in use, the K1 candidates with a K2 of each form K1 follows (the
+    best K2 differs, but K1 and K2 are separate kernels: compiling each K1 once a form is
+    enough)."""
     out = []
     for k, slices in projections.values():
         for t in tokens:
@@ -261,14 +255,22 @@ def _launches(support, projections: dict, tokens, rank: int, slots: int, codes: 
             out += [(k, slices, t, k1, k2)]
             k2s = k2_candidates(k2, sum(slices), k, slices, tokens=t)
             out += [(k, slices, t, k1, c) for c in k2s]
-            if slots > 1:  # the segment loop in flight, of those K2 likely kept (the search's
-                # last K2 step: compiled ahead where the chosen K2 is among them)
-                out += [(k, slices, t, k1, in_flight(c))
-                        for c in [k2, *(c for c in k2s if c.swap_ab)]]
             if k1_tuned(codes, slots, t):
-                out += [(k, slices, t, c, k2)
-                        for c in k1_candidates(k1, k, rank, len(slices))]
+                out += [(k, slices, t, c, partner)
+                        for c in k1_candidates(k1, k, rank, len(slices))
+                        for partner in ([k2] if codes else _k1_partners([k2, *k2s]))]
     return list(dict.fromkeys(out))
+
+
+def _k1_partners(k2s: list) -> list:
+    """One K2 of each form that K1's kernel follows, the first of each: K1, where it quantizes
+    x, writes the codes in adapter order for a K2 that reads them by TMA (swapped tiles, or 64
+    rows or more: `_tiling.w_tma`, K1's CODES_SORTED), so each K1 candidate is another kernel
+    beside a K2 of the other form, and the search times them beside whichever K2 won."""
+    partners: dict = {}
+    for c in k2s:
+        partners.setdefault((c.swap_ab, c.block_m >= 64), c)
+    return list(partners.values())
 
 
 def _decode(x, weight, scale, lora, batch, k1, k2, quantized, workspace=None):
@@ -479,19 +481,15 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
                 us = run(chosen[0], cand)
                 if us < best * (1 - MARGIN):
                     best, chosen = us, (chosen[0], cand)
-            # Several slots: the chosen K2 with its segment loop in flight, and as shipped
-            # (the settings in use may come with either); one slot ignores it: as shipped.
-            depths = ({in_flight(chosen[1]), dataclasses.replace(chosen[1], segment_stages=1)}
-                      - {chosen[1]}) if slots > 1 else ()
-            for cand in sorted(depths, key=lambda c: -c.segment_stages):
-                if time.monotonic() - start > budget_s:
-                    report["complete"] = False
-                    break
-                us = run(chosen[0], cand)
+            # Settings in use with the segment loop in flight (an earlier cache's): several
+            # slots time them as shipped too; one slot ignores the loop: as shipped.
+            shipped = dataclasses.replace(chosen[1], segment_stages=1)
+            if shipped != chosen[1] and slots > 1 and time.monotonic() - start <= budget_s:
+                us = run(chosen[0], shipped)
                 if us < best * (1 - MARGIN):
-                    best, chosen = us, (chosen[0], cand)
+                    best, chosen = us, (chosen[0], shipped)
             if slots == 1:
-                chosen = (chosen[0], dataclasses.replace(chosen[1], segment_stages=1))
+                chosen = (chosen[0], shipped)
             for cand in (k1_candidates(k1, k, rank, len(slices))
                          if k1_tuned(codes, slots, t) else ()):
                 if time.monotonic() - start > budget_s:
