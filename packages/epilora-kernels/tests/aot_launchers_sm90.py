@@ -121,6 +121,7 @@ def main() -> None:
     # the shrink reading them or bf16 x, the GEMM in swapped tiles and split
     one = make_problem(0, 5, 256, (128, 64, 64), 16, 1, "one_adapter")
     one_codes = (one[0].to(torch.float8_e4m3fn), torch.ones(5, 1))
+    wide_slices = make_problem(0, 5, 256, (128, 64, 64), 16, 4, "mixed_with_base")  # 64-wide
     swapped = LaunchConfig(block_m=16, block_n=64, block_k=128, block_r=16, num_stages=4,
                            swap_ab=True)
     # K1's shrink programs each taking every slice (LaunchConfig.slices_together), split
@@ -147,7 +148,11 @@ def main() -> None:
             fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch, k1_config=together),
             fused.decode_lora_fp8_linear(None, *one[1:], x_quantized=one_codes,
                                          k1_config=together)),
-        "decode_one_launch": lambda: _one_launch(lambda: (
+        # several slots' decode tiles adding each row's adapter by its slot (unswapped, swapped)
+        "decode_gathered": lambda: _with_env("EPILORA_GATHER_SEGMENTS", lambda: (
+            fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch),
+            fused.decode_lora_fp8_linear(*wide_slices, k2_config=swapped))),
+        "decode_one_launch": lambda: _with_env("EPILORA_DECODE_ONE_LAUNCH", lambda: (
             fused.decode_lora_fp8_linear(None, *one[1:], x_quantized=one_codes),
             fused.decode_lora_fp8_linear(one[0], *one[1:], x_quantized=one_codes,
                                          k2_config=swapped),
@@ -181,12 +186,12 @@ def main() -> None:
     print(json.dumps(compiled))
 
 
-def _one_launch(launch):
-    os.environ["EPILORA_DECODE_ONE_LAUNCH"] = "1"
+def _with_env(name: str, launch):
+    os.environ[name] = "1"
     try:
         return launch()
     finally:
-        del os.environ["EPILORA_DECODE_ONE_LAUNCH"]
+        del os.environ[name]
 
 
 def _compile_only(launch):

@@ -60,6 +60,34 @@ def _check_rows(y, base, h, lora, batch, name):
                                  f"delta at columns {bad}")
 
 
+# EPILORA_GATHER_SEGMENTS: decode tiles of several slots add each row's adapter from its own
+# slot's B, summed in registers over rank steps, instead of an MMA per segment; the settings'
+# rank steps 4 (16 x 16 in one warp, 32 x 32 in four), 2 (32 x 64) and 1 (16 x 64 in one warp)
+GATHERED = {"decode-tile": LaunchConfig(block_m=16, block_n=16, block_k=32, block_r=16,
+                                        num_warps=1),
+            "32-rows": K2_CONFIGS["32-rows"], "swap-ab-split": K2_CONFIGS["swap-ab-split"],
+            "one-warp-wide": LaunchConfig(block_m=16, block_n=64, block_k=32, block_r=16,
+                                          num_warps=1)}
+GATHER_FITTING = [(case, name) for case in CASES if case[4] > 2 for name, k2 in GATHERED.items()
+                  if k2.block_r >= case[3] and not any(w % k2.block_n for w in case[2][:-1])]
+
+
+@pytest.mark.parametrize(("case", "cfg"), GATHER_FITTING,
+                         ids=[f"T{c[0]}-N{sum(c[2])}-{c[5]}-{n}" for c, n in GATHER_FITTING])
+def test_k2_gathering_each_rows_adapter_equals_reference_bitwise(case, cfg, monkeypatch):
+    from epilora_kernels import _tiling
+
+    monkeypatch.setenv("EPILORA_GATHER_SEGMENTS", "1")
+    x, codes, scales, weight, w_scale, h, lora, batch = make_integer_problem(0, *case)
+    k2 = GATHERED[cfg]
+    assert _tiling.gather_segments(k2, batch.num_entries) in (1, 2, 4)
+    y = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2)
+    assert_bitwise_equal(y, reference.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora,
+                                                    batch), name="gathering K2 vs reference")
+    _check_rows(y, fused.fp8_gemm(codes, scales, weight, w_scale, config=k2), h, lora, batch,
+                "gathering K2")
+
+
 # Every case with every setting that fits it (rank within the tile, slices whole tiles).
 FITTING = [(case, name) for case in CASES for name, k2 in K2_CONFIGS.items()
            if k2.block_r >= case[3] and not any(w % k2.block_n for w in case[2][:-1])]

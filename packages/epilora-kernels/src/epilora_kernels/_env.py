@@ -41,3 +41,10 @@ def decode_one_launch() -> bool:
     one adapter slot, runs as one launch, the shrink's programs first in K2's grid
     (`fused.one_launch`)."""
     return os.environ.get("EPILORA_DECODE_ONE_LAUNCH", "0") == "1"
+
+
+def gather_segments() -> bool:
+    """EPILORA_GATHER_SEGMENTS=1 (default 0; untimed): K2's decode tiles (32 rows or fewer)
+    with several adapter slots add each row's adapter from its own slot's B, summed in
+    registers, instead of an MMA per adapter segment (`_tiling.gather_segments`)."""
+    return os.environ.get("EPILORA_GATHER_SEGMENTS", "0") == "1"

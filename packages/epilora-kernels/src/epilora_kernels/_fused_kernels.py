@@ -326,6 +326,40 @@ def _several_slots_delta(acc, h_ptr, tok, pos, pos_mask, s, T, R, n, n_mask, sli
 
 
 @triton.jit
+def _gathered_delta(acc, h_ptr, tok, pos, pos_mask, s, T, R, n, n_mask, slice_begin,
+                    slice_end, b_base, lora_ids_ptr, start_ptr, NUM_ENTRIES,
+                    NUM_SLICES: tl.constexpr, H_PLANES: tl.constexpr, BLOCK_R: tl.constexpr,
+                    R_STEP: tl.constexpr, ENTRIES_BLOCK: tl.constexpr,
+                    INTERPRETER: tl.constexpr):
+    # acc += bf16(h) B_slot^T with each row's own slot, without a loop over the segments
+    # (GATHER_SEGMENTS, decode tiles of several slots): each row's slot from the segments'
+    # vectors in one round of loads, then for each R_STEP-wide rank step h's columns and every
+    # row's slice of B (rows of one slot read the same lines, from L1 or L2) in loads that wait
+    # on nothing but the slots, summed over the step in fp32 in registers (no MMA, no operand
+    # through shared memory). The segment loop's MMA per segment costs its latency in turn:
+    # 8x16's epilogue took 2.9-5.7 us a program (docs/kernels.md, Next steps 3). The sum runs
+    # over the rank in another order than the MMA's: the same bits on integer-valued operands.
+    e = tl.arange(0, ENTRIES_BLOCK)
+    e_mask = e < NUM_ENTRIES
+    slots = tl.load(lora_ids_ptr + e, mask=e_mask, other=-1)
+    begins = tl.load(start_ptr + e, mask=e_mask, other=0)
+    ends = tl.load(start_ptr + e + 1, mask=e_mask, other=0)
+    inside = (pos[:, None] >= begins[None, :]) & (pos[:, None] < ends[None, :])
+    row_slot = tl.max(tl.where(inside & pos_mask[:, None], slots[None, :], -1), axis=1)
+    b_stride = (slice_end - slice_begin) * R  # one slot's slice of B
+    b_rows = b_base + row_slot.to(tl.int64)[:, None, None] * b_stride
+    col_mask = ((n < slice_end) & n_mask)[None, :, None] & (row_slot >= 0)[:, None, None]
+    for step in tl.static_range(BLOCK_R // R_STEP):
+        rr = step * R_STEP + tl.arange(0, R_STEP)
+        hs = _h_bf16(h_ptr, tok, pos_mask & (row_slot >= 0), s, T, R, rr, NUM_SLICES,
+                     H_PLANES, INTERPRETER)
+        bg = tl.load(b_rows + (n - slice_begin)[None, :, None] * R + rr[None, None, :],
+                     mask=col_mask & (rr < R)[None, None, :], other=0.0)
+        acc += tl.sum(hs.to(tl.float32)[:, None, :] * bg.to(tl.float32), axis=2)
+    return acc
+
+
+@triton.jit
 def _sum_splits(acc, tile_ptrs, plane, mask, split, counter, SPLIT_K: tl.constexpr):
     # Deterministic split-K: every split stores its fp32 partial at `tile_ptrs + split * plane`;
     # the split that arrives last at the tile's counter sums the planes in the fixed order
@@ -603,6 +637,7 @@ def _lora_gemm_kernel(
     WAIT_CODES: tl.constexpr = False, WARM_L2: tl.constexpr = 0, TRACE: tl.constexpr = False,
     B_IN_REGS: tl.constexpr = True, R_CHUNK: tl.constexpr = 0,  # 0: the whole rank at once
     SEG_STAGES: tl.constexpr = 1,
+    GATHER_SEGMENTS: tl.constexpr = False, GATHER_R_STEP: tl.constexpr = 1,
     W_TMA: tl.constexpr = False, WAIT_K1_FIRST: tl.constexpr = False,
     A_TMA: tl.constexpr = False, W_SCALE_PER_CHANNEL: tl.constexpr = False,
     HAS_BIAS: tl.constexpr = False, DELTA_FIRST: tl.constexpr = False,
@@ -860,7 +895,12 @@ def _lora_gemm_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if HAS_LORA and not DELTA_FIRST:
         b_stride = (slice_end - slice_begin) * R  # one slot's slice of B
-        if ENTRIES_BLOCK > 2:
+        if GATHER_SEGMENTS:
+            acc = _gathered_delta(
+                acc, h_ptr, tok, pos, pos_mask, s, T, R, n, n_mask, slice_begin, slice_end,
+                b_base, lora_ids_ptr, start_ptr, NUM_ENTRIES, NUM_SLICES, H_PLANES, BLOCK_R,
+                GATHER_R_STEP, ENTRIES_BLOCK, INTERPRETER)
+        elif ENTRIES_BLOCK > 2:
             acc = _several_slots_delta(
                 acc, h_ptr, tok, pos, pos_mask, s, T, R, n, n_mask, slice_begin, slice_end,
                 b_base, b_offs, b_mask, lora_ids_ptr, start_ptr, NUM_ENTRIES, z_first, z_last,

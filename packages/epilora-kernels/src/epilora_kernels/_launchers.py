@@ -359,6 +359,8 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
         WAIT_CODES=wait_codes, WARM_L2=warm_l2 if wait_codes else 0, TRACE=traced,
         B_IN_REGS=_tiling.b_in_registers(cfg), R_CHUNK=_tiling.epilogue_rank_chunk(cfg),
         SEG_STAGES=cfg.segment_stages if num_entries > 2 else 1,
+        GATHER_SEGMENTS=_tiling.gather_segments(cfg, num_entries) > 0,
+        GATHER_R_STEP=max(1, _tiling.gather_segments(cfg, num_entries)),
         W_TMA=w_tma, WAIT_K1_FIRST=wait_k1_first and pdl, A_TMA=a_sorted,
         W_SCALE_PER_CHANNEL=per_channel, HAS_BIAS=has_bias,
         SWAP_AB=cfg.swap_ab and mode != EXPAND,  # the expand has no GEMM to swap
@@ -385,7 +387,8 @@ def k2_template(support: DeviceSupport, mode: int, lora: LoraWeights, num_entrie
     n = lora.out_features
     key = (mode, n, lora.in_features, lora.max_rank, tuple(lora.output_slices), num_entries,
            cfg, stride_a, stride_y, h_planes, split, pdl, wait_codes, warm_l2, traced, w_tma,
-           wait_k1_first, a_sorted, per_channel, has_bias, support.interpreter, prefetch)
+           wait_k1_first, a_sorted, per_channel, has_bias, support.interpreter, prefetch,
+           _tiling.gather_segments(cfg, num_entries))  # an environment setting's (dev A/Bs)
     template = _K2_TEMPLATES.get(key)
     if template is None:
         arguments = _k2_arguments(

@@ -255,6 +255,16 @@ def in_flight(cfg: LaunchConfig) -> LaunchConfig:
     return dataclasses.replace(cfg, segment_stages=segment_stages(cfg))
 
 
+def gather_segments(cfg: LaunchConfig, num_entries: int) -> int:
+    """K2's epilogue by each row's slot (EPILORA_GATHER_SEGMENTS, decode tiles of several
+    slots): the rank step it sums at once, its products at most 32 values a thread (a
+    16 x 64 tile in 4 warps: 4 rank columns a step); 0: the segment loop."""
+    if not (_env.gather_segments() and num_entries > 2 and cfg.block_m <= 32):
+        return 0
+    step = 32 * 32 * cfg.num_warps // (cfg.block_m * cfg.block_n)
+    return max(1, min(cfg.block_r, 1 << (max(step, 1).bit_length() - 1)))
+
+
 def epilogue_rank_chunk(cfg: LaunchConfig) -> int:
     # Prefill tiles (64 rows or more) whose slice of B is too big to hold in registers add
     # h B^T in 32-wide rank steps, pipelined loops: whole, h and B took K2 past 200 registers

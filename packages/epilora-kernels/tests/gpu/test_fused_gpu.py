@@ -15,7 +15,13 @@ from epilora_testing.corpora import special_activations
 from epilora_testing.cuda_graphs import capture
 from epilora_testing.strategies import activations
 
-from kernel_cases import MAPPINGS, fp64_reference, make_problem, relative_error
+from kernel_cases import (
+    MAPPINGS,
+    fp64_reference,
+    make_integer_problem,
+    make_problem,
+    relative_error,
+)
 
 CUDA = "cuda"
 SHAPES = [  # (tokens, K, output slices, rank, max_loras): qkv-, gate_up- and o-like, small
@@ -226,3 +232,35 @@ def test_the_segment_loop_in_flight_gives_the_same_bits(shape):
         graph.replay()
         torch.cuda.synchronize()
         assert_bitwise_equal(out, want, name=f"{path.__name__} in flight, graph")
+
+
+@pytest.mark.parametrize("shape", [(8, 4096, (4096, 1024, 1024), 16, 8),
+                                   (16, 4096, (12288, 12288), 16, 8),
+                                   (32, 12288, (4096,), 64, 32)],
+                         ids=lambda s: f"T{s[0]}-N{sum(s[2])}-r{s[3]}-l{s[4]}")
+def test_k2_gathering_each_rows_adapter_gives_the_reference_bits(shape, monkeypatch):
+    # EPILORA_GATHER_SEGMENTS: decode tiles of several slots add each row's adapter by its own
+    # slot, summed in registers over rank steps. On integer-valued operands (exact in fp32) the
+    # reference's bits, swapped tiles or not, eager and in a CUDA graph; on random operands
+    # the decode path within rounding of the segment loop's (the rank summed in another order).
+    monkeypatch.setenv("EPILORA_GATHER_SEGMENTS", "1")
+    t, k, slices, rank, slots = shape
+    _, codes, scales, weight, w_scale, h, lora, batch = make_integer_problem(
+        7, t, k, slices, rank, slots, "one_token_each", device=CUDA)
+    want = reference.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch)
+    for swap in (False, True):
+        cfg = fused.LaunchConfig(block_m=16 if t <= 16 else 32, block_n=64, block_k=128,
+                                 block_r=rank, num_stages=4, swap_ab=swap)
+        assert _tiling.gather_segments(cfg, batch.num_entries) > 0
+        got = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=cfg)
+        assert_bitwise_equal(got, want, name=f"gathering K2 (swapped {swap})")
+        graph, out = capture(lambda cfg=cfg: fused.lora_fp8_gemm(
+            codes, scales, weight, w_scale, h, lora, batch, config=cfg))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitwise_equal(out, want, name=f"gathering K2 (swapped {swap}), graph")
+    x, weight, w_scale, lora, batch = _problem(shape, "one_token_each", seed=5)
+    gathered = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch)
+    monkeypatch.setenv("EPILORA_GATHER_SEGMENTS", "0")  # a template of its own (its key)
+    segments = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch)
+    assert relative_error(gathered, segments) < 1e-2
