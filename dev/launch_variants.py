@@ -140,8 +140,10 @@ from epilora_kernels import _launchers, _tiling, dispatch, fused, launch  # noqa
 
 
 def _made_again() -> None:
-    # Launch templates keep the K2 form they were made with; the settings memo its settings.
+    # Launch templates keep the K2 form they were made with; the settings memo its settings;
+    # the wave fitting its tiles (from the blocks per SM of the form it compiled).
     _launchers._K2_TEMPLATES.clear()
+    _launchers._FITTED.clear()
     fused._PLANS.clear()
 
 

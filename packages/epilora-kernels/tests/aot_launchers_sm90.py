@@ -187,11 +187,15 @@ def main() -> None:
 
 
 def _with_env(name: str, launch):
+    before = os.environ.get(name)
     os.environ[name] = "1"
     try:
         return launch()
     finally:
-        del os.environ[name]
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
 
 
 def _compile_only(launch):

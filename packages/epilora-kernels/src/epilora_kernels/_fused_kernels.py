@@ -349,7 +349,7 @@ def _gathered_delta(acc, h_ptr, tok, pos, pos_mask, s, T, R, n, n_mask, slice_be
     b_stride = (slice_end - slice_begin) * R  # one slot's slice of B
     b_rows = b_base + row_slot.to(tl.int64)[:, None, None] * b_stride
     col_mask = ((n < slice_end) & n_mask)[None, :, None] & (row_slot >= 0)[:, None, None]
-    for step in tl.static_range(BLOCK_R // R_STEP):
+    for step in tl.range(0, BLOCK_R // R_STEP):  # a loop, not unrolled: up to 128 steps
         rr = step * R_STEP + tl.arange(0, R_STEP)
         hs = _h_bf16(h_ptr, tok, pos_mask & (row_slot >= 0), s, T, R, rr, NUM_SLICES,
                      H_PLANES, INTERPRETER)

@@ -564,7 +564,7 @@ def fit_k2_waves(support: DeviceSupport, mode: int, a_dtype: torch.dtype, weight
     t, n, k = batch.num_tokens, lora.out_features, lora.in_features
     key = (weight.device, mode, a_dtype, h_dtype, t, batch.num_entries, k, lora.output_slices,
            lora.max_rank, weight_scale.numel() > 1, cfg, pdl, wait_codes, warm_l2,
-           wait_k1_first, has_bias)
+           wait_k1_first, has_bias, _tiling.gather_segments(cfg, batch.num_entries))
     if key not in _FITTED:
         def measure(candidate: LaunchConfig) -> tuple[int, int] | None:
             try:

@@ -255,6 +255,8 @@ def _launches(support, projections: dict, tokens, rank: int, slots: int, codes: 
             out += [(k, slices, t, k1, k2)]
             k2s = k2_candidates(k2, sum(slices), k, slices, tokens=t)
             out += [(k, slices, t, k1, c) for c in k2s]
+            if slots > 1:  # settings in use in flight (an earlier cache's), timed as shipped
+                out.append((k, slices, t, k1, dataclasses.replace(k2, segment_stages=1)))
             if k1_tuned(codes, slots, t):
                 out += [(k, slices, t, c, partner)
                         for c in k1_candidates(k1, k, rank, len(slices))
@@ -484,10 +486,13 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
             # Settings in use with the segment loop in flight (an earlier cache's): several
             # slots time them as shipped too; one slot ignores the loop: as shipped.
             shipped = dataclasses.replace(chosen[1], segment_stages=1)
-            if shipped != chosen[1] and slots > 1 and time.monotonic() - start <= budget_s:
-                us = run(chosen[0], shipped)
-                if us < best * (1 - MARGIN):
-                    best, chosen = us, (chosen[0], shipped)
+            if shipped != chosen[1] and slots > 1:
+                if time.monotonic() - start > budget_s:
+                    report["complete"] = False
+                else:
+                    us = run(chosen[0], shipped)
+                    if us < best * (1 - MARGIN):
+                        best, chosen = us, (chosen[0], shipped)
             if slots == 1:
                 chosen = (chosen[0], shipped)
             for cand in (k1_candidates(k1, k, rank, len(slices))

@@ -260,6 +260,8 @@ def test_k2_gathering_each_rows_adapter_gives_the_reference_bits(shape, monkeypa
         torch.cuda.synchronize()
         assert_bitwise_equal(out, want, name=f"gathering K2 (swapped {swap}), graph")
     x, weight, w_scale, lora, batch = _problem(shape, "one_token_each", seed=5)
+    k2 = fused.decode_settings(x, weight, w_scale, lora, batch)[1]
+    assert _tiling.gather_segments(k2, batch.num_entries) > 0  # the decode path gathers
     gathered = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch)
     monkeypatch.setenv("EPILORA_GATHER_SEGMENTS", "0")  # a template of its own (its key)
     segments = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch)
