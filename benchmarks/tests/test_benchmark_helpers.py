@@ -47,3 +47,19 @@ def test_compile_in_parallel_runs_every_case_and_reports_failures(tmp_path, caps
     out = capsys.readouterr().out
     assert "--tokens 4: failed (exit 3)" in out
     assert out.count(": compiled") == 2
+
+
+def test_tune_decode_takes_the_layer_benchmarks_setups_and_refuses_bad_ones(capsys):
+    # tune_decode.py --setups SLOTSxRANK: the (slots, rank) pairs as given, in order; a
+    # malformed or non-positive one is a usage error naming it.
+    import argparse
+
+    import tune_decode
+
+    parser = argparse.ArgumentParser()
+    assert [tune_decode.parse_setup(s, parser) for s in ("1x64", "8x16", "32x64")] == [
+        (1, 64), (8, 16), (32, 64)]
+    for bad in ("8-16", "x16", "8x", "0x16", "8x0", "8x16x2"):
+        with pytest.raises(SystemExit):
+            tune_decode.parse_setup(bad, parser)
+        assert repr(bad) in capsys.readouterr().err
