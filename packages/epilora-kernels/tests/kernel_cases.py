@@ -1,4 +1,11 @@
-"""Shared inputs for the kernel tests (CPU interpreter and GPU): weights, adapters, batches."""
+"""Shared inputs for the kernel tests (CPU interpreter and GPU): weights, adapters, batches;
+and `run_sm90_script`, the ahead-of-time sm_90 scripts' runner."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -232,3 +239,14 @@ def check_the_bias_is_added_before_rounding(path, tokens, *, device="cpu", bound
     assert_bitwise_equal(y, want, name=f"{path} path with a bias, {tokens} tokens")
     after = (expected(None).float() + bias.float()).to(torch.bfloat16)
     assert not torch.equal(after, want), "the bias added after rounding gives its bits too"
+
+
+def run_sm90_script(name: str):
+    """Run tests/NAME (an aot_*_sm90.py script) with Triton's interpreter off, as the scripts
+    compile for sm_90 on the CPU; the JSON its last line printed."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name(name)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            env=env, timeout=600, cwd=script.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])

@@ -2,20 +2,11 @@
 instructions its bit-exactness rests on: `div.full.f32` (Triton's division, as Inductor's
 compiled quantizer uses) and the hardware round-to-nearest e4m3 conversion."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from kernel_cases import run_sm90_script
 
 
 def test_kernels_compile_for_sm90_with_the_expected_instructions():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).with_name("aot_sm90.py")
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                            env=env, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    found = json.loads(result.stdout.strip().splitlines()[-1])
+    found = run_sm90_script("aot_sm90.py")
     assert "div.full.f32" in found["k1_quantize=True"]
     assert "cvt.rn.satfinite.e4m3x2.f32" in found["k1_quantize=True"]
     assert all("mma.sync" in found[f"k2_mode={m}"] for m in (0, 1, 2))
@@ -73,12 +64,7 @@ def test_kernels_compile_for_sm90_with_the_expected_instructions():
 
 
 def test_every_launch_compiles_for_sm90_with_the_arguments_its_launcher_passes():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).with_name("aot_launchers_sm90.py")
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                            env=env, timeout=600, cwd=script.parent)
-    assert result.returncode == 0, result.stderr[-3000:]
-    launches = json.loads(result.stdout.strip().splitlines()[-1])
+    launches = run_sm90_script("aot_launchers_sm90.py")
     # epilora_kernels.compile_only: every launch a compile without a run (Triton's warmup),
     # with the launch's own kernel, arguments and grid, so the launch then finds it compiled.
     compile_only = {name: launches.pop(name) for name in list(launches)

@@ -4,10 +4,6 @@ at its budget, and writes a cache the table lookups then serve, per device and v
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +11,8 @@ import torch
 import epilora_kernels.tuner as tuner
 from epilora_kernels import _tiling as launch_tiling
 from epilora_kernels import fused, launch
+
+from kernel_cases import run_sm90_script
 
 PROJECTIONS = {"qkv": (2048, (64, 32, 32)), "down": (4096, (64,))}
 ANSWER = torch.linspace(-1.0, 1.0, 64).reshape(1, 64)
@@ -316,12 +314,7 @@ def test_the_parallel_compile_covers_every_launch_the_search_times(codes, monkey
 def test_the_parallel_compile_leaves_no_kernel_to_compile_in_the_timed_search():
     # Kernel by kernel (its constexprs: K1's follow K2's form, the codes sorted for a K2 that
     # reads them by TMA), for sm_90 on the CPU: aot_tuner_sm90.py's docstring.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).with_name("aot_tuner_sm90.py")
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                            env=env, timeout=600, cwd=script.parent)
-    assert result.returncode == 0, result.stderr[-3000:]
-    missing = json.loads(result.stdout.strip().splitlines()[-1])
+    missing = run_sm90_script("aot_tuner_sm90.py")
     assert len(missing) == 3 and missing == {case: [] for case in missing}, missing
 
 

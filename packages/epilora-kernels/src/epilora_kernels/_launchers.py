@@ -348,6 +348,7 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
     # `prefetch`: an L2Prefetch's `prefetch.kernel_args`, or None.
     _, _, off1, off2 = _slices(lora)
     pf_when, pf_rows, pf_stride, pf_lines, pf_half, pf_row_bytes = prefetch or (0,) * 6
+    gather_step = _tiling.gather_segments(cfg, num_entries)  # 0: the segment loop
     return dict(
         pointers,
         N=n, K=lora.in_features, R=lora.max_rank, NUM_ENTRIES=num_entries,
@@ -359,8 +360,7 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
         WAIT_CODES=wait_codes, WARM_L2=warm_l2 if wait_codes else 0, TRACE=traced,
         B_IN_REGS=_tiling.b_in_registers(cfg), R_CHUNK=_tiling.epilogue_rank_chunk(cfg),
         SEG_STAGES=cfg.segment_stages if num_entries > 2 else 1,
-        GATHER_SEGMENTS=_tiling.gather_segments(cfg, num_entries) > 0,
-        GATHER_R_STEP=max(1, _tiling.gather_segments(cfg, num_entries)),
+        GATHER_SEGMENTS=gather_step > 0, GATHER_R_STEP=max(1, gather_step),
         W_TMA=w_tma, WAIT_K1_FIRST=wait_k1_first and pdl, A_TMA=a_sorted,
         W_SCALE_PER_CHANNEL=per_channel, HAS_BIAS=has_bias,
         SWAP_AB=cfg.swap_ab and mode != EXPAND,  # the expand has no GEMM to swap
