@@ -121,6 +121,16 @@ def profile_request(args, name: str, request, generate) -> dict:
         "gpu": torch.cuda.get_device_name()}
 
 
+def layer_period_us(step: list[dict]) -> float:
+    """A layer's time in the decode step's kernel sequence: the median start-to-start time of
+    consecutive attention kernels (the 4-layer engine's TPOT is mostly host time and the
+    lm_head, so the layers' own time is read here; NaN without two attentions)."""
+    starts = [k["start_us"] for k in step
+              if "FlashAttn" in k["name"] and "Combine" not in k["name"]]
+    gaps = [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    return statistics.median(gaps) if gaps else float("nan")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen3-8b", choices=list(serving.CONFIGS))
@@ -164,7 +174,8 @@ def main() -> None:
                                    "results": results}, indent=1))
     for r in results:
         print(f"\n{r['name']}: TPOT {r['tpot_us']:.1f} us, kernels {r['kernel_us_per_step']:.1f}"
-              f" us in {r['launches_per_step']:.0f} launches per step")
+              f" us in {r['launches_per_step']:.0f} launches per step, a layer"
+              f" {layer_period_us(r['last_step']):.1f} us")
         for k in r["kernels"][:25]:
             print(f"  {k['per_step']:6.1f} x {k['us_per_step']:8.1f} us  {k['name'][:90]}")
 
