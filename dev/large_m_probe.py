@@ -66,7 +66,7 @@ def kernels(x, weight, scale, lora, batch):
     return fns, h.float().clone()
 
 
-def run_case(model: str, tokens: int, reps: int) -> list[dict]:
+def run_case(model: str, tokens: int, reps: int, only: list[str] | None = None) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     projections = MODELS[model]
     layer = make_layer(1, 64, gen, projections)
@@ -75,6 +75,12 @@ def run_case(model: str, tokens: int, reps: int) -> list[dict]:
     rows = []
     for name, (weight, scale, lora) in layer.items():
         fns, reference = kernels(xs[name], weight, scale, lora, batch)
+        if only:
+            unknown = set(only) - set(fns)
+            if unknown:
+                raise SystemExit(f"--kernels: no kernel named {sorted(unknown)}; "
+                                 f"the names are {sorted(fns)}")
+            fns = {key: fn for key, fn in fns.items() if key in only}
         good = {}
         for key, fn in fns.items():
             print(f"# {model} {name} {tokens} {key}: first run", flush=True)
@@ -104,17 +110,23 @@ def main():
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 4096])
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--case-timeout", type=float, default=120.0)
+    parser.add_argument("--kernels", nargs="+", metavar="NAME",
+                        help="only these kernels (names as printed, e.g. ek-k1 vllm-quant "
+                             "ek-k1-64r32k128s4w4p3-together; default: all): each compiles "
+                             "in turn, about 3 s an sm_90 kernel")
     parser.add_argument("--case", type=int, help=argparse.SUPPRESS)  # one case, in-process
     args = parser.parse_args()
     if args.case is not None:
-        Path(args.out).write_text(json.dumps(run_case(args.model, args.case, args.reps)))
+        Path(args.out).write_text(json.dumps(
+            run_case(args.model, args.case, args.reps, args.kernels)))
         return
     rows = []
     for tokens in args.tokens:
         part = Path(f"{args.out}.{tokens}")
         try:
             subprocess.run([sys.executable, __file__, "--out", str(part), "--model", args.model,
-                            "--reps", str(args.reps), "--case", str(tokens)],
+                            "--reps", str(args.reps), "--case", str(tokens),
+                            *(["--kernels", *args.kernels] if args.kernels else [])],
                            timeout=args.case_timeout, check=False)
         except subprocess.TimeoutExpired:
             print(f"# {tokens} tokens: past {args.case_timeout} s, stopped", flush=True)
