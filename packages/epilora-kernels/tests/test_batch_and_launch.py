@@ -64,6 +64,20 @@ def test_prefill_k2_takes_prefill_tiles_unless_a_bucket_covers_the_batch(tmp_pat
     assert heuristic_config("lora_gemm", 2048, 4096, 4096, 64).block_n == 256
     k1 = heuristic_config("quantize_shrink", prefill, 6144, 4096, 64)
     assert (k1.block_m, k1.block_r, k1.split_k) == (64, 32, 4), k1
+    # Several slices, and a grid that still gives each of 132 SMs a program: every slice in
+    # one program, in 64-deep K steps of 4 stages; one slice, or fewer programs, the plain tile
+    qkv = (4096, 1024, 1024)
+    for op in ("quantize_shrink", "shrink"):
+        together = heuristic_config(op, 2048, 6144, 4096, 64, qkv)
+        assert (together.slices_together, together.block_k, together.num_stages,
+                together.block_m, together.block_r, together.split_k) == (
+            True, 64, 4, 64, 32, 4), together
+        assert heuristic_config(op, 2048, 4096, 4096, 64, (4096,)) == k1
+        # 512 tokens: 8 row tiles x 2 rank tiles x split 4 = 64 programs, under 132
+        assert not heuristic_config(op, 512, 6144, 4096, 64, qkv).slices_together
+        # rank 16 (one rank tile) at 2048 tokens: 128 programs together, under 132
+        assert not heuristic_config(op, 2048, 6144, 4096, 16, qkv).slices_together
+        assert heuristic_config(op, 4096, 6144, 4096, 16, qkv).slices_together
     # sm_89's blocks get 99 KB of shared memory: no prefill tiles there
     from epilora_kernels import _launchers, _tiling, fused
     from epilora_kernels.arch import INTERPRETER, DeviceSupport

@@ -167,8 +167,9 @@ def heuristic_config(
             # Qwen3-8B's four shapes (rank 64) 172 -> 141 us at 2048 tokens and 313 -> 258 at
             # 4096, the fastest of eight tilings there and within 4 us of the fastest at 512
             # (dev/large_m_probe.py at 5c4e33e; docs/kernels.md, "Prefill").
-            return LaunchConfig(block_m=64, block_n=64, block_k=128, block_r=min(block_r, 32),
-                                split_k=max(1, min(4, k // 512)), num_warps=4, num_stages=3)
+            cfg = LaunchConfig(block_m=64, block_n=64, block_k=128, block_r=min(block_r, 32),
+                               split_k=max(1, min(4, k // 512)), num_warps=4, num_stages=3)
+            return prefill_slices_together(cfg, tokens, rank, slices)
         return LaunchConfig(block_m=16, block_n=64, block_k=128, block_r=min(block_r, 32),
                             split_k=max(1, min(8, k // 512)), num_warps=4, num_stages=2)
     if tokens > PREFILL_MIN_TOKENS and large_tiles:
@@ -210,6 +211,26 @@ def heuristic_config(
         # at 1 and 4 (docs/kernels.md, Next steps 9): hence only from 17 tokens.
         return swap_candidate(cfg, n, k, slices, tokens)
     return cfg
+
+
+def prefill_slices_together(cfg: LaunchConfig, tokens: int, rank: int,
+                            slices: tuple[int, ...]) -> LaunchConfig:
+    """K1's prefill tile `cfg` with every slice in one program (`slices_together`) where there
+    are several and the grid still gives every SM a program; then in 64-deep K steps of 4
+    stages (80 KB of shared memory with three slices' A, two blocks an SM, where 128-deep
+    steps of 3 stages take 120 KB, one block).
+
+    The shrink reads x once per slice and rank tile, mostly from L2, and at 2048 tokens that,
+    not HBM, bounds it (docs/kernels.md, "Prefill"): together, qkv's x is read a third as
+    often and gate_up's half. On an H100 at 2048 tokens, Qwen3-8B's shapes at rank 64, K1
+    took 0.87x the plain 64 x 32 tiles' time on qkv and on gate_up in these steps, and 1.26x
+    on qkv in 128-deep steps of 3 stages (`dev/large_m_probe.py --tokens 2048`, one run at
+    1dcd623, file not kept). Fewer programs than SMs (rank 64 below ~1100 tokens) keep the
+    plain tiles: the slices' programs are then what fills the GPU."""
+    programs = -(-tokens // cfg.block_m) * -(-rank // cfg.block_r) * cfg.split_k
+    if len(slices) < 2 or programs < H200_SMS:
+        return cfg
+    return dataclasses.replace(cfg, block_k=64, num_stages=4, slices_together=True)
 
 
 # From this many tokens K2 takes 128 x 128 tiles in 8 warps (wgmma at its widest) where they
