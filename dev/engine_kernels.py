@@ -166,9 +166,13 @@ def main() -> None:
         env = {**serving.system_env(system), **extra, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                "EPILORA_CACHE_DIR": str(work / f"cache-{name}")}
         print(f"{name} ...", flush=True)
-        log, _ = serving.run_worker(cmd, env=env, timeout=args.timeout)
+        log, ok = serving.run_worker(cmd, env=env, timeout=args.timeout)
         out.with_name(f"engine_kernels-{name}.log").write_text(log)
-        results += serving.results_of(log)
+        found = serving.results_of(log)
+        if not found:  # (on a cold machine an engine with the plugin took over 160 s)
+            why = "exited without one" if ok else f"failed, or ran past --timeout {args.timeout} s"
+            print(f"{name}: no result ({why}; its log: engine_kernels-{name}.log)", flush=True)
+        results += found
         out.write_text(json.dumps({"model": args.model, "layers": args.layers,
                                    "git_sha": os.environ.get("EPILORA_GIT_SHA"),
                                    "results": results}, indent=1))
