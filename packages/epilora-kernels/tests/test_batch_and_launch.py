@@ -53,6 +53,22 @@ def test_launch_config_validation_and_heuristic():
         heuristic_config("gemm", 1, 64, 64, 16)
 
 
+def test_decode_k2_swaps_its_tiles_where_plain_ones_leave_sms_idle():
+    # 2-16 tokens: swapped 64-row weight tiles (wgmma, the one-wave pipeline) where the plain
+    # 32-wide tiles are fewer programs than 132 SMs (o: 128; Qwen2.5-7B's o: 112), plain
+    # where they give each SM one (qkv 192, down 128 x 2 split, gate_up); one token plain
+    for tokens in (2, 4, 8, 16):
+        for n, k in ((4096, 4096), (3584, 3584)):
+            cfg = heuristic_config("lora_gemm", tokens, n, k, 64)
+            assert (cfg.swap_ab, cfg.block_n, cfg.block_k, cfg.split_k) == (True, 64, 256, 1)
+        for n, k, slices in ((6144, 4096, (4096, 1024, 1024)), (4096, 12288, ()),
+                             (24576, 4096, (12288, 12288))):
+            assert not heuristic_config("lora_gemm", tokens, n, k, 64, slices).swap_ab
+    assert not heuristic_config("lora_gemm", 1, 4096, 4096, 64).swap_ab
+    # without sm_90's shared memory (sm_89) nothing is swapped
+    assert not heuristic_config("lora_gemm", 4, 4096, 4096, 64, large_tiles=False).swap_ab
+
+
 def test_prefill_k2_takes_prefill_tiles_unless_a_bucket_covers_the_batch(tmp_path, monkeypatch):
     from epilora_kernels import launch
 

@@ -203,12 +203,20 @@ def heuristic_config(
     cfg = LaunchConfig(block_m=block_m, block_n=fit_slices(block_n, slices), block_k=256,
                        block_r=block_r, split_k=2 if k >= 2 * n else 1, num_warps=4,
                        num_stages=stages)
-    if block_m == 32 and large_tiles:  # (sm_90, or the interpreter, which runs any tile)
-        # 32-row tiles run on mma.sync unless swapped (LaunchConfig.swap_ab: wgmma, the weight
-        # by TMA). The engine-start tuner chose swapped tiles in 17 of 20 buckets on Qwen3-8B's
-        # shapes, and this one swapped tile (64 weight rows, 256 deep, K whole, the one-wave
-        # pipeline) took 0.95x the shipped table's layer at 32 tokens, 0.98x at 16 and 1.05x
-        # at 1 and 4 (docs/kernels.md, Next steps 9): hence only from 17 tokens.
+    if large_tiles and (block_m == 32 or (tokens > 1 and -(-n // cfg.block_n) * cfg.split_k
+                                          < H200_SMS)):
+        # (sm_90, or the interpreter, which runs any tile.) 32-row tiles run on mma.sync
+        # unless swapped (LaunchConfig.swap_ab: wgmma, the weight by TMA). The engine-start
+        # tuner chose swapped tiles in 17 of 20 buckets on Qwen3-8B's shapes, and this one
+        # swapped tile (64 weight rows, 256 deep, K whole, the one-wave pipeline) took 0.95x
+        # the shipped table's layer at 32 tokens, 0.98x at 16 and 1.05x at 1 and 4 (docs/
+        # kernels.md, Next steps 9): hence from 17 tokens. At 2-16 tokens it is taken where
+        # the plain tiles leave SMs without a program: the tuner's entries for the 4096 x 4096
+        # projection (o: 128 plain 32-wide tiles) took it at 4, 8 and 16 tokens at ranks 16,
+        # 64 and 128 (its cache on the H200 at ba2f1be; the decode path 1.07-1.18x faster
+        # than before tuning there, tune_decode.json), and kept plain tiles where those give
+        # every SM one (qkv's 192, down's 256 split in two, gate_up's); at one token it kept
+        # plain tiles at ranks 16 and 64.
         return swap_candidate(cfg, n, k, slices, tokens)
     return cfg
 
