@@ -228,9 +228,9 @@ def prefill_slices_together(cfg: LaunchConfig, tokens: int, rank: int,
     stages (80 KB of shared memory with three slices' A, two blocks an SM, where 128-deep
     steps of 3 stages take 120 KB, one block).
 
-    The shrink reads x once per slice and rank tile, mostly from L2, and at 2048 tokens that,
-    not HBM, bounds it (docs/kernels.md, "Prefill"): together, qkv's x is read a third as
-    often and gate_up's half. On an H100 at 2048 tokens, Qwen3-8B's shapes at rank 64, K1
+    The shrink reads x once per slice and rank tile, mostly from L2, which likely bounds it
+    at 2048 tokens (a hypothesis, docs/kernels.md, "Prefill"): together, qkv's x is read a
+    third as often and gate_up's half. On an H100 at 2048 tokens, Qwen3-8B's shapes at rank 64, K1
     took 0.87x the plain 64 x 32 tiles' time on qkv and on gate_up in these steps, and 1.26x
     on qkv in 128-deep steps of 3 stages (`dev/large_m_probe.py --tokens 2048`, one run at
     1dcd623, file not kept). Fewer programs than SMs (rank 64 below ~1100 tokens) keep the
