@@ -22,7 +22,16 @@ Variants (`--variants`):
   (`launch.heuristic_config`): K2 at 33-256 tokens in 64 x 64 x 128 tiles of 4 stages, K2's
   32-row tiles unswapped, the decode path's K1 at 1-32 tokens split K // 1024 ways (at most
   16). The change was read from the tuned Qwen3-8B entries (configs/NVIDIA_H200.json) and two
-  A/B runs of one swapped tile: the other models' shapes are its test.
+  A/B runs of one swapped tile: the other models' shapes are its test. Also without the later
+  rules (`heuristic-plain-small`, `k1-apart` below).
+* `heuristic-plain-small`: `heuristic` with K2's plain tiles at 1-16 tokens, as before the
+  rule that swaps them where the plain tiles are fewer programs than SMs (o's 4096 x 4096;
+  `launch.heuristic_config`, read from the tuner's o entries on the H200): against
+  `heuristic`, `--tokens 4 8 16`, the three models (Qwen2.5-7B's 3584-wide o is the unseen
+  shape).
+* `k1-apart`: K1's prefill tiles one slice a program, as before `launch.prefill_slices_together`
+  (every slice in one program where several slices' grid still fills the SMs; read from one
+  H100 probe of Qwen3-8B at 2048 tokens): `--tokens 512 2048 4096`.
 * `k1-light`: the decode path's K1 (up to 32 tokens) in more, lighter programs: the shipped
   settings' K split twice as often (at most 32 ways) and rank tiles of at most 32. In a vLLM
   engine step K1 ends only near the end of K2's weight stream and K2's epilogue waits for it
@@ -219,8 +228,30 @@ def heuristic_before():
             return dataclasses.replace(cfg, split_k=max(1, min(16, k // 1024)))
         return cfg
 
-    with heuristic(), _made_again_around(mock.patch.object(launch, "heuristic_config", before)):
+    with (heuristic(), mock.patch.object(launch, "prefill_slices_together", _apart),
+          _made_again_around(mock.patch.object(launch, "heuristic_config", before))):
         yield
+
+
+def _apart(cfg, *args):
+    return cfg  # launch.prefill_slices_together undone: K1's plain prefill tile
+
+
+@contextlib.contextmanager
+def heuristic_plain_small():
+    new = launch.heuristic_config
+
+    def plain(op, tokens, n, k, rank, slices=(), large_tiles=True):
+        # at decode sizes large_tiles gates the swapped tiles alone
+        return new(op, tokens, n, k, rank, slices, large_tiles and not (
+            op == "lora_gemm" and tokens <= 16))
+
+    with heuristic(), _made_again_around(mock.patch.object(launch, "heuristic_config", plain)):
+        yield
+
+
+def k1_apart():
+    return _made_again_around(mock.patch.object(launch, "prefill_slices_together", _apart))
 
 
 def k1_split_by(times: float, most: int, rank_tile: int):
@@ -270,7 +301,8 @@ def segments_in_flight():
 
 
 VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
-            "heuristic-before": heuristic_before, "k1-light": k1_split_by(2, 32, 32),
+            "heuristic-before": heuristic_before, "heuristic-plain-small": heuristic_plain_small,
+            "k1-apart": k1_apart, "k1-light": k1_split_by(2, 32, 32),
             "k1-lighter": k1_split_by(4, 64, 16), "k1-heavier": k1_split_by(0.5, 32, 128),
             "k1-heaviest": k1_split_by(0.25, 32, 128), "decode-path": decode_path,
             "decode-prefill": decode_everywhere, "after-previous": after_previous,
