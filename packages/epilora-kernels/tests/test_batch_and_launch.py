@@ -41,7 +41,8 @@ def test_launch_config_validation_and_heuristic():
             for slices in ((6144,), (4096, 1024, 1024), (4096, 1040, 1040), (96, 48)):
                 k2 = heuristic_config("lora_gemm", tokens, sum(slices), 4096, rank, slices)
                 # K2 holds the whole rank in its epilogue and never straddles two slices; it
-                # splits K only where K is at least twice N, always at 1-16 tokens
+                # splits K only where K is at least twice N, always at 1-16 tokens (where it
+                # splits, it keeps its plain tiles there)
                 deep = 4096 >= 2 * sum(slices)
                 assert k2.block_r >= rank and k2.split_k in ((1, 2) if deep else (1,)), k2
                 assert tokens > 16 or k2.split_k == (2 if deep else 1), (tokens, k2)
@@ -65,6 +66,10 @@ def test_decode_k2_swaps_its_tiles_where_plain_ones_leave_sms_idle():
                              (24576, 4096, (12288, 12288))):
             assert not heuristic_config("lora_gemm", tokens, n, k, 64, slices).swap_ab
     assert not heuristic_config("lora_gemm", 1, 4096, 4096, 64).swap_ab
+    # a plain tile that splits K (K >= 2N) stays plain: unsplit, the swapped tile would be a
+    # quarter of its programs (a small model's down, 1536 x 8960: 96 plain, 24 swapped)
+    down = heuristic_config("lora_gemm", 8, 1536, 8960, 64)
+    assert (down.swap_ab, down.split_k, down.block_n) == (False, 2, 32), down
     # without sm_90's shared memory (sm_89) nothing is swapped
     assert not heuristic_config("lora_gemm", 4, 4096, 4096, 64, large_tiles=False).swap_ab
 

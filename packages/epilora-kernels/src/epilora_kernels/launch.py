@@ -53,14 +53,15 @@ class LaunchConfig:
     wgmma, the weight streamed by TMA (as CUTLASS's swap-AB decode GEMM), where they are
     otherwise mma.sync's. It needs `block_n` >= 16 * `num_warps` (64 rows a warpgroup) and
     gives the same results up to the order of the fp32 sums. Off in the shipped tables; the
-    heuristic takes it at 17-32 tokens on sm_90, the tuner tries it at decode sizes
-    (EPILORA_TUNE_SWAP_AB=0: not).
+    heuristic takes it on sm_90 at 17-32 tokens and at 2-16 where the plain tiles leave SMs
+    idle, the tuner tries it at decode sizes (EPILORA_TUNE_SWAP_AB=0: not).
 
     `slices_together` (K1 only; K2 ignores it): each shrink program computes its rank tile of
     every output slice (qkv's three, gate_up's two) from one read of its x tile, one
     accumulator a slice, where otherwise each slice's programs read x again. Each slice's sums
     in the same tiles and K order as apart (bit for bit on integer-valued operands under the
-    interpreter). Off in the shipped tables and the heuristic: not yet timed.
+    interpreter). Off in the shipped tables; the heuristic's at prefill sizes where that grid
+    still fills the SMs (`prefill_slices_together`).
 
     `segment_stages` (K2 only; one adapter slot ignores it): the stages of K2's epilogue loop
     over the adapter segments that meet its tile (several slots; a decode tile meets one
@@ -203,8 +204,8 @@ def heuristic_config(
     cfg = LaunchConfig(block_m=block_m, block_n=fit_slices(block_n, slices), block_k=256,
                        block_r=block_r, split_k=2 if k >= 2 * n else 1, num_warps=4,
                        num_stages=stages)
-    if large_tiles and (block_m == 32 or (tokens > 1 and -(-n // cfg.block_n) * cfg.split_k
-                                          < H200_SMS)):
+    if large_tiles and (block_m == 32 or (tokens > 1 and cfg.split_k == 1
+                                          and -(-n // cfg.block_n) < H200_SMS)):
         # (sm_90, or the interpreter, which runs any tile.) 32-row tiles run on mma.sync
         # unless swapped (LaunchConfig.swap_ab: wgmma, the weight by TMA). The engine-start
         # tuner chose swapped tiles in 17 of 20 buckets on Qwen3-8B's shapes, and this one
@@ -216,7 +217,9 @@ def heuristic_config(
         # 64 and 128 (its cache on the H200 at ba2f1be; the decode path 1.07-1.18x faster
         # than before tuning there, tune_decode.json), and kept plain tiles where those give
         # every SM one (qkv's 192, down's 256 split in two, gate_up's); at one token it kept
-        # plain tiles at ranks 16 and 64.
+        # plain tiles at ranks 16 and 64. Not where the plain tiles split K (K >= 2N): there
+        # the swapped tile, unsplit, would be a quarter of their programs, and no tuned entry
+        # says what serves those shapes (a small model's down, 1536 x 8960: 24 programs).
         return swap_candidate(cfg, n, k, slices, tokens)
     return cfg
 
@@ -347,7 +350,7 @@ def swap_candidates(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...],
 
 def swap_candidate(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...], tokens: int,
                    split_k: int = 1) -> LaunchConfig:
-    """One swapped tile of `swap_candidates` (the heuristic's at 17-32 tokens, and the A/B
+    """One swapped tile of `swap_candidates` (the heuristic's at decode sizes, and the A/B
     tools' pick, dev/launch_variants.py and dev/decode_timeline.py): 64 weight rows, the
     deepest K tile, the K loop split `split_k` ways, the one-wave pipeline where there is one;
     `cfg` itself where none fits."""
