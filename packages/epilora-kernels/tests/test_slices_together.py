@@ -95,3 +95,19 @@ def test_the_one_launch_takes_its_shrink_a_slice_a_program():
                               batch, given, None, decode=True, quantize=False, pdl=True,
                               counted=False, warm_l2=0, wait_k1_first=False, lead=True)
     assert cfg1 == dataclasses.replace(given, slices_together=False)
+
+
+def test_the_heuristics_prefill_k1_takes_every_slice_together_with_the_same_bits():
+    # `launch.prefill_slices_together`: several slices and a grid that fills 132 SMs (4225
+    # tokens in 64-row tiles, two rank tiles, K unsplit: 134 programs together). What the
+    # dispatcher's K1 takes by default there gives one slice a program's codes, scales and h.
+    tokens, slices = 4225, (32, 16, 16)
+    x, _, _, lora, batch = _integer_problem(4, tokens, 128, slices, 64, 1, "one_adapter")
+    chosen = _tiling.config(device_support(x.device), "quantize_shrink", tokens, lora, None)
+    assert chosen.slices_together and (chosen.block_k, chosen.num_stages) == (64, 4), chosen
+    got = ek.quantize_and_shrink(x, lora, batch)
+    want = ek.quantize_and_shrink(x, lora, batch,
+                                  config=dataclasses.replace(chosen, slices_together=False))
+    for name, a, b in zip(("codes", "scales", "h"), got, want, strict=True):
+        assert_bitwise_equal(a, b, name=name)
+    assert bool((want[2] != 0).any())
