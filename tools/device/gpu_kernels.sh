@@ -54,6 +54,8 @@
 #   large-m-probe dev/large_m_probe.py $LARGE_M_ARGS: the fused path's kernels at prefill
 #           sizes one by one, K1 in each of its tilings (slices together or not), per
 #           projection -> $OUT/large_m_probe.json and .log              LARGE_M_TIMEOUT (420)
+#   gemv-probe dev/gemv_probe.py $GEMV_ARGS: an FP8 GEMV on CUDA cores against CUTLASS and
+#           our K2 at 1-8 tokens, per projection -> $OUT/gemv_probe.json   GEMV_TIMEOUT (300)
 #   prefill-probe dev/prefill_probe.py for each of $PROBE_SYSTEMS (epilora vllm-default), each
 #           under PROBE_TIMEOUT (300) -> $OUT/prefill_probe_SYSTEM.json and .log (with
 #           EPILORA_VLLM_TUNE=0 in the environment the plugin's engine starts ~60 s sooner);
@@ -164,6 +166,8 @@ shutil.copy(cache_path(torch.cuda.get_device_name()), '$OUT/tune-cache/')"
     large-m-probe) timeout "${LARGE_M_TIMEOUT:-420}" python3 dev/large_m_probe.py \
                      --out "$OUT/large_m_probe.json" ${LARGE_M_ARGS:-} 2>&1 \
                      | tee "$OUT/large_m_probe.log" ;;
+    gemv-probe) timeout "${GEMV_TIMEOUT:-300}" python3 dev/gemv_probe.py \
+                  --out "$OUT/gemv_probe.json" ${GEMV_ARGS:-} 2>&1 | tee "$OUT/gemv_probe.log" ;;
     timeline) timeout "${TIMELINE_TIMEOUT:-240}" python3 dev/decode_timeline.py \
                 --out "$OUT/decode_timeline.json" --git-sha "$sha" ${TIMELINE_ARGS:-} 2>&1 \
                 | tee "$OUT/decode_timeline.log" ;;
