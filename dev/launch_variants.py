@@ -102,15 +102,11 @@ Variants (`--variants`):
 
 * `gather-segments`: K2's decode tiles (32 rows or fewer) with several slots add each row's
   adapter from its own slot's B, summed in registers over rank steps (EPILORA_GATHER_SEGMENTS=1,
-  `_tiling.gather_segments`; shipped in tiles of up to 16 rows since 2026-12-05), where the
-  epilogue before ran an MMA per adapter segment, one after another: the flushed timeline at
-  8x16 had K2's epilogue at 2.9-5.7 us a program (0.26 without adapter) and `h-given` at
-  +14% over `cutlass` where `gemm` was at -4% (docs/kernels.md, Next steps 3). `--adapters 8
-  --ranks 16 --tokens 4 8 16 32` and `--adapters 32 --ranks 64`; with `decode-path` beside
-  it for 16 and 32 tokens.
-* `segment-loop`: the MMA per adapter segment everywhere (EPILORA_GATHER_SEGMENTS=0), as before
-  the shipped settings gathered in tiles of up to 16 rows: against them, `--adapters 32 --ranks
-  64 --tokens 4 8 16`, the setup the rule was not read from.
+  `_tiling.gather_segments`), where the shipped epilogue runs an MMA per adapter segment, one
+  after another: the flushed timeline at 8x16 had K2's epilogue at 2.9-5.7 us a program (0.26
+  without adapter) and `h-given` at +14% over `cutlass` where `gemm` was at -4% (docs/
+  kernels.md, Next steps 3). `--adapters 8 --ranks 16 --tokens 4 8 16 32` and `--adapters 32
+  --ranks 64`; with `decode-path` beside it for 16 and 32 tokens.
 
 `--gap-us G`: after every projection of every system, a kernel that spins G microseconds on one
 thread (`torch.cuda._sleep`), standing for the engine's other kernels between the GEMMs.
@@ -200,10 +196,6 @@ def after_previous():
 
 def gather_segments():
     return _made_again_around(mock.patch.dict(os.environ, {"EPILORA_GATHER_SEGMENTS": "1"}))
-
-
-def segment_loop():
-    return _made_again_around(mock.patch.dict(os.environ, {"EPILORA_GATHER_SEGMENTS": "0"}))
 
 
 def one_launch():
@@ -317,7 +309,7 @@ VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "swap-ab": swap_ab(1), "swap-ab-split": swap_ab(2),
             "swap-ab-fast-acc": swap_ab(1, promote=False), "one-launch": one_launch,
             "one-launch-swap-ab": one_launch_swapped, "segments-in-flight": segments_in_flight,
-            "gather-segments": gather_segments, "segment-loop": segment_loop}
+            "gather-segments": gather_segments}
 
 
 PREFETCH_MIB = {"prefetch-8": (8, "end"), "prefetch-24": (24, "end"),

@@ -95,9 +95,7 @@ FITTING = [(case, name) for case in CASES for name, k2 in K2_CONFIGS.items()
 
 @pytest.mark.parametrize(("case", "cfg"), FITTING,
                          ids=[f"T{c[0]}-N{sum(c[2])}-{c[5]}-{n}" for c, n in FITTING])
-def test_k2_fp8_equals_reference_bitwise_and_every_rows_delta(case, cfg, monkeypatch):
-    if cfg == "segments":  # the segment loop, which 16-row tiles of several slots left for
-        monkeypatch.setenv("EPILORA_GATHER_SEGMENTS", "0")  # gathering by default
+def test_k2_fp8_equals_reference_bitwise_and_every_rows_delta(case, cfg):
     x, codes, scales, weight, w_scale, h, lora, batch = make_integer_problem(0, *case)
     k2 = K2_CONFIGS[cfg]
     y = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2)
@@ -272,20 +270,3 @@ def test_the_delta_goes_first_only_where_h_is_whole_before_the_k_loop(
         wait_k1_first, warm_l2=0, wait_k1_first=wait_k1_first, a_sorted=False,
         interpreter=True, has_bias=False)
     assert arguments["DELTA_FIRST"] is first
-
-
-def test_gathering_is_the_default_in_tiles_of_up_to_16_rows_with_several_slots(monkeypatch):
-    # 8 slots of rank 16 on an H100: 0.90-0.97x the segment loop's layer at 4-16 tokens,
-    # 1.03-1.18x at 32 (32-row tiles); one or two slots keep the loop (one segment a tile).
-    from epilora_kernels import _tiling
-
-    monkeypatch.delenv("EPILORA_GATHER_SEGMENTS", raising=False)
-    sixteen, thirty_two = GATHERED["decode-tile"], K2_CONFIGS["32-rows"]
-    assert (sixteen.block_m, thirty_two.block_m) == (16, 32)
-    assert _tiling.gather_segments(sixteen, 8) > 0
-    assert _tiling.gather_segments(sixteen, 2) == 0
-    assert _tiling.gather_segments(thirty_two, 8) == 0
-    monkeypatch.setenv("EPILORA_GATHER_SEGMENTS", "1")
-    assert _tiling.gather_segments(thirty_two, 8) > 0
-    monkeypatch.setenv("EPILORA_GATHER_SEGMENTS", "0")
-    assert _tiling.gather_segments(sixteen, 8) == 0

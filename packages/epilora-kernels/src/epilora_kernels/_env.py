@@ -43,10 +43,8 @@ def decode_one_launch() -> bool:
     return os.environ.get("EPILORA_DECODE_ONE_LAUNCH", "0") == "1"
 
 
-def gather_segments() -> bool | None:
-    """EPILORA_GATHER_SEGMENTS: whether K2's decode tiles with several adapter slots add each
-    row's adapter from its own slot's B, summed in registers, instead of an MMA per adapter
-    segment (`_tiling.gather_segments`). Unset (None): in tiles of 16 rows or fewer; 1: also
-    in 32-row tiles; 0: never (dev A/Bs)."""
-    value = os.environ.get("EPILORA_GATHER_SEGMENTS")
-    return None if value is None else value == "1"
+def gather_segments() -> bool:
+    """EPILORA_GATHER_SEGMENTS=1 (default 0; untimed): K2's decode tiles (32 rows or fewer)
+    with several adapter slots add each row's adapter from its own slot's B, summed in
+    registers, instead of an MMA per adapter segment (`_tiling.gather_segments`)."""
+    return os.environ.get("EPILORA_GATHER_SEGMENTS", "0") == "1"

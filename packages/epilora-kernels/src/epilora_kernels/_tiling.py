@@ -256,15 +256,10 @@ def in_flight(cfg: LaunchConfig) -> LaunchConfig:
 
 
 def gather_segments(cfg: LaunchConfig, num_entries: int) -> int:
-    """K2's epilogue by each row's slot (decode tiles of several slots): the rank step it sums
-    at once, its products at most 32 values a thread (a 16 x 64 tile in 4 warps: 4 rank
-    columns a step); 0: the segment loop. In tiles of up to 16 rows by default: with 8 slots
-    of rank 16 it took 0.90-0.97x the segment loop's layer time at 4-16 tokens on Qwen3-8B
-    and Llama-3.1-8B, and 1.03-1.18x at 32 tokens in 32-row tiles (H100, docs/kernels.md,
-    Next steps 3); EPILORA_GATHER_SEGMENTS=1 also gathers in 32-row tiles, =0 never."""
-    forced = _env.gather_segments()
-    max_rows = 16 if forced is None else 32 if forced else 0
-    if not (num_entries > 2 and cfg.block_m <= max_rows):
+    """K2's epilogue by each row's slot (EPILORA_GATHER_SEGMENTS, decode tiles of several
+    slots): the rank step it sums at once, its products at most 32 values a thread (a
+    16 x 64 tile in 4 warps: 4 rank columns a step); 0: the segment loop."""
+    if not (_env.gather_segments() and num_entries > 2 and cfg.block_m <= 32):
         return 0
     step = 32 * 32 * cfg.num_warps // (cfg.block_m * cfg.block_n)
     return max(1, min(cfg.block_r, 1 << (max(step, 1).bit_length() - 1)))
