@@ -194,8 +194,9 @@ def after_previous():
                                               {"EPILORA_DECODE_AFTER_PREVIOUS": "1"}))
 
 
-def gather_segments():
-    return _made_again_around(mock.patch.dict(os.environ, {"EPILORA_GATHER_SEGMENTS": "1"}))
+def gather_segments(setting: str = "1"):
+    return lambda: _made_again_around(mock.patch.dict(os.environ,
+                                                      {"EPILORA_GATHER_SEGMENTS": setting}))
 
 
 def one_launch():
@@ -309,7 +310,7 @@ VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "swap-ab": swap_ab(1), "swap-ab-split": swap_ab(2),
             "swap-ab-fast-acc": swap_ab(1, promote=False), "one-launch": one_launch,
             "one-launch-swap-ab": one_launch_swapped, "segments-in-flight": segments_in_flight,
-            "gather-segments": gather_segments}
+            "gather-segments": gather_segments(), "gather-fitting": gather_segments("fit")}
 
 
 PREFETCH_MIB = {"prefetch-8": (8, "end"), "prefetch-24": (24, "end"),

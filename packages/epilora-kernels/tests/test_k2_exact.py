@@ -80,7 +80,7 @@ def test_k2_gathering_each_rows_adapter_equals_reference_bitwise(case, cfg, monk
     monkeypatch.setenv("EPILORA_GATHER_SEGMENTS", "1")
     x, codes, scales, weight, w_scale, h, lora, batch = make_integer_problem(0, *case)
     k2 = GATHERED[cfg]
-    assert _tiling.gather_segments(k2, batch.num_entries) in (1, 2, 4)
+    assert _tiling.gather_segments(k2, batch.num_entries, lora.max_rank) in (1, 2, 4)
     y = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2)
     assert_bitwise_equal(y, reference.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora,
                                                     batch), name="gathering K2 vs reference")
@@ -270,3 +270,20 @@ def test_the_delta_goes_first_only_where_h_is_whole_before_the_k_loop(
         wait_k1_first, warm_l2=0, wait_k1_first=wait_k1_first, a_sorted=False,
         interpreter=True, has_bias=False)
     assert arguments["DELTA_FIRST"] is first
+
+
+def test_gathering_under_fit_only_where_the_tiles_slices_of_b_fit_its_l1_budget(monkeypatch):
+    # EPILORA_GATHER_SEGMENTS=fit: a 16 x 64 decode tile gathers with 8 slots of rank 16
+    # (8 slices of 2 KB) and 16 of rank 16 (32 KB, the budget), not with 8 of rank 64 (64 KB);
+    # =1 gathers in all three, =0 (the default) in none.
+    from epilora_kernels import _tiling
+
+    tile = GATHERED["one-warp-wide"]
+    cases = {(8, 16): True, (16, 16): True, (8, 64): False}
+    monkeypatch.setenv("EPILORA_GATHER_SEGMENTS", "fit")
+    assert {c: _tiling.gather_segments(tile, *c) > 0 for c in cases} == cases
+    assert _tiling.gather_segments(tile, 2, 16) == 0  # one segment a tile: the loop
+    monkeypatch.setenv("EPILORA_GATHER_SEGMENTS", "1")
+    assert all(_tiling.gather_segments(tile, *c) > 0 for c in cases)
+    monkeypatch.delenv("EPILORA_GATHER_SEGMENTS")
+    assert not any(_tiling.gather_segments(tile, *c) for c in cases)

@@ -43,8 +43,9 @@ def decode_one_launch() -> bool:
     return os.environ.get("EPILORA_DECODE_ONE_LAUNCH", "0") == "1"
 
 
-def gather_segments() -> bool:
-    """EPILORA_GATHER_SEGMENTS=1 (default 0; untimed): K2's decode tiles (32 rows or fewer)
-    with several adapter slots add each row's adapter from its own slot's B, summed in
-    registers, instead of an MMA per adapter segment (`_tiling.gather_segments`)."""
-    return os.environ.get("EPILORA_GATHER_SEGMENTS", "0") == "1"
+def gather_segments() -> str:
+    """EPILORA_GATHER_SEGMENTS (default 0): whether K2's decode tiles (32 rows or fewer) with
+    several adapter slots add each row's adapter from its own slot's B, summed in registers,
+    instead of an MMA per adapter segment (`_tiling.gather_segments`): 1 in all of them, `fit`
+    where the tile's rows' slices of B fit a budget of L1, 0 never."""
+    return os.environ.get("EPILORA_GATHER_SEGMENTS", "0")

@@ -348,7 +348,7 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
     # `prefetch`: an L2Prefetch's `prefetch.kernel_args`, or None.
     _, _, off1, off2 = _slices(lora)
     pf_when, pf_rows, pf_stride, pf_lines, pf_half, pf_row_bytes = prefetch or (0,) * 6
-    gather_step = _tiling.gather_segments(cfg, num_entries)  # 0: the segment loop
+    gather_step = _tiling.gather_segments(cfg, num_entries, lora.max_rank)  # 0: loop
     return dict(
         pointers,
         N=n, K=lora.in_features, R=lora.max_rank, NUM_ENTRIES=num_entries,
@@ -388,7 +388,7 @@ def k2_template(support: DeviceSupport, mode: int, lora: LoraWeights, num_entrie
     key = (mode, n, lora.in_features, lora.max_rank, tuple(lora.output_slices), num_entries,
            cfg, stride_a, stride_y, h_planes, split, pdl, wait_codes, warm_l2, traced, w_tma,
            wait_k1_first, a_sorted, per_channel, has_bias, support.interpreter, prefetch,
-           _tiling.gather_segments(cfg, num_entries))  # an environment setting's (dev A/Bs)
+           _tiling.gather_segments(cfg, num_entries, lora.max_rank))  # a setting's (dev A/Bs)
     template = _K2_TEMPLATES.get(key)
     if template is None:
         arguments = _k2_arguments(
@@ -564,7 +564,8 @@ def fit_k2_waves(support: DeviceSupport, mode: int, a_dtype: torch.dtype, weight
     t, n, k = batch.num_tokens, lora.out_features, lora.in_features
     key = (weight.device, mode, a_dtype, h_dtype, t, batch.num_entries, k, lora.output_slices,
            lora.max_rank, weight_scale.numel() > 1, cfg, pdl, wait_codes, warm_l2,
-           wait_k1_first, has_bias, _tiling.gather_segments(cfg, batch.num_entries))
+           wait_k1_first, has_bias,
+           _tiling.gather_segments(cfg, batch.num_entries, lora.max_rank))
     if key not in _FITTED:
         def measure(candidate: LaunchConfig) -> tuple[int, int] | None:
             try:

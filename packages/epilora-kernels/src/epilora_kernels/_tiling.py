@@ -255,11 +255,28 @@ def in_flight(cfg: LaunchConfig) -> LaunchConfig:
     return dataclasses.replace(cfg, segment_stages=segment_stages(cfg))
 
 
-def gather_segments(cfg: LaunchConfig, num_entries: int) -> int:
+# What the gathering epilogue's B may take of an SM's L1 (`gather_segments`, `fit`).
+GATHER_L1_BYTES = 32 << 10
+
+
+def gather_segments(cfg: LaunchConfig, num_entries: int, rank: int) -> int:
     """K2's epilogue by each row's slot (EPILORA_GATHER_SEGMENTS, decode tiles of several
     slots): the rank step it sums at once, its products at most 32 values a thread (a
-    16 x 64 tile in 4 warps: 4 rank columns a step); 0: the segment loop."""
-    if not (_env.gather_segments() and num_entries > 2 and cfg.block_m <= 32):
+    16 x 64 tile in 4 warps: 4 rank columns a step); 0: the segment loop.
+
+    Each rank step reads a few columns of every row's slice of B (stored rank-fastest), so
+    all of the tile's slices are touched once a step: they are read from HBM or L2 once only
+    if they stay in L1 through the steps. With 8 slots it took 0.90-0.97x the loop's layer
+    time at rank 16 (2 KB a row's slice in a 64-wide tile) and up to 1.8x at rank 64 (8 KB a
+    row); with 32 slots of rank 64 up to 3.7x (an H100; docs/kernels.md, Next steps 3). Under
+    `fit` (untimed) it gathers only where the tile's distinct slices take at most
+    `GATHER_L1_BYTES`: a hypothesis from those runs, whose test is a setup they did not
+    include (32 slots of rank 16)."""
+    setting = _env.gather_segments()
+    if not (setting in ("1", "fit") and num_entries > 2 and cfg.block_m <= 32):
+        return 0
+    slices = min(cfg.block_m, num_entries)  # rows of one slot share their slice
+    if setting == "fit" and slices * cfg.block_n * rank * 2 > GATHER_L1_BYTES:
         return 0
     step = 32 * 32 * cfg.num_warps // (cfg.block_m * cfg.block_n)
     return max(1, min(cfg.block_r, 1 << (max(step, 1).bit_length() - 1)))

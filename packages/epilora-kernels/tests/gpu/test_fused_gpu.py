@@ -251,7 +251,7 @@ def test_k2_gathering_each_rows_adapter_gives_the_reference_bits(shape, monkeypa
     for swap in (False, True):
         cfg = fused.LaunchConfig(block_m=16 if t <= 16 else 32, block_n=64, block_k=128,
                                  block_r=rank, num_stages=4, swap_ab=swap)
-        assert _tiling.gather_segments(cfg, batch.num_entries) > 0
+        assert _tiling.gather_segments(cfg, batch.num_entries, rank) > 0
         got = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=cfg)
         assert_bitwise_equal(got, want, name=f"gathering K2 (swapped {swap})")
         graph, out = capture(lambda cfg=cfg: fused.lora_fp8_gemm(
@@ -261,7 +261,7 @@ def test_k2_gathering_each_rows_adapter_gives_the_reference_bits(shape, monkeypa
         assert_bitwise_equal(out, want, name=f"gathering K2 (swapped {swap}), graph")
     x, weight, w_scale, lora, batch = _problem(shape, "one_token_each", seed=5)
     k2 = fused.decode_settings(x, weight, w_scale, lora, batch)[1]
-    assert _tiling.gather_segments(k2, batch.num_entries) > 0  # the decode path gathers
+    assert _tiling.gather_segments(k2, batch.num_entries, rank) > 0  # the decode path gathers
     gathered = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch)
     monkeypatch.setenv("EPILORA_GATHER_SEGMENTS", "0")  # a template of its own (its key)
     segments = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch)
