@@ -2,7 +2,8 @@
 
 For one model's four projections at prefill token counts, one rank-64 adapter: vLLM's per-token
 quant and CUTLASS apart; our quantizer alone; K1 (quantize + shrink) in its launchers' settings
-and in other tiles; K2 without the adapter (`fp8_gemm`) and with it (`lora_fp8_gemm`, its
+and in other tiles; the shrink alone (`lora_shrink`, on x and on the codes, in the same tiles);
+K2 without the adapter (`fp8_gemm`) and with it (`lora_fp8_gemm`, its
 epilogue adding h B^T); and the fused path whole. Each kernel alone in a CUDA graph, L2 flushed,
 median. Every token count runs in a process of its own under a time limit, and each kernel is
 named before it first runs, so a kernel that hangs costs one case and says which it was.
@@ -56,13 +57,18 @@ def kernels(x, weight, scale, lora, batch):
         "ek-gemm": lambda: ek.fp8_gemm(codes, x_scale, weight, scale),
         "ek-k2-lora": lambda: ek.lora_fp8_gemm(codes, x_scale, weight, scale, h, lora, batch),
         "ek-fused": lambda: ek.fused_lora_fp8_linear(x, weight, scale, lora, batch),
+        # the shrink apart from the quantizer (the hybrid path's kernel: K1 without codes), on
+        # x and on the codes: is K1's time over the quantizer the shrink's own, or their fusion's?
+        "ek-shrink": lambda: ek.lora_shrink(x, lora, batch),
+        "ek-shrink-codes": lambda: ek.lora_shrink(codes, lora, batch, x_scales=x_scale),
     }
     for bm, br, bk, split, warps, stages, *together in K1_TILES:
         cfg = LaunchConfig(block_m=bm, block_r=br, block_k=bk, split_k=split, num_warps=warps,
                            num_stages=stages, slices_together=bool(together))
-        name = f"ek-k1-{bm}r{br}k{bk}s{split}w{warps}p{stages}" + ("-together" if together else "")
-        fns[name] = (
+        tile = f"{bm}r{br}k{bk}s{split}w{warps}p{stages}" + ("-together" if together else "")
+        fns[f"ek-k1-{tile}"] = (
             lambda cfg=cfg: ek.quantize_and_shrink(x, lora, batch, config=cfg))
+        fns[f"ek-shrink-{tile}"] = lambda cfg=cfg: ek.lora_shrink(x, lora, batch, config=cfg)
     return fns, h.float().clone()
 
 
@@ -90,8 +96,9 @@ def run_case(model: str, tokens: int, reps: int, only: list[str] | None = None) 
             except Exception as e:  # noqa: BLE001 - a probe: report and go on
                 print(f"# {key} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
-            if key.startswith("ek-k1-"):  # h against the launchers' settings' h
-                err = ((out[2].float() - reference).norm() / reference.norm()).item()
+            if key.startswith(("ek-k1-", "ek-shrink")):  # h against the launchers' settings'
+                got = out[2] if key.startswith("ek-k1-") else out
+                err = ((got.float() - reference).norm() / reference.norm()).item()
                 if err > 1e-2:
                     print(f"# {key} WRONG: relative error {err:.3g}", flush=True)
                     continue
@@ -139,8 +146,8 @@ def main():
 
 def summary(rows: list[dict]) -> str:
     """Per projection and token count: the launchers' K1 (`ek-k1`), the fastest of its tilings
-    and their ratio; then, per tiling, its time summed over the projections against the
-    launchers' K1's."""
+    and their ratio; then, per kernel (every tiling, the quantizer, the shrink alone, ...), its
+    time summed over the projections against the launchers' K1's."""
     lines = ["projection tokens  ek-k1 us  fastest tiling                        us   ratio"]
     cells = sorted({(r["projection"], r["tokens"]) for r in rows})
     totals: dict[tuple[int, str], float] = {}
@@ -148,15 +155,14 @@ def summary(rows: list[dict]) -> str:
         times = {r["kernel"]: r["us"] for r in rows
                  if (r["projection"], r["tokens"]) == (projection, tokens)}
         tilings = {k: v for k, v in times.items() if k.startswith("ek-k1-")}
-        for name, us in [("ek-k1", times.get("ek-k1")), *tilings.items()]:
-            if us is not None:
-                totals[(tokens, name)] = totals.get((tokens, name), 0.0) + us
+        for name, us in times.items():  # every kernel's, e.g. ek-quant + ek-shrink against K1
+            totals[(tokens, name)] = totals.get((tokens, name), 0.0) + us
         if "ek-k1" not in times or not tilings:
             continue
         best = min(tilings, key=tilings.get)
         lines.append(f"{projection:10s} {tokens:6d} {times['ek-k1']:9.1f}  {best:36s} "
                      f"{tilings[best]:6.1f}  {tilings[best] / times['ek-k1']:5.2f}")
-    lines.append("tokens  tiling                                summed us  against ek-k1")
+    lines.append("tokens  kernel                                summed us  against ek-k1")
     for tokens in sorted({t for t, _ in totals}):
         base = totals.get((tokens, "ek-k1"))
         for (t, name), us in sorted(totals.items(), key=lambda item: item[1]):
