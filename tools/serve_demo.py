@@ -10,7 +10,7 @@ printing each tenant's answers beside the base model's.
 2. Here: one vLLM engine with LoRA and the plugin, every tenant's requests in one batch.
 
 Everything lands under ~/.cache/epilora/serve-demo (EPILORA_CACHE moves it); a second run reuses
-it. Exits non-zero if an adapter changes no answer.
+it. Exits non-zero unless every tenant's answer to every question differs from the base model's.
 
     python3 tools/serve_demo.py
 """

@@ -70,8 +70,8 @@ class LaunchConfig:
     segment's slice of B in turn; 2 or more: the slots and bounds come from vectors loaded
     before the loop, so that many minus one slices of B are in flight at once. The same sums
     in the same order either way (the same bits). 1 in the shipped tables and the heuristic:
-    0.98-1.01x the layer's time at 8x16 on an H100 (docs/kernels.md); the tuner offers more
-    for several slots (`_tiling.segment_stages`)."""
+    0.98-1.01x the layer's time at 8x16 on an H100 (docs/kernels.md); the tuner no longer
+    offers more (`_tiling.segment_stages` gives the depth, dev A/Bs)."""
 
     block_m: int = 16
     block_n: int = 64

@@ -23,8 +23,9 @@ projections' GEMMs are latency-bound (qkv's and o's at about 2 TB/s on the H200,
 gate_up reaches) and leave HBM room. Those lines are marked evicted last
 (`prefetch.global.L2::evict_last`), so that the GEMM's own lines, read once, make the room.
 
-Untimed so far (no GPU in the session that built it); the vLLM plugin uses it only where asked
-(`EPILORA_VLLM_PREFETCH_MIB`, `EPILORA_VLLM_PREFETCH_AT`).
+Timed at layer level on the H200 (no gain: docs/kernels.md, Next steps 7), its engine step
+not; the vLLM plugin uses it only where asked (`EPILORA_VLLM_PREFETCH_MIB`,
+`EPILORA_VLLM_PREFETCH_AT`).
 """
 
 import dataclasses

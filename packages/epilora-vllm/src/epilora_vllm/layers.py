@@ -1,7 +1,9 @@
 """vLLM's LoRA linear layers on FP8 bases, computed by epilora-kernels.
 
-Each class subclasses the vLLM 0.26 class it replaces and overrides only `can_replace_layer`
-(vLLM's own check, then whether the kernels can serve the base) and `apply`: vLLM's adapter
+Each class subclasses the vLLM 0.26 class it replaces and overrides `can_replace_layer` (vLLM's
+own check, then whether the kernels can serve the base) and `apply`, plus `__init__` (the
+layer registered for the custom op) and `create_lora_weights` (vLLM's, then the kernels
+readied): vLLM's adapter
 buffers (`lora_a_stacked`, `lora_b_stacked`), their loading (`set_lora`, `reset_lora`, TP
 slicing), its Punica metadata and its dummy adapters for graph capture are used as they are,
 nothing copied. `apply` is one custom op per projection (`epilora_vllm.ops`), which CUDA graphs
