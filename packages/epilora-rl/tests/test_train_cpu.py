@@ -110,3 +110,18 @@ def test_bad_config_values_are_refused_before_any_engine_starts(tmp_path):
                                  str(bad)], capture_output=True, text=True, timeout=120)
         assert result.returncode == 2 and message in result.stderr, result.stderr
     assert not Path(tmp_path / "runs").exists()
+
+
+def test_an_out_dir_holding_another_configs_run_is_refused_before_any_engine_starts(tmp_path):
+    from epilora_rl.checkpoint import load_state, save_state
+
+    config = run_config(tmp_path, "no-such-model", "run", steps=2)
+    (tmp_path / "run").mkdir()
+    other = {"config": {"run": {"steps": 99}}, "records": []}
+    save_state(tmp_path / "run", other)
+    result = subprocess.run([sys.executable, "-m", "epilora_rl.cli", "train", "--config",
+                             str(config)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "holds a run with another config" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert load_state(tmp_path / "run")["config"] == other["config"]  # left as it was

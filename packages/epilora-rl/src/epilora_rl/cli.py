@@ -53,9 +53,13 @@ def train(config_path: str) -> int:
     except ValueError as e:  # before any model is loaded
         print(f"epilora-rl: {config_path}: {e}", file=sys.stderr)
         return 2
-    from epilora_rl.trainer import GrpoRun
+    from epilora_rl.trainer import GrpoRun, OutDirHoldsAnotherRun
 
-    run = GrpoRun(config)
+    try:
+        run = GrpoRun(config)
+    except OutDirHoldsAnotherRun as e:
+        print(f"epilora-rl: {e}", file=sys.stderr)
+        return 2
     if run.step:
         print(f"resuming {config.run.out_dir} after step {run.step}")
     if "before" not in run.evals:

@@ -45,6 +45,11 @@ def adapters_off(model):
             m.scaling = s
 
 
+class OutDirHoldsAnotherRun(ValueError):
+    """The run's out_dir holds the state of a run with another config (refused before any
+    engine starts: resuming it would mix two runs' steps)."""
+
+
 class GrpoRun:
     """One training run of `config` (see `epilora_rl.config`); `task` overrides the config's."""
 
@@ -56,8 +61,8 @@ class GrpoRun:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         state = load_state(self.out_dir)
         if state is not None and state["config"] != config.as_dict():
-            raise ValueError(f"{self.out_dir} holds a run with another config; use another "
-                             "out_dir, or the same config to resume it")
+            raise OutDirHoldsAnotherRun(f"{self.out_dir} holds a run with another config; use "
+                                        "another out_dir, or the same config to resume it")
         torch.manual_seed(config.run.seed)  # the adapter's initialization
         self.llm = make_engine(config)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
