@@ -65,8 +65,8 @@
 #   op-overhead dev/op_overhead.py $OVERHEAD_ARGS: the kernels' host time per eager call
 #           -> $OUT/op_overhead.json                                     OVERHEAD_TIMEOUT (120)
 #   launch-variants dev/launch_variants.py $LAUNCH_VARIANTS_ARGS: variants of the kernels'
-#           launch rules (K2's one-slot epilogue in rank steps, the heuristic, a deeper-K
-#           heuristic at 33-256 tokens, the decode path's K1 in lighter programs, the decode
+#           launch rules (K2's one-slot epilogue in rank steps, the heuristic, its rules as
+#           before 2026-12-05, the decode path's K1 in lighter programs, the decode
 #           path at prefill, the next weight prefetched into L2; --codes: on FP8 codes, as the plugin's engine; --gap-us:
 #           a spin between the projections, as the engine's attention) against the shipped
 #           ones, per model, rank and tokens -> $OUT/launch_variants.json  LAYER_TIMEOUT (300)
