@@ -287,3 +287,6 @@ def test_gathering_under_fit_only_where_the_tiles_slices_of_b_fit_its_l1_budget(
     assert all(_tiling.gather_segments(tile, *c) > 0 for c in cases)
     monkeypatch.delenv("EPILORA_GATHER_SEGMENTS")
     assert not any(_tiling.gather_segments(tile, *c) for c in cases)
+    monkeypatch.setenv("EPILORA_GATHER_SEGMENTS", "yes")
+    with pytest.raises(ValueError, match="expected 0, 1 or fit"):
+        _tiling.gather_segments(tile, 8, 16)

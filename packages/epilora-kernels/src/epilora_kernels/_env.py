@@ -48,4 +48,7 @@ def gather_segments() -> str:
     several adapter slots add each row's adapter from its own slot's B, summed in registers,
     instead of an MMA per adapter segment (`_tiling.gather_segments`): 1 in all of them, `fit`
     where the tile's rows' slices of B fit a budget of L1, 0 never."""
-    return os.environ.get("EPILORA_GATHER_SEGMENTS", "0")
+    value = os.environ.get("EPILORA_GATHER_SEGMENTS", "0")
+    if value not in ("0", "1", "fit"):
+        raise ValueError(f"EPILORA_GATHER_SEGMENTS={value!r}: expected 0, 1 or fit")
+    return value
