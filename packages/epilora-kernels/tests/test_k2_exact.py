@@ -273,13 +273,15 @@ def test_the_delta_goes_first_only_where_h_is_whole_before_the_k_loop(
 
 
 def test_gathering_under_fit_only_where_the_tiles_slices_of_b_fit_its_l1_budget(monkeypatch):
-    # EPILORA_GATHER_SEGMENTS=fit: a 16 x 64 decode tile gathers with 8 slots of rank 16
-    # (8 slices of 2 KB) and 16 of rank 16 (32 KB, the budget), not with 8 of rank 64 (64 KB);
-    # =1 gathers in all three, =0 (the default) in none.
+    # EPILORA_GATHER_SEGMENTS=fit, a 16 x 64 decode tile, (entries, rank): the entries are the
+    # slots and one for tokens without an adapter. It gathers with 8 slots of rank 16 (8
+    # slices of 2 KB), with 32 of rank 16 (16 rows: at most 16 slices, 32 KB, the budget), not
+    # with 8 of rank 64 (64 KB); =1 gathers in all three, =0 (the default) in none.
     from epilora_kernels import _tiling
 
     tile = GATHERED["one-warp-wide"]
-    cases = {(8, 16): True, (16, 16): True, (8, 64): False}
+    assert tile.block_m == 16 and tile.block_n == 64
+    cases = {(9, 16): True, (33, 16): True, (9, 64): False}
     monkeypatch.setenv("EPILORA_GATHER_SEGMENTS", "fit")
     assert {c: _tiling.gather_segments(tile, *c) > 0 for c in cases} == cases
     assert _tiling.gather_segments(tile, 2, 16) == 0  # one segment a tile: the loop

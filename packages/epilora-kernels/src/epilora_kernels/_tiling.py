@@ -275,7 +275,9 @@ def gather_segments(cfg: LaunchConfig, num_entries: int, rank: int) -> int:
     setting = _env.gather_segments()
     if not (setting in ("1", "fit") and num_entries > 2 and cfg.block_m <= 32):
         return 0
-    slices = min(cfg.block_m, num_entries)  # rows of one slot share their slice
+    # at most a slice a row (rows of one slot share theirs), and one a slot: the entries less
+    # the one for tokens without an adapter (slots the engine holds, not only those in use)
+    slices = min(cfg.block_m, num_entries - 1)
     if setting == "fit" and slices * cfg.block_n * rank * 2 > GATHER_L1_BYTES:
         return 0
     step = 32 * 32 * cfg.num_warps // (cfg.block_m * cfg.block_n)
