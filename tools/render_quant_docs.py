@@ -42,7 +42,7 @@ Why they differ (the arithmetic is in [fp8.md](fp8.md) and [nvfp4.md](nvfp4.md))
 
 epilora-quant offers each path as a named mode (`Fp8Arithmetic.INDUCTOR`, `TORCH_CUDA`,
 `TORCH_CPU`, `CUDA_KERNEL`; `NvFp4Arithmetic.REFERENCE`, `TRITON`) and is tested bitwise
-against each (`packages/epilora-quant/tests/`, `tests/gpu/`).
+against each (`packages/epilora-quant/tests/`, its `tests/gpu/` on the GPU).
 
 | dtype | A vs B | rows | rows whose codes differ | rows whose scales differ |
 |---|---|---|---|---|

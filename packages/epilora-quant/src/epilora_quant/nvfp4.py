@@ -1,7 +1,9 @@
 """NVFP4 quantization (e2m1 codes, 16-element blocks, e4m3 block scales, fp32 global scale).
 
 Per block of 16 values along the last dim, with g the fp32 *quantization* global scale
-(`nvfp4_global_scale(amax) = 448 * 6 / amax`; vLLM's `input_global_scale_inv`):
+(`nvfp4_global_scale(amax) = fl32(2688 * fl32(1 / amax))`: vLLM's `448 * 6 / amax`, a number over
+a tensor, which torch computes as the reciprocal times the number; vLLM's
+`input_global_scale_inv`):
 
     s     = fp8_e4m3_rn(clamp(g * (max|x_block| * fp32(1/6)), -448, 448))  # stored block scale
     inv   = 1 / (s * (1 / g))   (REFERENCE)   or   g * r(s)   (TRITON)        # 0 when s == 0
