@@ -48,6 +48,7 @@ def kernels(x, weight, scale, lora, batch):
 
     codes, x_scale = ops.scaled_fp8_quant(x, None, use_per_token_if_dynamic=True)
     _, _, h = ek.quantize_and_shrink(x, lora, batch)
+    a_cat = torch.cat([a[0, 0] for a in lora.lora_a]).contiguous()
     fns = {
         "vllm-quant": lambda: ops.scaled_fp8_quant(x, None, use_per_token_if_dynamic=True),
         "cutlass-mm": lambda: ops.cutlass_scaled_mm(codes, weight.t(), x_scale, scale,
@@ -61,6 +62,9 @@ def kernels(x, weight, scale, lora, batch):
         # x and on the codes: is K1's time over the quantizer the shrink's own, or their fusion's?
         "ek-shrink": lambda: ek.lora_shrink(x, lora, batch),
         "ek-shrink-codes": lambda: ek.lora_shrink(codes, lora, batch, x_scales=x_scale),
+        # a floor for the shrink's tiles: with one adapter it is one bf16 GEMM, x against the
+        # slot's A of every slice, here cuBLAS's
+        "torch-shrink": lambda: torch.mm(x, a_cat.t()),
     }
     for bm, br, bk, split, warps, stages, *together in K1_TILES:
         cfg = LaunchConfig(block_m=bm, block_r=br, block_k=bk, split_k=split, num_warps=warps,

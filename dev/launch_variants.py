@@ -107,6 +107,8 @@ Variants (`--variants`):
   without adapter) and `h-given` at +14% over `cutlass` where `gemm` was at -4% (docs/
   kernels.md, Next steps 3). `--adapters 8 --ranks 16 --tokens 4 8 16 32` and `--adapters 32
   --ranks 64`; with `decode-path` beside it for 16 and 32 tokens.
+  `gather-fitting` gathers only where `fit` does (the default since 2026-12-05), and
+  `segment-loop` never (EPILORA_GATHER_SEGMENTS=0): the default against the loop it replaced.
 
 `--gap-us G`: after every projection of every system, a kernel that spins G microseconds on one
 thread (`torch.cuda._sleep`), standing for the engine's other kernels between the GEMMs.
@@ -310,7 +312,8 @@ VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "swap-ab": swap_ab(1), "swap-ab-split": swap_ab(2),
             "swap-ab-fast-acc": swap_ab(1, promote=False), "one-launch": one_launch,
             "one-launch-swap-ab": one_launch_swapped, "segments-in-flight": segments_in_flight,
-            "gather-segments": gather_segments(), "gather-fitting": gather_segments("fit")}
+            "gather-segments": gather_segments(), "gather-fitting": gather_segments("fit"),
+            "segment-loop": gather_segments("0")}
 
 
 PREFETCH_MIB = {"prefetch-8": (8, "end"), "prefetch-24": (24, "end"),

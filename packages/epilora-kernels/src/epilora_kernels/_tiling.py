@@ -266,19 +266,21 @@ def gather_segments(cfg: LaunchConfig, num_entries: int, rank: int) -> int:
 
     Each rank step reads a few columns of every row's slice of B (stored rank-fastest), so
     all of the tile's slices are touched once a step: they are read from HBM or L2 once only
-    if they stay in L1 through the steps. With 8 slots it took 0.90-0.97x the loop's layer
-    time at rank 16 (2 KB a row's slice in a 64-wide tile) and up to 1.8x at rank 64 (8 KB a
-    row); with 32 slots of rank 64 up to 3.7x (an H100; docs/kernels.md, Next steps 3). Under
-    `fit` (untimed) it gathers only where the tile's distinct slices take at most
-    `GATHER_L1_BYTES`: a hypothesis from those runs, whose test is a setup they did not
-    include (32 slots of rank 16)."""
+    if they stay in L1 through the steps. Gathering everywhere (`1`), with 8 slots of rank 16
+    the layer took 0.90-0.97x the loop's time at 4-16 tokens but 1.03-1.18x at 32 (32-row
+    tiles), and up to 1.8x at rank 64 (8 KB a row's slice in a 64-wide tile); with 32 slots
+    of rank 64 up to 3.7x (an H100; docs/kernels.md, Next steps 3). Hence `fit`, the default:
+    16-row tiles only, and only where the tile's distinct slices take at most
+    `GATHER_L1_BYTES`. On setups that rule was not read from (32 slots of rank 16 at 4-16
+    tokens on three models, Qwen2.5-7B's 8 slots of rank 16) it took 0.91-1.02x."""
     setting = _env.gather_segments()
     if not (setting in ("1", "fit") and num_entries > 2 and cfg.block_m <= 32):
         return 0
     # at most a slice a row (rows of one slot share theirs), and one a slot: the entries less
     # the one for tokens without an adapter (slots the engine holds, not only those in use)
     slices = min(cfg.block_m, num_entries - 1)
-    if setting == "fit" and slices * cfg.block_n * rank * 2 > GATHER_L1_BYTES:
+    if setting == "fit" and (cfg.block_m > 16
+                             or slices * cfg.block_n * rank * 2 > GATHER_L1_BYTES):
         return 0
     step = 32 * 32 * cfg.num_warps // (cfg.block_m * cfg.block_n)
     return max(1, min(cfg.block_r, 1 << (max(step, 1).bit_length() - 1)))
