@@ -276,11 +276,11 @@ def test_the_delta_goes_first_only_where_h_is_whole_before_the_k_loop(
 
 
 def test_gathering_under_fit_only_where_the_tiles_slices_of_b_fit_its_l1_budget(monkeypatch):
-    # EPILORA_GATHER_SEGMENTS=fit (the default), a 16 x 64 decode tile, (entries, rank): the
-    # entries are the slots and one for tokens without an adapter. It gathers with 8 slots of
-    # rank 16 (8 slices of 2 KB), with 32 of rank 16 (16 rows: at most 16 slices, 32 KB, the
-    # budget), not with 8 of rank 64 (64 KB), nor in a 32-row tile; =1 gathers in all of
-    # them, =0 in none.
+    # EPILORA_GATHER_SEGMENTS=fit, a 16 x 64 decode tile, (entries, rank): the entries are the
+    # slots and one for tokens without an adapter. It gathers with 8 slots of rank 16 (8
+    # slices of 2 KB), with 32 of rank 16 (16 rows: at most 16 slices, 32 KB, the budget), not
+    # with 8 of rank 64 (64 KB), nor in a 32-row tile; =1 gathers in all of them, =0 (the
+    # default) in none.
     import dataclasses
 
     from epilora_kernels import _tiling
@@ -289,19 +289,20 @@ def test_gathering_under_fit_only_where_the_tiles_slices_of_b_fit_its_l1_budget(
     assert tile.block_m == 16 and tile.block_n == 64
     rows_32 = dataclasses.replace(tile, block_m=32, block_n=16)  # 8 slices of 512 B: it fits
     cases = {(9, 16): True, (33, 16): True, (9, 64): False}
-    for setting in ("fit", None):
+    monkeypatch.setenv("EPILORA_GATHER_SEGMENTS", "fit")
+    assert {c: _tiling.gather_segments(tile, *c) > 0 for c in cases} == cases
+    assert _tiling.gather_segments(tile, 2, 16) == 0  # one segment a tile: the loop
+    assert _tiling.gather_segments(rows_32, 9, 16) == 0
+    monkeypatch.setenv("EPILORA_GATHER_SEGMENTS", "1")
+    assert all(_tiling.gather_segments(tile, *c) > 0 for c in cases)
+    assert _tiling.gather_segments(rows_32, 9, 16) > 0
+    for setting in ("0", None):
         if setting is None:
             monkeypatch.delenv("EPILORA_GATHER_SEGMENTS")
         else:
             monkeypatch.setenv("EPILORA_GATHER_SEGMENTS", setting)
-        assert {c: _tiling.gather_segments(tile, *c) > 0 for c in cases} == cases
-        assert _tiling.gather_segments(tile, 2, 16) == 0  # one segment a tile: the loop
+        assert not any(_tiling.gather_segments(tile, *c) for c in cases)
         assert _tiling.gather_segments(rows_32, 9, 16) == 0
-    monkeypatch.setenv("EPILORA_GATHER_SEGMENTS", "1")
-    assert all(_tiling.gather_segments(tile, *c) > 0 for c in cases)
-    assert _tiling.gather_segments(rows_32, 9, 16) > 0
-    monkeypatch.setenv("EPILORA_GATHER_SEGMENTS", "0")
-    assert not any(_tiling.gather_segments(tile, *c) for c in cases)
     monkeypatch.setenv("EPILORA_GATHER_SEGMENTS", "yes")
     with pytest.raises(ValueError, match="expected 0, 1 or fit"):
         _tiling.gather_segments(tile, 8, 16)

@@ -44,11 +44,13 @@ def decode_one_launch() -> bool:
 
 
 def gather_segments() -> str:
-    """EPILORA_GATHER_SEGMENTS (default `fit`): whether K2's decode tiles with several adapter
+    """EPILORA_GATHER_SEGMENTS (default 0): whether K2's decode tiles with several adapter
     slots add each row's adapter from its own slot's B, summed in registers, instead of an MMA
     per adapter segment (`_tiling.gather_segments`): `fit` in 16-row tiles whose rows' slices
-    of B fit a budget of L1, 1 in every tile of 32 rows or fewer, 0 never."""
-    value = os.environ.get("EPILORA_GATHER_SEGMENTS", "fit")
+    of B fit a budget of L1, 1 in every tile of 32 rows or fewer, 0 never. Off by default:
+    its sums run in another order than the MMA's, so that whether a row gathers (by its
+    batch's tile) would change its bits with the batch it is in."""
+    value = os.environ.get("EPILORA_GATHER_SEGMENTS", "0")
     if value not in ("0", "1", "fit"):
         raise ValueError(f"EPILORA_GATHER_SEGMENTS={value!r}: expected 0, 1 or fit")
     return value

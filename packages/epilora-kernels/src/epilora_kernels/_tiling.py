@@ -269,10 +269,12 @@ def gather_segments(cfg: LaunchConfig, num_entries: int, rank: int) -> int:
     if they stay in L1 through the steps. Gathering everywhere (`1`), with 8 slots of rank 16
     the layer took 0.90-0.97x the loop's time at 4-16 tokens but 1.03-1.18x at 32 (32-row
     tiles), and up to 1.8x at rank 64 (8 KB a row's slice in a 64-wide tile); with 32 slots
-    of rank 64 up to 3.7x (an H100; docs/kernels.md, Next steps 3). Hence `fit`, the default:
-    16-row tiles only, and only where the tile's distinct slices take at most
+    of rank 64 up to 3.7x (an H100; docs/kernels.md, Next steps 3). Hence `fit`: 16-row
+    tiles only, and only where the tile's distinct slices take at most
     `GATHER_L1_BYTES`. On setups that rule was not read from (32 slots of rank 16 at 4-16
-    tokens on three models, Qwen2.5-7B's 8 slots of rank 16) it took 0.91-1.02x."""
+    tokens on three models, Qwen2.5-7B's 8 slots of rank 16, 16 of rank 16) it took
+    0.91-1.02x the loop's time, but with 4 slots of rank 32 0.93-1.08x (1.07-1.08x on
+    Qwen2.5-7B). Off by default (`_env.gather_segments`)."""
     setting = _env.gather_segments()
     if not (setting in ("1", "fit") and num_entries > 2 and cfg.block_m <= 32):
         return 0
