@@ -59,6 +59,51 @@ def generate(llm, requests):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def generate_with_logprobs(llm, requests, top: int = 2):
+    """As `generate`, each answer with its steps' `top` most likely tokens and their
+    log-probabilities: `[(tokens, [{token: logprob}, ...]), ...]`."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, detokenize=False,
+                            logprobs=top)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in requests]
+    outs = llm.generate(prompts, params, lora_request=[r for _, r in requests],
+                        use_tqdm=False)
+    return [(list(o.outputs[0].token_ids),
+             [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+            for o in outs]
+
+
+# How close two tokens' log-probabilities must be for a flip between them to count as a tie.
+NEAR_TIE_NATS = 0.05
+
+
+def assert_equal_up_to_a_near_tie(got, want, name: str) -> None:
+    """Answers of `generate_with_logprobs`, pair by pair: the same greedy tokens, or the same up
+    to a step where the two runs chose different tokens and each run scored the other's
+    within NEAR_TIE_NATS of its own (vLLM's `check_logprobs_close`, tests/models/utils.py,
+    with a bound on the gap); past that step the answers are no longer comparable. Where the
+    GEMMs' tiles are chosen per batch size (the timed dispatch, per bucket), a request's sums
+    may round differently alone and in a batch: that may flip a near tie, never a clear choice
+    (a lost or another tenant's adapter would)."""
+    assert len(got) == len(want), name
+    for i, ((tokens, steps), (tokens_want, steps_want)) in enumerate(zip(got, want,
+                                                                          strict=True)):
+        for step, (a, b) in enumerate(zip(tokens, tokens_want, strict=False)):  # lengths below
+            if a == b:
+                continue
+            gaps = [run.get(a, -float("inf")) - run.get(b, -float("inf"))
+                    for run in (steps[step], steps_want[step])]
+            assert all(abs(g) <= NEAR_TIE_NATS for g in gaps), (
+                f"{name}: answer {i} chose token {a} at step {step} where the other run chose "
+                f"{b}, log-probability gaps {gaps} (a tie within {NEAR_TIE_NATS}): "
+                f"{tokens} against {tokens_want}")
+            break
+        else:
+            assert len(tokens) == len(tokens_want), f"{name}: answer {i}'s lengths differ"
+
+
 def request(checkpoints, lora_id):
     from vllm.lora.request import LoRARequest
 

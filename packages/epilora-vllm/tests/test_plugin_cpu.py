@@ -10,12 +10,15 @@ import pytest
 import torch
 from engine_cases import (
     FUSED,
+    NEAR_TIE_NATS,
     PROMPTS,
+    assert_equal_up_to_a_near_tie,
     assert_every_call_matches_the_files,
     assert_the_matched_mode_computes_w8a16_without_lora,
     engine,
     expected,
     generate,
+    generate_with_logprobs,
     model_of,
     request,
     serve_and_record,
@@ -174,6 +177,29 @@ def test_adapters_change_the_answers_and_answers_repeat(served, checkpoints):
     prompt = PROMPTS[0]
     by_adapter = [generate(llm, [(prompt, request(checkpoints, i))])[0] for i in (None, 1, 2)]
     assert len({tuple(t) for t in by_adapter}) == 3, by_adapter
+
+
+def test_answers_with_logprobs_are_the_greedy_ones_and_a_flip_counts_only_at_a_near_tie(served):
+    # generate_with_logprobs (the GPU test's comparison of a mixed batch with single requests)
+    # on the engine: its tokens are generate's, each step's choice among its scored tokens.
+    llm, requests = served["llm"], served["requests"]
+    answers = generate_with_logprobs(llm, requests)
+    assert [tokens for tokens, _ in answers] == served["mixed"]
+    for tokens, steps in answers:
+        assert len(steps) == len(tokens)
+        assert all(max(step, key=step.get) == t for t, step in zip(tokens, steps, strict=True))
+    assert_equal_up_to_a_near_tie(answers, answers, "the same answers")
+    # A flip between two tokens is a tie within NEAR_TIE_NATS in both runs, else a failure.
+    def run(first, second, gap):
+        return [([first, 7], [{first: -1.0, second: -1.0 - gap}, {7: -0.5}])]
+
+    tie = NEAR_TIE_NATS / 2
+    assert_equal_up_to_a_near_tie(run(3, 4, tie), run(4, 3, tie), "a near tie")
+    for other, why in ((run(4, 3, 1.0), "a clear choice"), (run(5, 6, tie), "another token")):
+        with pytest.raises(AssertionError, match="chose token 3 at step 0"):
+            assert_equal_up_to_a_near_tie(run(3, 4, tie), other, why)
+    with pytest.raises(AssertionError, match="lengths differ"):
+        assert_equal_up_to_a_near_tie(run(3, 4, tie), [([3], [{3: -1.0}])], "shorter")
 
 
 def test_a_request_without_an_adapter_gets_the_tokens_of_an_engine_without_lora(served,

@@ -10,10 +10,12 @@ from engine_cases import (
     FUSED,
     MAX_TOKENS,
     PROMPTS,
+    assert_equal_up_to_a_near_tie,
     assert_every_call_matches_the_files,
     assert_the_matched_mode_computes_w8a16_without_lora,
     engine,
     generate,
+    generate_with_logprobs,
     layer0_projections,
     model_of,
     request,
@@ -44,8 +46,12 @@ def test_in_cuda_graphs_adapters_change_answers_and_a_mixed_batch_equals_single_
     assert config.cudagraph_mode.has_full_cudagraphs() or config.cudagraph_mode.name != "NONE"
     requests = [(p, request(checkpoints, i)) for p, i in zip(PROMPTS, (1, 2, None),
                                                              strict=True)]
-    mixed = generate(llm, requests)
-    assert [generate(llm, [r])[0] for r in requests] == mixed
+    # Alone, a request runs at another batch size than in the mixed batch, whose bucket the
+    # timed dispatch may have given other tiles: equal up to a near tie (it failed as exact
+    # equality on an H100 at d405d3a and 0a09d06, deep in an answer; docs/plugin.md)
+    mixed = generate_with_logprobs(llm, requests)
+    alone = [generate_with_logprobs(llm, [r])[0] for r in requests]
+    assert_equal_up_to_a_near_tie(alone, mixed, "alone against the mixed batch")
     by_adapter = [generate(llm, [(PROMPTS[0], request(checkpoints, i))])[0]
                   for i in (None, 1, 2)]
     assert len({tuple(t) for t in by_adapter}) == 3, by_adapter
