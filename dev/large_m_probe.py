@@ -40,7 +40,23 @@ K1_TILES = [(16, 32, 128, 8, 4, 2), (16, 64, 128, 8, 4, 2), (32, 64, 128, 8, 4, 
             (128, 64, 128, 4, 8, 3), (64, 32, 128, 4, 4, 3),
             (128, 64, 128, 8, 8, 3), (128, 64, 64, 8, 8, 4), (64, 64, 64, 8, 4, 4),
             (64, 32, 128, 4, 4, 3, True), (64, 32, 64, 4, 4, 4, True),
-            (128, 32, 64, 4, 8, 3, True), (128, 64, 64, 8, 8, 3, True)]
+            (128, 32, 64, 4, 8, 3, True), (128, 64, 64, 8, 8, 3, True),
+            # the same tile split 4 and 16 ways: where K is split, the last of a tile's programs
+            # sums the others' fp32 partials alone ((split - 1) x its tile, `partial_kb` in the
+            # rows): 672 KB at 128 x 64 x 3 slices split 8, against 24 KB for 64 x 32 split 4.
+            # Does that serial sum, not the tile, make the wide tiles slow?
+            (128, 64, 64, 4, 8, 3, True), (128, 64, 64, 16, 8, 3, True)]
+
+
+def partial_kb(tile: tuple, slices: int) -> float:
+    """KB of fp32 partials the last program of a split tile reads (0 unsplit)."""
+    bm, br, _, split, _, _, *together = tile
+    return (split - 1) * bm * br * (slices if together and together[0] else 1) * 4 / 1024
+
+
+def tile_name(tile: tuple) -> str:
+    bm, br, bk, split, warps, stages, *together = tile
+    return f"{bm}r{br}k{bk}s{split}w{warps}p{stages}" + ("-together" if together else "")
 
 
 def kernels(x, weight, scale, lora, batch):
@@ -69,7 +85,7 @@ def kernels(x, weight, scale, lora, batch):
     for bm, br, bk, split, warps, stages, *together in K1_TILES:
         cfg = LaunchConfig(block_m=bm, block_r=br, block_k=bk, split_k=split, num_warps=warps,
                            num_stages=stages, slices_together=bool(together))
-        tile = f"{bm}r{br}k{bk}s{split}w{warps}p{stages}" + ("-together" if together else "")
+        tile = tile_name((bm, br, bk, split, warps, stages, *together))
         fns[f"ek-k1-{tile}"] = (
             lambda cfg=cfg: ek.quantize_and_shrink(x, lora, batch, config=cfg))
         fns[f"ek-shrink-{tile}"] = lambda cfg=cfg: ek.lora_shrink(x, lora, batch, config=cfg)
@@ -113,9 +129,12 @@ def run_case(model: str, tokens: int, reps: int, only: list[str] | None = None) 
                     print(f"# {key} WRONG: relative error {err:.3g}", flush=True)
                     continue
             good[key] = fn
+        reduced = {f"{prefix}-{tile_name(t)}": partial_kb(t, len(lora.output_slices))
+                   for t in K1_TILES for prefix in ("ek-k1", "ek-shrink")}
         for key, us in time_graphs(good, reps, flush).items():
             rows.append({"model": model, "projection": name, "tokens": tokens, "kernel": key,
-                         "us": round(us, 2)})
+                         "us": round(us, 2)}
+                        | ({"partial_kb": reduced[key]} if key in reduced else {}))
             print(f"{model:12s} {name:8s} {tokens:5d} {key:28s} {us:8.1f}", flush=True)
     return rows
 
