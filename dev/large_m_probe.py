@@ -42,16 +42,18 @@ K1_TILES = [(16, 32, 128, 8, 4, 2), (16, 64, 128, 8, 4, 2), (32, 64, 128, 8, 4, 
             (64, 32, 128, 4, 4, 3, True), (64, 32, 64, 4, 4, 4, True),
             (128, 32, 64, 4, 8, 3, True), (128, 64, 64, 8, 8, 3, True),
             # the same tile split 4 and 16 ways: where K is split, the last of a tile's programs
-            # sums the others' fp32 partials alone ((split - 1) x its tile, `partial_kb` in the
-            # rows): 672 KB at 128 x 64 x 3 slices split 8, against 24 KB for 64 x 32 split 4.
-            # Does that serial sum, not the tile, make the wide tiles slow?
+            # reads every split's fp32 partial back alone (`_sum_splits`: split x its tile,
+            # `partial_kb` in the rows): 768 KB at 128 x 64 x 3 slices split 8, against 96 KB
+            # for qkv's 64 x 32 x 3 slices split 4. Does that serial sum make wide tiles slow?
             (128, 64, 64, 4, 8, 3, True), (128, 64, 64, 16, 8, 3, True)]
 
 
 def partial_kb(tile: tuple, slices: int) -> float:
-    """KB of fp32 partials the last program of a split tile reads (0 unsplit)."""
+    """KB of fp32 partials the last program of a split tile reads back, its own included
+    (`_fused_kernels._sum_splits`; 0 unsplit)."""
     bm, br, _, split, _, _, *together = tile
-    return (split - 1) * bm * br * (slices if together and together[0] else 1) * 4 / 1024
+    planes = split if split > 1 else 0
+    return planes * bm * br * (slices if together and together[0] else 1) * 4 / 1024
 
 
 def tile_name(tile: tuple) -> str:

@@ -107,8 +107,9 @@ Variants (`--variants`):
   without adapter) and `h-given` at +14% over `cutlass` where `gemm` was at -4% (docs/
   kernels.md, Next steps 3). `--adapters 8 --ranks 16 --tokens 4 8 16 32` and `--adapters 32
   --ranks 64`; with `decode-path` beside it for 16 and 32 tokens.
-  `gather-fitting` gathers only where `fit` does (the default since 2026-12-05), and
-  `segment-loop` never (EPILORA_GATHER_SEGMENTS=0): the default against the loop it replaced.
+  `gather-fitting` gathers only where `fit` does (16-row tiles whose slices of B fit L1), and
+  `segment-loop` never (EPILORA_GATHER_SEGMENTS=0, the default: it differs from the shipped
+  layer only where the environment sets another value).
 
 `--gap-us G`: after every projection of every system, a kernel that spins G microseconds on one
 thread (`torch.cuda._sleep`), standing for the engine's other kernels between the GEMMs.

@@ -96,8 +96,8 @@ FITTING = [(case, name) for case in CASES for name, k2 in K2_CONFIGS.items()
 @pytest.mark.parametrize(("case", "cfg"), FITTING,
                          ids=[f"T{c[0]}-N{sum(c[2])}-{c[5]}-{n}" for c, n in FITTING])
 def test_k2_fp8_equals_reference_bitwise_and_every_rows_delta(case, cfg, monkeypatch):
-    # The segment loop in every tile (the gathering epilogue, the default's in small decode
-    # tiles of several slots, has the same cases below)
+    # The segment loop in every tile, whatever the environment says (the gathering epilogue
+    # has its own test above, on these cases' several-slot part)
     monkeypatch.setenv("EPILORA_GATHER_SEGMENTS", "0")
     x, codes, scales, weight, w_scale, h, lora, batch = make_integer_problem(0, *case)
     k2 = K2_CONFIGS[cfg]

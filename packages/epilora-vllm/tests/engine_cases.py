@@ -75,23 +75,29 @@ def generate_with_logprobs(llm, requests, top: int = 2):
             for o in outs]
 
 
-# How close two tokens' log-probabilities must be for a flip between them to count as a tie.
+# How far two runs' log-probabilities of a token may lie apart, and how close two tokens'
+# must be for a flip between them to count as a tie.
 NEAR_TIE_NATS = 0.05
 
 
 def assert_equal_up_to_a_near_tie(got, want, name: str) -> None:
-    """Answers of `generate_with_logprobs`, pair by pair: the same greedy tokens, or the same up
-    to a step where the two runs chose different tokens and each run scored the other's
-    within NEAR_TIE_NATS of its own (vLLM's `check_logprobs_close`, tests/models/utils.py,
-    with a bound on the gap); past that step the answers are no longer comparable. Where the
-    GEMMs' tiles are chosen per batch size (the timed dispatch, per bucket), a request's sums
-    may round differently alone and in a batch: that may flip a near tie, never a clear choice
-    (a lost or another tenant's adapter would)."""
+    """Answers of `generate_with_logprobs`, pair by pair: the same greedy tokens, each scored
+    alike by both runs (within NEAR_TIE_NATS), up to the end or to a step where the two runs
+    chose different tokens and each run scored the other's within NEAR_TIE_NATS of its own
+    (vLLM's `check_logprobs_close`, tests/models/utils.py, with bounds); past that step the
+    answers are no longer comparable. Where the GEMMs' settings differ by batch size (tuned per
+    token bucket at the engine's start), a request's sums may round differently alone and in
+    a batch: that may flip a near tie, never a clear choice, and moves log-probabilities by
+    far less than a lost or another tenant's adapter does."""
     assert len(got) == len(want), name
     for i, ((tokens, steps), (tokens_want, steps_want)) in enumerate(zip(got, want,
                                                                           strict=True)):
         for step, (a, b) in enumerate(zip(tokens, tokens_want, strict=False)):  # lengths below
             if a == b:
+                apart = abs(steps[step][a] - steps_want[step][a])
+                assert apart <= NEAR_TIE_NATS, (
+                    f"{name}: answer {i} scored its token {a} at step {step} {apart:.4f} nats "
+                    f"apart in the two runs (at most {NEAR_TIE_NATS}): {tokens}")
                 continue
             gaps = [run.get(a, -float("inf")) - run.get(b, -float("inf"))
                     for run in (steps[step], steps_want[step])]

@@ -180,24 +180,32 @@ def test_adapters_change_the_answers_and_answers_repeat(served, checkpoints):
 
 
 def test_answers_with_logprobs_are_the_greedy_ones_and_a_flip_counts_only_at_a_near_tie(served):
-    # generate_with_logprobs (the GPU test's comparison of a mixed batch with single requests)
-    # on the engine: its tokens are generate's, each step's choice among its scored tokens.
+    # generate_with_logprobs and its comparison (the GPU test's of a mixed batch with single
+    # requests) on the engine: its tokens are generate's, each step's choice among its scored
+    # tokens, and alone each request scores its answer as in the mixed batch.
     llm, requests = served["llm"], served["requests"]
-    answers = generate_with_logprobs(llm, requests)
-    assert [tokens for tokens, _ in answers] == served["mixed"]
-    for tokens, steps in answers:
+    mixed = generate_with_logprobs(llm, requests)
+    assert [tokens for tokens, _ in mixed] == served["mixed"]
+    for tokens, steps in mixed:
         assert len(steps) == len(tokens)
         assert all(max(step, key=step.get) == t for t, step in zip(tokens, steps, strict=True))
-    assert_equal_up_to_a_near_tie(answers, answers, "the same answers")
-    # A flip between two tokens is a tie within NEAR_TIE_NATS in both runs, else a failure.
-    def run(first, second, gap):
-        return [([first, 7], [{first: -1.0, second: -1.0 - gap}, {7: -0.5}])]
+    alone = [generate_with_logprobs(llm, [r])[0] for r in requests]
+    assert_equal_up_to_a_near_tie(alone, mixed, "alone against the mixed batch")
+    # A flip between two tokens is a tie within NEAR_TIE_NATS in both runs, else a failure;
+    # so is a shared token scored further apart.
+    def run(first, second, gap, last=-0.5):
+        return [([first, 7], [{first: -1.0, second: -1.0 - gap}, {7: last}])]
 
     tie = NEAR_TIE_NATS / 2
     assert_equal_up_to_a_near_tie(run(3, 4, tie), run(4, 3, tie), "a near tie")
+    assert_equal_up_to_a_near_tie(run(3, 4, tie), run(3, 4, 1.0, last=-0.5 + tie), "alike")
     for other, why in ((run(4, 3, 1.0), "a clear choice"), (run(5, 6, tie), "another token")):
         with pytest.raises(AssertionError, match="chose token 3 at step 0"):
             assert_equal_up_to_a_near_tie(run(3, 4, tie), other, why)
+    with pytest.raises(AssertionError, match="chose token 3 at step 0"):  # clear in one run
+        assert_equal_up_to_a_near_tie(run(3, 4, 1.0), run(4, 3, tie), "tie in one run only")
+    with pytest.raises(AssertionError, match="scored its token 7 at step 1"):
+        assert_equal_up_to_a_near_tie(run(3, 4, tie), run(3, 4, tie, last=-0.6), "apart")
     with pytest.raises(AssertionError, match="lengths differ"):
         assert_equal_up_to_a_near_tie(run(3, 4, tie), [([3], [{3: -1.0}])], "shorter")
 

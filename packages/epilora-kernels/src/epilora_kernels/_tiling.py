@@ -267,7 +267,7 @@ def gather_segments(cfg: LaunchConfig, num_entries: int, rank: int) -> int:
     Each rank step reads a few columns of every row's slice of B (stored rank-fastest), so
     all of the tile's slices are touched once a step: they are read from HBM or L2 once only
     if they stay in L1 through the steps. Gathering everywhere (`1`), with 8 slots of rank 16
-    the layer took 0.90-0.97x the loop's time at 4-16 tokens but 1.03-1.18x at 32 (32-row
+    the layer took 0.90-1.01x the loop's time at 4-16 tokens but 1.03-1.18x at 32 (32-row
     tiles), and up to 1.8x at rank 64 (8 KB a row's slice in a 64-wide tile); with 32 slots
     of rank 64 up to 3.7x (an H100; docs/kernels.md, Next steps 3). Hence `fit`: 16-row
     tiles only, and only where the tile's distinct slices take at most

@@ -46,9 +46,10 @@ def test_in_cuda_graphs_adapters_change_answers_and_a_mixed_batch_equals_single_
     assert config.cudagraph_mode.has_full_cudagraphs() or config.cudagraph_mode.name != "NONE"
     requests = [(p, request(checkpoints, i)) for p, i in zip(PROMPTS, (1, 2, None),
                                                              strict=True)]
-    # Alone, a request runs at another batch size than in the mixed batch, whose bucket the
-    # timed dispatch may have given other tiles: equal up to a near tie (it failed as exact
-    # equality on an H100 at d405d3a and 0a09d06, deep in an answer; docs/plugin.md)
+    # Alone, a request runs at another batch size than in the mixed batch, whose token bucket
+    # the engine-start tuner may have given other K2 settings: equal up to a near tie (as
+    # exact equality it failed on an H100 at d405d3a and at 0a09d06, the latter at adapter
+    # 2's second token; docs/plugin.md)
     mixed = generate_with_logprobs(llm, requests)
     alone = [generate_with_logprobs(llm, [r])[0] for r in requests]
     assert_equal_up_to_a_near_tie(alone, mixed, "alone against the mixed batch")
