@@ -74,6 +74,9 @@
 #           per system -> $OUT/engine_kernels.json and its engines' logs          SERVING_TIMEOUT
 #   env:NAME=VALUE  sets NAME for the later steps (quote it when VALUE has spaces); setting OUT
 #           (e.g. "env:OUT=$OUT/main-1x128") keeps a second run of a step from replacing the first
+# The test steps' timeouts interrupt pytest (SIGINT, then a kill 30 s later): a run cut short
+# still prints the failures it met and writes its junit XML (at d405d3a a cut plugin run
+# showed an F and no report).
 # A call brings back at most 8 files of $OUT, so each finished step's files are appended to
 # $OUT/results.tar (unpack it here with tools/device/unpack.sh); a step cut off by the call's
 # limit leaves its files loose beside it. Run from the repository root with `.device` carried
@@ -134,7 +137,7 @@ for step in "$@"; do
            # tests took 142 s in one, mostly compiling, 44-58 s in four.
            workers=(); (( ${TESTS_JOBS:-4} > 0 )) && python3 -c "import xdist" 2>/dev/null \
              && workers=(-n "${TESTS_JOBS:-4}")
-           timeout "${TESTS_TIMEOUT:-240}" python3 -m nox -s gpu-sm90 -- \
+           timeout -s INT -k 30 "${TESTS_TIMEOUT:-240}" python3 -m nox -s gpu-sm90 -- \
              ${KERNEL_TESTS_ARGS:-packages/epilora-kernels} "${workers[@]}" \
              --junitxml="$OUT/gpu-sm90-kernels-junit.xml" 2>&1 | tee "$OUT/gpu-sm90-kernels.log" ;;
     tune) compiled=(); tune tune ${TUNE_ARGS:-} ;;
@@ -172,15 +175,15 @@ shutil.copy(cache_path(torch.cuda.get_device_name()), '$OUT/tune-cache/')"
                 --out "$OUT/decode_timeline.json" --git-sha "$sha" ${TIMELINE_ARGS:-} 2>&1 \
                 | tee "$OUT/decode_timeline.log" ;;
     plugin-tests) punica=packages/epilora-vllm/tests/test_vllm_punica_ops.py
-                  timeout "${TESTS_TIMEOUT:-360}" python3 -m nox -s gpu-sm90 -- \
+                  timeout -s INT -k 30 "${TESTS_TIMEOUT:-360}" python3 -m nox -s gpu-sm90 -- \
                     ${PLUGIN_TESTS_ARGS:-packages/epilora-vllm --ignore=$punica} --junitxml="$OUT/gpu-sm90-vllm-junit.xml" 2>&1 \
                     | tee "$OUT/gpu-sm90-vllm.log" ;;
     punica-tests) workers=(); (( ${TESTS_JOBS:-8} > 0 )) && python3 -c "import xdist" 2>/dev/null \
                     && workers=(-n "${TESTS_JOBS:-8}")
-                  timeout "${TESTS_TIMEOUT:-540}" python3 -m nox -s gpu-sm90 -- \
+                  timeout -s INT -k 30 "${TESTS_TIMEOUT:-540}" python3 -m nox -s gpu-sm90 -- \
                     packages/epilora-vllm/tests/test_vllm_punica_ops.py "${workers[@]}" \
                     --junitxml="$OUT/gpu-sm90-punica-junit.xml" 2>&1 | tee "$OUT/gpu-sm90-punica.log" ;;
-    rl-tests) timeout "${TESTS_TIMEOUT:-240}" python3 -m nox -s gpu-sm90 -- \
+    rl-tests) timeout -s INT -k 30 "${TESTS_TIMEOUT:-240}" python3 -m nox -s gpu-sm90 -- \
                 packages/epilora-rl --junitxml="$OUT/gpu-sm90-rl-junit.xml" 2>&1 \
                 | tee "$OUT/gpu-sm90-rl.log" ;;
     rl-memory) rl_results

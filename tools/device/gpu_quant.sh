@@ -5,7 +5,7 @@
 set -uo pipefail
 source tools/device/setup.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-timeout "${TESTS_TIMEOUT:-400}" python3 -m nox -s gpu-sm90 -- "$@" 2>&1 | tee "$OUT/gpu-sm90.log"
+timeout -s INT -k 30 "${TESTS_TIMEOUT:-400}" python3 -m nox -s gpu-sm90 -- "$@" 2>&1 | tee "$OUT/gpu-sm90.log"
 tests_rc=${PIPESTATUS[0]}
 timeout "${PATHS_TIMEOUT:-150}" python3 tools/vllm_quant_paths.py --out "$OUT/quant_paths.json" \
   --git-sha "${EPILORA_GIT_SHA:-}" 2>&1 | tee "$OUT/quant_paths.log"
