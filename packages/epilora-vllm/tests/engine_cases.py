@@ -48,31 +48,29 @@ def model_of(llm):
     return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
 
 
-def generate(llm, requests):
+def _completions(llm, requests, **sampling):
+    """Each request's first completion, greedy, MAX_TOKENS long (`sampling`: more
+    SamplingParams)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, detokenize=False)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, detokenize=False,
+                            **sampling)
     prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in requests]
     outs = llm.generate(prompts, params, lora_request=[r for _, r in requests],
                         use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return [o.outputs[0] for o in outs]
+
+
+def generate(llm, requests):
+    return [list(c.token_ids) for c in _completions(llm, requests)]
 
 
 def generate_with_logprobs(llm, requests, top: int = 2):
     """As `generate`, each answer with its steps' `top` most likely tokens and their
     log-probabilities: `[(tokens, [{token: logprob}, ...]), ...]`."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, detokenize=False,
-                            logprobs=top)
-    prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in requests]
-    outs = llm.generate(prompts, params, lora_request=[r for _, r in requests],
-                        use_tqdm=False)
-    return [(list(o.outputs[0].token_ids),
-             [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
-            for o in outs]
+    return [(list(c.token_ids), [{t: lp.logprob for t, lp in step.items()} for step in c.logprobs])
+            for c in _completions(llm, requests, logprobs=top)]
 
 
 # How far two runs' log-probabilities of a token may lie apart, and how close two tokens'
