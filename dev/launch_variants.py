@@ -111,6 +111,15 @@ Variants (`--variants`):
   `segment-loop` never (EPILORA_GATHER_SEGMENTS=0, the default: it differs from the shipped
   layer only where the environment sets another value).
 
+* `epilogue-halves`: K2's one-slot epilogue in prefill tiles (64 rows or more) keeps the
+  rounded base in registers and adds the delta half the tile's columns at a time
+  (EPILORA_EPILOGUE_HALVES=1, `_tiling.epilogue_halves`), where the shipped one parks the
+  base in y and reads it back: compiled for sm_90 on the CPU (`dev/sm90_occupancy.py` with
+  and without it, Qwen3-8B's fused K2s at 64-2048 tokens, ranks 16-128) it spills nothing,
+  takes fewer registers in 43 of the 48 and 2 more in 2, and fits 3 blocks an SM where the
+  shipped takes 2 in two (rank 64: qkv at 256 tokens, gate_up at 64). Untimed.
+  `--adapters 1 --ranks 16 64 128 --tokens 64 256 512 2048`.
+
 `--gap-us G`: after every projection of every system, a kernel that spins G microseconds on one
 thread (`torch.cuda._sleep`), standing for the engine's other kernels between the GEMMs.
 
@@ -200,6 +209,10 @@ def after_previous():
 def gather_segments(setting: str = "1"):
     return lambda: _made_again_around(mock.patch.dict(os.environ,
                                                       {"EPILORA_GATHER_SEGMENTS": setting}))
+
+
+def epilogue_halves():
+    return _made_again_around(mock.patch.dict(os.environ, {"EPILORA_EPILOGUE_HALVES": "1"}))
 
 
 def one_launch():
@@ -314,7 +327,7 @@ VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "swap-ab-fast-acc": swap_ab(1, promote=False), "one-launch": one_launch,
             "one-launch-swap-ab": one_launch_swapped, "segments-in-flight": segments_in_flight,
             "gather-segments": gather_segments(), "gather-fitting": gather_segments("fit"),
-            "segment-loop": gather_segments("0")}
+            "segment-loop": gather_segments("0"), "epilogue-halves": epilogue_halves}
 
 
 PREFETCH_MIB = {"prefetch-8": (8, "end"), "prefetch-24": (24, "end"),

@@ -163,7 +163,8 @@ def vllm_layout_batch(mapping: torch.Tensor, max_loras: int) -> AdapterBatch:
                         counts.to(device), start.to(device))
 
 
-def check_k2_adds_the_adapters_as_vllms_expand(k2_config, *, seed, tokens, widths, device="cpu"):
+def check_k2_adds_the_adapters_as_vllms_expand(k2_config, *, seed, tokens, widths, device="cpu",
+                                               max_loras=8, mapping="one_token_each"):
     """K2 (FP8), and the hybrid path's expand on K2's GEMM alone, against that GEMM followed by
     vLLM's own expand (its CPU op, `vllm_oracles.lora_expand_cpu`), bit for bit: vLLM rounds
     each delta to bf16 and adds it to its GEMM's bf16 output. Integer operands keep every fp32
@@ -174,7 +175,7 @@ def check_k2_adds_the_adapters_as_vllms_expand(k2_config, *, seed, tokens, width
     from epilora_testing import assert_bitwise_equal, vllm_oracles
 
     _, codes, _, weight, w_scale, h, lora, batch = make_integer_problem(
-        seed, tokens, 64, widths, 16, 8, "one_token_each", device=device)
+        seed, tokens, 64, widths, 16, max_loras, mapping, device=device)
     gen = torch.Generator().manual_seed(seed)
     scales = (torch.rand(tokens, 1, generator=gen) + 0.1).to(device)
     h = h * torch.randint(20, 41, h.shape, generator=gen).float().to(device)

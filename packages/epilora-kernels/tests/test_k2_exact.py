@@ -110,6 +110,67 @@ def test_k2_fp8_equals_reference_bitwise_and_every_rows_delta(case, cfg, monkeyp
     _check_rows(y, base, h, lora, batch, "FP8 K2")
 
 
+# EPILORA_EPILOGUE_HALVES: one slot in prefill tiles, the rounded base kept in registers and the
+# delta added half the tile's columns at a time (the whole rank, or its 32-wide steps)
+HALVES = {"halves": LaunchConfig(block_m=64, block_n=32, block_k=32, block_r=16, num_stages=2),
+          "halves-rank-steps": LaunchConfig(block_m=64, block_n=32, block_k=32, block_r=128,
+                                            num_warps=1),
+          "halves-128-rows": LaunchConfig(block_m=128, block_n=64, block_k=32, block_r=16)}
+ONE_SLOT = [(5, 64, (32,), 8, 1, "one_adapter"), (70, 64, (32, 32, 64), 16, 1, "mixed_with_base"),
+            (130, 96, (64, 64), 16, 1, "mixed_with_base")]
+HALVES_FITTING = [(case, name) for case in ONE_SLOT for name, k2 in HALVES.items()
+                  if not any(w % k2.block_n for w in case[2][:-1])]
+
+
+@pytest.mark.parametrize(("case", "cfg"), HALVES_FITTING,
+                         ids=[f"T{c[0]}-N{sum(c[2])}-{c[5]}-{n}" for c, n in HALVES_FITTING])
+def test_k2_epilogue_in_halves_equals_reference_and_the_base_parked_in_y(case, cfg, monkeypatch):
+    from epilora_kernels import _tiling
+
+    x, codes, scales, weight, w_scale, h, lora, batch = make_integer_problem(0, *case)
+    k2 = HALVES[cfg]
+    monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "0")
+    parked = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2)
+    monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "1")
+    assert _tiling.epilogue_halves(k2, batch.num_entries, fp8=True)
+    y = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2)
+    assert_bitwise_equal(y, reference.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora,
+                                                    batch), name="K2 in halves vs reference")
+    assert_bitwise_equal(y, parked, name="K2 in halves vs the base parked in y")
+    _check_rows(y, fused.fp8_gemm(codes, scales, weight, w_scale, config=k2), h, lora, batch,
+                "K2 in halves")
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("cfg", list(HALVES))
+def test_k2_epilogue_in_halves_adds_the_adapter_as_vllms_expand(cfg, monkeypatch):
+    # Inexact bases and deltas (the case's check fails one rounding or an fp32 delta)
+    monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "1")
+    check_k2_adds_the_adapters_as_vllms_expand(HALVES[cfg], seed=5, tokens=70,
+                                               widths=(64, 64), max_loras=1,
+                                               mapping="mixed_with_base")
+
+
+def test_the_epilogue_in_halves_only_for_one_slot_in_fp8_prefill_tiles(monkeypatch):
+    import dataclasses
+
+    from epilora_kernels import _tiling
+
+    tile = HALVES["halves"]
+    monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "1")
+    assert _tiling.epilogue_halves(tile, 2, fp8=True)
+    assert not _tiling.epilogue_halves(tile, 3, fp8=True)  # several slots: the segment loop
+    assert not _tiling.epilogue_halves(tile, 2, fp8=False)  # W8A16: one rounding, in fp32
+    for other in (dataclasses.replace(tile, block_m=32), dataclasses.replace(tile, block_n=16),
+                  dataclasses.replace(tile, block_n=64, swap_ab=True)):
+        assert not _tiling.epilogue_halves(other, 2, fp8=True), other
+    monkeypatch.delenv("EPILORA_EPILOGUE_HALVES")  # the default: off
+    assert not _tiling.epilogue_halves(tile, 2, fp8=True)
+    monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "yes")
+    with pytest.raises(ValueError, match="expected 0 or 1"):
+        _tiling.epilogue_halves(tile, 2, fp8=True)
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-N{sum(c[2])}-{c[5]}")
 def test_k2_w8a16_and_expand_equal_reference_bitwise_and_every_rows_delta(case):
     x, _, _, weight, w_scale, h, lora, batch = make_integer_problem(1, *case)

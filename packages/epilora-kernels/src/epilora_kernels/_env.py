@@ -55,3 +55,14 @@ def gather_segments() -> str:
     if value not in ("0", "1", "fit"):
         raise ValueError(f"EPILORA_GATHER_SEGMENTS={value!r}: expected 0, 1 or fit")
     return value
+
+
+def epilogue_halves() -> bool:
+    """EPILORA_EPILOGUE_HALVES=1 (default 0; not yet timed): K2's one-slot epilogue in FP8
+    tiles of 64 rows or more keeps the rounded base in registers and adds the adapter's delta
+    one half of the tile's columns at a time, instead of parking the base in y and reading it
+    back (`_tiling.epilogue_halves`)."""
+    value = os.environ.get("EPILORA_EPILOGUE_HALVES", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"EPILORA_EPILOGUE_HALVES={value!r}: expected 0 or 1")
+    return value == "1"

@@ -252,6 +252,45 @@ def _dot_acc(acc, hz, bt, INTERPRETER: tl.constexpr):
 
 
 @triton.jit
+def _one_slot_epilogue_in_halves(acc, h_ptr, y_ptr, tok, pos, pos_mask, s, T, R, N, n0,
+                                 stride_y, slice_begin, slice_end, b_base, first_slot,
+                                 first_begin, first_end, NUM_SLICES: tl.constexpr,
+                                 H_PLANES: tl.constexpr, BLOCK_M: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                                 R_CHUNK: tl.constexpr, INTERPRETER: tl.constexpr):
+    # y = bf16(bf16(base) + bf16(h B^T)) for a tile with at most one adapter segment, as the
+    # epilogue below computes it, without parking the base in y: `acc` (the scaled fp32 base)
+    # rounded to bf16 and split by column halves, then each half's delta summed from zero in
+    # the same rank steps (R_CHUNK, else the whole rank), added and stored.
+    HALF: tl.constexpr = BLOCK_N // 2
+    STEP: tl.constexpr = R_CHUNK if (R_CHUNK > 0 and R_CHUNK < BLOCK_R) else BLOCK_R
+    left, right = tl.split(tl.permute(tl.reshape(_to_bf16(acc, INTERPRETER),
+                                                 [BLOCK_M, 2, HALF]), (0, 2, 1)))
+    in_seg = pos_mask & (pos >= first_begin) & (pos < first_end)
+    b_stride = (slice_end - slice_begin) * R  # one slot's slice of B
+    rows = y_ptr + tok[:, None].to(tl.int64) * stride_y
+    for half in tl.static_range(2):
+        n = n0 + half * HALF + tl.arange(0, HALF)
+        n_mask = n < N
+        delta = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+        if first_slot >= 0:
+            for step in range(BLOCK_R // STEP):
+                rr = step * STEP + tl.arange(0, STEP)
+                bt = _b_step(b_base, first_slot, b_stride, n, n_mask, slice_begin, slice_end,
+                             R, rr)
+                hz = _h_bf16(h_ptr, tok, in_seg, s, T, R, rr, NUM_SLICES, H_PLANES,
+                             INTERPRETER)
+                delta = _dot_acc(delta, hz, bt, INTERPRETER)
+        if half == 0:
+            kept = left
+        else:
+            kept = right
+        out = kept.to(tl.float32) + _to_bf16(delta, INTERPRETER).to(tl.float32)
+        tl.store(rows + n[None, :], _to_bf16(out, INTERPRETER),
+                 mask=pos_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def _segment(z, e, slots, seg_begins, seg_ends, lora_ids_ptr, start_ptr,
              SEG_STAGES: tl.constexpr):
     # Segment z's slot and bounds. SEG_STAGES 1: loaded here, so the slice of B the loop
@@ -642,6 +681,7 @@ def _lora_gemm_kernel(
     A_TMA: tl.constexpr = False, W_SCALE_PER_CHANNEL: tl.constexpr = False,
     HAS_BIAS: tl.constexpr = False, DELTA_FIRST: tl.constexpr = False,
     SWAP_AB: tl.constexpr = False, SWAP_PROMOTE: tl.constexpr = True,
+    EPILOGUE_HALVES: tl.constexpr = False,
     pf_ptr=None, PF_ROWS=0, PF_STRIDE=0, PF_LINES=0, PF_HALF=0, PF_ROW_BYTES=0,
     PREFETCH: tl.constexpr = 0,
     PF_BLOCK: tl.constexpr = 128,
@@ -879,76 +919,84 @@ def _lora_gemm_kernel(
     if HAS_BIAS:  # in fp32 before any rounding, as vLLM's CUTLASS epilogue adds it
         acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
 
-    if HAS_LORA and MODE != 1 and not DELTA_FIRST:
-        # As vLLM's expand (do_expand_kernel, add_inputs): the delta summed from zero, rounded
-        # to bf16, then added to the GEMM's bf16 output (the expand's MODE 2 loaded it), so
-        # that served answers are stock's up to the base's own sums. W8A16 (MODE 1) adds the
-        # fp32 delta before one rounding, the trainer's arithmetic (epilora_rl.reference).
-        if BLOCK_M >= 64:
-            # A second tile in registers beside the delta's spilled the 64- and 128-row tiles
-            # (gate_up's 128 x 256 prefill tile 1.5 KB a thread, dev/sm90_occupancy.py): the
-            # bf16 base waits in y instead, in L2 (the expand's base is there already).
-            if MODE == 0:
-                tl.store(y_tile, _to_bf16(acc, INTERPRETER), mask=out_mask)
-        else:
-            base = _to_bf16(acc, INTERPRETER)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if HAS_LORA and not DELTA_FIRST:
-        b_stride = (slice_end - slice_begin) * R  # one slot's slice of B
-        if GATHER_SEGMENTS:
-            acc = _gathered_delta(
-                acc, h_ptr, tok, pos, pos_mask, s, T, R, n, n_mask, slice_begin, slice_end,
-                b_base, lora_ids_ptr, start_ptr, NUM_ENTRIES, NUM_SLICES, H_PLANES, BLOCK_R,
-                GATHER_R_STEP, ENTRIES_BLOCK, INTERPRETER)
-        elif ENTRIES_BLOCK > 2:
-            acc = _several_slots_delta(
-                acc, h_ptr, tok, pos, pos_mask, s, T, R, n, n_mask, slice_begin, slice_end,
-                b_base, b_offs, b_mask, lora_ids_ptr, start_ptr, NUM_ENTRIES, z_first, z_last,
-                NUM_SLICES, H_PLANES, BLOCK_R, R_CHUNK, ENTRIES_BLOCK, SEG_STAGES, INTERPRETER)
-        elif R_CHUNK > 0 and R_CHUNK < BLOCK_R:
-            # One slot, the rank in R_CHUNK-wide steps: a loop Triton pipelines, no step's
-            # loads waiting on another load.
-            if first_slot >= 0:
-                in_seg = pos_mask & (pos >= first_begin) & (pos < first_end)
-                for step in range(BLOCK_R // R_CHUNK):
-                    rr = step * R_CHUNK + tl.arange(0, R_CHUNK)
-                    bt = _b_step(b_base, first_slot, b_stride, n, n_mask, slice_begin,
-                                 slice_end, R, rr)
-                    hz = _h_bf16(h_ptr, tok, in_seg, s, T, R, rr, NUM_SLICES, H_PLANES,
-                                 INTERPRETER)
-                    acc = _dot_acc(acc, hz, bt, INTERPRETER)
-        else:  # one slot: at most one segment with an adapter
-            hb = _h_bf16(h_ptr, tok, pos_mask, s, T, R, tl.arange(0, BLOCK_R), NUM_SLICES,
-                         H_PLANES, INTERPRETER)
-            if not B_IN_REGS and first_slot >= 0:  # B's load waits on no load of the slot
-                bt = tl.load(first_b + b_offs, mask=b_mask, other=0.0)
-                acc = _add_rows(acc, hb, (pos >= first_begin) & (pos < first_end), bt,
-                                INTERPRETER)
-            elif B_IN_REGS:
-                # B already here, the slot's load overlaps h's. (Written as above, gate_up's
-                # 128-row K2 at rank 16 needed 4 KB more shared memory, 3 blocks per SM to 2:
-                # tools/sm90_occupancy.py.)
-                for z in range(z_first, z_last + 1):
-                    slot = tl.load(lora_ids_ptr + z)
-                    seg_begin = tl.load(start_ptr + z)
-                    seg_end = tl.load(start_ptr + z + 1)
-                    if slot >= 0:
-                        if z == z_first:
-                            bt = b_first
-                        else:
-                            bt = tl.load(b_base + slot.to(tl.int64) * b_stride + b_offs,
-                                         mask=b_mask, other=0.0)
-                        acc = _add_rows(acc, hb, (pos >= seg_begin) & (pos < seg_end), bt,
-                                        INTERPRETER)
-    if HAS_LORA and MODE != 1:
-        # acc holds the delta, or with DELTA_FIRST the base; the other term, rounded, waits in
-        # y or (base, below 64 rows) in registers. Their sum is the same either way round.
-        held = _to_bf16(acc, INTERPRETER)  # rounded first: the fp32 tile's registers free
-        if DELTA_FIRST or BLOCK_M >= 64:
-            tl.debug_barrier()  # y's stores, whichever thread made them, before its load
-            kept = tl.load(y_tile, mask=out_mask, other=0.0)
-        else:
-            kept = base
-        acc = kept.to(tl.float32) + held.to(tl.float32)
-    tl.store(y_tile, _to_bf16(acc, INTERPRETER), mask=out_mask)
+    if EPILOGUE_HALVES:
+        # One slot in a 64- or 128-row FP8 tile: the rounded base stays in registers and the
+        # delta is added half the tile's columns at a time (`_tiling.epilogue_halves`).
+        _one_slot_epilogue_in_halves(
+            acc, h_ptr, y_ptr, tok, pos, pos_mask, s, T, R, N, pid_n * BLOCK_N, stride_y,
+            slice_begin, slice_end, b_base, first_slot, first_begin, first_end, NUM_SLICES,
+            H_PLANES, BLOCK_M, BLOCK_N, BLOCK_R, R_CHUNK, INTERPRETER)
+    else:
+        if HAS_LORA and MODE != 1 and not DELTA_FIRST:
+            # As vLLM's expand (do_expand_kernel, add_inputs): the delta summed from zero, rounded
+            # to bf16, then added to the GEMM's bf16 output (the expand's MODE 2 loaded it), so
+            # that served answers are stock's up to the base's own sums. W8A16 (MODE 1) adds the
+            # fp32 delta before one rounding, the trainer's arithmetic (epilora_rl.reference).
+            if BLOCK_M >= 64:
+                # A second tile in registers beside the delta's spilled the 64- and 128-row tiles
+                # (gate_up's 128 x 256 prefill tile 1.5 KB a thread, dev/sm90_occupancy.py): the
+                # bf16 base waits in y instead, in L2 (the expand's base is there already).
+                if MODE == 0:
+                    tl.store(y_tile, _to_bf16(acc, INTERPRETER), mask=out_mask)
+            else:
+                base = _to_bf16(acc, INTERPRETER)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if HAS_LORA and not DELTA_FIRST:
+            b_stride = (slice_end - slice_begin) * R  # one slot's slice of B
+            if GATHER_SEGMENTS:
+                acc = _gathered_delta(
+                    acc, h_ptr, tok, pos, pos_mask, s, T, R, n, n_mask, slice_begin, slice_end,
+                    b_base, lora_ids_ptr, start_ptr, NUM_ENTRIES, NUM_SLICES, H_PLANES, BLOCK_R,
+                    GATHER_R_STEP, ENTRIES_BLOCK, INTERPRETER)
+            elif ENTRIES_BLOCK > 2:
+                acc = _several_slots_delta(
+                    acc, h_ptr, tok, pos, pos_mask, s, T, R, n, n_mask, slice_begin, slice_end,
+                    b_base, b_offs, b_mask, lora_ids_ptr, start_ptr, NUM_ENTRIES, z_first, z_last,
+                    NUM_SLICES, H_PLANES, BLOCK_R, R_CHUNK, ENTRIES_BLOCK, SEG_STAGES, INTERPRETER)
+            elif R_CHUNK > 0 and R_CHUNK < BLOCK_R:
+                # One slot, the rank in R_CHUNK-wide steps: a loop Triton pipelines, no step's
+                # loads waiting on another load.
+                if first_slot >= 0:
+                    in_seg = pos_mask & (pos >= first_begin) & (pos < first_end)
+                    for step in range(BLOCK_R // R_CHUNK):
+                        rr = step * R_CHUNK + tl.arange(0, R_CHUNK)
+                        bt = _b_step(b_base, first_slot, b_stride, n, n_mask, slice_begin,
+                                     slice_end, R, rr)
+                        hz = _h_bf16(h_ptr, tok, in_seg, s, T, R, rr, NUM_SLICES, H_PLANES,
+                                     INTERPRETER)
+                        acc = _dot_acc(acc, hz, bt, INTERPRETER)
+            else:  # one slot: at most one segment with an adapter
+                hb = _h_bf16(h_ptr, tok, pos_mask, s, T, R, tl.arange(0, BLOCK_R), NUM_SLICES,
+                             H_PLANES, INTERPRETER)
+                if not B_IN_REGS and first_slot >= 0:  # B's load waits on no load of the slot
+                    bt = tl.load(first_b + b_offs, mask=b_mask, other=0.0)
+                    acc = _add_rows(acc, hb, (pos >= first_begin) & (pos < first_end), bt,
+                                    INTERPRETER)
+                elif B_IN_REGS:
+                    # B already here, the slot's load overlaps h's. (Written as above, gate_up's
+                    # 128-row K2 at rank 16 needed 4 KB more shared memory, 3 blocks per SM to 2:
+                    # tools/sm90_occupancy.py.)
+                    for z in range(z_first, z_last + 1):
+                        slot = tl.load(lora_ids_ptr + z)
+                        seg_begin = tl.load(start_ptr + z)
+                        seg_end = tl.load(start_ptr + z + 1)
+                        if slot >= 0:
+                            if z == z_first:
+                                bt = b_first
+                            else:
+                                bt = tl.load(b_base + slot.to(tl.int64) * b_stride + b_offs,
+                                             mask=b_mask, other=0.0)
+                            acc = _add_rows(acc, hb, (pos >= seg_begin) & (pos < seg_end), bt,
+                                            INTERPRETER)
+        if HAS_LORA and MODE != 1:
+            # acc holds the delta, or with DELTA_FIRST the base; the other term, rounded, waits in
+            # y or (base, below 64 rows) in registers. Their sum is the same either way round.
+            held = _to_bf16(acc, INTERPRETER)  # rounded first: the fp32 tile's registers free
+            if DELTA_FIRST or BLOCK_M >= 64:
+                tl.debug_barrier()  # y's stores, whichever thread made them, before its load
+                kept = tl.load(y_tile, mask=out_mask, other=0.0)
+            else:
+                kept = base
+            acc = kept.to(tl.float32) + held.to(tl.float32)
+        tl.store(y_tile, _to_bf16(acc, INTERPRETER), mask=out_mask)
     _stamp(trace_ptr, 4, TRACE)

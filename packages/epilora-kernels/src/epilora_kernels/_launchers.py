@@ -349,6 +349,7 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
     _, _, off1, off2 = _slices(lora)
     pf_when, pf_rows, pf_stride, pf_lines, pf_half, pf_row_bytes = prefetch or (0,) * 6
     gather_step = _tiling.gather_segments(cfg, num_entries, lora.max_rank)  # 0: loop
+    halves = _tiling.epilogue_halves(cfg, num_entries, mode == FP8)
     return dict(
         pointers,
         N=n, K=lora.in_features, R=lora.max_rank, NUM_ENTRIES=num_entries,
@@ -358,7 +359,8 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=cfg.block_r,
         INTERPRETER=interpreter, USE_PDL=pdl,
         WAIT_CODES=wait_codes, WARM_L2=warm_l2 if wait_codes else 0, TRACE=traced,
-        B_IN_REGS=_tiling.b_in_registers(cfg), R_CHUNK=_tiling.epilogue_rank_chunk(cfg),
+        B_IN_REGS=_tiling.b_in_registers(cfg) and not halves,
+        R_CHUNK=_tiling.epilogue_rank_chunk(cfg), EPILOGUE_HALVES=halves,
         SEG_STAGES=cfg.segment_stages if num_entries > 2 else 1,
         GATHER_SEGMENTS=gather_step > 0, GATHER_R_STEP=max(1, gather_step),
         W_TMA=w_tma, WAIT_K1_FIRST=wait_k1_first and pdl, A_TMA=a_sorted,
@@ -388,7 +390,8 @@ def k2_template(support: DeviceSupport, mode: int, lora: LoraWeights, num_entrie
     key = (mode, n, lora.in_features, lora.max_rank, tuple(lora.output_slices), num_entries,
            cfg, stride_a, stride_y, h_planes, split, pdl, wait_codes, warm_l2, traced, w_tma,
            wait_k1_first, a_sorted, per_channel, has_bias, support.interpreter, prefetch,
-           _tiling.gather_segments(cfg, num_entries, lora.max_rank))  # a setting's (dev A/Bs)
+           _tiling.gather_segments(cfg, num_entries, lora.max_rank),  # settings' (dev A/Bs)
+           _tiling.epilogue_halves(cfg, num_entries, mode == FP8))
     template = _K2_TEMPLATES.get(key)
     if template is None:
         arguments = _k2_arguments(
@@ -565,7 +568,8 @@ def fit_k2_waves(support: DeviceSupport, mode: int, a_dtype: torch.dtype, weight
     key = (weight.device, mode, a_dtype, h_dtype, t, batch.num_entries, k, lora.output_slices,
            lora.max_rank, weight_scale.numel() > 1, cfg, pdl, wait_codes, warm_l2,
            wait_k1_first, has_bias,
-           _tiling.gather_segments(cfg, batch.num_entries, lora.max_rank))
+           _tiling.gather_segments(cfg, batch.num_entries, lora.max_rank),
+           _tiling.epilogue_halves(cfg, batch.num_entries, mode == FP8))
     if key not in _FITTED:
         def measure(candidate: LaunchConfig) -> tuple[int, int] | None:
             try:
