@@ -117,8 +117,13 @@ Variants (`--variants`):
   base in y and reads it back: compiled for sm_90 on the CPU (`dev/sm90_occupancy.py` with
   and without it, Qwen3-8B's fused K2s at 64-2048 tokens, ranks 16-128) it spills nothing,
   takes fewer registers in 43 of the 48 and 2 more in 2, and fits 3 blocks an SM where the
-  shipped takes 2 in two (rank 64: qkv at 256 tokens, gate_up at 64). Untimed.
-  `--adapters 1 --ranks 16 64 128 --tokens 64 256 512 2048`.
+  shipped takes 2 in two (rank 64: qkv at 256 tokens, gate_up at 64). Untimed. `--adapters
+  1 --ranks 16 64 128 --tokens 64 256 512 2048`.
+  `epilogue-halves-all` (EPILORA_EPILOGUE_HALVES=all) with several slots too, in place of the
+  delta first (parked in y), compiled alike with 8 slots: of rank 16 no spills (19 fewer
+  registers in the widest tiles, 8-31 more in the others), of rank 64 188 bytes a thread in
+  the widest (512-2048 tokens); the same blocks an SM everywhere. `--adapters 8 --ranks 16
+  --tokens 64 256 512 2048`.
 
 `--gap-us G`: after every projection of every system, a kernel that spins G microseconds on one
 thread (`torch.cuda._sleep`), standing for the engine's other kernels between the GEMMs.
@@ -211,8 +216,9 @@ def gather_segments(setting: str = "1"):
                                                       {"EPILORA_GATHER_SEGMENTS": setting}))
 
 
-def epilogue_halves():
-    return _made_again_around(mock.patch.dict(os.environ, {"EPILORA_EPILOGUE_HALVES": "1"}))
+def epilogue_halves(setting: str):
+    return lambda: _made_again_around(mock.patch.dict(os.environ,
+                                                      {"EPILORA_EPILOGUE_HALVES": setting}))
 
 
 def one_launch():
@@ -327,7 +333,8 @@ VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "swap-ab-fast-acc": swap_ab(1, promote=False), "one-launch": one_launch,
             "one-launch-swap-ab": one_launch_swapped, "segments-in-flight": segments_in_flight,
             "gather-segments": gather_segments(), "gather-fitting": gather_segments("fit"),
-            "segment-loop": gather_segments("0"), "epilogue-halves": epilogue_halves}
+            "segment-loop": gather_segments("0"), "epilogue-halves": epilogue_halves("1"),
+            "epilogue-halves-all": epilogue_halves("all")}
 
 
 PREFETCH_MIB = {"prefetch-8": (8, "end"), "prefetch-24": (24, "end"),

@@ -110,48 +110,61 @@ def test_k2_fp8_equals_reference_bitwise_and_every_rows_delta(case, cfg, monkeyp
     _check_rows(y, base, h, lora, batch, "FP8 K2")
 
 
-# EPILORA_EPILOGUE_HALVES: one slot in prefill tiles, the rounded base kept in registers and the
-# delta added half the tile's columns at a time (the whole rank, or its 32-wide steps)
+# EPILORA_EPILOGUE_HALVES: prefill tiles keep the rounded base in registers and add the delta
+# half the tile's columns at a time (one slot: the whole rank or its 32-wide steps; several:
+# the segment loop, its slices of B waited for in turn or in flight)
 HALVES = {"halves": LaunchConfig(block_m=64, block_n=32, block_k=32, block_r=16, num_stages=2),
           "halves-rank-steps": LaunchConfig(block_m=64, block_n=32, block_k=32, block_r=128,
                                             num_warps=1),
-          "halves-128-rows": LaunchConfig(block_m=128, block_n=64, block_k=32, block_r=16)}
-ONE_SLOT = [(5, 64, (32,), 8, 1, "one_adapter"), (70, 64, (32, 32, 64), 16, 1, "mixed_with_base"),
-            (130, 96, (64, 64), 16, 1, "mixed_with_base")]
-HALVES_FITTING = [(case, name) for case in ONE_SLOT for name, k2 in HALVES.items()
+          "halves-128-rows": LaunchConfig(block_m=128, block_n=64, block_k=32, block_r=16),
+          "halves-segments": LaunchConfig(block_m=64, block_n=32, block_k=32, block_r=16,
+                                          num_stages=2, segment_stages=3)}
+HALVES_CASES = [(5, 64, (32,), 8, 1, "one_adapter"),
+                (70, 64, (32, 32, 64), 16, 1, "mixed_with_base"),
+                (130, 96, (64, 64), 16, 1, "mixed_with_base"),
+                (70, 64, (32, 32, 64), 16, 4, "reversed_runs"),
+                (130, 96, (64, 64), 16, 8, "one_token_each")]
+HALVES_FITTING = [(case, name) for case in HALVES_CASES for name, k2 in HALVES.items()
                   if not any(w % k2.block_n for w in case[2][:-1])]
 
 
 @pytest.mark.parametrize(("case", "cfg"), HALVES_FITTING,
-                         ids=[f"T{c[0]}-N{sum(c[2])}-{c[5]}-{n}" for c, n in HALVES_FITTING])
-def test_k2_epilogue_in_halves_equals_reference_and_the_base_parked_in_y(case, cfg, monkeypatch):
+                         ids=[f"T{c[0]}-N{sum(c[2])}-{c[4]}-{c[5]}-{n}" for c, n in HALVES_FITTING])
+def test_k2_epilogue_in_halves_equals_reference_and_the_term_parked_in_y(case, cfg, monkeypatch):
     from epilora_kernels import _tiling
 
     x, codes, scales, weight, w_scale, h, lora, batch = make_integer_problem(0, *case)
     k2 = HALVES[cfg]
+    monkeypatch.setenv("EPILORA_GATHER_SEGMENTS", "0")
     monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "0")
     parked = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2)
-    monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "1")
+    monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "all")
     assert _tiling.epilogue_halves(k2, batch.num_entries, fp8=True)
     y = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2)
     assert_bitwise_equal(y, reference.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora,
                                                     batch), name="K2 in halves vs reference")
-    assert_bitwise_equal(y, parked, name="K2 in halves vs the base parked in y")
+    assert_bitwise_equal(y, parked, name="K2 in halves vs a term parked in y")
     _check_rows(y, fused.fp8_gemm(codes, scales, weight, w_scale, config=k2), h, lora, batch,
                 "K2 in halves")
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("cfg", list(HALVES))
-def test_k2_epilogue_in_halves_adds_the_adapter_as_vllms_expand(cfg, monkeypatch):
+@pytest.mark.parametrize(("cfg", "slots", "mapping"),
+                         [(name, 1, "mixed_with_base") for name in HALVES]
+                         + [("halves", 8, "one_token_each"),
+                            ("halves-segments", 8, "one_token_each")])
+def test_k2_epilogue_in_halves_adds_the_adapters_as_vllms_expand(cfg, slots, mapping,
+                                                                  monkeypatch):
     # Inexact bases and deltas (the case's check fails one rounding or an fp32 delta)
-    monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "1")
+    monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "all")
     check_k2_adds_the_adapters_as_vllms_expand(HALVES[cfg], seed=5, tokens=70,
-                                               widths=(64, 64), max_loras=1,
-                                               mapping="mixed_with_base")
+                                               widths=(64, 64), max_loras=slots,
+                                               mapping=mapping)
 
 
-def test_the_epilogue_in_halves_only_for_one_slot_in_fp8_prefill_tiles(monkeypatch):
+def test_the_epilogue_in_halves_only_in_fp8_prefill_tiles(monkeypatch):
+    # =1: one slot (two entries: the slot and tokens without one); =all: several too, where it
+    # replaces the delta first (which parks the delta in y); =0, the default: never
     import dataclasses
 
     from epilora_kernels import _tiling
@@ -159,15 +172,27 @@ def test_the_epilogue_in_halves_only_for_one_slot_in_fp8_prefill_tiles(monkeypat
     tile = HALVES["halves"]
     monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "1")
     assert _tiling.epilogue_halves(tile, 2, fp8=True)
-    assert not _tiling.epilogue_halves(tile, 3, fp8=True)  # several slots: the segment loop
+    assert not _tiling.epilogue_halves(tile, 9, fp8=True)
     assert not _tiling.epilogue_halves(tile, 2, fp8=False)  # W8A16: one rounding, in fp32
     for other in (dataclasses.replace(tile, block_m=32), dataclasses.replace(tile, block_n=16),
                   dataclasses.replace(tile, block_n=64, swap_ab=True)):
         assert not _tiling.epilogue_halves(other, 2, fp8=True), other
-    monkeypatch.delenv("EPILORA_EPILOGUE_HALVES")  # the default: off
-    assert not _tiling.epilogue_halves(tile, 2, fp8=True)
+    monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "all")
+    assert _tiling.epilogue_halves(tile, 9, fp8=True)
+    _, _, _, _, _, _, lora, _ = make_integer_problem(9, 5, 64, (32, 32), 16, 8, "one_adapter")
+    arguments = _launchers._k2_arguments(
+        FP8, lora, 9, tile, n=64, stride_a=64, stride_y=64, h_planes=1, split=1,
+        w_tma=False, per_channel=False, traced=False, pdl=False, wait_codes=False, warm_l2=0,
+        wait_k1_first=False, a_sorted=False, interpreter=True, has_bias=False)
+    assert arguments["EPILOGUE_HALVES"] and not arguments["DELTA_FIRST"]
+    for setting in ("0", None):
+        if setting is None:
+            monkeypatch.delenv("EPILORA_EPILOGUE_HALVES")
+        else:
+            monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", setting)
+        assert not _tiling.epilogue_halves(tile, 2, fp8=True)
     monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "yes")
-    with pytest.raises(ValueError, match="expected 0 or 1"):
+    with pytest.raises(ValueError, match="expected 0, 1 or all"):
         _tiling.epilogue_halves(tile, 2, fp8=True)
 
 

@@ -57,12 +57,13 @@ def gather_segments() -> str:
     return value
 
 
-def epilogue_halves() -> bool:
-    """EPILORA_EPILOGUE_HALVES=1 (default 0; not yet timed): K2's one-slot epilogue in FP8
-    tiles of 64 rows or more keeps the rounded base in registers and adds the adapter's delta
-    one half of the tile's columns at a time, instead of parking the base in y and reading it
-    back (`_tiling.epilogue_halves`)."""
+def epilogue_halves() -> str:
+    """EPILORA_EPILOGUE_HALVES (default 0; not yet timed): K2's epilogue in FP8 tiles of 64 rows
+    or more keeps the rounded base in registers and adds the adapters' delta one half of the
+    tile's columns at a time, instead of parking the base or the delta in y and reading it
+    back (`_tiling.epilogue_halves`): `1` with one adapter slot, `all` with several too (there
+    rank 64's 128-row tiles spill 188 bytes a thread, compiled for sm_90), `0` never."""
     value = os.environ.get("EPILORA_EPILOGUE_HALVES", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"EPILORA_EPILOGUE_HALVES={value!r}: expected 0 or 1")
-    return value == "1"
+    if value not in ("0", "1", "all"):
+        raise ValueError(f"EPILORA_EPILOGUE_HALVES={value!r}: expected 0, 1 or all")
+    return value

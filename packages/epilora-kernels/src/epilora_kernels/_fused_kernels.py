@@ -252,28 +252,37 @@ def _dot_acc(acc, hz, bt, INTERPRETER: tl.constexpr):
 
 
 @triton.jit
-def _one_slot_epilogue_in_halves(acc, h_ptr, y_ptr, tok, pos, pos_mask, s, T, R, N, n0,
-                                 stride_y, slice_begin, slice_end, b_base, first_slot,
-                                 first_begin, first_end, NUM_SLICES: tl.constexpr,
-                                 H_PLANES: tl.constexpr, BLOCK_M: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                                 R_CHUNK: tl.constexpr, INTERPRETER: tl.constexpr):
-    # y = bf16(bf16(base) + bf16(h B^T)) for a tile with at most one adapter segment, as the
-    # epilogue below computes it, without parking the base in y: `acc` (the scaled fp32 base)
-    # rounded to bf16 and split by column halves, then each half's delta summed from zero in
-    # the same rank steps (R_CHUNK, else the whole rank), added and stored.
+def _epilogue_in_halves(acc, h_ptr, y_ptr, tok, pos, pos_mask, s, T, R, N, n0, stride_y,
+                        slice_begin, slice_end, b_base, first_slot, first_begin, first_end,
+                        lora_ids_ptr, start_ptr, NUM_ENTRIES, z_first, z_last,
+                        NUM_SLICES: tl.constexpr, H_PLANES: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                        R_CHUNK: tl.constexpr, ENTRIES_BLOCK: tl.constexpr,
+                        SEG_STAGES: tl.constexpr, INTERPRETER: tl.constexpr):
+    # y = bf16(bf16(base) + bf16(h B^T)), as the epilogue below computes it, without parking
+    # the base in y: `acc` (the scaled fp32 base) rounded to bf16 and split by column halves,
+    # then each half's delta summed from zero as there (one slot: in the same rank steps,
+    # R_CHUNK, else the whole rank; several: `_several_slots_delta`), added and stored.
     HALF: tl.constexpr = BLOCK_N // 2
     STEP: tl.constexpr = R_CHUNK if (R_CHUNK > 0 and R_CHUNK < BLOCK_R) else BLOCK_R
     left, right = tl.split(tl.permute(tl.reshape(_to_bf16(acc, INTERPRETER),
                                                  [BLOCK_M, 2, HALF]), (0, 2, 1)))
-    in_seg = pos_mask & (pos >= first_begin) & (pos < first_end)
     b_stride = (slice_end - slice_begin) * R  # one slot's slice of B
     rows = y_ptr + tok[:, None].to(tl.int64) * stride_y
     for half in tl.static_range(2):
         n = n0 + half * HALF + tl.arange(0, HALF)
         n_mask = n < N
         delta = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
-        if first_slot >= 0:
+        if ENTRIES_BLOCK > 2:
+            r = tl.arange(0, BLOCK_R)
+            delta = _several_slots_delta(
+                delta, h_ptr, tok, pos, pos_mask, s, T, R, n, n_mask, slice_begin, slice_end,
+                b_base, (n - slice_begin)[:, None] * R + r[None, :],
+                (n < slice_end)[:, None] & n_mask[:, None] & (r[None, :] < R), lora_ids_ptr,
+                start_ptr, NUM_ENTRIES, z_first, z_last, NUM_SLICES, H_PLANES, BLOCK_R,
+                R_CHUNK, ENTRIES_BLOCK, SEG_STAGES, INTERPRETER)
+        elif first_slot >= 0:
+            in_seg = pos_mask & (pos >= first_begin) & (pos < first_end)
             for step in range(BLOCK_R // STEP):
                 rr = step * STEP + tl.arange(0, STEP)
                 bt = _b_step(b_base, first_slot, b_stride, n, n_mask, slice_begin, slice_end,
@@ -920,12 +929,17 @@ def _lora_gemm_kernel(
         acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
 
     if EPILOGUE_HALVES:
-        # One slot in a 64- or 128-row FP8 tile: the rounded base stays in registers and the
-        # delta is added half the tile's columns at a time (`_tiling.epilogue_halves`).
-        _one_slot_epilogue_in_halves(
+        # A 64- or 128-row FP8 tile: the rounded base stays in registers and the delta is
+        # added half the tile's columns at a time (`_tiling.epilogue_halves`).
+        if ENTRIES_BLOCK > 2:  # several slots: the segment loop's, no first segment's
+            first_slot = -1
+            first_begin = 0
+            first_end = 0
+        _epilogue_in_halves(
             acc, h_ptr, y_ptr, tok, pos, pos_mask, s, T, R, N, pid_n * BLOCK_N, stride_y,
-            slice_begin, slice_end, b_base, first_slot, first_begin, first_end, NUM_SLICES,
-            H_PLANES, BLOCK_M, BLOCK_N, BLOCK_R, R_CHUNK, INTERPRETER)
+            slice_begin, slice_end, b_base, first_slot, first_begin, first_end, lora_ids_ptr,
+            start_ptr, NUM_ENTRIES, z_first, z_last, NUM_SLICES, H_PLANES, BLOCK_M, BLOCK_N,
+            BLOCK_R, R_CHUNK, ENTRIES_BLOCK, SEG_STAGES, INTERPRETER)
     else:
         if HAS_LORA and MODE != 1 and not DELTA_FIRST:
             # As vLLM's expand (do_expand_kernel, add_inputs): the delta summed from zero, rounded

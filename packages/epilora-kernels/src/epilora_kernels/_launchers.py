@@ -370,7 +370,7 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
         # Several slots in prefill tiles of the FP8 GEMM, h whole before the K loop (no PDL, or
         # the fused path's wait for all of K1 first): the delta before the GEMM (the kernel).
         DELTA_FIRST=(mode == FP8 and cfg.block_m >= 64 and num_entries > 2 and split == 1
-                     and (wait_k1_first or not pdl)),
+                     and (wait_k1_first or not pdl) and not halves),
         PREFETCH=pf_when, PF_ROWS=pf_rows, PF_STRIDE=pf_stride, PF_LINES=pf_lines,
         PF_HALF=pf_half, PF_ROW_BYTES=pf_row_bytes,
         PF_BLOCK=cfg.num_warps * 32,  # a line a thread per round

@@ -289,17 +289,20 @@ def gather_segments(cfg: LaunchConfig, num_entries: int, rank: int) -> int:
 
 
 def epilogue_halves(cfg: LaunchConfig, num_entries: int, fp8: bool) -> bool:
-    """K2's one-slot epilogue without the base's round trip through y (EPILORA_EPILOGUE_HALVES):
-    in FP8 tiles of 64 rows or more the kernel stores the rounded base in y, adds h B^T into
-    the freed accumulator and reads the base back, because the base and a whole delta tile in
-    registers at once spilled (gate_up's 128 x 256 prefill tile 1.5 KB a thread); that costs
-    two extra passes of the tile through L2 and a barrier. Here the base stays in registers,
-    rounded to bf16 (half the fp32 tile's registers), and the delta is made for one half of
-    the tile's columns at a time (half a delta tile): the same bits. B is then loaded in the
-    epilogue, each half's slice after the K loop (warmed in L2 before it), never held
-    through the loop."""
-    return (_env.epilogue_halves() and fp8 and num_entries <= 2 and cfg.block_m >= 64
-            and cfg.block_n >= 32 and not cfg.swap_ab)
+    """K2's epilogue in FP8 tiles of 64 rows or more without a round trip through y
+    (EPILORA_EPILOGUE_HALVES). There the kernel parks one term in y because the base and a
+    whole delta tile in registers at once spilled: with one slot it stores the rounded base,
+    adds h B^T into the freed accumulator and reads the base back (gate_up's 128 x 256
+    prefill tile spilled 1.5 KB a thread otherwise); with several, where h is whole before the
+    K loop, it sums the delta first and parks that (`DELTA_FIRST`: the 8x16 layer at 512-2048
+    tokens took 1.15-1.57x as long with the spills). Either costs two more passes of the tile
+    through L2 and a barrier. Here the base stays in registers, rounded to bf16 (half the fp32
+    tile's registers), and the delta is made for one half of the tile's columns at a time
+    (half a delta tile): the same bits. One slot's B is then loaded after the K loop (warmed
+    in L2 before it), never held through it. `1`: one slot only; `all`: several too."""
+    setting = _env.epilogue_halves()
+    return (setting != "0" and (setting == "all" or num_entries <= 2) and fp8
+            and cfg.block_m >= 64 and cfg.block_n >= 32 and not cfg.swap_ab)
 
 
 def epilogue_rank_chunk(cfg: LaunchConfig) -> int:
