@@ -266,3 +266,40 @@ def test_k2_gathering_each_rows_adapter_gives_the_reference_bits(shape, monkeypa
     monkeypatch.setenv("EPILORA_GATHER_SEGMENTS", "0")  # a template of its own (its key)
     segments = fused.decode_lora_fp8_linear(x, weight, w_scale, lora, batch)
     assert relative_error(gathered, segments) < 1e-2
+
+
+@pytest.mark.parametrize("shape", [(300, 1024, (512, 256, 256), 64, 1),
+                                   (512, 4096, (12288, 12288), 16, 1),
+                                   (520, 2048, (4096, 1024, 1024), 128, 1),
+                                   (512, 4096, (4096, 1024, 1024), 16, 8),
+                                   (2048, 1024, (1024,), 64, 8)],
+                         ids=lambda s: f"T{s[0]}-N{sum(s[2])}-r{s[3]}-l{s[4]}")
+def test_k2_epilogue_in_halves_gives_the_bits_of_the_term_parked_in_y(shape, monkeypatch):
+    # EPILORA_EPILOGUE_HALVES=all: prefill tiles keep the rounded base in registers and add the
+    # delta half the tile's columns at a time: the same sums as the shipped epilogue, which
+    # parks one term in y, so the same bits, in 128 x 256 and 64 x 128 tiles and the
+    # launchers' own, eager and in a CUDA graph. (Integer-valued operands are no exact check
+    # here: these tiles sum FP8 products on wgmma in reduced precision.)
+    t, k, slices, rank, slots = shape
+    mapping = "mixed_with_base" if slots == 1 else "reversed_runs"
+    tiles = [fused.LaunchConfig(block_m=128, block_n=256, block_k=128, block_r=rank,
+                                num_warps=8, num_stages=3),
+             fused.LaunchConfig(block_m=64, block_n=128, block_k=128, block_r=rank,
+                                num_stages=3)]
+    x, weight, w_scale, lora, batch = _problem(shape, mapping, seed=5)
+    monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "all")
+    assert all(_tiling.epilogue_halves(cfg, batch.num_entries, fp8=True) for cfg in tiles)
+    runs = {}
+    for setting in ("all", "0"):  # each a template of its own (its key)
+        monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", setting)
+        runs[setting] = [fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch,
+                                                     k2_config=cfg) for cfg in [*tiles, None]]
+    monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "all")
+    for cfg, halves, parked in zip([*tiles, None], runs["all"], runs["0"], strict=True):
+        name = "the launchers' tiles" if cfg is None else f"{cfg.block_m} x {cfg.block_n}"
+        assert_bitwise_equal(halves, parked, name=f"K2 in halves vs parked, {name}")
+        graph, out = capture(lambda cfg=cfg: fused.fused_lora_fp8_linear(
+            x, weight, w_scale, lora, batch, k2_config=cfg))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitwise_equal(out, halves, name=f"K2 in halves, {name}, graph")
