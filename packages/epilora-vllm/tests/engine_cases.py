@@ -158,6 +158,14 @@ FUSED = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"
          "down_proj": ("mlp.down_proj",)}
 
 
+def modules_of(weights, name):
+    """The checkpoint's (and its adapters') modules that vLLM's projection `name` computes, in
+    output order: FUSED's, or the one fused tensor where the checkpoint stores them so
+    (Phi-3's qkv_proj and gate_up_proj)."""
+    fused = f"{FUSED[name][0].split('.')[0]}.{name}"
+    return (fused,) if f"model.layers.0.{fused}.weight" in weights else FUSED[name]
+
+
 def expected(checkpoints, name, x, mapping, slots, *, w8a16=False, shrink_codes=False):
     """float64: the FP8 base on per-token FP8 activations (epilora-quant, vLLM's CPU
     arithmetic), or with `w8a16` on the bf16 activations themselves (the matched mode), plus
@@ -169,8 +177,9 @@ def expected(checkpoints, name, x, mapping, slots, *, w8a16=False, shrink_codes=
     else:
         codes, scales = quantize_fp8_per_token(x, arithmetic=Fp8Arithmetic.TORCH_CPU)
         xq = codes.double() * scales.double()
+    modules = modules_of(weights, name)
     parts = []
-    for module in FUSED[name]:
+    for module in modules:
         prefix = f"model.layers.0.{module}"
         w = weights[prefix + ".weight"].double() * weights[prefix + ".weight_scale"].double()
         parts.append(xq @ w.T)
@@ -182,7 +191,7 @@ def expected(checkpoints, name, x, mapping, slots, *, w8a16=False, shrink_codes=
         config = json.loads((adapter / "adapter_config.json").read_text())
         tensors = load_file(adapter / "adapter_model.safetensors")
         delta = []
-        for module in FUSED[name]:
+        for module in modules:
             prefix = f"base_model.model.model.layers.0.{module}"
             a, b = tensors[prefix + ".lora_A.weight"], tensors[prefix + ".lora_B.weight"]
             delta.append((xq if shrink_codes else x.double())[token] @ a.double().T

