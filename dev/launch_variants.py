@@ -119,11 +119,11 @@ Variants (`--variants`):
   takes fewer registers in 43 of the 48 and 2 more in 2, and fits 3 blocks an SM where the
   shipped takes 2 in two (rank 64: qkv at 256 tokens, gate_up at 64). Untimed. `--adapters
   1 --ranks 16 64 128 --tokens 64 256 512 2048`.
-  `epilogue-halves-all` (EPILORA_EPILOGUE_HALVES=all) with several slots too, in place of the
-  delta first (parked in y), compiled alike with 8 slots: of rank 16 no spills (19 fewer
-  registers in the widest tiles, 8-31 more in the others), of rank 64 188 bytes a thread in
-  the widest (512-2048 tokens); the same blocks an SM everywhere. `--adapters 8 --ranks 16
-  --tokens 64 256 512 2048`.
+  `epilogue-halves-all` (EPILORA_EPILOGUE_HALVES=all) with several slots too, where the
+  shipped epilogue parks the delta (or the base) in y, compiled alike with 8 slots: of rank
+  16 no spills (19 fewer registers in the widest tiles, 8-31 more in the others), of rank 64
+  188 bytes a thread in the widest (512-2048 tokens); the same blocks an SM everywhere.
+  `--adapters 8 --ranks 16 --tokens 64 256 512 2048`.
 
 `--gap-us G`: after every projection of every system, a kernel that spins G microseconds on one
 thread (`torch.cuda._sleep`), standing for the engine's other kernels between the GEMMs.

@@ -53,6 +53,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--top", type=int, default=10, help="log-probabilities a step")
     args = parser.parse_args()
+    if args.top < 2:
+        parser.error("--top: at least 2 (a step's gap is to its runner-up)")
 
     with tempfile.TemporaryDirectory() as root:
         checkpoints = make_checkpoints(Path(root))

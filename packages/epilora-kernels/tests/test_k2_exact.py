@@ -118,14 +118,20 @@ HALVES = {"halves": LaunchConfig(block_m=64, block_n=32, block_k=32, block_r=16,
                                             num_warps=1),
           "halves-128-rows": LaunchConfig(block_m=128, block_n=64, block_k=32, block_r=16),
           "halves-segments": LaunchConfig(block_m=64, block_n=32, block_k=32, block_r=16,
-                                          num_stages=2, segment_stages=3)}
+                                          num_stages=2, segment_stages=3),
+          # K split: the last split's program sums the partials, then the halves
+          "halves-split-k": LaunchConfig(block_m=64, block_n=32, block_k=32, block_r=16,
+                                         split_k=2)}
 HALVES_CASES = [(5, 64, (32,), 8, 1, "one_adapter"),
                 (70, 64, (32, 32, 64), 16, 1, "mixed_with_base"),
                 (130, 96, (64, 64), 16, 1, "mixed_with_base"),
                 (70, 64, (32, 32, 64), 16, 4, "reversed_runs"),
-                (130, 96, (64, 64), 16, 8, "one_token_each")]
+                (130, 96, (64, 64), 16, 8, "one_token_each"),
+                # rank 64 in 32-wide steps: every step carries data
+                (70, 64, (32, 32, 64), 64, 1, "mixed_with_base"),
+                (70, 64, (64, 64), 64, 4, "reversed_runs")]
 HALVES_FITTING = [(case, name) for case in HALVES_CASES for name, k2 in HALVES.items()
-                  if not any(w % k2.block_n for w in case[2][:-1])]
+                  if k2.block_r >= case[3] and not any(w % k2.block_n for w in case[2][:-1])]
 
 
 @pytest.mark.parametrize(("case", "cfg"), HALVES_FITTING,
@@ -135,7 +141,6 @@ def test_k2_epilogue_in_halves_equals_reference_and_the_term_parked_in_y(case, c
 
     x, codes, scales, weight, w_scale, h, lora, batch = make_integer_problem(0, *case)
     k2 = HALVES[cfg]
-    monkeypatch.setenv("EPILORA_GATHER_SEGMENTS", "0")
     monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "0")
     parked = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2)
     monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "all")
@@ -144,8 +149,9 @@ def test_k2_epilogue_in_halves_equals_reference_and_the_term_parked_in_y(case, c
     assert_bitwise_equal(y, reference.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora,
                                                     batch), name="K2 in halves vs reference")
     assert_bitwise_equal(y, parked, name="K2 in halves vs a term parked in y")
-    _check_rows(y, fused.fp8_gemm(codes, scales, weight, w_scale, config=k2), h, lora, batch,
-                "K2 in halves")
+    if case[3] <= 16:  # at rank 64 outputs pass 256, inexact in bf16: the reference's bits only
+        _check_rows(y, fused.fp8_gemm(codes, scales, weight, w_scale, config=k2), h, lora,
+                    batch, "K2 in halves")
 
 
 @pytest.mark.vllm

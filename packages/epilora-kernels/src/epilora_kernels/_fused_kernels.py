@@ -22,12 +22,14 @@ on wgmma's 64-row side). Its epilogue sums `bf16(h) B_slot^T` for each adapter s
 the tile, reading only the tile's columns of B, and writes the bf16 tile once: in MODEs 0 and 2
 as vLLM's expand adds into its GEMM's output, `bf16(bf16(base) + bf16(delta))` (with several
 slots in tiles of 64 rows or more whose h is whole before the K loop, the delta is summed first
-and waits in y: `DELTA_FIRST`); in MODE 1 rounded once, `bf16(base + delta)`. In the fused path
-with PDL (`WAIT_K1_FIRST`) it is launched as K1's programmatic dependent only to hide its
-launch, and waits for all of K1 before its K loop. In the decode path (`USE_PDL`, `WAIT_CODES`)
-it is K1's programmatic dependent: it waits for K1's count of quantized rows before its K loop
-(prefetching the first `WARM_L2` bytes of its weight rows into L2 meanwhile), streams its
-weights while K1's shrink runs, and waits for all of K1 (`gdc_wait`) only before its epilogue.
+and waits in y: `DELTA_FIRST`; with `EPILOGUE_HALVES` no term waits in y, the rounded base stays
+in registers and the delta is added half the tile's columns at a time); in MODE 1 rounded once,
+`bf16(base + delta)`. In the fused path with PDL (`WAIT_K1_FIRST`) it is launched as K1's
+programmatic dependent only to hide its launch, and waits for all of K1 before its K loop. In
+the decode path (`USE_PDL`, `WAIT_CODES`) it is K1's programmatic dependent: it waits for K1's
+count of quantized rows before its K loop (prefetching the first `WARM_L2` bytes of its weight
+rows into L2 meanwhile), streams its weights while K1's shrink runs, and waits for all of K1
+(`gdc_wait`) only before its epilogue.
 With `LEAD_SHRINK` (the decode path on the caller's codes in one launch) there is no K1: the
 grid is 1-D and its first programs are K1's shrink programs (`_shrink_tile`, in `S_` settings),
 each releasing a count once its part of h is stored; the GEMM programs after them spin on that
@@ -931,12 +933,14 @@ def _lora_gemm_kernel(
     if EPILOGUE_HALVES:
         # A 64- or 128-row FP8 tile: the rounded base stays in registers and the delta is
         # added half the tile's columns at a time (`_tiling.epilogue_halves`).
-        if ENTRIES_BLOCK > 2:  # several slots: the segment loop's, no first segment's
+        tl.static_assert(MODE == 0 and HAS_LORA and not DELTA_FIRST,
+                         "EPILOGUE_HALVES: FP8 tiles with adapters, no term parked in y")
+        if ENTRIES_BLOCK > 2:  # unused with several slots (the segment loop's own)
             first_slot = -1
             first_begin = 0
             first_end = 0
         _epilogue_in_halves(
-            acc, h_ptr, y_ptr, tok, pos, pos_mask, s, T, R, N, pid_n * BLOCK_N, stride_y,
+            acc, h_ptr, y_ptr, tok, pos, pos_mask, s, T, R, N, n0, stride_y,
             slice_begin, slice_end, b_base, first_slot, first_begin, first_end, lora_ids_ptr,
             start_ptr, NUM_ENTRIES, z_first, z_last, NUM_SLICES, H_PLANES, BLOCK_M, BLOCK_N,
             BLOCK_R, R_CHUNK, ENTRIES_BLOCK, SEG_STAGES, INTERPRETER)

@@ -452,7 +452,7 @@ def k2_lead_template(support: DeviceSupport, lora: LoraWeights, num_entries: int
     n = lora.out_features
     key = ("lead", n, lora.in_features, lora.max_rank, tuple(lora.output_slices), num_entries,
            cfg1, cfg2, stride_a, stride_x, x_codes, split, w_tma, per_channel, traced, has_bias,
-           support.interpreter)
+           support.interpreter, _tiling.epilogue_halves(cfg2, num_entries, True))
     template = _K2_TEMPLATES.get(key)
     if template is None:
         arguments = _k2_arguments(
@@ -568,8 +568,7 @@ def fit_k2_waves(support: DeviceSupport, mode: int, a_dtype: torch.dtype, weight
     key = (weight.device, mode, a_dtype, h_dtype, t, batch.num_entries, k, lora.output_slices,
            lora.max_rank, weight_scale.numel() > 1, cfg, pdl, wait_codes, warm_l2,
            wait_k1_first, has_bias,
-           _tiling.gather_segments(cfg, batch.num_entries, lora.max_rank),
-           _tiling.epilogue_halves(cfg, batch.num_entries, mode == FP8))
+           _tiling.gather_segments(cfg, batch.num_entries, lora.max_rank))
     if key not in _FITTED:
         def measure(candidate: LaunchConfig) -> tuple[int, int] | None:
             try:

@@ -295,8 +295,9 @@ def epilogue_halves(cfg: LaunchConfig, num_entries: int, fp8: bool) -> bool:
     adds h B^T into the freed accumulator and reads the base back (gate_up's 128 x 256
     prefill tile spilled 1.5 KB a thread otherwise); with several, where h is whole before the
     K loop, it sums the delta first and parks that (`DELTA_FIRST`: the 8x16 layer at 512-2048
-    tokens took 1.15-1.57x as long with the spills). Either costs two more passes of the tile
-    through L2 and a barrier. Here the base stays in registers, rounded to bf16 (half the fp32
+    tokens took 1.15-1.57x as long with the spills), else (split K, or h not yet whole) parks
+    the base as with one slot. Either costs two more passes of the tile through L2 and a
+    barrier. Here the base stays in registers, rounded to bf16 (half the fp32
     tile's registers), and the delta is made for one half of the tile's columns at a time
     (half a delta tile): the same bits. One slot's B is then loaded after the K loop (warmed
     in L2 before it), never held through it. `1`: one slot only; `all`: several too."""

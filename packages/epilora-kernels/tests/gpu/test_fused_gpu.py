@@ -278,8 +278,9 @@ def test_k2_epilogue_in_halves_gives_the_bits_of_the_term_parked_in_y(shape, mon
     # EPILORA_EPILOGUE_HALVES=all: prefill tiles keep the rounded base in registers and add the
     # delta half the tile's columns at a time: the same sums as the shipped epilogue, which
     # parks one term in y, so the same bits, in 128 x 256 and 64 x 128 tiles and the
-    # launchers' own, eager and in a CUDA graph. (Integer-valued operands are no exact check
-    # here: these tiles sum FP8 products on wgmma in reduced precision.)
+    # launchers' own (which take the halves only where their tiles have 64 rows or more),
+    # eager and in a CUDA graph. (Integer-valued operands are no exact check here: these tiles
+    # sum FP8 products on wgmma in reduced precision.)
     t, k, slices, rank, slots = shape
     mapping = "mixed_with_base" if slots == 1 else "reversed_runs"
     tiles = [fused.LaunchConfig(block_m=128, block_n=256, block_k=128, block_r=rank,

@@ -95,8 +95,9 @@ def write_tiny_phi3(path: str | Path, *, seed: int = 0) -> Path:
     single-slice QKV and plain column LoRA classes)."""
     from transformers import Phi3Config, Phi3ForCausalLM
 
+    # Phi3Config's pad and eos ids (32000) lie outside the tiny vocabulary
     return _write_random(path, Phi3Config, Phi3ForCausalLM, seed, pad_token_id=0,
-                         bos_token_id=1, eos_token_id=2)
+                         eos_token_id=2)
 
 
 def projections_of(config: dict) -> dict:
@@ -136,7 +137,7 @@ def write_lora_adapter(path: str | Path, model_dir: str | Path, *, rank: int, se
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(config["num_hidden_layers"]):
-        for module in targets or tuple(projections):
+        for module in tuple(projections) if targets is None else targets:
             out, inp = projections[module](config)
             prefix = f"base_model.model.model.layers.{layer}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = (
@@ -149,7 +150,8 @@ def write_lora_adapter(path: str | Path, model_dir: str | Path, *, rank: int, se
     (path / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank,
         "lora_alpha": alpha if alpha is not None else rank,
-        "target_modules": sorted({m.split(".")[-1] for m in targets or projections}),
+        "target_modules": sorted({m.split(".")[-1]
+                                  for m in (projections if targets is None else targets)}),
         "bias": "none",
         "base_model_name_or_path": str(model_dir)}))
     return path
