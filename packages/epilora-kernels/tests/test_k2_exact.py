@@ -169,20 +169,28 @@ def test_k2_epilogue_in_halves_adds_the_adapters_as_vllms_expand(cfg, slots, map
 
 
 def test_the_epilogue_in_halves_only_in_fp8_prefill_tiles(monkeypatch):
-    # =1: one slot (two entries: the slot and tokens without one); =all: several too, where it
-    # replaces the delta first (which parks the delta in y); =0, the default: never
+    # auto, the default: from 65 tokens, one slot or several; =1: one slot (two entries: the
+    # slot and tokens without one) at any size; =all: several too, where it replaces the delta
+    # first (which parks the delta in y); =0: never. FP8 tiles of 64 rows or more only.
     import dataclasses
 
     from epilora_kernels import _tiling
 
     tile = HALVES["halves"]
+    monkeypatch.delenv("EPILORA_EPILOGUE_HALVES", raising=False)
+    assert [_tiling.epilogue_halves(tile, entries, True, tokens)
+            for entries, tokens in ((2, 64), (2, 65), (9, 64), (9, 65))] == [
+        False, True, False, True]
     monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "1")
     assert _tiling.epilogue_halves(tile, 2, fp8=True)
     assert not _tiling.epilogue_halves(tile, 9, fp8=True)
-    assert not _tiling.epilogue_halves(tile, 2, fp8=False)  # W8A16: one rounding, in fp32
-    for other in (dataclasses.replace(tile, block_m=32), dataclasses.replace(tile, block_n=16),
-                  dataclasses.replace(tile, block_n=64, swap_ab=True)):
-        assert not _tiling.epilogue_halves(other, 2, fp8=True), other
+    for setting in ("auto", "1", "all"):
+        monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", setting)
+        assert not _tiling.epilogue_halves(tile, 2, False, 512)  # W8A16: one rounding, in fp32
+        for other in (dataclasses.replace(tile, block_m=32),
+                      dataclasses.replace(tile, block_n=16),
+                      dataclasses.replace(tile, block_n=64, swap_ab=True)):
+            assert not _tiling.epilogue_halves(other, 2, True, 512), (setting, other)
     monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "all")
     assert _tiling.epilogue_halves(tile, 9, fp8=True)
     _, _, _, _, _, _, lora, _ = make_integer_problem(9, 5, 64, (32, 32), 16, 8, "one_adapter")
@@ -191,14 +199,10 @@ def test_the_epilogue_in_halves_only_in_fp8_prefill_tiles(monkeypatch):
         w_tma=False, per_channel=False, traced=False, pdl=False, wait_codes=False, warm_l2=0,
         wait_k1_first=False, a_sorted=False, interpreter=True, has_bias=False)
     assert arguments["EPILOGUE_HALVES"] and not arguments["DELTA_FIRST"]
-    for setting in ("0", None):
-        if setting is None:
-            monkeypatch.delenv("EPILORA_EPILOGUE_HALVES")
-        else:
-            monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", setting)
-        assert not _tiling.epilogue_halves(tile, 2, fp8=True)
+    monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "0")
+    assert not _tiling.epilogue_halves(tile, 2, True, 512)
     monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "yes")
-    with pytest.raises(ValueError, match="expected 0, 1 or all"):
+    with pytest.raises(ValueError, match="expected auto, 0, 1 or all"):
         _tiling.epilogue_halves(tile, 2, fp8=True)
 
 

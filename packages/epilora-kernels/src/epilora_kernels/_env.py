@@ -58,12 +58,12 @@ def gather_segments() -> str:
 
 
 def epilogue_halves() -> str:
-    """EPILORA_EPILOGUE_HALVES (default 0; not yet timed): K2's epilogue in FP8 tiles of 64 rows
-    or more keeps the rounded base in registers and adds the adapters' delta one half of the
-    tile's columns at a time, instead of parking the base or the delta in y and reading it
-    back (`_tiling.epilogue_halves`): `1` with one adapter slot, `all` with several too (there
-    rank 64's 128-row tiles spill 188 bytes a thread, compiled for sm_90), `0` never."""
-    value = os.environ.get("EPILORA_EPILOGUE_HALVES", "0")
-    if value not in ("0", "1", "all"):
-        raise ValueError(f"EPILORA_EPILOGUE_HALVES={value!r}: expected 0, 1 or all")
+    """EPILORA_EPILOGUE_HALVES (default `auto`): K2's epilogue in FP8 tiles of 64 rows or more
+    keeps the rounded base in registers and adds the adapters' delta one half of the tile's
+    columns at a time, instead of parking the base or the delta in y and reading it back
+    (`_tiling.epilogue_halves`): `auto` from 65 tokens, `1` with one adapter slot at any size,
+    `all` with several too, `0` never (the epilogue as before 2026-12-05)."""
+    value = os.environ.get("EPILORA_EPILOGUE_HALVES", "auto")
+    if value not in ("0", "1", "all", "auto"):
+        raise ValueError(f"EPILORA_EPILOGUE_HALVES={value!r}: expected auto, 0, 1 or all")
     return value

@@ -342,14 +342,16 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
                   n: int, stride_a: int, stride_y: int, h_planes: int, split: int, w_tma: bool,
                   per_channel: bool, traced: bool, pdl: bool, wait_codes: bool, warm_l2: int,
                   wait_k1_first: bool, a_sorted: bool, interpreter: bool, has_bias: bool,
-                  prefetch: tuple[int, ...] | None = None, **pointers) -> dict:
+                  prefetch: tuple[int, ...] | None = None, tokens: int = 0,
+                  **pointers) -> dict:
     # K2's arguments with adapters, by name: what launch_k2's templates launch (their
     # pointers in slots, none given here) and k2_blocks_per_sm compiles (with MockTensors).
-    # `prefetch`: an L2Prefetch's `prefetch.kernel_args`, or None.
+    # `prefetch`: an L2Prefetch's `prefetch.kernel_args`, or None; `tokens`: the batch's
+    # (`_tiling.epilogue_halves` asks).
     _, _, off1, off2 = _slices(lora)
     pf_when, pf_rows, pf_stride, pf_lines, pf_half, pf_row_bytes = prefetch or (0,) * 6
     gather_step = _tiling.gather_segments(cfg, num_entries, lora.max_rank)  # 0: loop
-    halves = _tiling.epilogue_halves(cfg, num_entries, mode == FP8)
+    halves = _tiling.epilogue_halves(cfg, num_entries, mode == FP8, tokens)
     return dict(
         pointers,
         N=n, K=lora.in_features, R=lora.max_rank, NUM_ENTRIES=num_entries,
@@ -382,16 +384,16 @@ def k2_template(support: DeviceSupport, mode: int, lora: LoraWeights, num_entrie
                 cfg: LaunchConfig, *, stride_a: int, stride_y: int, h_planes: int, split: int,
                 w_tma: bool, per_channel: bool, pdl: bool, wait_codes: bool, warm_l2: int,
                 traced: bool, wait_k1_first: bool, a_sorted: bool,
-                has_bias: bool = False,
-                prefetch: tuple[int, ...] | None = None) -> _fast_launch.Template:
+                has_bias: bool = False, prefetch: tuple[int, ...] | None = None,
+                tokens: int = 0) -> _fast_launch.Template:
     """K2's launch template (slots `_K2_SLOTS`) for these settings, made once; `pdl` as
-    `use_pdl` made it; `prefetch` as `_k2_arguments` takes it."""
+    `use_pdl` made it; `prefetch` and `tokens` as `_k2_arguments` takes them."""
     n = lora.out_features
     key = (mode, n, lora.in_features, lora.max_rank, tuple(lora.output_slices), num_entries,
            cfg, stride_a, stride_y, h_planes, split, pdl, wait_codes, warm_l2, traced, w_tma,
            wait_k1_first, a_sorted, per_channel, has_bias, support.interpreter, prefetch,
            _tiling.gather_segments(cfg, num_entries, lora.max_rank),  # settings' (dev A/Bs)
-           _tiling.epilogue_halves(cfg, num_entries, mode == FP8))
+           _tiling.epilogue_halves(cfg, num_entries, mode == FP8, tokens))
     template = _K2_TEMPLATES.get(key)
     if template is None:
         arguments = _k2_arguments(
@@ -399,7 +401,7 @@ def k2_template(support: DeviceSupport, mode: int, lora: LoraWeights, num_entrie
             h_planes=h_planes, split=split, w_tma=w_tma, per_channel=per_channel,
             traced=traced, pdl=pdl, wait_codes=wait_codes, warm_l2=warm_l2,
             wait_k1_first=wait_k1_first, a_sorted=a_sorted, interpreter=support.interpreter,
-            has_bias=has_bias, prefetch=prefetch)
+            has_bias=has_bias, prefetch=prefetch, tokens=tokens)
         template = _keep_template(_K2_TEMPLATES, key, _fast_launch.Template(
             _lora_gemm_kernel, arguments, _K2_SLOTS))
     return template
@@ -428,7 +430,7 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
         per_channel=mode != EXPAND and weight_scale.numel() > 1, pdl=use_pdl(support, pdl),
         wait_codes=wait_codes, warm_l2=warm_l2, traced=trace is not None,
         wait_k1_first=wait_k1_first, a_sorted=a_sorted, has_bias=bias is not None,
-        prefetch=pf_args)
+        prefetch=pf_args, tokens=t)
     partial = y if partial is None else partial
     trace = trace_arg(trace, counters, grid[0] * grid[1] * grid[2])
     _, b, _, _ = _slices(lora)
@@ -539,7 +541,7 @@ def k2_blocks_per_sm(support: DeviceSupport, mode: int, a_dtype: torch.dtype, we
             mode, lora, batch.num_entries, cfg, n=n, stride_a=k, stride_y=n, h_planes=1,
             split=split, w_tma=False, per_channel=weight_scale.numel() > 1, traced=False,
             pdl=pdl, wait_codes=wait_codes, warm_l2=warm_l2, wait_k1_first=wait_k1_first,
-            a_sorted=False, interpreter=support.interpreter, has_bias=has_bias,
+            a_sorted=False, interpreter=support.interpreter, has_bias=has_bias, tokens=t,
             a_ptr=a, a_desc=a, a_scale_ptr=MockTensor(torch.float32), w_ptr=weight,
             w_desc=weight, w_scale_ptr=weight_scale, bias_ptr=weight_scale, y_ptr=y, h_ptr=h,
             b0_ptr=b[0], b1_ptr=b[1], b2_ptr=b[2], sorted_ptr=batch.sorted_token_indices,

@@ -288,7 +288,11 @@ def gather_segments(cfg: LaunchConfig, num_entries: int, rank: int) -> int:
     return max(1, min(cfg.block_r, 1 << (max(step, 1).bit_length() - 1)))
 
 
-def epilogue_halves(cfg: LaunchConfig, num_entries: int, fp8: bool) -> bool:
+# EPILORA_EPILOGUE_HALVES=auto (the default): the epilogue in halves from this many tokens.
+HALVES_MIN_TOKENS = 65
+
+
+def epilogue_halves(cfg: LaunchConfig, num_entries: int, fp8: bool, tokens: int = 0) -> bool:
     """K2's epilogue in FP8 tiles of 64 rows or more without a round trip through y
     (EPILORA_EPILOGUE_HALVES). There the kernel parks one term in y because the base and a
     whole delta tile in registers at once spilled: with one slot it stores the rounded base,
@@ -297,13 +301,25 @@ def epilogue_halves(cfg: LaunchConfig, num_entries: int, fp8: bool) -> bool:
     K loop, it sums the delta first and parks that (`DELTA_FIRST`: the 8x16 layer at 512-2048
     tokens took 1.15-1.57x as long with the spills), else (split K, or h not yet whole) parks
     the base as with one slot. Either costs two more passes of the tile through L2 and a
-    barrier. Here the base stays in registers, rounded to bf16 (half the fp32
-    tile's registers), and the delta is made for one half of the tile's columns at a time
-    (half a delta tile): the same bits. One slot's B is then loaded after the K loop (warmed
-    in L2 before it), never held through it. `1`: one slot only; `all`: several too."""
+    barrier. Here the base stays in registers, rounded to bf16 (half the fp32 tile's
+    registers), and the delta is made for one half of the tile's columns at a time (half a
+    delta tile): the same bits. One slot's B is then loaded after the K loop (warmed in L2
+    before it), never held through it.
+
+    On an H100 at a86ee71 (`dev/launch_variants.py`, three models' layers, one run;
+    docs/kernels.md, Next steps 1) the layer took 0.94-0.99x its time at 256-2048 tokens with
+    one slot (ranks 16-128) and 0.92-0.99x with 8 slots of rank 16, but at 64 tokens
+    0.96-1.02x with one slot and 1.10-1.11x with 8 (one row tile meeting every segment, whose
+    loop the halves run twice; one slot's B no longer loaded before the K loop). Hence `auto`,
+    the default: from HALVES_MIN_TOKENS tokens. `1`: one slot, any size; `all`: several too;
+    `0`: never."""
     setting = _env.epilogue_halves()
-    return (setting != "0" and (setting == "all" or num_entries <= 2) and fp8
-            and cfg.block_m >= 64 and cfg.block_n >= 32 and not cfg.swap_ab)
+    if setting == "0" or not (fp8 and cfg.block_m >= 64 and cfg.block_n >= 32
+                              and not cfg.swap_ab):
+        return False
+    if setting == "auto":
+        return tokens >= HALVES_MIN_TOKENS
+    return setting == "all" or num_entries <= 2
 
 
 def epilogue_rank_chunk(cfg: LaunchConfig) -> int:

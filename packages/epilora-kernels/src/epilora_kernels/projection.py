@@ -219,7 +219,7 @@ class LoraProjection:
                 per_channel=self.weight_scale.numel() > 1,
                 pdl=_launchers.use_pdl(support, pdl), wait_codes=counted,
                 warm_l2=fused.DECODE_WARM_L2, traced=False, wait_k1_first=wait_k1_first,
-                a_sorted=a_sorted, has_bias=biased, prefetch=prefetch),
+                a_sorted=a_sorted, has_bias=biased, prefetch=prefetch, tokens=t),
             grid1=_launchers.k1_grid(t, lora, batch, cfg1, quantize=quantize), grid2=grid2,
             partial_shape=(None if grid2[2] == 1 else
                            _launchers.gemm_partial_shape(grid2, lora.out_features, cfg2)),
