@@ -123,7 +123,9 @@ Variants (`--variants`):
   shipped epilogue parks the delta (or the base) in y, compiled alike with 8 slots: of rank
   16 no spills (19 fewer registers in the widest tiles, 8-31 more in the others), of rank 64
   188 bytes a thread in the widest (512-2048 tokens); the same blocks an SM everywhere.
-  `--adapters 8 --ranks 16 --tokens 64 256 512 2048`.
+  `--adapters 8 --ranks 16 --tokens 64 256 512 2048`. Since the default (`auto`) takes the
+  halves from 65 tokens, `epilogue-parked` (EPILORA_EPILOGUE_HALVES=0) is the epilogue as
+  before, parking a term in y.
 
 `--gap-us G`: after every projection of every system, a kernel that spins G microseconds on one
 thread (`torch.cuda._sleep`), standing for the engine's other kernels between the GEMMs.
@@ -334,7 +336,8 @@ VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "one-launch-swap-ab": one_launch_swapped, "segments-in-flight": segments_in_flight,
             "gather-segments": gather_segments(), "gather-fitting": gather_segments("fit"),
             "segment-loop": gather_segments("0"), "epilogue-halves": epilogue_halves("1"),
-            "epilogue-halves-all": epilogue_halves("all")}
+            "epilogue-halves-all": epilogue_halves("all"),
+            "epilogue-parked": epilogue_halves("0")}
 
 
 PREFETCH_MIB = {"prefetch-8": (8, "end"), "prefetch-24": (24, "end"),
