@@ -169,9 +169,9 @@ def test_k2_epilogue_in_halves_adds_the_adapters_as_vllms_expand(cfg, slots, map
 
 
 def test_the_epilogue_in_halves_only_in_fp8_prefill_tiles(monkeypatch):
-    # auto, the default: from 65 tokens, one slot or several; =1: one slot (two entries: the
-    # slot and tokens without one) at any size; =all: several too, where it replaces the delta
-    # first (which parks the delta in y); =0: never. FP8 tiles of 64 rows or more only.
+    # auto, the default: one slot (two entries: the slot and tokens without one) from 65
+    # tokens; =1: one slot at any size; =all: several too, where it replaces the delta first
+    # (which parks the delta in y); =0: never. FP8 tiles of 64 rows or more only.
     import dataclasses
 
     from epilora_kernels import _tiling
@@ -180,7 +180,7 @@ def test_the_epilogue_in_halves_only_in_fp8_prefill_tiles(monkeypatch):
     monkeypatch.delenv("EPILORA_EPILOGUE_HALVES", raising=False)
     assert [_tiling.epilogue_halves(tile, entries, True, tokens)
             for entries, tokens in ((2, 64), (2, 65), (9, 64), (9, 65))] == [
-        False, True, False, True]
+        False, True, False, False]
     monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "1")
     assert _tiling.epilogue_halves(tile, 2, fp8=True)
     assert not _tiling.epilogue_halves(tile, 9, fp8=True)

@@ -61,7 +61,7 @@ def epilogue_halves() -> str:
     """EPILORA_EPILOGUE_HALVES (default `auto`): K2's epilogue in FP8 tiles of 64 rows or more
     keeps the rounded base in registers and adds the adapters' delta one half of the tile's
     columns at a time, instead of parking the base or the delta in y and reading it back
-    (`_tiling.epilogue_halves`): `auto` from 65 tokens, `1` with one adapter slot at any size,
+    (`_tiling.epilogue_halves`): `auto` with one adapter slot from 65 tokens, `1` at any size,
     `all` with several too, `0` never (the epilogue as before 2026-12-05)."""
     value = os.environ.get("EPILORA_EPILOGUE_HALVES", "auto")
     if value not in ("0", "1", "all", "auto"):

@@ -288,7 +288,8 @@ def gather_segments(cfg: LaunchConfig, num_entries: int, rank: int) -> int:
     return max(1, min(cfg.block_r, 1 << (max(step, 1).bit_length() - 1)))
 
 
-# EPILORA_EPILOGUE_HALVES=auto (the default): the epilogue in halves from this many tokens.
+# EPILORA_EPILOGUE_HALVES=auto (the default): one slot's epilogue in halves from this many
+# tokens.
 HALVES_MIN_TOKENS = 65
 
 
@@ -306,19 +307,21 @@ def epilogue_halves(cfg: LaunchConfig, num_entries: int, fp8: bool, tokens: int 
     delta tile): the same bits. One slot's B is then loaded after the K loop (warmed in L2
     before it), never held through it.
 
-    On an H100 at a86ee71 (`dev/launch_variants.py`, three models' layers, one run;
-    docs/kernels.md, Next steps 1) the layer took 0.94-0.99x its time at 256-2048 tokens with
-    one slot (ranks 16-128) and 0.92-0.99x with 8 slots of rank 16, but at 64 tokens
-    0.96-1.02x with one slot and 1.10-1.11x with 8 (one row tile meeting every segment, whose
-    loop the halves run twice; one slot's B no longer loaded before the K loop). Hence `auto`,
-    the default: from HALVES_MIN_TOKENS tokens. `1`: one slot, any size; `all`: several too;
-    `0`: never."""
+    Timed (`dev/launch_variants.py`, three models' layers, one run each; docs/kernels.md,
+    Next steps 1): on an H100 at a86ee71 the layer took 0.94-0.99x its time at 256-2048 tokens
+    with one slot (ranks 16-128) and 0.92-0.99x with 8 slots of rank 16, but at 64 tokens
+    0.96-1.02x with one slot and 1.10-1.11x with 8; held out, on an H200 at acd6b69, one slot
+    of rank 32 and 64 at 128, 1024 and 4096 tokens 0.91-1.02x, 8 slots of rank 16 0.94x at
+    1024 tokens and 1.01-1.03x at 128, and 32 slots of rank 64 1.06-1.49x at 128-2048 (the
+    segment loop run twice over many segments, and that tile's spills). Hence `auto`, the
+    default: one slot, from HALVES_MIN_TOKENS tokens. `1`: one slot at any size; `all`:
+    several slots too; `0`: never."""
     setting = _env.epilogue_halves()
     if setting == "0" or not (fp8 and cfg.block_m >= 64 and cfg.block_n >= 32
                               and not cfg.swap_ab):
         return False
     if setting == "auto":
-        return tokens >= HALVES_MIN_TOKENS
+        return num_entries <= 2 and tokens >= HALVES_MIN_TOKENS
     return setting == "all" or num_entries <= 2
 
 
