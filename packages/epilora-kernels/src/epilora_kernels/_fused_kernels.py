@@ -254,6 +254,22 @@ def _dot_acc(acc, hz, bt, INTERPRETER: tl.constexpr):
 
 
 @triton.jit
+def _one_slot_delta(acc, h_ptr, tok, pos, pos_mask, s, T, R, n, n_mask, slice_begin,
+                    slice_end, b_base, b_stride, slot, seg_begin, seg_end, STEP: tl.constexpr,
+                    BLOCK_R: tl.constexpr, NUM_SLICES: tl.constexpr, H_PLANES: tl.constexpr,
+                    INTERPRETER: tl.constexpr):
+    # acc += bf16(h) B_slot^T over the tile's rows in [seg_begin, seg_end) and its columns n,
+    # the rank in STEP-wide steps: a loop Triton pipelines, no step's loads waiting on another.
+    in_seg = pos_mask & (pos >= seg_begin) & (pos < seg_end)
+    for step in range(BLOCK_R // STEP):
+        rr = step * STEP + tl.arange(0, STEP)
+        bt = _b_step(b_base, slot, b_stride, n, n_mask, slice_begin, slice_end, R, rr)
+        hz = _h_bf16(h_ptr, tok, in_seg, s, T, R, rr, NUM_SLICES, H_PLANES, INTERPRETER)
+        acc = _dot_acc(acc, hz, bt, INTERPRETER)
+    return acc
+
+
+@triton.jit
 def _epilogue_in_halves(acc, h_ptr, y_ptr, tok, pos, pos_mask, s, T, R, N, n0, stride_y,
                         slice_begin, slice_end, b_base, first_slot, first_begin, first_end,
                         lora_ids_ptr, start_ptr, NUM_ENTRIES, z_first, z_last,
@@ -284,14 +300,10 @@ def _epilogue_in_halves(acc, h_ptr, y_ptr, tok, pos, pos_mask, s, T, R, N, n0, s
                 start_ptr, NUM_ENTRIES, z_first, z_last, NUM_SLICES, H_PLANES, BLOCK_R,
                 R_CHUNK, ENTRIES_BLOCK, SEG_STAGES, INTERPRETER)
         elif first_slot >= 0:
-            in_seg = pos_mask & (pos >= first_begin) & (pos < first_end)
-            for step in range(BLOCK_R // STEP):
-                rr = step * STEP + tl.arange(0, STEP)
-                bt = _b_step(b_base, first_slot, b_stride, n, n_mask, slice_begin, slice_end,
-                             R, rr)
-                hz = _h_bf16(h_ptr, tok, in_seg, s, T, R, rr, NUM_SLICES, H_PLANES,
-                             INTERPRETER)
-                delta = _dot_acc(delta, hz, bt, INTERPRETER)
+            delta = _one_slot_delta(delta, h_ptr, tok, pos, pos_mask, s, T, R, n, n_mask,
+                                    slice_begin, slice_end, b_base, b_stride, first_slot,
+                                    first_begin, first_end, STEP, BLOCK_R, NUM_SLICES,
+                                    H_PLANES, INTERPRETER)
         if half == 0:
             kept = left
         else:
@@ -975,14 +987,10 @@ def _lora_gemm_kernel(
                 # One slot, the rank in R_CHUNK-wide steps: a loop Triton pipelines, no step's
                 # loads waiting on another load.
                 if first_slot >= 0:
-                    in_seg = pos_mask & (pos >= first_begin) & (pos < first_end)
-                    for step in range(BLOCK_R // R_CHUNK):
-                        rr = step * R_CHUNK + tl.arange(0, R_CHUNK)
-                        bt = _b_step(b_base, first_slot, b_stride, n, n_mask, slice_begin,
-                                     slice_end, R, rr)
-                        hz = _h_bf16(h_ptr, tok, in_seg, s, T, R, rr, NUM_SLICES, H_PLANES,
-                                     INTERPRETER)
-                        acc = _dot_acc(acc, hz, bt, INTERPRETER)
+                    acc = _one_slot_delta(acc, h_ptr, tok, pos, pos_mask, s, T, R, n, n_mask,
+                                          slice_begin, slice_end, b_base, b_stride,
+                                          first_slot, first_begin, first_end, R_CHUNK,
+                                          BLOCK_R, NUM_SLICES, H_PLANES, INTERPRETER)
             else:  # one slot: at most one segment with an adapter
                 hb = _h_bf16(h_ptr, tok, pos_mask, s, T, R, tl.arange(0, BLOCK_R), NUM_SLICES,
                              H_PLANES, INTERPRETER)
