@@ -208,33 +208,18 @@ def decode_everywhere():
         dispatch, DECODE_MAX_TOKENS=1 << 30, DECODE_MAX_TOKENS_ONE_SLOT=1 << 30))
 
 
-def after_previous():
-    return _made_again_around(mock.patch.dict(os.environ,
-                                              {"EPILORA_DECODE_AFTER_PREVIOUS": "1"}))
+def with_env(name: str, value: str):
+    """A variant: the shipped rules with one of the kernels' settings (epilora_kernels._env)."""
+    return lambda: _made_again_around(mock.patch.dict(os.environ, {name: value}))
 
 
-def gather_segments(setting: str = "1"):
-    return lambda: _made_again_around(mock.patch.dict(os.environ,
-                                                      {"EPILORA_GATHER_SEGMENTS": setting}))
-
-
-def epilogue_halves(setting: str):
-    return lambda: _made_again_around(mock.patch.dict(os.environ,
-                                                      {"EPILORA_EPILOGUE_HALVES": setting}))
-
-
-def one_launch():
-    return _made_again_around(mock.patch.dict(os.environ, {"EPILORA_DECODE_ONE_LAUNCH": "1"}))
+heuristic = with_env("EPILORA_LAUNCH_TABLES", "0")
 
 
 @contextlib.contextmanager
 def one_launch_swapped():
-    with one_launch(), swap_ab(1)():
+    with with_env("EPILORA_DECODE_ONE_LAUNCH", "1")(), swap_ab(1)():
         yield
-
-
-def heuristic():
-    return _made_again_around(mock.patch.dict(os.environ, {"EPILORA_LAUNCH_TABLES": "0"}))
 
 
 @contextlib.contextmanager
@@ -330,14 +315,18 @@ VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "k1-apart": k1_apart, "k1-light": k1_split_by(2, 32, 32),
             "k1-lighter": k1_split_by(4, 64, 16), "k1-heavier": k1_split_by(0.5, 32, 128),
             "k1-heaviest": k1_split_by(0.25, 32, 128), "decode-path": decode_path,
-            "decode-prefill": decode_everywhere, "after-previous": after_previous,
+            "decode-prefill": decode_everywhere,
+            "after-previous": with_env("EPILORA_DECODE_AFTER_PREVIOUS", "1"),
             "swap-ab": swap_ab(1), "swap-ab-split": swap_ab(2),
-            "swap-ab-fast-acc": swap_ab(1, promote=False), "one-launch": one_launch,
+            "swap-ab-fast-acc": swap_ab(1, promote=False),
+            "one-launch": with_env("EPILORA_DECODE_ONE_LAUNCH", "1"),
             "one-launch-swap-ab": one_launch_swapped, "segments-in-flight": segments_in_flight,
-            "gather-segments": gather_segments(), "gather-fitting": gather_segments("fit"),
-            "segment-loop": gather_segments("0"), "epilogue-halves": epilogue_halves("1"),
-            "epilogue-halves-all": epilogue_halves("all"),
-            "epilogue-parked": epilogue_halves("0")}
+            "gather-segments": with_env("EPILORA_GATHER_SEGMENTS", "1"),
+            "gather-fitting": with_env("EPILORA_GATHER_SEGMENTS", "fit"),
+            "segment-loop": with_env("EPILORA_GATHER_SEGMENTS", "0"),
+            "epilogue-halves": with_env("EPILORA_EPILOGUE_HALVES", "1"),
+            "epilogue-halves-all": with_env("EPILORA_EPILOGUE_HALVES", "all"),
+            "epilogue-parked": with_env("EPILORA_EPILOGUE_HALVES", "0")}
 
 
 PREFETCH_MIB = {"prefetch-8": (8, "end"), "prefetch-24": (24, "end"),
