@@ -351,7 +351,7 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
     _, _, off1, off2 = _slices(lora)
     pf_when, pf_rows, pf_stride, pf_lines, pf_half, pf_row_bytes = prefetch or (0,) * 6
     gather_step = _tiling.gather_segments(cfg, num_entries, lora.max_rank)  # 0: loop
-    halves = _tiling.epilogue_halves(cfg, num_entries, mode == FP8, tokens)
+    halves = _tiling.epilogue_halves(cfg, num_entries, mode == FP8, tokens, lora.max_rank)
     return dict(
         pointers,
         N=n, K=lora.in_features, R=lora.max_rank, NUM_ENTRIES=num_entries,
@@ -393,7 +393,7 @@ def k2_template(support: DeviceSupport, mode: int, lora: LoraWeights, num_entrie
            cfg, stride_a, stride_y, h_planes, split, pdl, wait_codes, warm_l2, traced, w_tma,
            wait_k1_first, a_sorted, per_channel, has_bias, support.interpreter, prefetch,
            _tiling.gather_segments(cfg, num_entries, lora.max_rank),  # settings' (dev A/Bs)
-           _tiling.epilogue_halves(cfg, num_entries, mode == FP8, tokens))
+           _tiling.epilogue_halves(cfg, num_entries, mode == FP8, tokens, lora.max_rank))
     template = _K2_TEMPLATES.get(key)
     if template is None:
         arguments = _k2_arguments(

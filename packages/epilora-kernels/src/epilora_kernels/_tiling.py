@@ -289,11 +289,15 @@ def gather_segments(cfg: LaunchConfig, num_entries: int, rank: int) -> int:
 
 
 # EPILORA_EPILOGUE_HALVES=auto (the default): one slot's epilogue in halves from this many
-# tokens.
+# tokens; several slots' where the rank is at most HALVES_MAX_RANK and the batch has at least
+# HALVES_TOKENS_PER_SLOT tokens for each slot held (few adapter segments meet a tile).
 HALVES_MIN_TOKENS = 65
+HALVES_MAX_RANK = 32
+HALVES_TOKENS_PER_SLOT = 64
 
 
-def epilogue_halves(cfg: LaunchConfig, num_entries: int, fp8: bool, tokens: int = 0) -> bool:
+def epilogue_halves(cfg: LaunchConfig, num_entries: int, fp8: bool, tokens: int = 0,
+                    rank: int = 0) -> bool:
     """K2's epilogue in FP8 tiles of 64 rows or more without a round trip through y
     (EPILORA_EPILOGUE_HALVES). There the kernel parks one term in y because the base and a
     whole delta tile in registers at once spilled: with one slot it stores the rounded base,
@@ -313,15 +317,24 @@ def epilogue_halves(cfg: LaunchConfig, num_entries: int, fp8: bool, tokens: int 
     0.96-1.02x with one slot and 1.10-1.11x with 8; held out, on an H200 at acd6b69, one slot
     of rank 32 and 64 at 128, 1024 and 4096 tokens 0.91-1.02x, 8 slots of rank 16 0.94x at
     1024 tokens and 1.01-1.03x at 128, and 32 slots of rank 64 1.06-1.49x at 128-2048 (the
-    segment loop run twice over many segments, and that tile's spills). Hence `auto`, the
-    default: one slot, from HALVES_MIN_TOKENS tokens. `1`: one slot at any size; `all`:
-    several slots too; `0`: never."""
+    segment loop run twice over many segments, and that tile's spills). On an H100 at 5547bab
+    (`--variants epilogue-halves-all`), 4 slots of rank 32 took 0.79-0.92x at 256-2048 tokens
+    (64-512 tokens a slot), 16 slots of rank 16 0.93-0.96x at 512-2048 tokens (Llama-3.1-8B
+    1.05x at 512: 32 a slot) and 1.04-1.09x at 256 (16 a slot). Hence `auto`, the default:
+    one slot from HALVES_MIN_TOKENS tokens; several where their rank (`rank`, the slots'
+    largest) is at most HALVES_MAX_RANK and the batch has HALVES_TOKENS_PER_SLOT tokens a slot
+    held (the slots an engine holds, not those a batch uses: with fewer in use, fewer segments
+    meet a tile). `1`: one slot at any size; `all`: several slots too, at any size; `0`:
+    never."""
     setting = _env.epilogue_halves()
     if setting == "0" or not (fp8 and cfg.block_m >= 64 and cfg.block_n >= 32
                               and not cfg.swap_ab):
         return False
     if setting == "auto":
-        return num_entries <= 2 and tokens >= HALVES_MIN_TOKENS
+        slots = num_entries - 1  # the entries less the one for tokens without an adapter
+        if slots <= 1:
+            return tokens >= HALVES_MIN_TOKENS
+        return 0 < rank <= HALVES_MAX_RANK and tokens >= HALVES_TOKENS_PER_SLOT * slots
     return setting == "all" or num_entries <= 2
 
 
