@@ -67,14 +67,18 @@ def verdicts(adapters: int, rank: int, tokens: int, c: dict) -> tuple[str, str]:
     return verdict, heuristic
 
 
-def _tuner_lines() -> list[str]:
-    """The tuner's cost per model and what it found, from its own result file."""
+def _tuner_lines(layer_used_cache: bool) -> list[str]:
+    """The tuner's cost per model and what it found, from its own result file;
+    `layer_used_cache`: whether the layer run above had a tuner's cache."""
     if not TUNER.exists():
         return []
     data = json.loads(TUNER.read_text())
     meta = data["meta"]
-    lines = ["## The tuner", "",
-             f"From `{TUNER.relative_to(ROOT)}`: commit `{meta['git_sha'][:10]}`, "
+    lines = ["## The tuner", ""]
+    if not layer_used_cache:
+        lines += ["The layer run above had no tuner's cache: the tuner's run below is an "
+                  "earlier call's, not what `epilora` used.", ""]
+    lines += [f"From `{TUNER.relative_to(ROOT)}`: commit `{meta['git_sha'][:10]}`, "
              f"{meta['date']}, `{meta['command']}`. `epilora_kernels.tuner.tune_decode` on "
              "each model's four projections at the decode buckets (1-32 tokens); seconds "
              "include compiling the candidates in parallel processes first (the "
@@ -152,8 +156,8 @@ def render() -> None:
         body.append("")
         lines.append(f"| {model} | {counts['met']} | {counts['MISSED']} | {counts['hmet']} | "
                      f"{counts['hMISSED']} |")
-    lines += ["", f"![layer time, one rank-64 adapter]({PLOT.name})", "", *_tuner_lines(),
-              *body]
+    lines += ["", f"![layer time, one rank-64 adapter]({PLOT.name})", "",
+              *_tuner_lines(bool(meta.get("launch_cache"))), *body]
     PAGE.write_text("\n".join(lines) + "\n")
     panels = {model: {t: c for t, c in table[model][(1, 64)].items()}
               for model in MODELS if (1, 64) in table.get(model, {})}
