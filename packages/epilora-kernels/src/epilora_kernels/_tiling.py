@@ -289,8 +289,8 @@ def gather_segments(cfg: LaunchConfig, num_entries: int, rank: int) -> int:
 
 
 # EPILORA_EPILOGUE_HALVES=auto (the default): one slot's epilogue in halves from this many
-# tokens; several slots' where the rank is at most HALVES_MAX_RANK and the batch has at least
-# HALVES_TOKENS_PER_SLOT tokens for each slot held (few adapter segments meet a tile).
+# tokens; =fit also several slots' where the rank is at most HALVES_MAX_RANK and the batch has
+# at least HALVES_TOKENS_PER_SLOT tokens for each slot held (few adapter segments meet a tile).
 HALVES_MIN_TOKENS = 65
 HALVES_MAX_RANK = 32
 HALVES_TOKENS_PER_SLOT = 64
@@ -321,20 +321,22 @@ def epilogue_halves(cfg: LaunchConfig, num_entries: int, fp8: bool, tokens: int 
     (`--variants epilogue-halves-all`), 4 slots of rank 32 took 0.79-0.92x at 256-2048 tokens
     (64-512 tokens a slot), 16 slots of rank 16 0.93-0.96x at 512-2048 tokens (Llama-3.1-8B
     1.05x at 512: 32 a slot) and 1.04-1.09x at 256 (16 a slot). Hence `auto`, the default:
-    one slot from HALVES_MIN_TOKENS tokens; several where their rank (`rank`, the slots'
-    largest) is at most HALVES_MAX_RANK and the batch has HALVES_TOKENS_PER_SLOT tokens a slot
-    held (the slots an engine holds, not those a batch uses: with fewer in use, fewer segments
-    meet a tile). `1`: one slot at any size; `all`: several slots too, at any size; `0`:
-    never."""
+    one slot from HALVES_MIN_TOKENS tokens. `fit` (the rule read from those runs, not yet
+    checked on setups it was not read from): also several slots where their rank (`rank`, the
+    slots' largest) is at most HALVES_MAX_RANK and the batch has HALVES_TOKENS_PER_SLOT tokens
+    a slot held (the slots an engine holds, not those a batch uses: with fewer in use, fewer
+    segments meet a tile). `1`: one slot at any size; `all`: several slots too, at any size;
+    `0`: never."""
     setting = _env.epilogue_halves()
     if setting == "0" or not (fp8 and cfg.block_m >= 64 and cfg.block_n >= 32
                               and not cfg.swap_ab):
         return False
-    if setting == "auto":
+    if setting in ("auto", "fit"):
         slots = num_entries - 1  # the entries less the one for tokens without an adapter
         if slots <= 1:
             return tokens >= HALVES_MIN_TOKENS
-        return 0 < rank <= HALVES_MAX_RANK and tokens >= HALVES_TOKENS_PER_SLOT * slots
+        return (setting == "fit" and 0 < rank <= HALVES_MAX_RANK
+                and tokens >= HALVES_TOKENS_PER_SLOT * slots)
     return setting == "all" or num_entries <= 2
 
 
