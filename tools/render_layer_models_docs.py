@@ -79,13 +79,13 @@ def _tuner_lines(layer_used_cache: bool) -> list[str]:
         lines += ["The layer run above had no tuner's cache: the tuner's run below is an "
                   "earlier call's, not what `epilora` used.", ""]
     lines += [f"From `{TUNER.relative_to(ROOT)}`: commit `{meta['git_sha'][:10]}`, "
-             f"{meta['date']}, `{meta['command']}`. `epilora_kernels.tuner.tune_decode` on "
-             "each model's four projections at the decode buckets (1-32 tokens); seconds "
-             "include compiling the candidates in parallel processes first (the "
-             "first model's with Triton's disk cache empty). Before and after: the decode "
-             "path per projection as the tuner timed it.", "",
-             "| model | rank | slots | seconds | of which compiling | complete | cells | "
-             "after / before (mean) | best |", "|---|---|---|---|---|---|---|---|---|"]
+              f"{meta['date']}, `{meta['command']}`. `epilora_kernels.tuner.tune_decode` on "
+              "each model's four projections at the decode buckets (1-32 tokens); seconds "
+              "include compiling the candidates in parallel processes first (the "
+              "first model's with Triton's disk cache empty). Before and after: the decode "
+              "path per projection as the tuner timed it.", "",
+              "| model | rank | slots | seconds | of which compiling | complete | cells | "
+              "after / before (mean) | best |", "|---|---|---|---|---|---|---|---|---|"]
     cells: dict = {}
     for r in data["rows"]:
         if r["metric"] == "decode_us":
