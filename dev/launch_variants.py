@@ -124,13 +124,13 @@ Variants (`--variants`):
   16 no spills (19 fewer registers in the widest tiles, 8-31 more in the others), of rank 64
   188 bytes a thread in the widest (512-2048 tokens); the same blocks an SM everywhere.
   `--adapters 8 --ranks 16 --tokens 64 256 512 2048`. Since the default (`auto`) takes the
-  halves from 65 tokens, `epilogue-parked` (EPILORA_EPILOGUE_HALVES=0) is the epilogue as
-  before, parking a term in y. `epilogue-halves-fit` (EPILORA_EPILOGUE_HALVES=fit): several
-  slots in halves only where their rank is at most 32 and the batch has 64 tokens a slot
-  (`_tiling.HALVES_MAX_RANK`, `HALVES_TOKENS_PER_SLOT`), the rule read from 4x32, 16x16, 8x16
-  and 32x64 runs; its check on other setups: `--variants epilogue-halves-fit
-  epilogue-halves-all --adapters 8 --ranks 32 --tokens 256 512 4096`, then `--adapters 2
-  --ranks 16 64 --tokens 128 1024`.
+  halves with one slot from 65 tokens, `epilogue-parked` (EPILORA_EPILOGUE_HALVES=0) is the
+  epilogue as before, parking a term in y. `epilogue-halves-fit`
+  (EPILORA_EPILOGUE_HALVES=fit): several slots in halves only where their rank is at most 32
+  and the batch has 64 tokens a slot (`_tiling.HALVES_MAX_RANK`, `HALVES_TOKENS_PER_SLOT`),
+  the rule read from 4x32, 16x16, 8x16 and 32x64 runs; its check on other setups:
+  `--variants epilogue-halves-fit epilogue-halves-all --adapters 8 --ranks 32 --tokens 256 512
+  4096`, then `--adapters 2 --ranks 16 64 --tokens 128 1024`.
 
 `--gap-us G`: after every projection of every system, a kernel that spins G microseconds on one
 thread (`torch.cuda._sleep`), standing for the engine's other kernels between the GEMMs.

@@ -76,8 +76,8 @@ def _tuner_lines(layer_used_cache: bool) -> list[str]:
     meta = data["meta"]
     lines = ["## The tuner", ""]
     if not layer_used_cache:
-        lines += ["The layer run above had no tuner's cache: the tuner's run below is an "
-                  "earlier call's, not what `epilora` used.", ""]
+        lines += ["The layer run above had no tuner's cache: the tuner's run below is "
+                  "another call's, not what `epilora` used.", ""]
     lines += [f"From `{TUNER.relative_to(ROOT)}`: commit `{meta['git_sha'][:10]}`, "
               f"{meta['date']}, `{meta['command']}`. `epilora_kernels.tuner.tune_decode` on "
               "each model's four projections at the decode buckets (1-32 tokens); seconds "

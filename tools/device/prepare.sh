@@ -10,7 +10,7 @@ set -euo pipefail
 [ -s .device/vllm-bundle.tar.xz ] || ../shared/device/make-vllm-bundle
 # Afresh: a newer release downloaded beside an older wheel makes the install there fail.
 rm -rf .device/wheels
-if [ -z "${LEAN:-}" ]; then
+if [ "${LEAN:-0}" != 1 ]; then
   mkdir -p .device/wheels
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform any -d .device/wheels \
@@ -24,7 +24,7 @@ rm -rf .device/dist && uv build --all-packages -q -o .device/dist --wheel
 # Fetched into the user's cache (vllm_suite.fetch), then copied: with EPILORA_VLLM_TESTS set,
 # fetch only reads, so a fresh machine would find nothing.
 rm -rf .device/vllm-tests
-if [ -z "${LEAN:-}" ]; then
+if [ "${LEAN:-0}" != 1 ]; then
   suite="$(env -u EPILORA_VLLM_TESTS .venv/bin/python -c "import sys; sys.path.insert(0, 'packages/epilora-vllm/tests')
 import vllm_suite; print(vllm_suite.fetch())" | tail -n 1)"  # vLLM logs to stdout
   cp -r "$suite" .device/vllm-tests
@@ -39,7 +39,8 @@ for ref in ${VARIANTS:-}; do
 done
 du -sh .device/*
 # What a call carries (tracked files and .device, as the disk holds them) against its limit.
-carried=$(( $(git ls-files -z | xargs -0 du -ck 2>/dev/null | tail -n 1 | cut -f1) \
-            + $(du -sk .device | cut -f1) ))
+tracked=$(git ls-files -z | xargs -0 stat -c %b,%B 2>/dev/null \
+          | awk -F, '{ kib += $1 * $2 / 1024 } END { printf "%d", kib }' || true)
+carried=$(( ${tracked:-0} + $(du -sk .device | cut -f1) ))
 echo "a call carries about $(( carried / 1024 )) MiB of 64 with .device"
 (( carried < 64 * 1024 )) || echo "prepare.sh: over the 64 MiB a call carries: LEAN=1 drops about 1 MB" >&2

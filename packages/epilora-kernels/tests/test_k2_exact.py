@@ -185,18 +185,18 @@ def test_the_epilogue_in_halves_only_in_fp8_prefill_tiles(monkeypatch):
     # (entries, tokens, rank): with fit, 8 slots need 512 tokens, 4 slots 256, 16 slots 1024;
     # rank 64 never; auto keeps several slots' parked term
     cells = ((9, 512, 16), (9, 511, 16), (9, 4096, 64), (5, 256, 32), (5, 255, 32),
-             (17, 1024, 16), (17, 1023, 16), (2, 65, 128), (2, 64, 16))
+             (17, 1024, 16), (17, 1023, 16), (2, 65, 128), (2, 64, 16), (9, 512, 0))
     assert [_tiling.epilogue_halves(tile, entries, True, tokens, rank)
             for entries, tokens, rank in cells] == [
-        False, False, False, False, False, False, False, True, False]
+        False, False, False, False, False, False, False, True, False, False]
     monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "fit")
     assert [_tiling.epilogue_halves(tile, entries, True, tokens, rank)
             for entries, tokens, rank in cells] == [
-        True, False, False, True, False, True, False, True, False]
+        True, False, False, True, False, True, False, True, False, False]
     monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "1")
     assert _tiling.epilogue_halves(tile, 2, fp8=True)
     assert not _tiling.epilogue_halves(tile, 9, fp8=True)
-    for setting in ("auto", "1", "all"):
+    for setting in ("auto", "fit", "1", "all"):
         monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", setting)
         assert not _tiling.epilogue_halves(tile, 2, False, 512)  # W8A16: one rounding, in fp32
         for other in (dataclasses.replace(tile, block_m=32),
@@ -211,6 +211,15 @@ def test_the_epilogue_in_halves_only_in_fp8_prefill_tiles(monkeypatch):
         w_tma=False, per_channel=False, traced=False, pdl=False, wait_codes=False, warm_l2=0,
         wait_k1_first=False, a_sorted=False, interpreter=True, has_bias=False)
     assert arguments["EPILOGUE_HALVES"] and not arguments["DELTA_FIRST"]
+    # fit: the launchers pass the slots' rank (16 here) and the batch's tokens to the rule
+    monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "fit")
+    for tokens, halves in ((512, True), (511, False)):
+        arguments = _launchers._k2_arguments(
+            FP8, lora, 9, tile, n=64, stride_a=64, stride_y=64, h_planes=1, split=1,
+            w_tma=False, per_channel=False, traced=False, pdl=False, wait_codes=False,
+            warm_l2=0, wait_k1_first=False, a_sorted=False, interpreter=True, has_bias=False,
+            tokens=tokens)
+        assert (arguments["EPILOGUE_HALVES"], arguments["DELTA_FIRST"]) == (halves, not halves)
     monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "0")
     assert not _tiling.epilogue_halves(tile, 2, True, 512)
     monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "yes")
