@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -108,7 +109,7 @@ def tp2(checkpoints, tmp_path_factory):
         out = tmp_path_factory.mktemp(f"tp2-{system}") / "logprobs.json"
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, cores)),
                "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "EPILORA_VLLM_DISABLE": disable}
-        for _ in range(2):
+        for attempt in range(2):
             proc = subprocess.run(
                 [sys.executable, str(Path(__file__).parent / "engine_cases.py"), "--tp", "2",
                  "--model", str(checkpoints["fp8"]), "--out", str(out),
@@ -120,6 +121,9 @@ def tp2(checkpoints, tmp_path_factory):
             if not (proc.returncode == -6 and "terminate called without an active exception"
                     in proc.stderr):
                 break
+            if attempt == 0:  # in the warnings summary, so CI logs count the aborts
+                warnings.warn(f"TP=2 engine script ({system}) aborted by vllm-cpu at its first "
+                              "generate; running it once more", stacklevel=1)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         runs[system] = (json.loads(out.read_text()), proc.stdout + proc.stderr)
     return runs
