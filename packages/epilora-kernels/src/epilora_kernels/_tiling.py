@@ -311,22 +311,16 @@ def epilogue_halves(cfg: LaunchConfig, num_entries: int, fp8: bool, tokens: int 
     delta tile): the same bits. One slot's B is then loaded after the K loop (warmed in L2
     before it), never held through it.
 
-    Timed (`dev/launch_variants.py`, three models' layers, one run each; docs/kernels.md,
-    Next steps 1): on an H100 at a86ee71 the layer took 0.94-0.99x its time at 256-2048 tokens
-    with one slot (ranks 16-128) and 0.92-0.99x with 8 slots of rank 16, but at 64 tokens
-    0.96-1.02x with one slot and 1.10-1.11x with 8; held out, on an H200 at acd6b69, one slot
-    of rank 32 and 64 at 128, 1024 and 4096 tokens 0.91-1.02x, 8 slots of rank 16 0.94x at
-    1024 tokens and 1.01-1.03x at 128, and 32 slots of rank 64 1.06-1.49x at 128-2048 (the
-    segment loop run twice over many segments, and that tile's spills). On an H100 at 5547bab
-    (`--variants epilogue-halves-all`), 4 slots of rank 32 took 0.79-0.92x at 256-2048 tokens
-    (64-512 tokens a slot), 16 slots of rank 16 0.93-0.96x at 512-2048 tokens (Llama-3.1-8B
-    1.05x at 512: 32 a slot) and 1.04-1.09x at 256 (16 a slot). Hence `auto`, the default:
-    one slot from HALVES_MIN_TOKENS tokens. `fit` (the rule read from those runs, not yet
-    checked on setups it was not read from): also several slots where their rank (`rank`, the
-    slots' largest) is at most HALVES_MAX_RANK and the batch has HALVES_TOKENS_PER_SLOT tokens
-    a slot held (the slots an engine holds, not those a batch uses: with fewer in use, fewer
-    segments meet a tile). `1`: one slot at any size; `all`: several slots too, at any size;
-    `0`: never."""
+    Timed on three models' layers (docs/kernels.md, Next steps 1, has the runs): with one slot
+    the layer took 0.91-1.02x its time at 64-4096 tokens; several slots gained where few adapter
+    segments meet a tile at ranks up to 32 (4x32 0.79-0.92x at 256-2048 tokens) and lost where
+    many do or the rank spills (16x16 at 256 tokens 1.04-1.09x, 32x64 1.06-1.49x). Hence
+    `auto`, the default: one slot from HALVES_MIN_TOKENS tokens. `fit` (read from those runs,
+    not yet checked on setups it was not read from): also several slots where their rank
+    (`rank`, the slots' largest) is at most HALVES_MAX_RANK and the batch has
+    HALVES_TOKENS_PER_SLOT tokens a slot held (the slots an engine holds, not those a batch
+    uses: with fewer in use, fewer segments meet a tile). `1`: one slot at any size; `all`:
+    several slots too, at any size; `0`: never."""
     setting = _env.epilogue_halves()
     if setting == "0" or not (fp8 and cfg.block_m >= 64 and cfg.block_n >= 32
                               and not cfg.swap_ab):
