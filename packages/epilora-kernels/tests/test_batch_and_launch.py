@@ -191,6 +191,43 @@ def test_decode_k1_beyond_its_buckets_takes_the_fused_settings_unless_covered(tm
     launch._load_table.cache_clear()
 
 
+def test_decode_sizes_take_a_bucket_up_to_32_tokens_else_the_heuristic(tmp_path, monkeypatch):
+    # Up to DECODE_SHRINK_MAX_TOKENS a batch takes a bucket at or above it only up to there: not
+    # a prefill-sized bucket's tiles (64-row K2 tiles for 17 tokens), not a smaller bucket's
+    # stretched; the heuristic instead. Beyond, buckets cover as before.
+    from epilora_kernels import launch
+
+    table = {"lora_gemm": {"64x32": {"16": {"block_m": 16, "block_k": 512},
+                                     "64": {"block_m": 64, "block_k": 64}}},
+             "decode_shrink": {"64x32": {"8": {"split_k": 3}, "32": {"split_k": 5}}}}
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "Test_GPU.json").write_text(json.dumps(table))
+    monkeypatch.setattr(launch.resources, "files", lambda _pkg: tmp_path)
+    launch._load_table.cache_clear()
+    max_t = launch.DECODE_SHRINK_MAX_TOKENS
+    assert launch.select_config("Test GPU", "lora_gemm", 16, 64, 32, 16).block_k == 512
+    for tokens in (17, max_t):
+        assert (launch.select_config("Test GPU", "lora_gemm", tokens, 64, 32, 16)
+                == launch.heuristic_config("lora_gemm", tokens, 64, 32, 16))
+        assert launch.select_config("Test GPU", "decode_shrink", tokens, 64, 32, 16).split_k == 5
+    assert launch.select_config("Test GPU", "lora_gemm", max_t + 1, 64, 32, 16).block_k == 64
+    assert launch.select_config("Test GPU", "decode_shrink", 9, 64, 32, 16).split_k == 5
+    launch._load_table.cache_clear()
+
+
+def test_the_shipped_tables_32_token_bucket_is_retired():
+    # Its entries (a sweep from before swapped K2 tiles) lost to the heuristic in 13 of 15
+    # 32-token cells of the three-models page at ba2f1be: at 17-32 tokens the shipped table
+    # leaves the batch to the heuristic (or the tuner's cache, which none is here).
+    from epilora_kernels import launch
+
+    for op, n, k in (("lora_gemm", 6144, 4096), ("decode_shrink", 24576, 4096),
+                     ("quantize_shrink", 4096, 12288)):
+        assert launch.table_config("NVIDIA H200", op, 32, n, k, max_bucket=32, cover=True) is None
+        assert launch.table_config("NVIDIA H200", op, 16, n, k, max_bucket=32,
+                                   cover=True) is not None
+
+
 def test_entries_tuned_at_a_rank_are_preferred_for_that_rank_tile(tmp_path, monkeypatch):
     from epilora_kernels import launch
 

@@ -42,6 +42,10 @@ PREFILL_MIN_TOKENS = 256
 # (benchmarks/tune_layer.py writes them, few programs that leave room for K2 beside them), else
 # `quantize_shrink`'s, the fused path's: the 32-token ones stretched would launch too many.
 DECODE_SHRINK_MAX_TOKENS = 32
+# A batch of at most DECODE_SHRINK_MAX_TOKENS tokens takes a table bucket at or above it only up
+# to there, else the heuristic: a larger bucket's tiles are prefill-sized (64-row K2 tiles for
+# 17 tokens), and stretching a smaller bucket's to the batch was never measured. The shipped
+# table has no 32-token bucket (select_config).
 
 
 @dataclass(frozen=True)
@@ -195,8 +199,9 @@ def heuristic_config(
         return _mid_gemm_config(tokens, n, k, block_r, slices, large_tiles)
     # Decode is bandwidth-bound: narrow N tiles give every SM weights to stream (N=4096 in
     # 128-wide tiles is 32 programs for 132 SMs; in 32-wide tiles, 128). The rules below are
-    # what the H200 table's tuned decode entries on Qwen3-8B's four shapes have in common
-    # (configs/NVIDIA_H200.json, lora_gemm at 1-32 tokens): 256-deep K tiles; 64-wide N tiles
+    # what the H200 table's tuned decode entries on Qwen3-8B's four shapes had in common
+    # (configs/NVIDIA_H200.json, lora_gemm at 1-32 tokens; its 32-token ones retired since,
+    # _meta.runs): 256-deep K tiles; 64-wide N tiles
     # where they still give two programs per SM (gate_up), in 3 stages, else 32-wide in 5; and
     # the K loop split in two where K is at least twice N (down), so its few columns still
     # spread over every SM.
@@ -486,14 +491,16 @@ def clear_table_cache() -> None:
 
 def table_config(device_name: str, op: str, tokens: int, n: int, k: int,
                  rank: int | None = None, cover: bool = False,
-                 one_slot: bool = False, cache_device: str | None = None) -> LaunchConfig | None:
+                 one_slot: bool = False, cache_device: str | None = None,
+                 max_bucket: int | None = None) -> LaunchConfig | None:
     """The tuned entry for (op, N x K) at the smallest bucket >= tokens (else the largest, or
-    with `cover` none); given a rank, its rank tile's entries replace the others' at the
-    buckets they tuned (a rank tuned at 64-256 tokens leaves the decode buckets to the rank-64
-    entries), and with `one_slot` (a batch of one adapter slot) its one-slot entries replace
-    those in turn."""
+    with `cover` none; buckets above `max_bucket` not at all); given a rank, its rank tile's
+    entries replace the others' at the buckets they tuned (a rank tuned at 64-256 tokens leaves
+    the decode buckets to the rank-64 entries), and with `one_slot` (a batch of one adapter
+    slot) its one-slot entries replace those in turn."""
     table = _load_table(device_name, cache_device)
-    return None if table is None else table_entry(table, op, tokens, n, k, rank, cover, one_slot)
+    return None if table is None else table_entry(table, op, tokens, n, k, rank, cover, one_slot,
+                                                  max_bucket)
 
 
 def tuned_exactly(device_name: str, op: str, n: int, k: int, rank: int | None = None,
@@ -549,7 +556,8 @@ def nearest_shapes(shapes: dict, n: int, k: int,
 
 
 def table_entry(table: dict, op: str, tokens: int, n: int, k: int, rank: int | None = None,
-                cover: bool = False, one_slot: bool = False) -> LaunchConfig | None:
+                cover: bool = False, one_slot: bool = False,
+                max_bucket: int | None = None) -> LaunchConfig | None:
     """`table_config`'s lookup in a given table; a shape the table lacks takes the entries of
     its nearest tuned shape (`nearest_shape`), if any."""
     shapes = table.get(op, {})
@@ -563,7 +571,7 @@ def table_entry(table: dict, op: str, tokens: int, n: int, k: int, rank: int | N
     for near in nearest_shapes(shapes, n, k, tuple(suffixes)):
         keys = [f"{near[0]}x{near[1]}{suffix}" for suffix in suffixes]
         entries = {b: fields for key in keys for b, fields in shapes.get(key, {}).items()}
-        buckets = sorted(int(b) for b in entries)
+        buckets = sorted(int(b) for b in entries if max_bucket is None or int(b) <= max_bucket)
         if not buckets:
             continue
         bucket = next((b for b in buckets if b >= tokens), None)
@@ -583,15 +591,18 @@ def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int,
     beyond the decode buckets (`decode_shrink`, more than DECODE_SHRINK_MAX_TOKENS tokens) takes
     the fused path's settings unless a `decode_shrink` bucket covers the batch; beyond
     PREFILL_MIN_TOKENS every op takes the heuristic's prefill tiles unless a bucket covers the
-    batch.
+    batch; up to DECODE_SHRINK_MAX_TOKENS, the heuristic's unless a bucket up to there does.
     `one_slot`: the batch has one adapter slot (its one-slot entries first, `table_config`).
     `cache_device`: the device whose tuner cache overlays `device_name`'s table (default: that
     device). `large_tiles`: as for `heuristic_config`. `decode_shrink_codes` takes its own
     entry where a bucket covers the batch, else `decode_shrink`'s choice."""
+    decode = tokens <= DECODE_SHRINK_MAX_TOKENS
+    max_bucket = DECODE_SHRINK_MAX_TOKENS if decode else None
+
     def covered(op: str) -> LaunchConfig | None:  # a bucket at or above the batch, or None
         return None if device_name is None else table_config(
             device_name, op, tokens, n, k, rank, cover=True, one_slot=one_slot,
-            cache_device=cache_device)
+            cache_device=cache_device, max_bucket=max_bucket)
 
     if op == "decode_shrink_codes":  # (a nearest shape's entries too, before decode_shrink's)
         tuned = covered(op)
@@ -603,10 +614,9 @@ def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int,
         if tuned is not None:
             return tuned
         op = "quantize_shrink"
-    cover = tokens > PREFILL_MIN_TOKENS
     tuned = None if device_name is None else table_config(
-        device_name, op, tokens, n, k, rank, cover=cover, one_slot=one_slot,
-        cache_device=cache_device)
+        device_name, op, tokens, n, k, rank, cover=decode or tokens > PREFILL_MIN_TOKENS,
+        one_slot=one_slot, cache_device=cache_device, max_bucket=max_bucket)
     if tuned is None:
         return heuristic_config(op, tokens, n, k, rank, slices, large_tiles)
     if op != "lora_gemm":
