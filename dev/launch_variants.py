@@ -125,12 +125,10 @@ Variants (`--variants`):
   188 bytes a thread in the widest (512-2048 tokens); the same blocks an SM everywhere.
   `--adapters 8 --ranks 16 --tokens 64 256 512 2048`. Since the default (`auto`) takes the
   halves with one slot from 65 tokens, `epilogue-parked` (EPILORA_EPILOGUE_HALVES=0) is the
-  epilogue as before, parking a term in y. `epilogue-halves-fit`
-  (EPILORA_EPILOGUE_HALVES=fit): several slots in halves only where their rank is at most 32
-  and the batch has 64 tokens a slot (`_tiling.HALVES_MAX_RANK`, `HALVES_TOKENS_PER_SLOT`),
-  the rule read from 4x32, 16x16, 8x16 and 32x64 runs; its check on other setups:
-  `--variants epilogue-halves-fit epilogue-halves-all --adapters 8 --ranks 32 --tokens 256 512
-  4096`, then `--adapters 2 --ranks 16 64 --tokens 128 1024`.
+  epilogue as before, parking a term in y. Since 2026-12-06 `auto` also takes the halves with
+  several slots where their rank is at most 32 and the batch has 64 tokens a slot
+  (`_tiling.HALVES_MAX_RANK`, `HALVES_TOKENS_PER_SLOT`; it was the opt-in `fit` until its
+  check on setups it was not read from, docs/kernels.md Next steps 1).
 
 `--gap-us G`: after every projection of every system, a kernel that spins G microseconds on one
 thread (`torch.cuda._sleep`), standing for the engine's other kernels between the GEMMs.
@@ -331,7 +329,6 @@ VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "segment-loop": with_env("EPILORA_GATHER_SEGMENTS", "0"),
             "epilogue-halves": with_env("EPILORA_EPILOGUE_HALVES", "1"),
             "epilogue-halves-all": with_env("EPILORA_EPILOGUE_HALVES", "all"),
-            "epilogue-halves-fit": with_env("EPILORA_EPILOGUE_HALVES", "fit"),
             "epilogue-parked": with_env("EPILORA_EPILOGUE_HALVES", "0")}
 
 

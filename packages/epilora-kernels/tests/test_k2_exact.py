@@ -170,7 +170,7 @@ def test_k2_epilogue_in_halves_adds_the_adapters_as_vllms_expand(cfg, slots, map
 
 def test_the_epilogue_in_halves_only_in_fp8_prefill_tiles(monkeypatch):
     # auto, the default: one slot (two entries: the slot and tokens without one) from 65
-    # tokens; =fit: also several slots of rank 32 or less from 64 tokens a slot; =1: one slot
+    # tokens, and several slots of rank 32 or less from 64 tokens a slot; =1: one slot
     # at any size; =all: several too, where it replaces the delta first (which parks the delta
     # in y); =0: never. FP8 tiles of 64 rows or more only.
     import dataclasses
@@ -182,21 +182,17 @@ def test_the_epilogue_in_halves_only_in_fp8_prefill_tiles(monkeypatch):
     assert [_tiling.epilogue_halves(tile, entries, True, tokens)
             for entries, tokens in ((2, 64), (2, 65), (9, 64), (9, 65))] == [
         False, True, False, False]
-    # (entries, tokens, rank): with fit, 8 slots need 512 tokens, 4 slots 256, 16 slots 1024;
-    # rank 64 never; auto keeps several slots' parked term
+    # (entries, tokens, rank): 8 slots need 512 tokens, 4 slots 256, 16 slots 1024; rank 64
+    # never; no rank given (0), never
     cells = ((9, 512, 16), (9, 511, 16), (9, 4096, 64), (5, 256, 32), (5, 255, 32),
              (17, 1024, 16), (17, 1023, 16), (2, 65, 128), (2, 64, 16), (9, 512, 0))
-    assert [_tiling.epilogue_halves(tile, entries, True, tokens, rank)
-            for entries, tokens, rank in cells] == [
-        False, False, False, False, False, False, False, True, False, False]
-    monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "fit")
     assert [_tiling.epilogue_halves(tile, entries, True, tokens, rank)
             for entries, tokens, rank in cells] == [
         True, False, False, True, False, True, False, True, False, False]
     monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "1")
     assert _tiling.epilogue_halves(tile, 2, fp8=True)
     assert not _tiling.epilogue_halves(tile, 9, fp8=True)
-    for setting in ("auto", "fit", "1", "all"):
+    for setting in ("auto", "1", "all"):
         monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", setting)
         assert not _tiling.epilogue_halves(tile, 2, False, 512)  # W8A16: one rounding, in fp32
         for other in (dataclasses.replace(tile, block_m=32),
@@ -211,8 +207,8 @@ def test_the_epilogue_in_halves_only_in_fp8_prefill_tiles(monkeypatch):
         w_tma=False, per_channel=False, traced=False, pdl=False, wait_codes=False, warm_l2=0,
         wait_k1_first=False, a_sorted=False, interpreter=True, has_bias=False)
     assert arguments["EPILOGUE_HALVES"] and not arguments["DELTA_FIRST"]
-    # fit: the launchers pass the slots' rank (16 here) and the batch's tokens to the rule
-    monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "fit")
+    # auto: the launchers pass the slots' rank (16 here) and the batch's tokens to the rule
+    monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "auto")
     for tokens, halves in ((512, True), (511, False)):
         arguments = _launchers._k2_arguments(
             FP8, lora, 9, tile, n=64, stride_a=64, stride_y=64, h_planes=1, split=1,
@@ -223,7 +219,7 @@ def test_the_epilogue_in_halves_only_in_fp8_prefill_tiles(monkeypatch):
     monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "0")
     assert not _tiling.epilogue_halves(tile, 2, True, 512)
     monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "yes")
-    with pytest.raises(ValueError, match="expected auto, fit, 0, 1 or all"):
+    with pytest.raises(ValueError, match="expected auto, 0, 1 or all"):
         _tiling.epilogue_halves(tile, 2, fp8=True)
 
 
