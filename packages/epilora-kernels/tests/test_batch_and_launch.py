@@ -199,7 +199,10 @@ def test_decode_sizes_take_a_bucket_up_to_32_tokens_else_the_heuristic(tmp_path,
 
     table = {"lora_gemm": {"64x32": {"16": {"block_m": 16, "block_k": 512},
                                      "64": {"block_m": 64, "block_k": 64}}},
-             "decode_shrink": {"64x32": {"8": {"split_k": 3}, "32": {"split_k": 5}}}}
+             "decode_shrink": {"64x32": {"8": {"split_k": 3}, "32": {"split_k": 5}}},
+             "decode_shrink_codes": {"64x32": {"64": {"split_k": 7}}},
+             "quantize_shrink": {"64x32": {"16": {"split_k": 2}, "64": {"split_k": 6}}},
+             "shrink": {"64x32": {"64": {"split_k": 9}}}}
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "Test_GPU.json").write_text(json.dumps(table))
     monkeypatch.setattr(launch.resources, "files", lambda _pkg: tmp_path)
@@ -210,7 +213,17 @@ def test_decode_sizes_take_a_bucket_up_to_32_tokens_else_the_heuristic(tmp_path,
         assert (launch.select_config("Test GPU", "lora_gemm", tokens, 64, 32, 16)
                 == launch.heuristic_config("lora_gemm", tokens, 64, 32, 16))
         assert launch.select_config("Test GPU", "decode_shrink", tokens, 64, 32, 16).split_k == 5
+        # the codes' own entries only from a bucket up to 32, else decode_shrink's
+        assert (launch.select_config("Test GPU", "decode_shrink_codes", tokens, 64, 32, 16)
+                .split_k == 5)
+        assert (launch.select_config("Test GPU", "quantize_shrink", tokens, 64, 32, 16)
+                == launch.heuristic_config("quantize_shrink", tokens, 64, 32, 16))
+        # the hybrid path's shrink keeps its 64-token entry there, as before
+        assert launch.select_config("Test GPU", "shrink", tokens, 64, 32, 16).split_k == 9
     assert launch.select_config("Test GPU", "lora_gemm", max_t + 1, 64, 32, 16).block_k == 64
+    assert launch.select_config("Test GPU", "quantize_shrink", max_t + 1, 64, 32, 16).split_k == 6
+    assert (launch.select_config("Test GPU", "decode_shrink_codes", max_t + 1, 64, 32, 16)
+            .split_k == 7)
     assert launch.select_config("Test GPU", "decode_shrink", 9, 64, 32, 16).split_k == 5
     launch._load_table.cache_clear()
 
@@ -310,7 +323,7 @@ def test_the_shipped_h200_table_is_valid_and_covers_the_benchmark_shapes():
     assert table is not None and "lora_gemm" in table
     slices = {6144: (4096, 1024, 1024), 4096: (4096,), 24576: (12288, 12288)}
     for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)):
-        for tokens in (1, 7, 32, 300):
+        for tokens in (1, 7, 64, 300):  # (no 32-token bucket: the heuristic serves 17-32)
             cfg = table_config("NVIDIA H200", "lora_gemm", tokens, n, k)
             # a K2 tile never straddles two of the projection's slices
             assert cfg is not None and all(w % cfg.block_n == 0 for w in slices[n][:-1]), cfg

@@ -45,7 +45,9 @@ DECODE_SHRINK_MAX_TOKENS = 32
 # A batch of at most DECODE_SHRINK_MAX_TOKENS tokens takes a table bucket at or above it only up
 # to there, else the heuristic: a larger bucket's tiles are prefill-sized (64-row K2 tiles for
 # 17 tokens), and stretching a smaller bucket's to the batch was never measured. The shipped
-# table has no 32-token bucket (select_config).
+# table has no 32-token bucket for K2 and the fused and decode paths' K1 (select_config); the
+# hybrid path's `shrink` keeps covering 17-32 tokens with its 64-token entry, as before (no
+# run compared it with the heuristic there).
 
 
 @dataclass(frozen=True)
@@ -591,12 +593,13 @@ def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int,
     beyond the decode buckets (`decode_shrink`, more than DECODE_SHRINK_MAX_TOKENS tokens) takes
     the fused path's settings unless a `decode_shrink` bucket covers the batch; beyond
     PREFILL_MIN_TOKENS every op takes the heuristic's prefill tiles unless a bucket covers the
-    batch; up to DECODE_SHRINK_MAX_TOKENS, the heuristic's unless a bucket up to there does.
+    batch; up to DECODE_SHRINK_MAX_TOKENS, the heuristic's unless a bucket up to there does
+    (but `shrink`, the hybrid path's K1).
     `one_slot`: the batch has one adapter slot (its one-slot entries first, `table_config`).
     `cache_device`: the device whose tuner cache overlays `device_name`'s table (default: that
     device). `large_tiles`: as for `heuristic_config`. `decode_shrink_codes` takes its own
     entry where a bucket covers the batch, else `decode_shrink`'s choice."""
-    decode = tokens <= DECODE_SHRINK_MAX_TOKENS
+    decode = tokens <= DECODE_SHRINK_MAX_TOKENS and op != "shrink"
     max_bucket = DECODE_SHRINK_MAX_TOKENS if decode else None
 
     def covered(op: str) -> LaunchConfig | None:  # a bucket at or above the batch, or None
