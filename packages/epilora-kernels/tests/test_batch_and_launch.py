@@ -10,6 +10,23 @@ from epilora_kernels.batch import AdapterBatch, LoraWeights
 from epilora_kernels.launch import LaunchConfig, heuristic_config, validate_table
 
 
+@pytest.fixture
+def gpu_table(tmp_path, monkeypatch):
+    """`install(table)`: the launchers read `table` as device "Test GPU"'s shipped table (again
+    after each call); the table cache is cleared before and after."""
+    from epilora_kernels import launch
+
+    (tmp_path / "configs").mkdir()
+    monkeypatch.setattr(launch.resources, "files", lambda _pkg: tmp_path)
+
+    def install(table: dict) -> None:
+        (tmp_path / "configs" / "Test_GPU.json").write_text(json.dumps(table))
+        launch._load_table.cache_clear()
+
+    yield install
+    launch._load_table.cache_clear()
+
+
 def test_metadata_matches_vllm_layout():
     batch = AdapterBatch.from_token_mapping(torch.tensor([2, -1, 0, 2, -1], dtype=torch.int32), 4)
     assert batch.sorted_token_indices.tolist() == [1, 4, 2, 0, 3]
@@ -74,7 +91,7 @@ def test_decode_k2_swaps_its_tiles_where_plain_ones_leave_sms_idle():
     assert not heuristic_config("lora_gemm", 4, 4096, 4096, 64, large_tiles=False).swap_ab
 
 
-def test_prefill_k2_takes_prefill_tiles_unless_a_bucket_covers_the_batch(tmp_path, monkeypatch):
+def test_prefill_k2_takes_prefill_tiles_unless_a_bucket_covers_the_batch(gpu_table):
     from epilora_kernels import launch
 
     prefill = launch.PREFILL_MIN_TOKENS + 1
@@ -120,19 +137,14 @@ def test_prefill_k2_takes_prefill_tiles_unless_a_bucket_covers_the_batch(tmp_pat
     assert heuristic_config("lora_gemm", prefill, 768, 4096, 64, (640, 128)).block_n == 128
     assert heuristic_config("lora_gemm", launch.PREFILL_MIN_TOKENS, 6144, 4096, 64).block_m == 64
     table = {"lora_gemm": {"64x32": {"256": {"block_m": 64, "block_n": 32}}}}
-    (tmp_path / "configs").mkdir()
-    (tmp_path / "configs" / "Test_GPU.json").write_text(json.dumps(table))
-    monkeypatch.setattr(launch.resources, "files", lambda _pkg: tmp_path)
-    launch._load_table.cache_clear()
+    gpu_table(table)
     # the 256-token bucket serves 256 tokens and is not stretched to 257
     assert launch.select_config("Test GPU", "lora_gemm", 256, 64, 32, 16).block_n == 32
     assert (launch.select_config("Test GPU", "lora_gemm", prefill, 64, 32, 16)
             == heuristic_config("lora_gemm", prefill, 64, 32, 16))
     table["lora_gemm"]["64x32"]["4096"] = {"block_m": 128, "block_n": 16}
-    (tmp_path / "configs" / "Test_GPU.json").write_text(json.dumps(table))
-    launch._load_table.cache_clear()
+    gpu_table(table)
     assert launch.select_config("Test GPU", "lora_gemm", prefill, 64, 32, 16).block_n == 16
-    launch._load_table.cache_clear()
 
 
 def test_table_schema_is_checked():
@@ -147,33 +159,25 @@ def test_table_schema_is_checked():
         validate_table({"lora_gemm": {"6144x4096": {"16": {"blockm": 16}}}})
 
 
-def test_table_lookup_picks_the_smallest_bucket_at_or_above(tmp_path, monkeypatch):
+def test_table_lookup_picks_the_smallest_bucket_at_or_above(gpu_table):
     from epilora_kernels import launch
 
     table = {"lora_gemm": {"64x32": {"16": {"block_m": 16}, "64": {"block_m": 64}}}}
-    (tmp_path / "configs").mkdir()
-    (tmp_path / "configs" / "Test_GPU.json").write_text(json.dumps(table))
-    monkeypatch.setattr(launch.resources, "files", lambda _pkg: tmp_path)
-    launch._load_table.cache_clear()
+    gpu_table(table)
     assert launch.table_config("Test GPU", "lora_gemm", 1, 64, 32).block_m == 16
     assert launch.table_config("Test GPU", "lora_gemm", 17, 64, 32).block_m == 64
     assert launch.table_config("Test GPU", "lora_gemm", 999, 64, 32).block_m == 64
     assert launch.table_config("Test GPU", "lora_gemm", 1, 512, 32) is None  # not near
     assert launch.table_config("Other GPU", "lora_gemm", 1, 64, 32) is None
-    launch._load_table.cache_clear()
 
 
-def test_decode_k1_beyond_its_buckets_takes_the_fused_settings_unless_covered(tmp_path,
-                                                                                monkeypatch):
+def test_decode_k1_beyond_its_buckets_takes_the_fused_settings_unless_covered(gpu_table):
     from epilora_kernels import launch
 
     table = {"decode_shrink": {"64x32": {"16": {"split_k": 16}, "32": {"split_k": 8}},
                                "64x32@r128": {"256": {"split_k": 2}}},
              "quantize_shrink": {"64x32": {"256": {"split_k": 4}}}}
-    (tmp_path / "configs").mkdir()
-    (tmp_path / "configs" / "Test_GPU.json").write_text(json.dumps(table))
-    monkeypatch.setattr(launch.resources, "files", lambda _pkg: tmp_path)
-    launch._load_table.cache_clear()
+    gpu_table(table)
     max_t = launch.DECODE_SHRINK_MAX_TOKENS
     assert launch.select_config("Test GPU", "decode_shrink", max_t, 64, 32, 64).split_k == 8
     # rank 64: no decode bucket covers 33 tokens, so not the 32-token entry stretched
@@ -188,10 +192,9 @@ def test_decode_k1_beyond_its_buckets_takes_the_fused_settings_unless_covered(tm
     # no table: the heuristic's fused settings
     assert (launch.select_config(None, "decode_shrink", max_t + 1, 64, 32, 64)
             == launch.heuristic_config("quantize_shrink", max_t + 1, 64, 32, 64))
-    launch._load_table.cache_clear()
 
 
-def test_decode_sizes_take_a_bucket_up_to_32_tokens_else_the_heuristic(tmp_path, monkeypatch):
+def test_decode_sizes_take_a_bucket_up_to_32_tokens_else_the_heuristic(gpu_table):
     # Up to DECODE_SHRINK_MAX_TOKENS a batch takes a bucket at or above it only up to there: not
     # a prefill-sized bucket's tiles (64-row K2 tiles for 17 tokens), not a smaller bucket's
     # stretched; the heuristic instead. Beyond, buckets cover as before.
@@ -203,10 +206,7 @@ def test_decode_sizes_take_a_bucket_up_to_32_tokens_else_the_heuristic(tmp_path,
              "decode_shrink_codes": {"64x32": {"64": {"split_k": 7}}},
              "quantize_shrink": {"64x32": {"16": {"split_k": 2}, "64": {"split_k": 6}}},
              "shrink": {"64x32": {"64": {"split_k": 9}}}}
-    (tmp_path / "configs").mkdir()
-    (tmp_path / "configs" / "Test_GPU.json").write_text(json.dumps(table))
-    monkeypatch.setattr(launch.resources, "files", lambda _pkg: tmp_path)
-    launch._load_table.cache_clear()
+    gpu_table(table)
     max_t = launch.DECODE_SHRINK_MAX_TOKENS
     assert launch.select_config("Test GPU", "lora_gemm", 16, 64, 32, 16).block_k == 512
     for tokens in (17, max_t):
@@ -225,7 +225,6 @@ def test_decode_sizes_take_a_bucket_up_to_32_tokens_else_the_heuristic(tmp_path,
     assert (launch.select_config("Test GPU", "decode_shrink_codes", max_t + 1, 64, 32, 16)
             .split_k == 7)
     assert launch.select_config("Test GPU", "decode_shrink", 9, 64, 32, 16).split_k == 5
-    launch._load_table.cache_clear()
 
 
 def test_the_shipped_tables_32_token_bucket_is_retired():
@@ -241,7 +240,7 @@ def test_the_shipped_tables_32_token_bucket_is_retired():
                                    cover=True) is not None
 
 
-def test_entries_tuned_at_a_rank_are_preferred_for_that_rank_tile(tmp_path, monkeypatch):
+def test_entries_tuned_at_a_rank_are_preferred_for_that_rank_tile(gpu_table):
     from epilora_kernels import launch
 
     table = {"shrink": {"64x32": {"1": {"block_r": 16}, "16": {"block_r": 32},
@@ -249,10 +248,7 @@ def test_entries_tuned_at_a_rank_are_preferred_for_that_rank_tile(tmp_path, monk
                         "64x32@r128": {"16": {"block_r": 128}},
                         "64x32@r64": {"64": {"block_r": 64}}}}
     validate_table(table)
-    (tmp_path / "configs").mkdir()
-    (tmp_path / "configs" / "Test_GPU.json").write_text(json.dumps(table))
-    monkeypatch.setattr(launch.resources, "files", lambda _pkg: tmp_path)
-    launch._load_table.cache_clear()
+    gpu_table(table)
     assert launch.table_config("Test GPU", "shrink", 4, 64, 32, rank=128).block_r == 128
     assert launch.table_config("Test GPU", "shrink", 4, 64, 32, rank=65).block_r == 128
     assert launch.table_config("Test GPU", "shrink", 4, 64, 32, rank=64).block_r == 32
@@ -268,7 +264,7 @@ def test_entries_tuned_at_a_rank_are_preferred_for_that_rank_tile(tmp_path, monk
         validate_table({"shrink": {"64x32@rx": {}}})
 
 
-def test_one_slot_entries_serve_only_batches_of_one_slot(tmp_path, monkeypatch):
+def test_one_slot_entries_serve_only_batches_of_one_slot(gpu_table):
     from epilora_kernels import _tiling, launch
     from epilora_kernels.arch import DeviceSupport
 
@@ -277,10 +273,7 @@ def test_one_slot_entries_serve_only_batches_of_one_slot(tmp_path, monkeypatch):
                            f"64x32@r64{launch.ONE_SLOT}": {"16": {"block_n": 64},
                                                             "32": {"block_n": 128}}}}
     validate_table(table)
-    (tmp_path / "configs").mkdir()
-    (tmp_path / "configs" / "Test_GPU.json").write_text(json.dumps(table))
-    monkeypatch.setattr(launch.resources, "files", lambda _pkg: tmp_path)
-    launch._load_table.cache_clear()
+    gpu_table(table)
     block_n = {(tokens, one_slot): launch.select_config("Test GPU", "lora_gemm", tokens, 64, 32,
                                                        64, one_slot=one_slot).block_n
                for tokens in (16, 32) for one_slot in (False, True)}
@@ -528,24 +521,18 @@ def test_decode_only_entries_do_not_give_prefill_batches_decode_tiles():
     assert table_entry(table, "lora_gemm", 8, 28672, 4096, 64).block_n == 16
 
 
-def test_a_swapped_entry_serves_slices_its_tiles_do_not_fit_unswapped(tmp_path, monkeypatch):
+def test_a_swapped_entry_serves_slices_its_tiles_do_not_fit_unswapped(gpu_table):
     # A tuned swapped tile (64 weight rows) given to a shape whose slices take 32-wide tiles
     # only: narrowed, it is no longer a wgmma tile, so it is served unswapped, not refused.
     from epilora_kernels import launch
 
     swapped = {"block_m": 16, "block_n": 64, "block_k": 128, "num_stages": 8, "swap_ab": True}
     table = {"lora_gemm": {"128x64": {"16": swapped}}}
-    (tmp_path / "configs").mkdir()
-    (tmp_path / "configs" / "Test_GPU.json").write_text(json.dumps(table))
-    monkeypatch.setattr(launch.resources, "files", lambda _pkg: tmp_path)
-    launch._load_table.cache_clear()
-    try:
-        fits = launch.select_config("Test GPU", "lora_gemm", 4, 128, 64, 16, (64, 64))
-        assert (fits.block_n, fits.swap_ab, fits.num_stages) == (64, True, 8)
-        narrow = launch.select_config("Test GPU", "lora_gemm", 4, 128, 64, 16, (96, 32))
-        assert (narrow.block_n, narrow.swap_ab, narrow.num_stages) == (32, False, 8)
-    finally:
-        launch._load_table.cache_clear()
+    gpu_table(table)
+    fits = launch.select_config("Test GPU", "lora_gemm", 4, 128, 64, 16, (64, 64))
+    assert (fits.block_n, fits.swap_ab, fits.num_stages) == (64, True, 8)
+    narrow = launch.select_config("Test GPU", "lora_gemm", 4, 128, 64, 16, (96, 32))
+    assert (narrow.block_n, narrow.swap_ab, narrow.num_stages) == (32, False, 8)
 
 
 def test_w8a16_fits_fp8_sized_pipelines_to_its_bf16_activations():
