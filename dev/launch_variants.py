@@ -126,9 +126,10 @@ Variants (`--variants`):
   `--adapters 8 --ranks 16 --tokens 64 256 512 2048`. Since the default (`auto`) takes the
   halves with one slot from 65 tokens, `epilogue-parked` (EPILORA_EPILOGUE_HALVES=0) is the
   epilogue as before, parking a term in y. Since 2026-12-06 `auto` also takes the halves with
-  several slots where their rank is at most 32 and the batch has 64 tokens a slot
-  (`_tiling.HALVES_MAX_RANK`, `HALVES_TOKENS_PER_SLOT`; it was the opt-in `fit` until its
-  check on setups it was not read from, docs/kernels.md Next steps 1).
+  several slots where their rank is at most 32 and the batch has 64 tokens a slot (32 a
+  slot and 65 in all since a later check; `_tiling.HALVES_MAX_RANK`, `HALVES_TOKENS_PER_SLOT`;
+  it was the opt-in `fit` until its check on setups it was not read from, docs/kernels.md
+  Next steps 1).
 
 `--gap-us G`: after every projection of every system, a kernel that spins G microseconds on one
 thread (`torch.cuda._sleep`), standing for the engine's other kernels between the GEMMs.

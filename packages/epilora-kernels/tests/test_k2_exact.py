@@ -170,9 +170,9 @@ def test_k2_epilogue_in_halves_adds_the_adapters_as_vllms_expand(cfg, slots, map
 
 def test_the_epilogue_in_halves_only_in_fp8_prefill_tiles(monkeypatch):
     # auto, the default: one slot (two entries: the slot and tokens without one) from 65
-    # tokens, and several slots of rank 32 or less from 64 tokens a slot; =1: one slot
-    # at any size; =all: several too, where it replaces the delta first (which parks the delta
-    # in y); =0: never. FP8 tiles of 64 rows or more only.
+    # tokens, and several slots of rank 32 or less from 32 tokens a slot (65 in all); =1: one
+    # slot at any size; =all: several too, where it replaces the delta first (which parks the
+    # delta in y); =0: never. FP8 tiles of 64 rows or more only.
     import dataclasses
 
     from epilora_kernels import _tiling
@@ -182,13 +182,14 @@ def test_the_epilogue_in_halves_only_in_fp8_prefill_tiles(monkeypatch):
     assert [_tiling.epilogue_halves(tile, entries, True, tokens)
             for entries, tokens in ((2, 64), (2, 65), (9, 64), (9, 65))] == [
         False, True, False, False]
-    # (entries, tokens, rank): 8 slots need 512 tokens, 4 slots 256, 16 slots 1024; rank 64
-    # never; no rank given (0), never
-    cells = ((9, 512, 16), (9, 511, 16), (9, 4096, 64), (5, 256, 32), (5, 255, 32),
-             (17, 1024, 16), (17, 1023, 16), (2, 65, 128), (2, 64, 16), (9, 512, 0))
+    # (entries, tokens, rank): 8 slots need 256 tokens, 4 slots 128, 16 slots 512, 2 slots 65
+    # (not 64: 65 in all); rank 64 never; no rank given (0), never
+    cells = ((9, 256, 16), (9, 255, 16), (9, 4096, 64), (5, 128, 32), (5, 127, 32),
+             (17, 512, 16), (17, 511, 16), (3, 65, 16), (3, 64, 16), (2, 65, 128), (2, 64, 16),
+             (9, 512, 0))
     assert [_tiling.epilogue_halves(tile, entries, True, tokens, rank)
             for entries, tokens, rank in cells] == [
-        True, False, False, True, False, True, False, True, False, False]
+        True, False, False, True, False, True, False, True, False, True, False, False]
     monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "1")
     assert _tiling.epilogue_halves(tile, 2, fp8=True)
     assert not _tiling.epilogue_halves(tile, 9, fp8=True)
@@ -209,7 +210,7 @@ def test_the_epilogue_in_halves_only_in_fp8_prefill_tiles(monkeypatch):
     assert arguments["EPILOGUE_HALVES"] and not arguments["DELTA_FIRST"]
     # auto: the launchers pass the slots' rank (16 here) and the batch's tokens to the rule
     monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "auto")
-    for tokens, halves in ((512, True), (511, False)):
+    for tokens, halves in ((256, True), (255, False)):
         arguments = _launchers._k2_arguments(
             FP8, lora, 9, tile, n=64, stride_a=64, stride_y=64, h_planes=1, split=1,
             w_tma=False, per_channel=False, traced=False, pdl=False, wait_codes=False,

@@ -62,8 +62,8 @@ def epilogue_halves() -> str:
     keeps the rounded base in registers and adds the adapters' delta one half of the tile's
     columns at a time, instead of parking the base or the delta in y and reading it back
     (`_tiling.epilogue_halves`): `auto` with one adapter slot from 65 tokens and with several
-    of rank 32 or less from 64 tokens a slot, `1` one slot at any size, `all` several slots
-    too at any size, `0` never (the epilogue as before 2026-12-05)."""
+    of rank 32 or less from 32 tokens a slot (and 65 in all), `1` one slot at any size, `all`
+    several slots too at any size, `0` never (the epilogue as before 2026-12-05)."""
     value = os.environ.get("EPILORA_EPILOGUE_HALVES", "auto")
     if value not in ("0", "1", "all", "auto"):
         raise ValueError(f"EPILORA_EPILOGUE_HALVES={value!r}: expected auto, 0, 1 or all")

@@ -290,10 +290,11 @@ def gather_segments(cfg: LaunchConfig, num_entries: int, rank: int) -> int:
 
 # EPILORA_EPILOGUE_HALVES=auto (the default): one slot's epilogue in halves from this many
 # tokens, and several slots' where the rank is at most HALVES_MAX_RANK and the batch has at
-# least HALVES_TOKENS_PER_SLOT tokens for each slot held (few adapter segments meet a tile).
+# least HALVES_TOKENS_PER_SLOT tokens for each slot held (few adapter segments meet a tile),
+# and HALVES_MIN_TOKENS in all.
 HALVES_MIN_TOKENS = 65
 HALVES_MAX_RANK = 32
-HALVES_TOKENS_PER_SLOT = 64
+HALVES_TOKENS_PER_SLOT = 32
 
 
 def epilogue_halves(cfg: LaunchConfig, num_entries: int, fp8: bool, tokens: int = 0,
@@ -314,12 +315,14 @@ def epilogue_halves(cfg: LaunchConfig, num_entries: int, fp8: bool, tokens: int 
     Timed on three models' layers (docs/kernels.md, Next steps 1, has the runs): with one slot
     the layer took 0.91-1.02x its time at 64-4096 tokens; several slots gained where few adapter
     segments meet a tile at ranks up to 32 (4x32 0.79-0.92x at 256-2048 tokens) and lost where
-    many do or the rank spills (16x16 at 256 tokens 1.04-1.09x, 32x64 1.06-1.49x). Hence
-    `auto`, the default: one slot from HALVES_MIN_TOKENS tokens, and several where their rank
-    (`rank`, the slots' largest) is at most HALVES_MAX_RANK and the batch has
-    HALVES_TOKENS_PER_SLOT tokens a slot held (the slots an engine holds, not those a batch
-    uses: with fewer in use, fewer segments meet a tile); on setups it was not read from
-    (8x32, 2x16) it took 0.78-0.96x the parked epilogue's layer wherever it took the halves.
+    many do or the rank spills (16x16 at 256 tokens, 16 a slot, 1.04-1.09x; 32x64
+    1.06-1.49x). Hence `auto`, the default: one slot from HALVES_MIN_TOKENS tokens, and
+    several where their rank (`rank`, the slots' largest) is at most HALVES_MAX_RANK and the
+    batch has HALVES_TOKENS_PER_SLOT tokens a slot held (the slots an engine holds, not those
+    a batch uses: with fewer in use, fewer segments meet a tile) and HALVES_MIN_TOKENS in all.
+    At 64 tokens a slot, on setups it was not read from (8x32, 2x16), it took 0.78-0.96x the
+    parked epilogue's layer wherever it took the halves; at 32 a slot (4x16 and 4x32 at 128
+    tokens, 16x32 at 512) 0.88-0.99x, and 16x16 at 512 0.95-1.05x.
     `1`: one slot at any size; `all`: several slots too, at any size; `0`: never."""
     setting = _env.epilogue_halves()
     if setting == "0" or not (fp8 and cfg.block_m >= 64 and cfg.block_n >= 32
@@ -329,7 +332,8 @@ def epilogue_halves(cfg: LaunchConfig, num_entries: int, fp8: bool, tokens: int 
         slots = num_entries - 1  # the entries less the one for tokens without an adapter
         if slots <= 1:
             return tokens >= HALVES_MIN_TOKENS
-        return 0 < rank <= HALVES_MAX_RANK and tokens >= HALVES_TOKENS_PER_SLOT * slots
+        return (0 < rank <= HALVES_MAX_RANK
+                and tokens >= max(HALVES_MIN_TOKENS, HALVES_TOKENS_PER_SLOT * slots))
     return setting == "all" or num_entries <= 2
 
 
