@@ -79,6 +79,8 @@ def tune(model: str, rank: int, slots: int, args) -> list[dict]:
     state = "complete" if report["complete"] else "budget reached"
     print(f"{model} rank {rank}, {slots} slot(s), x {common['x']}: {total:.1f} s, "
           f"compile {report['compile_s']} s ({state}) {report['seconds']}", flush=True)
+    for error in report["compile_errors"][:20]:  # a stopped worker says where it was
+        print(f"  compile: {error}", flush=True)
     return rows
 
 

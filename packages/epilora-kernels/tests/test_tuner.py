@@ -340,10 +340,33 @@ def test_the_compile_workers_run_their_shares_and_report_what_failed():
     assert len(errors) == 1 and errors[0].startswith(f"{k} {slices} {t}"), errors
     assert "must cover the adapters' max rank" in errors[0]
     stopped = tuner._compile_in_parallel(launches, 32, 1, False, 2, cpu, timeout_s=0.01)
-    assert stopped == ["a compile worker stopped at the budget (0 s)"] * 2
+    assert all(e.startswith("a compile worker stopped at the budget (0 s)") for e in stopped)
+    assert len(stopped) == 2, stopped
     gone = tuner._compile_in_parallel(launches, 32, 1, False, 1, torch.device("cuda", 7),
                                       timeout_s=300)
     assert len(gone) == 1 and gone[0].startswith("a compile worker exited 1: "), gone
+
+
+def test_a_worker_stopped_at_the_budget_says_which_launch_it_was_on(tmp_path):
+    # Each worker rewrites its progress file before every launch (`_compile` tells it); a stop
+    # at the budget reports the launch begun last and how long it ran: one launch on it for
+    # most of the budget is a compile or a run that does not end.
+    from epilora_kernels._compile_worker import write_progress
+    from epilora_kernels.arch import INTERPRETER
+
+    launches = tuner._launches(INTERPRETER, {"o": (64, (32,))}, (1, 4), 32, 1, False)[:2]
+    begun = []
+    assert tuner._compile(launches, 32, 1, False, torch.device("cpu"),
+                          lambda i, launch: begun.append((i, launch))) == []
+    assert begun == list(enumerate(launches))
+    progress = tmp_path / "progress.json"
+    assert tuner._stopped_at_the_budget(60, progress) == (
+        "a compile worker stopped at the budget (60 s)")  # not begun
+    write_progress(progress, 1, 2, launches[1])
+    said = tuner._stopped_at_the_budget(60, progress)
+    k, slices, t, k1, k2 = launches[1]
+    assert said.startswith("a compile worker stopped at the budget (60 s), at launch 2 of 2, ")
+    assert said.endswith(f" s on it: {k} {slices} {t} {k1} {k2}"), said
 
 
 def test_a_later_run_keeps_the_buckets_an_earlier_one_tuned(cache):

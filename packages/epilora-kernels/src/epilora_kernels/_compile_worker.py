@@ -1,16 +1,29 @@
 """A worker process of the tuner's parallel compile (`tuner._compile_in_parallel`):
 
-    python -m epilora_kernels._compile_worker SHARE.json ERRORS.json
+    python -m epilora_kernels._compile_worker SHARE.json ERRORS.json [PROGRESS.json]
 
 runs its share of the tuner's launches once each (`tuner._compile`), so that Triton compiles
 them into its disk cache, where the tuning process then finds them; writes the failures, as
 text, to ERRORS.json. The share: {"device", "rank", "slots", "codes", "launches": [[K, slices,
-tokens, K1's LaunchConfig fields, K2's], ...]}.
+tokens, K1's LaunchConfig fields, K2's], ...]}. PROGRESS.json, rewritten before each launch:
+{"index", "of", "time", "launch"}, so that a worker stopped at the tuner's budget says where.
 """
 
 import json
+import os
 import sys
+import time
 from pathlib import Path
+
+
+def write_progress(path: Path, index: int, total: int, launch: tuple) -> None:
+    """PROGRESS.json: launch `index` of `total` begins now. Written whole, then renamed, so
+    that the tuner never reads half a file."""
+    k, slices, t, k1, k2 = launch
+    part = path.with_suffix(".part")
+    part.write_text(json.dumps({"index": index, "of": total, "time": time.time(),
+                                "launch": f"{k} {slices} {t} {k1} {k2}"}))
+    os.replace(part, path)
 
 
 def main(argv: list[str]) -> None:
@@ -19,14 +32,19 @@ def main(argv: list[str]) -> None:
     from epilora_kernels.launch import LaunchConfig
     from epilora_kernels.tuner import _compile
 
-    share_path, errors_path = argv
+    share_path, errors_path, *progress_path = argv
     share = json.loads(Path(share_path).read_text())
     device = torch.device(share["device"])
     if device.type == "cuda":
         torch.cuda.set_device(device)
     launches = [(k, tuple(slices), t, LaunchConfig(**k1), LaunchConfig(**k2))
                 for k, slices, t, k1, k2 in share["launches"]]
-    errors = _compile(launches, share["rank"], share["slots"], share["codes"], device)
+    started = None
+    if progress_path:
+        def started(index, launch):
+            write_progress(Path(progress_path[0]), index, len(launches), launch)
+
+    errors = _compile(launches, share["rank"], share["slots"], share["codes"], device, started)
     Path(errors_path).write_text(json.dumps(errors))
 
 

@@ -287,16 +287,19 @@ def _decode(x, weight, scale, lora, batch, k1, k2, quantized, workspace=None):
 
 
 def _compile(launches: list, rank: int, slots: int, codes: bool,
-             device: torch.device | None = None) -> list[str]:
+             device: torch.device | None = None, started=None) -> list[str]:
     """Run each launch once on `device` (default: the current CUDA device), so that Triton
     compiles it (in a worker process, into its disk cache, which the tuning process then reads;
-    or under `compile_only`, into this process's caches); the errors, as text."""
+    or under `compile_only`, into this process's caches); the errors, as text. `started(i,
+    launch)` is told of each launch before it runs (a worker's progress file)."""
     from epilora_kernels import fused
 
     errors = []
     device = torch.device("cuda") if device is None else device
     fitted = set()
-    for k, slices, t, k1, k2 in launches:
+    for i, (k, slices, t, k1, k2) in enumerate(launches):
+        if started is not None:
+            started(i, (k, slices, t, k1, k2))
         try:
             x, weight, scale, lora, batch = _problem(t, k, slices, rank, slots, device)
             if (k, slices, t) not in fitted:  # the wave fitting's candidates, compiled here too
@@ -344,7 +347,7 @@ def _compile_in_parallel(launches: list, rank: int, slots: int, codes: bool, job
         try:
             for i, share in enumerate(shares):
                 files = {part: Path(folder, f"{part}{i}.json") for part in
-                         ("share", "errors", "stderr")}
+                         ("share", "errors", "stderr", "progress")}
                 files["share"].write_text(json.dumps({
                     "device": str(device), "rank": rank, "slots": slots, "codes": codes,
                     "launches": [[k, list(slices), t, dataclasses.asdict(k1),
@@ -352,7 +355,7 @@ def _compile_in_parallel(launches: list, rank: int, slots: int, codes: bool, job
                 with open(files["stderr"], "w") as stderr:  # a file: no pipe to fill
                     workers.append((subprocess.Popen(
                         [sys.executable, "-m", "epilora_kernels._compile_worker",
-                         str(files["share"]), str(files["errors"])],
+                         str(files["share"]), str(files["errors"]), str(files["progress"])],
                         stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True),
                         files))
             deadline = time.monotonic() + timeout_s
@@ -360,7 +363,7 @@ def _compile_in_parallel(launches: list, rank: int, slots: int, codes: bool, job
                 try:
                     worker.wait(timeout=max(deadline - time.monotonic(), 0.1))
                 except subprocess.TimeoutExpired:
-                    errors.append(f"a compile worker stopped at the budget ({timeout_s:.0f} s)")
+                    errors.append(_stopped_at_the_budget(timeout_s, files["progress"]))
                     continue
                 if worker.returncode != 0 or not files["errors"].is_file():
                     said = files["stderr"].read_text(errors="replace").strip()
@@ -373,6 +376,20 @@ def _compile_in_parallel(launches: list, rank: int, slots: int, codes: bool, job
                     os.killpg(worker.pid, signal.SIGKILL)
                     worker.wait()
     return errors
+
+
+def _stopped_at_the_budget(timeout_s: float, progress: Path) -> str:
+    # What a worker stopped at the budget was doing, from its progress file (`_compile_worker`:
+    # the launch it began last and when): a launch on it for most of the budget is a compile
+    # or a run that does not end, many launches left a share too big for the budget.
+    said = f"a compile worker stopped at the budget ({timeout_s:.0f} s)"
+    try:
+        began = json.loads(progress.read_text())
+    except (OSError, ValueError):  # not started, or caught mid-write
+        return said
+    on_it = time.time() - began["time"]
+    return (f"{said}, at launch {began['index'] + 1} of {began['of']}, {on_it:.1f} s on it: "
+            f"{began['launch']}")[:800]
 
 
 def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: int,
