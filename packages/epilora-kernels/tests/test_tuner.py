@@ -4,6 +4,7 @@ at its budget, and writes a cache the table lookups then serve, per device and v
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -351,6 +352,7 @@ def test_a_worker_stopped_at_the_budget_says_which_launch_it_was_on(tmp_path):
     # Each worker rewrites its progress file before every launch (`_compile` tells it); a stop
     # at the budget reports the launch begun last and how long it ran: one launch on it for
     # most of the budget is a compile or a run that does not end.
+    from epilora_kernels import _compile_worker
     from epilora_kernels._compile_worker import write_progress
     from epilora_kernels.arch import INTERPRETER
 
@@ -367,6 +369,16 @@ def test_a_worker_stopped_at_the_budget_says_which_launch_it_was_on(tmp_path):
     k, slices, t, k1, k2 = launches[1]
     assert said.startswith("a compile worker stopped at the budget (60 s), at launch 2 of 2, ")
     assert said.endswith(f" s on it: {k} {slices} {t} {k1} {k2}"), said
+    # The worker itself, on a share of its own: the file it leaves says all its launches began
+    share = {"device": "cpu", "rank": 32, "slots": 1, "codes": False,
+             "launches": [[k, list(slices), t, dataclasses.asdict(k1), dataclasses.asdict(k2)]]}
+    (tmp_path / "share.json").write_text(json.dumps(share))
+    _compile_worker.main([str(tmp_path / name) for name in
+                          ("share.json", "errors.json", "progress.json")])
+    assert json.loads((tmp_path / "errors.json").read_text()) == []
+    said = tuner._stopped_at_the_budget(60, progress)
+    assert re.fullmatch(r"a compile worker stopped at the budget \(60 s\), \d+\.\d s after "
+                        r"beginning its last launch of 1", said), said
 
 
 def test_a_later_run_keeps_the_buckets_an_earlier_one_tuned(cache):

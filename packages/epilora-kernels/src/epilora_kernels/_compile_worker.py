@@ -5,8 +5,9 @@
 runs its share of the tuner's launches once each (`tuner._compile`), so that Triton compiles
 them into its disk cache, where the tuning process then finds them; writes the failures, as
 text, to ERRORS.json. The share: {"device", "rank", "slots", "codes", "launches": [[K, slices,
-tokens, K1's LaunchConfig fields, K2's], ...]}. PROGRESS.json, rewritten before each launch:
-{"index", "of", "time", "launch"}, so that a worker stopped at the tuner's budget says where.
+tokens, K1's LaunchConfig fields, K2's], ...]}. PROGRESS.json, rewritten before each launch
+and once after the last: {"index", "of", "time", "launch"} (index == of: all begun), so that a
+worker stopped at the tuner's budget says where.
 """
 
 import json
@@ -16,14 +17,18 @@ import time
 from pathlib import Path
 
 
-def write_progress(path: Path, index: int, total: int, launch: tuple) -> None:
-    """PROGRESS.json: launch `index` of `total` begins now. Written whole, then renamed, so
-    that the tuner never reads half a file."""
-    k, slices, t, k1, k2 = launch
+def write_progress(path: Path, index: int, total: int, launch: tuple | None) -> None:
+    """PROGRESS.json: launch `index` of `total` begins now (None: all have). Written whole,
+    then renamed, so that the tuner never reads half a file; a failed write loses the
+    progress, not the compile."""
+    said = "" if launch is None else "{} {} {} {} {}".format(*launch)
     part = path.with_suffix(".part")
-    part.write_text(json.dumps({"index": index, "of": total, "time": time.time(),
-                                "launch": f"{k} {slices} {t} {k1} {k2}"}))
-    os.replace(part, path)
+    try:
+        part.write_text(json.dumps({"index": index, "of": total, "time": time.time(),
+                                    "launch": said}))
+        os.replace(part, path)
+    except OSError:
+        pass
 
 
 def main(argv: list[str]) -> None:
@@ -45,6 +50,8 @@ def main(argv: list[str]) -> None:
             write_progress(Path(progress_path[0]), index, len(launches), launch)
 
     errors = _compile(launches, share["rank"], share["slots"], share["codes"], device, started)
+    if started is not None:
+        started(len(launches), None)
     Path(errors_path).write_text(json.dumps(errors))
 
 

@@ -380,16 +380,20 @@ def _compile_in_parallel(launches: list, rank: int, slots: int, codes: bool, job
 
 def _stopped_at_the_budget(timeout_s: float, progress: Path) -> str:
     # What a worker stopped at the budget was doing, from its progress file (`_compile_worker`:
-    # the launch it began last and when): a launch on it for most of the budget is a compile
-    # or a run that does not end, many launches left a share too big for the budget.
+    # the launch it began last and when; the first launch of each shape also runs its wave
+    # fitting's compiles): one launch on it for most of the budget is a compile or a run that
+    # does not end, a launch far from the share's end with little time on it a share too big.
     said = f"a compile worker stopped at the budget ({timeout_s:.0f} s)"
     try:
         began = json.loads(progress.read_text())
-    except (OSError, ValueError):  # not started, or caught mid-write
+        index, total, since = int(began["index"]), int(began["of"]), float(began["time"])
+        launch = str(began["launch"])
+    except (OSError, ValueError, KeyError, TypeError):  # no launch begun (or no file to read)
         return said
-    on_it = time.time() - began["time"]
-    return (f"{said}, at launch {began['index'] + 1} of {began['of']}, {on_it:.1f} s on it: "
-            f"{began['launch']}")[:800]
+    on_it = time.time() - since
+    if index >= total:
+        return f"{said}, {on_it:.1f} s after beginning its last launch of {total}"
+    return f"{said}, at launch {index + 1} of {total}, {on_it:.1f} s on it: {launch}"[:800]
 
 
 def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: int,
