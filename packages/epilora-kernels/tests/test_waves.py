@@ -112,6 +112,13 @@ def test_tuned_exactly_tells_a_shapes_own_entries_from_a_nearer_shapes(tmp_path,
         assert not launch.tuned_exactly("Fake GPU", "lora_gemm", 8192, 4096, 16, one_slot=True)
         # the nearest-shape lookup itself still lends 4096x4096's entries to 4608x4096
         assert launch.table_config("Fake GPU", "lora_gemm", 1, 4608, 4096) is not None
+        # Given the batch's tokens, an entry the launchers take for it: 4096x4096's one bucket
+        # (1) covers one token; at 2-32 tokens they take the heuristic's (no bucket up to 32
+        # covers them), at 33-256 the largest bucket, beyond the heuristic's prefill tiles.
+        assert [launch.tuned_exactly("Fake GPU", "lora_gemm", 4096, 4096, tokens=t)
+                for t in (1, 2, 32, 33, 256, 257)] == [True, False, False, True, True, False]
+        assert launch.select_config("Fake GPU", "lora_gemm", 2, 4096, 4096, 16) == (
+            launch.select_config(None, "lora_gemm", 2, 4096, 4096, 16))  # the heuristic's
     finally:
         launch.clear_table_cache()
 

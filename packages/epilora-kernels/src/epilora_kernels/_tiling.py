@@ -75,11 +75,13 @@ def gemm_config(support: DeviceSupport, batch: AdapterBatch, lora: LoraWeights,
 
 def gemm_tuned_exactly(support: DeviceSupport, batch: AdapterBatch, lora: LoraWeights) -> bool:
     """Whether K2's settings for this batch come from an entry tuned on this very shape (the
-    shipped table or the tuner's cache), not from a nearer shape's entry or the heuristic."""
+    shipped table or the tuner's cache), not from a nearer shape's entry or the heuristic
+    (as where the shape's buckets do not cover the batch: 17-32 tokens on a shape tuned at
+    1-16 only)."""
     device = table_of(support)
     return device is not None and tuned_exactly(
         device, "lora_gemm", lora.out_features, lora.in_features, lora.max_rank,
-        one_slot(batch), cache_device=support.name)
+        one_slot(batch), cache_device=support.name, tokens=batch.num_tokens)
 
 
 def blocks_per_sm(registers: int, shared: int, warps: int, sm_registers: int = 65536,

@@ -506,15 +506,32 @@ def table_config(device_name: str, op: str, tokens: int, n: int, k: int,
 
 
 def tuned_exactly(device_name: str, op: str, n: int, k: int, rank: int | None = None,
-                  one_slot: bool = False, cache_device: str | None = None) -> bool:
+                  one_slot: bool = False, cache_device: str | None = None,
+                  tokens: int | None = None) -> bool:
     """Whether the table (with the tuner's cache over it) has entries of `op` for N x K itself,
     plain or at the rank's keys `table_config` would read, rather than lending a nearer
-    shape's."""
+    shape's; given `tokens`, an entry `select_config` takes for that batch (not the heuristic's
+    settings where the shape's buckets do not cover it)."""
     table = _load_table(device_name, cache_device)
     if table is None:
         return False
-    return any(table.get(op, {}).get(f"{n}x{k}{suffix}")
-               for suffix in _key_suffixes(rank, one_slot))
+    keys = [f"{n}x{k}{suffix}" for suffix in _key_suffixes(rank, one_slot)]
+    if tokens is None:
+        return any(table.get(op, {}).get(key) for key in keys)
+    own = {key: table[op][key] for key in keys if table.get(op, {}).get(key)}
+    cover, max_bucket = _lookup_limits(op, tokens)
+    return table_entry({op: own}, op, tokens, n, k, rank, cover, one_slot,
+                       max_bucket) is not None
+
+
+def _lookup_limits(op: str, tokens: int) -> tuple[bool, int | None]:
+    # `select_config`'s table lookup for a batch of `tokens`: (cover, max_bucket). Up to
+    # DECODE_SHRINK_MAX_TOKENS (but `shrink`, the hybrid path's K1) a bucket up to there
+    # covering the batch, else none; beyond PREFILL_MIN_TOKENS a bucket covering it, else none;
+    # between, a bucket covering it, else the largest.
+    decode = tokens <= DECODE_SHRINK_MAX_TOKENS and op != "shrink"
+    return (decode or tokens > PREFILL_MIN_TOKENS,
+            DECODE_SHRINK_MAX_TOKENS if decode else None)
 
 
 def _key_suffixes(rank: int | None, one_slot: bool) -> list[str]:
@@ -599,8 +616,7 @@ def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int,
     `cache_device`: the device whose tuner cache overlays `device_name`'s table (default: that
     device). `large_tiles`: as for `heuristic_config`. `decode_shrink_codes` takes its own
     entry where a bucket covers the batch, else `decode_shrink`'s choice."""
-    decode = tokens <= DECODE_SHRINK_MAX_TOKENS and op != "shrink"
-    max_bucket = DECODE_SHRINK_MAX_TOKENS if decode else None
+    cover, max_bucket = _lookup_limits(op, tokens)
 
     def covered(op: str) -> LaunchConfig | None:  # a bucket at or above the batch, or None
         return None if device_name is None else table_config(
@@ -618,8 +634,8 @@ def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int,
             return tuned
         op = "quantize_shrink"
     tuned = None if device_name is None else table_config(
-        device_name, op, tokens, n, k, rank, cover=decode or tokens > PREFILL_MIN_TOKENS,
-        one_slot=one_slot, cache_device=cache_device, max_bucket=max_bucket)
+        device_name, op, tokens, n, k, rank, cover=cover, one_slot=one_slot,
+        cache_device=cache_device, max_bucket=max_bucket)
     if tuned is None:
         return heuristic_config(op, tokens, n, k, rank, slices, large_tiles)
     if op != "lora_gemm":
