@@ -98,7 +98,8 @@ def test_fit_waves_prefers_full_waves_then_no_split_and_skips_what_does_not_comp
 
 def test_tuned_exactly_tells_a_shapes_own_entries_from_a_nearer_shapes(tmp_path,
                                                                        monkeypatch):
-    table = {"lora_gemm": {"4096x4096": {"1": {}}, "8192x4096@r64/one-slot": {"1": {}}}}
+    table = {"lora_gemm": {"4096x4096": {"1": {}}, "8192x4096@r64/one-slot": {"1": {}},
+                           "16384x1024": {"1": {}}, "16384x1536": {"64": {"block_m": 64}}}}
     monkeypatch.setattr(launch.resources, "files", lambda _: tmp_path)
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "Fake_GPU.json").write_text(json.dumps(table))
@@ -119,6 +120,11 @@ def test_tuned_exactly_tells_a_shapes_own_entries_from_a_nearer_shapes(tmp_path,
                 for t in (1, 2, 32, 33, 256, 257)] == [True, False, False, True, True, False]
         assert launch.select_config("Fake GPU", "lora_gemm", 2, 4096, 4096, 16) == (
             launch.select_config(None, "lora_gemm", 2, 4096, 4096, 16))  # the heuristic's
+        # At 64 tokens 16384x1024's own largest bucket (1) gives way to the near 16384x1536's
+        # 64-token one, which the launchers take
+        assert not launch.tuned_exactly("Fake GPU", "lora_gemm", 16384, 1024, tokens=64)
+        assert launch.select_config("Fake GPU", "lora_gemm", 64, 16384, 1024, 16).block_m == 64
+        assert launch.tuned_exactly("Fake GPU", "lora_gemm", 16384, 1024, tokens=1)
     finally:
         launch.clear_table_cache()
 

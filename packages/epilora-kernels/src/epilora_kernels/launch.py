@@ -520,8 +520,10 @@ def tuned_exactly(device_name: str, op: str, n: int, k: int, rank: int | None = 
         return any(table.get(op, {}).get(key) for key in keys)
     own = {key: table[op][key] for key in keys if table.get(op, {}).get(key)}
     cover, max_bucket = _lookup_limits(op, tokens)
-    return table_entry({op: own}, op, tokens, n, k, rank, cover, one_slot,
-                       max_bucket) is not None
+    entry = table_entry({op: own}, op, tokens, n, k, rank, cover, one_slot, max_bucket)
+    # (a nearer shape's bucket covering the batch goes before the shape's own largest one)
+    return entry is not None and entry == table_entry(table, op, tokens, n, k, rank, cover,
+                                                      one_slot, max_bucket)
 
 
 def _lookup_limits(op: str, tokens: int) -> tuple[bool, int | None]:
