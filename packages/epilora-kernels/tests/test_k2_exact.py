@@ -183,13 +183,13 @@ def test_the_epilogue_in_halves_only_in_fp8_prefill_tiles(monkeypatch):
             for entries, tokens in ((2, 64), (2, 65), (9, 64), (9, 65))] == [
         False, True, False, False]
     # (entries, tokens, rank): 8 slots need 256 tokens, 4 slots 128, 16 slots 512, 2 slots 65
-    # (not 64: 65 in all); rank 64 never; no rank given (0), never
+    # (not 64: 65 in all); ranks above 32 (33, 64) never; no rank given (0), never
     cells = ((9, 256, 16), (9, 255, 16), (9, 4096, 64), (5, 128, 32), (5, 127, 32),
-             (17, 512, 16), (17, 511, 16), (3, 65, 16), (3, 64, 16), (2, 65, 128), (2, 64, 16),
-             (9, 512, 0))
+             (5, 4096, 33), (17, 512, 16), (17, 511, 16), (3, 65, 16), (3, 64, 16),
+             (2, 65, 128), (2, 64, 16), (9, 512, 0))
     assert [_tiling.epilogue_halves(tile, entries, True, tokens, rank)
             for entries, tokens, rank in cells] == [
-        True, False, False, True, False, True, False, True, False, True, False, False]
+        True, False, False, True, False, False, True, False, True, False, True, False, False]
     monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "1")
     assert _tiling.epilogue_halves(tile, 2, fp8=True)
     assert not _tiling.epilogue_halves(tile, 9, fp8=True)
