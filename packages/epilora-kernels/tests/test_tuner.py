@@ -488,3 +488,63 @@ def test_the_settings_identity_changes_with_what_decides_the_settings(cache, mon
         assert launch.settings_identity(h200) != defaults, name
         monkeypatch.delenv(name)
     assert launch.settings_identity(h200) == defaults
+
+
+@pytest.mark.parametrize(("fused_us", "want"), [(80.0, "fused"), (120.0, "decode")])
+def test_where_the_rule_takes_the_fused_path_the_faster_path_is_cached_and_chosen(
+        cache, monkeypatch, fused_us, want):
+    # Several slots at 16 tokens: the rule gives the fused path; the tuner times it beside the
+    # tuned decode path and `choose_path` then takes the faster for this shape. At 8 tokens
+    # (the rule's decode path) and with one slot nothing is timed beyond the decode path.
+    def fake(path):
+        def linear(*args, k1_config, k2_config, **kwargs):
+            timed.append(path)
+            return ANSWER
+        return linear
+
+    timed: list = []
+    monkeypatch.setattr(fused, "decode_lora_fp8_linear", fake("decode"))
+    monkeypatch.setattr(fused, "fused_lora_fp8_linear", fake("fused"))
+
+    timings: list = []
+
+    def time_us(fn):
+        fn()
+        timings.append(timed[-1])
+        return fused_us if timed[-1] == "fused" else 100.0
+
+    down = {"down": (4096, (64,))}
+    report = tuner.tune_decode(down, rank=16, slots=2, tokens=(8, 16), time_us=time_us,
+                               progress=lambda line: None)
+    cells = {c["tokens"]: c for c in report["cells"]}
+    assert (cells[8]["path"], cells[16]["path"], cells[16]["fused_us"]) == (None, want, fused_us)
+    assert timings.count("fused") == 1
+    cached = tuner.read_cache("triton-interpreter")
+    assert cached["path"] == {launch.shape_key(64, 4096, 16): {"16": {"path": want}}}
+    from epilora_kernels import arch, dispatch
+
+    gpu = arch.DeviceSupport("triton-interpreter", (9, 0), fp8_mma=True, pdl=True, tma=True,
+                             interpreter=False)
+    _, _, _, lora, batch = tuner._problem(16, 4096, (64,), 16, 2, "cpu")
+    assert dispatch.rule_path(16, batch, gpu) == "fused"
+    assert dispatch.choose_path(16, batch, gpu, lora) == want
+    assert dispatch.choose_path(16, batch, gpu) == "fused"  # no projection given: the rule
+    assert dispatch.choose_path(16, batch, gpu, lora, codes=True) == "fused"  # timed on bf16 x
+    _, _, _, _, eight = tuner._problem(8, 4096, (64,), 16, 2, "cpu")
+    assert dispatch.choose_path(8, eight, gpu, lora) == "decode"  # the rule's decode path
+    # a 17-32-token batch is not covered by the 16-token bucket; without PDL a timed "decode"
+    # is no choice: the rule's fused path
+    _, _, _, _, twenty = tuner._problem(20, 4096, (64,), 16, 2, "cpu")
+    assert dispatch.choose_path(20, twenty, gpu, lora) == "fused"
+    sm89 = dataclasses.replace(gpu, capability=(8, 9), pdl=False, tma=False)
+    assert dispatch.choose_path(16, batch, sm89, lora) == "fused"
+    monkeypatch.setenv("EPILORA_LAUNCH_TABLES", "0")
+    assert dispatch.choose_path(16, batch, gpu, lora) == "fused"  # tables off: the rule
+
+
+def test_path_entries_are_checked_like_launch_settings():
+    launch.validate_table({"path": {"64x4096@r16": {"16": {"path": "fused"}}},
+                           "path_codes": {"64x4096@r16": {"32": {"path": "decode"}}}})
+    for bad in ({"path": "hybrid"}, {"path": "fused", "block_m": 16}, {"block_m": 16}):
+        with pytest.raises(ValueError, match="must be"):
+            launch.validate_table({"path": {"64x4096@r16": {"16": bad}}})

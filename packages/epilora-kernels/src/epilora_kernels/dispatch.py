@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from epilora_kernels import _checks, fused
+from epilora_kernels import _checks, _tiling, fused
 from epilora_kernels.arch import DeviceSupport, UnsupportedError, device_support
 from epilora_kernels.batch import MAX_SLICES, AdapterBatch, LoraWeights
+from epilora_kernels.launch import tuned_path
 from epilora_kernels.prefetch import L2Prefetch, kernel_args
 from epilora_kernels.workspace import Workspace
 
@@ -100,13 +101,29 @@ def _supports_on(support: DeviceSupport, path: str, in_features: int,
     return Support(True)
 
 
-def choose_path(tokens: int, batch: AdapterBatch, support: DeviceSupport) -> str:
-    """The path `lora_linear` takes without one given: the decode path for small batches where
-    PDL exists (more tokens with one adapter slot, whose K2 epilogue is cheapest), else the
-    fused path. The hybrid path is for callers that choose it (an engine timing its own GEMM
-    against ours)."""
+def choose_path(tokens: int, batch: AdapterBatch, support: DeviceSupport,
+                lora: LoraWeights | None = None, codes: bool = False) -> str:
+    """The path `lora_linear` takes without one given: the rule's (`rule_path`: the decode
+    path for small batches where PDL exists, more tokens with one adapter slot, whose K2
+    epilogue is cheapest; the fused path beyond), except where the rule gives the fused path
+    at a decode bucket of a projection the tuner ran on (`lora` gives its shape and rank;
+    `codes`: called with the codes given) and the tuner timed its decode path faster there
+    (`launch.tuned_path`). The hybrid path is for callers that choose it (an engine timing its
+    own GEMM against ours)."""
+    rule = rule_path(tokens, batch, support)
+    if (rule == "fused" and support.pdl and lora is not None
+            and (table := _tiling.table_of(support)) is not None):
+        return tuned_path(table, tokens, lora.out_features, lora.in_features, lora.max_rank,
+                          _tiling.one_slot(batch), codes, cache_device=support.name) or rule
+    return rule
+
+
+def rule_path(tokens: int, batch: AdapterBatch, support: DeviceSupport) -> str:
+    """`choose_path`'s rule where the tuner timed no choice: the decode path up to
+    DECODE_MAX_TOKENS_ONE_SLOT tokens with one adapter slot, DECODE_MAX_TOKENS with several,
+    where PDL exists; else the fused path."""
     if support.pdl or support.interpreter:
-        limit = DECODE_MAX_TOKENS_ONE_SLOT if batch.num_entries <= 2 else DECODE_MAX_TOKENS
+        limit = DECODE_MAX_TOKENS_ONE_SLOT if _tiling.one_slot(batch) else DECODE_MAX_TOKENS
         if tokens <= limit:
             return "decode"
     return "fused"
@@ -191,7 +208,7 @@ def lora_linear(x: torch.Tensor | None, weight: torch.Tensor, weight_scale: torc
     kernel_args(prefetch, rows.device)  # checked on every path, acted on by one
     support = device_support(rows.device)
     if path is None:
-        path = choose_path(rows.shape[0], batch, support)
+        path = choose_path(rows.shape[0], batch, support, lora, codes=x_quantized is not None)
     if x is None and path not in ("decode", "fused"):
         raise ValueError(f"the {path} path computes on bf16 activations: x is None (codes "
                          "only) is for the decode and fused paths")

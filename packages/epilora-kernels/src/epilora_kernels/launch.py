@@ -30,6 +30,10 @@ from importlib import resources
 # GEMM-sized blocks and start with the GEMM's.
 OPS = ("quantize_shrink", "shrink", "decode_shrink", "decode_shrink_codes", "decode_lead_shrink",
        "lora_gemm")
+# The tuner's timed choice between the decode and fused paths at a decode bucket, per shape (on
+# bf16 x, or on the codes given): entries {"path": "decode" | "fused"}, not launch settings.
+PATH_OPS = ("path", "path_codes")
+TIMED_PATHS = ("decode", "fused")
 # The one-launch shrink's programs at most (the heuristic's): the decode GEMM's swapped tiles
 # take 64-96 of the H200's 132 SMs at one block each, and a shrink program holds a whole block.
 LEAD_SHRINK_PROGRAMS = 32
@@ -395,8 +399,9 @@ def validate_table(table: dict) -> None:
     for op, shapes in table.items():
         if op == "_meta":
             continue
-        if op not in OPS:
-            raise ValueError(f"unknown op {op!r} in launch table; expected one of {OPS}")
+        if op not in OPS + PATH_OPS:
+            raise ValueError(f"unknown op {op!r} in launch table; expected one of "
+                             f"{OPS + PATH_OPS}")
         for shape, entries in shapes.items():
             dims, at, rank = shape.partition("@r")
             n, _, k = dims.partition("x")
@@ -407,6 +412,11 @@ def validate_table(table: dict) -> None:
             for bucket, fields in entries.items():
                 if not bucket.isdigit():
                     raise ValueError(f"{op} {shape}: bucket {bucket!r} must be a token count")
+                if op in PATH_OPS:
+                    if fields != {"path": fields.get("path")} or fields["path"] not in TIMED_PATHS:
+                        raise ValueError(f"{op} {shape} {bucket}: {fields!r} must be "
+                                         f"{{'path': one of {TIMED_PATHS}}}")
+                    continue
                 LaunchConfig(**fields)  # raises on unknown or bad fields
 
 
@@ -487,6 +497,7 @@ def clear_table_cache() -> None:
 
     _load_table.cache_clear()
     table_device.cache_clear()
+    tuned_path.cache_clear()
     fused._PLANS.clear()
     projection.clear()
 
@@ -524,6 +535,26 @@ def tuned_exactly(device_name: str, op: str, n: int, k: int, rank: int | None = 
     # (a nearer shape's bucket covering the batch goes before the shape's own largest one)
     return entry is not None and entry == table_entry(table, op, tokens, n, k, rank, cover,
                                                       one_slot, max_bucket)
+
+
+@functools.lru_cache(maxsize=4096)  # asked on every dispatched call, by value
+def tuned_path(device_name: str, tokens: int, n: int, k: int, rank: int, one_slot: bool,
+               codes: bool = False, cache_device: str | None = None) -> str | None:
+    """The path the tuner timed fastest for N x K itself (no nearer shape's: a choice between
+    paths is the shape's own measurement) at the smallest of its decode buckets covering
+    `tokens` (up to DECODE_SHRINK_MAX_TOKENS), at the rank's keys (one slot's first with
+    `one_slot`); `codes`: the choice timed on the codes given. None where it timed none."""
+    table = _load_table(device_name, cache_device)
+    shapes = (table or {}).get("path_codes" if codes else "path", {})
+    if tokens > DECODE_SHRINK_MAX_TOKENS:
+        return None
+    for suffix in reversed(_key_suffixes(rank, one_slot)):  # the most specific first
+        entries = shapes.get(f"{n}x{k}{suffix}", {})
+        bucket = min((int(b) for b in entries if tokens <= int(b) <= DECODE_SHRINK_MAX_TOKENS),
+                     default=None)
+        if bucket is not None:
+            return entries[str(bucket)]["path"]
+    return None
 
 
 def _lookup_limits(op: str, tokens: int) -> tuple[bool, int | None]:

@@ -118,7 +118,8 @@ class LoraProjection:
         rows = x if x is not None else x_quantized[0] if x_quantized is not None else None
         if (path is None and isinstance(rows, torch.Tensor) and rows.ndim == 2
                 and isinstance(batch, AdapterBatch)):
-            path = choose_path(rows.shape[0], batch, self._support)
+            path = choose_path(rows.shape[0], batch, self._support, self.lora,
+                               codes=x_quantized is not None)
         if path not in _BOUND_PATHS or not isinstance(rows, torch.Tensor) or rows.ndim != 2 \
                 or rows.shape[0] == 0 or (x is None and path == "w8a16"):
             # lora_linear's own checks and paths (and its errors, for every bad input)

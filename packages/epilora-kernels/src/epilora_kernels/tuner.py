@@ -13,7 +13,10 @@ shape, or the heuristic), then K2 candidates around them with that K1, then K1 c
 the best K2. A candidate replaces the settings in use only if it is faster by more than
 `MARGIN`: noise does not churn the cache. When the budget runs out the remaining cells keep the
 settings they had. With `codes` it tunes the path as an engine that quantizes x itself calls it
-(the codes given, K2 streaming from its start), whose K1 is cached apart. The cache is a launch
+(the codes given, K2 streaming from its start), whose K1 is cached apart. Where `choose_path`'s
+rule would take the fused path at a decode bucket (several slots beyond DECODE_MAX_TOKENS), it
+also times the fused path with the chosen GEMM settings and caches the faster path (`path` or
+`path_codes` entries), which `choose_path` then takes for that shape. The cache is a launch
 table (`launch.validate_table`'s schema) under
 `one_slot` keys for batches of one adapter slot, plain rank keys otherwise; the launchers
 overlay it on the shipped table, shape by shape.
@@ -275,15 +278,25 @@ def _k1_partners(k2s: list) -> list:
     return list(partners.values())
 
 
-def _decode(x, weight, scale, lora, batch, k1, k2, quantized, workspace=None):
+def _decode(x, weight, scale, lora, batch, k1, k2, quantized, workspace=None, path="decode"):
     """The decode path as the tuner times it: on bf16 x (K1 quantizes; `quantized` False), or
     on x's per-token codes (`quantized`, the pair; x not passed: the shrink and the GEMM read
-    the codes)."""
+    the codes). `path="fused"`: the fused path alike (`k1` None: its K1 the launchers')."""
     from epilora_kernels import fused
 
-    return fused.decode_lora_fp8_linear(None if quantized else x, weight, scale, lora, batch,
-                                        k1_config=k1, k2_config=k2, workspace=workspace,
-                                        x_quantized=quantized or None)
+    linear = fused.decode_lora_fp8_linear if path == "decode" else fused.fused_lora_fp8_linear
+    return linear(None if quantized else x, weight, scale, lora, batch, k1_config=k1,
+                  k2_config=k2, workspace=workspace, x_quantized=quantized or None)
+
+
+def _contested(t: int, batch, support) -> bool:
+    """Whether the tuner times the fused path beside the tuned decode path for a cell: where
+    `choose_path`'s rule gives the fused path at a decode bucket (several slots beyond
+    DECODE_MAX_TOKENS), the tuned decode path may be the faster (docs/kernels.md, Next steps 3).
+    Where the rule gives the decode path (one slot, or few tokens) it is what the tuner tuned."""
+    from epilora_kernels.dispatch import rule_path
+
+    return (support.pdl or support.interpreter) and rule_path(t, batch, support) == "fused"
 
 
 def _compile(launches: list, rank: int, slots: int, codes: bool,
@@ -460,9 +473,10 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
             wanted: dict = {}
 
             def run(k1, k2, x=x, weight=weight, scale=scale, lora=lora, batch=batch, name=name,
-                    t=t, quantized=quantized, wanted=wanted, baseline=False):
+                    t=t, quantized=quantized, wanted=wanted, baseline=False, path="decode"):
                 def call():
-                    return _decode(x, weight, scale, lora, batch, k1, k2, quantized, workspace)
+                    return _decode(x, weight, scale, lora, batch, k1, k2, quantized, workspace,
+                                   path)
 
                 try:
                     answer = call()
@@ -527,18 +541,35 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
             if best == float("inf"):  # nothing ran: leave the cell to the settings in use
                 report.setdefault("untuned", []).append({"projection": name, "tokens": t})
                 continue
+            # Where the rule gives the fused path, the fused path with the chosen GEMM settings
+            # (its K1 the launchers'; compiled here, not by the workers: one kernel a cell)
+            # against the tuned decode path: `choose_path` takes the faster (`tuned_path`).
+            path, fused_us = None, None
+            if _contested(t, batch, support):
+                if time.monotonic() - start > budget_s:
+                    report["complete"] = False
+                else:
+                    fused_us = run(None, chosen[1], path="fused")
+                    path = "fused" if fused_us < best * (1 - MARGIN) else "decode"
             key = shape_key(n, k, rank, one_slot)
             for op, cfg in ((_k1_op(codes, slots, t), chosen[0]), ("lora_gemm", chosen[1])):
                 table.setdefault(op, {}).setdefault(key, {})[str(t)] = dataclasses.asdict(cfg)
+            if path is not None:
+                table.setdefault("path_codes" if codes else "path", {}).setdefault(
+                    key, {})[str(t)] = {"path": path}
             report["cells"].append({"projection": name, "tokens": t,
                                     "before_us": None if before == float("inf") else before,
                                     "after_us": best, "k1": dataclasses.asdict(chosen[0]),
-                                    "k2": dataclasses.asdict(chosen[1])})
+                                    "k2": dataclasses.asdict(chosen[1]), "path": path,
+                                    "fused_us": None if fused_us in (None, float("inf"))
+                                    else fused_us})
             k2 = chosen[1]
+            fused_said = "" if path is None else f"; the fused path {fused_us:.1f} us: {path}"
             progress(f"tune {name} ({n}x{k}) r{rank} {t:3d} tokens: {before:7.1f} -> "
                      f"{best:7.1f} us (K2 {k2.block_m}x{k2.block_n}x{k2.block_k}, split "
                      f"{k2.split_k}, {k2.num_stages} stages{', swapped' if k2.swap_ab else ''}"
-                     f"{f', {k2.segment_stages} segment stages' if k2.segment_stages > 1 else ''})")
+                     f"{f', {k2.segment_stages} segment stages' if k2.segment_stages > 1 else ''}"
+                     f"{fused_said})")
         report["seconds"][name] = round(time.monotonic() - began, 1)
     if write:
         _write(support.name, table)

@@ -376,7 +376,8 @@ class EpiloraForward:
             batch = self._no_adapter_batch(tokens, rows.device)
         path = self.mode.path
         if path is None:
-            path = ek.choose_path(tokens, batch, ek.device_support(rows.device))
+            path = ek.choose_path(tokens, batch, ek.device_support(rows.device), self.lora,
+                                  codes=quantized is not None)
             if self.mode.timed:
                 path = self._timed_path(x, quantized, bias, batch, fallback=path)
         return self._run(path, x, quantized, bias, batch)
@@ -420,7 +421,8 @@ class EpiloraForward:
             batch = ek.AdapterBatch(full.token_lora_mapping[:tokens],
                                     full.sorted_token_indices[:tokens], full.lora_ids,
                                     full.num_tokens_per_lora, full.lora_token_start)
-            path = self.mode.path or ek.choose_path(tokens, batch, support)
+            path = self.mode.path or ek.choose_path(tokens, batch, support, lora,
+                                                    codes=quantized is not None)
             if path not in (*CODES_PATHS, "w8a16"):
                 continue
             # With a prefetch budget, the kernel with and without the prefetch (the model's
