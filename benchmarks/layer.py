@@ -312,16 +312,19 @@ def write_results(args, rows) -> None:
 
     sha = args.git_sha or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                          text=True).stdout.strip()
-    from epilora_kernels.launch import table_name
+    from epilora_kernels.arch import device_support
+    from epilora_kernels.launch import table_device, table_name
 
-    table = resources.files("epilora_kernels").joinpath("configs",
-                                                         table_name(torch.cuda.get_device_name()))
+    # the shipped table the launchers read: the device's own, else its architecture's
+    shipped = table_device(torch.cuda.get_device_name(), device_support().arch)
+    table = shipped and resources.files("epilora_kernels").joinpath("configs",
+                                                                    table_name(shipped))
     from epilora_kernels.tuner import cache_path
 
     cache = cache_path(torch.cuda.get_device_name())
     meta = {"git_sha": sha or "unknown",
             "launch_table": hashlib.sha256(table.read_bytes()).hexdigest()[:16]
-            if table.is_file() else None,
+            if table else None,
             "launch_cache": hashlib.sha256(cache.read_bytes()).hexdigest()[:16]
             if cache.is_file() else None,
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
