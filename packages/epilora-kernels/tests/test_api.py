@@ -40,7 +40,8 @@ def test_every_public_name_is_importable_and_listed():
 
 @pytest.mark.parametrize(("support", "tokens", "slots", "want"), [
     (SM90, 1, 1, "decode"), (SM90, 64, 1, "decode"), (SM90, 65, 1, "fused"),
-    (SM90, 8, 32, "decode"), (SM90, 16, 32, "fused"), (SM90, 512, 8, "fused"),
+    (SM90, 8, 32, "decode"), (SM90, 32, 32, "decode"), (SM90, 33, 32, "fused"),
+    (SM90, 512, 8, "fused"),
     (SM90, 513, 1, "fused"), (SM90, 4096, 32, "fused"), (SM89, 1, 1, "fused"),
     (INTERPRETER, 4, 2, "decode")])
 def test_choose_path(support, tokens, slots, want):

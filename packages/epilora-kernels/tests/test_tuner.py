@@ -491,11 +491,11 @@ def test_the_settings_identity_changes_with_what_decides_the_settings(cache, mon
 
 
 @pytest.mark.parametrize(("fused_us", "want"), [(80.0, "fused"), (120.0, "decode")])
-def test_where_the_rule_takes_the_fused_path_the_faster_path_is_cached_and_chosen(
-        cache, monkeypatch, fused_us, want):
-    # Several slots at 16 tokens: the rule gives the fused path; the tuner times it beside the
-    # tuned decode path and `choose_path` then takes the faster for this shape. At 8 tokens
-    # (the rule's decode path) and with one slot nothing is timed beyond the decode path.
+def test_where_the_paths_are_close_the_faster_is_cached_and_chosen(cache, monkeypatch,
+                                                                   fused_us, want):
+    # Several slots at 16 tokens (dispatch.timed_choice): the tuner times the fused path beside
+    # the tuned decode path and `choose_path` then takes the faster for this shape. At 8 tokens
+    # (the decode path's, clearly) nothing is timed beyond the decode path.
     def fake(path):
         def linear(*args, k1_config, k2_config, **kwargs):
             timed.append(path)
@@ -505,7 +505,6 @@ def test_where_the_rule_takes_the_fused_path_the_faster_path_is_cached_and_chose
     timed: list = []
     monkeypatch.setattr(fused, "decode_lora_fp8_linear", fake("decode"))
     monkeypatch.setattr(fused, "fused_lora_fp8_linear", fake("fused"))
-
     timings: list = []
 
     def time_us(fn):
@@ -525,21 +524,24 @@ def test_where_the_rule_takes_the_fused_path_the_faster_path_is_cached_and_chose
 
     gpu = arch.DeviceSupport("triton-interpreter", (9, 0), fp8_mma=True, pdl=True, tma=True,
                              interpreter=False)
-    _, _, _, lora, batch = tuner._problem(16, 4096, (64,), 16, 2, "cpu")
-    assert dispatch.rule_path(16, batch, gpu) == "fused"
+
+    def batch_of(tokens, slots=2):
+        return tuner._problem(tokens, 4096, (64,), 16, slots, "cpu")[3:]
+
+    lora, batch = batch_of(16)
+    assert dispatch.rule_path(16, batch, gpu) == "decode"
     assert dispatch.choose_path(16, batch, gpu, lora) == want
-    assert dispatch.choose_path(16, batch, gpu) == "fused"  # no projection given: the rule
-    assert dispatch.choose_path(16, batch, gpu, lora, codes=True) == "fused"  # timed on bf16 x
-    _, _, _, _, eight = tuner._problem(8, 4096, (64,), 16, 2, "cpu")
-    assert dispatch.choose_path(8, eight, gpu, lora) == "decode"  # the rule's decode path
-    # a 17-32-token batch is not covered by the 16-token bucket; without PDL a timed "decode"
-    # is no choice: the rule's fused path
-    _, _, _, _, twenty = tuner._problem(20, 4096, (64,), 16, 2, "cpu")
-    assert dispatch.choose_path(20, twenty, gpu, lora) == "fused"
+    assert dispatch.choose_path(16, batch, gpu) == "decode"  # no projection given: the rule
+    assert dispatch.choose_path(16, batch, gpu, lora, codes=True) == "decode"  # timed on x
+    # 8 tokens are not timed (the 16-token bucket would cover them), 20 not covered by it
+    assert dispatch.choose_path(8, batch_of(8)[1], gpu, lora) == "decode"
+    assert dispatch.choose_path(20, batch_of(20)[1], gpu, lora) == "decode"
+    one_slot = batch_of(16, slots=1)[1]  # one slot: not timed (other keys, too)
+    assert not dispatch.timed_choice(16, one_slot, gpu)
     sm89 = dataclasses.replace(gpu, capability=(8, 9), pdl=False, tma=False)
-    assert dispatch.choose_path(16, batch, sm89, lora) == "fused"
+    assert dispatch.choose_path(16, batch, sm89, lora) == "fused"  # no decode path there
     monkeypatch.setenv("EPILORA_LAUNCH_TABLES", "0")
-    assert dispatch.choose_path(16, batch, gpu, lora) == "fused"  # tables off: the rule
+    assert dispatch.choose_path(16, batch, gpu, lora) == "decode"  # tables off: the rule
 
 
 def test_path_entries_are_checked_like_launch_settings():

@@ -25,14 +25,20 @@ PATHS = ("decode", "fused", "hybrid", "w8a16")
 MAX_RANK = 128  # the largest rank tile K2's epilogue was compiled and tested with
 SLICE_ALIGN = 16  # output slices start on a multiple of the narrowest K2 tile
 
-# choose_path's thresholds, from the layer benchmark on Qwen3-8B's shapes only (benchmarks/
-# layer.py; layer.json of f715d55 up to 256 tokens): the decode path was the fastest at 1-64
-# tokens with one adapter slot and at 1-8 tokens with 32; the fused path beyond. At 512-4096
-# tokens, with K1 and K2 in their prefill tiles, the fused path beat the hybrid path (CUTLASS,
-# then our shrink and expand) in 35 of 36 cases on the three models' shapes and lost one by 2%
-# (layer runs at 5c4e33e; docs/kernels.md, "Prefill").
+# choose_path's thresholds. One adapter slot: the decode path was the fastest at 1-64 tokens
+# (the layer benchmark on Qwen3-8B's shapes, layer.json of f715d55). Several: the decode path up
+# to 32 tokens (was 8, read from 32 slots of rank 64 at f715d55): on an H100 at 103b6df, with
+# no table and no cache, it took 0.90-0.95x the fused path's layer time at 16 and 32 tokens
+# with 4 slots of rank 32, 0.92-0.97x with 32 of rank 64, and with 16 of rank 16 0.96x at 32
+# tokens but 1.02-1.03x at 16, on the three models' shapes (docs/kernels.md, Next steps 3).
+# Where the choice is that close (several slots, DECODE_TIMED_MIN_TOKENS up to
+# DECODE_MAX_TOKENS) the tuner times both paths and `choose_path` takes its choice. At
+# 512-4096 tokens, with K1 and K2 in their prefill tiles, the fused path beat the hybrid path
+# (CUTLASS, then our shrink and expand) in 35 of 36 cases on the three models' shapes and lost
+# one by 2% (layer runs at 5c4e33e; docs/kernels.md, "Prefill").
 DECODE_MAX_TOKENS_ONE_SLOT = 64
-DECODE_MAX_TOKENS = 8
+DECODE_MAX_TOKENS = 32
+DECODE_TIMED_MIN_TOKENS = 9
 
 
 @dataclass(frozen=True)
@@ -103,19 +109,29 @@ def _supports_on(support: DeviceSupport, path: str, in_features: int,
 
 def choose_path(tokens: int, batch: AdapterBatch, support: DeviceSupport,
                 lora: LoraWeights | None = None, codes: bool = False) -> str:
-    """The path `lora_linear` takes without one given: the rule's (`rule_path`: the decode
-    path for small batches where PDL exists, more tokens with one adapter slot, whose K2
-    epilogue is cheapest; the fused path beyond), except where the rule gives the fused path
-    at a decode bucket of a projection the tuner ran on (`lora` gives its shape and rank;
-    `codes`: called with the codes given) and the tuner timed its decode path faster there
-    (`launch.tuned_path`). The hybrid path is for callers that choose it (an engine timing its
-    own GEMM against ours)."""
-    rule = rule_path(tokens, batch, support)
-    if (rule == "fused" and support.pdl and lora is not None
+    """The path `lora_linear` takes without one given: where the tuner timed the decode and
+    fused paths for the projection (`lora` gives its shape and rank; `codes`: called with the
+    codes given) at a bucket covering the batch (`timed_choice`: several slots at 9-32 tokens),
+    the faster (`launch.tuned_path`); else the rule's (`rule_path`: the decode path for small
+    batches where PDL exists, more tokens with one adapter slot, whose K2 epilogue is
+    cheapest; the fused path beyond). The hybrid path is for callers that choose it (an engine
+    timing its own GEMM against ours)."""
+    if (lora is not None and support.pdl and timed_choice(tokens, batch, support)
             and (table := _tiling.table_of(support)) is not None):
-        return tuned_path(table, tokens, lora.out_features, lora.in_features, lora.max_rank,
-                          _tiling.one_slot(batch), codes, cache_device=support.name) or rule
-    return rule
+        timed = tuned_path(table, tokens, lora.out_features, lora.in_features, lora.max_rank,
+                           _tiling.one_slot(batch), codes, cache_device=support.name)
+        if timed is not None:
+            return timed
+    return rule_path(tokens, batch, support)
+
+
+def timed_choice(tokens: int, batch: AdapterBatch, support: DeviceSupport) -> bool:
+    """Whether the tuner times the fused path beside the decode path for a batch, and
+    `choose_path` takes its choice: several adapter slots at DECODE_TIMED_MIN_TOKENS to
+    DECODE_MAX_TOKENS tokens, where the decode path runs (PDL, or the interpreter) and the
+    faster of the two depends on the shapes and slots (see DECODE_MAX_TOKENS)."""
+    return ((support.pdl or support.interpreter) and not _tiling.one_slot(batch)
+            and DECODE_TIMED_MIN_TOKENS <= tokens <= DECODE_MAX_TOKENS)
 
 
 def rule_path(tokens: int, batch: AdapterBatch, support: DeviceSupport) -> str:

@@ -13,10 +13,10 @@ shape, or the heuristic), then K2 candidates around them with that K1, then K1 c
 the best K2. A candidate replaces the settings in use only if it is faster by more than
 `MARGIN`: noise does not churn the cache. When the budget runs out the remaining cells keep the
 settings they had. With `codes` it tunes the path as an engine that quantizes x itself calls it
-(the codes given, K2 streaming from its start), whose K1 is cached apart. Where `choose_path`'s
-rule would take the fused path at a decode bucket (several slots beyond DECODE_MAX_TOKENS), it
-also times the fused path with the chosen GEMM settings and caches the faster path (`path` or
-`path_codes` entries), which `choose_path` then takes for that shape. The cache is a launch
+(the codes given, K2 streaming from its start), whose K1 is cached apart. Where the decode and
+fused paths are close (`dispatch.timed_choice`: several slots at 9-32 tokens), it also times the
+fused path with the chosen GEMM settings and caches the faster path (`path` or `path_codes`
+entries), which `choose_path` then takes for that shape. The cache is a launch
 table (`launch.validate_table`'s schema) under
 `one_slot` keys for batches of one adapter slot, plain rank keys otherwise; the launchers
 overlay it on the shipped table, shape by shape.
@@ -289,16 +289,6 @@ def _decode(x, weight, scale, lora, batch, k1, k2, quantized, workspace=None, pa
                   k2_config=k2, workspace=workspace, x_quantized=quantized or None)
 
 
-def _contested(t: int, batch, support) -> bool:
-    """Whether the tuner times the fused path beside the tuned decode path for a cell: where
-    `choose_path`'s rule gives the fused path at a decode bucket (several slots beyond
-    DECODE_MAX_TOKENS), the tuned decode path may be the faster (docs/kernels.md, Next steps 3).
-    Where the rule gives the decode path (one slot, or few tokens) it is what the tuner tuned."""
-    from epilora_kernels.dispatch import rule_path
-
-    return (support.pdl or support.interpreter) and rule_path(t, batch, support) == "fused"
-
-
 def _compile(launches: list, rank: int, slots: int, codes: bool,
              device: torch.device | None = None, started=None) -> list[str]:
     """Run each launch once on `device` (default: the current CUDA device), so that Triton
@@ -425,6 +415,7 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
     and their times, and the seconds each projection took."""
     from epilora_kernels import fused
     from epilora_kernels.arch import device_support
+    from epilora_kernels.dispatch import timed_choice
     from epilora_kernels.workspace import Workspace
 
     support = device_support()
@@ -541,11 +532,11 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
             if best == float("inf"):  # nothing ran: leave the cell to the settings in use
                 report.setdefault("untuned", []).append({"projection": name, "tokens": t})
                 continue
-            # Where the rule gives the fused path, the fused path with the chosen GEMM settings
-            # (its K1 the launchers'; compiled here, not by the workers: one kernel a cell)
-            # against the tuned decode path: `choose_path` takes the faster (`tuned_path`).
+            # Where the two paths are close (`dispatch.timed_choice`), the fused path with the
+            # chosen GEMM settings (its K1 the launchers'; compiled here, not by the workers:
+            # one kernel a cell) against the tuned decode path: `choose_path` takes the faster.
             path, fused_us = None, None
-            if _contested(t, batch, support):
+            if timed_choice(t, batch, support):
                 if time.monotonic() - start > budget_s:
                     report["complete"] = False
                 else:

@@ -20,3 +20,34 @@ def test_the_tuner_compiles_in_worker_processes_then_times_every_bucket(tmp_path
     assert report["complete"] and len(report["cells"]) == 2
     assert not report.get("failed"), report.get("failed")
     assert list(cache.rglob("*.cubin")), f"the workers compiled nothing into {cache}"
+
+
+def test_where_the_paths_are_close_the_tuner_times_both_and_the_dispatcher_takes_its_choice(
+        tmp_path, monkeypatch):
+    # Several slots at 16 tokens (`dispatch.timed_choice`): the fused path, compiled inside the
+    # search, is timed beside the tuned decode path and held to the same answer; the faster is
+    # cached, and lora_linear without a path takes it, with the reference's answer.
+    import torch
+
+    import epilora_kernels as ek
+    from epilora_kernels import launch, reference
+
+    monkeypatch.setenv("EPILORA_CACHE_DIR", str(tmp_path))
+    launch.clear_table_cache()
+    try:
+        projections = {"qkv": (1024, (512, 256, 256))}
+        report = tuner.tune_decode(projections, rank=16, slots=4, tokens=(16,), budget_s=240,
+                                   reps=3, progress=lambda line: None)
+        assert report["complete"] and not report.get("failed"), report.get("failed")
+        (cell,) = report["cells"]
+        assert cell["path"] in ("decode", "fused") and cell["fused_us"] > 0, cell
+        x, weight, scale, lora, batch = tuner._problem(16, 1024, (512, 256, 256), 16, 4,
+                                                       torch.device("cuda"))
+        support = ek.device_support("cuda")
+        assert ek.choose_path(16, batch, support, lora) == cell["path"]
+        got = ek.lora_linear(x, weight, scale, lora, batch)
+        want = reference.fused_lora_fp8_linear(x, weight, scale, lora, batch)
+        err = float((got.float() - want.float()).norm() / want.float().norm())
+        assert err < 1e-2, err
+    finally:
+        launch.clear_table_cache()
