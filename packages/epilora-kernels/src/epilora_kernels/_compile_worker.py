@@ -21,7 +21,9 @@ def write_progress(path: Path, index: int, total: int, launch: tuple | None) -> 
     """PROGRESS.json: launch `index` of `total` begins now (None: all have). Written whole,
     then renamed, so that the tuner never reads half a file; a failed write loses the
     progress, not the compile."""
-    said = "" if launch is None else "{} {} {} {} {}".format(*launch)
+    from epilora_kernels.tuner import launch_text
+
+    said = "" if launch is None else launch_text(launch)
     part = path.with_suffix(".part")
     try:
         part.write_text(json.dumps({"index": index, "of": total, "time": time.time(),

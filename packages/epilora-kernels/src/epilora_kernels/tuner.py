@@ -289,6 +289,12 @@ def _decode(x, weight, scale, lora, batch, k1, k2, quantized, workspace=None, pa
                   k2_config=k2, workspace=workspace, x_quantized=quantized or None)
 
 
+def launch_text(launch: tuple) -> str:
+    """One of the tuner's launches, (K, slices, tokens, K1's settings, K2's), as its reports
+    name it (a compile's error, a stopped worker's progress)."""
+    return "{} {} {} {} {}".format(*launch)
+
+
 def _compile(launches: list, rank: int, slots: int, codes: bool,
              device: torch.device | None = None, started=None) -> list[str]:
     """Run each launch once on `device` (default: the current CUDA device), so that Triton
@@ -312,7 +318,7 @@ def _compile(launches: list, rank: int, slots: int, codes: bool,
             if device.type == "cuda":
                 torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 (reported; the timed search skips it)
-            errors.append(f"{k} {slices} {t} {k1} {k2}: {e!r}"[:800])
+            errors.append(f"{launch_text((k, slices, t, k1, k2))}: {e!r}"[:800])
     return errors
 
 
