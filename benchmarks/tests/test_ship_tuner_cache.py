@@ -46,6 +46,21 @@ def test_the_caches_shapes_replace_the_tables_whole_and_the_rest_stays():
     assert SHIP["ship"](_cache(), merged, "f00d")[1] == []  # shipped twice: nothing changes
 
 
+def test_a_path_choice_goes_with_the_gemm_settings_it_was_timed_with():
+    # The table's choice between the decode and fused paths for 8 slots was timed beside its
+    # GEMM settings; a cache that replaces those settings without timing a choice drops it,
+    # and one that brings its own choice replaces it.
+    choice = {"16": {"path": "fused", "slots": 8}}
+    table = {**_table(), "path": {"6144x4096@r64": choice, "4096x4096@r64": choice}}
+    cache = {**_cache(), "lora_gemm": {"6144x4096@r64": {"16": PLAIN}}}
+    merged, changes = SHIP["ship"](cache, table, "f00d")
+    assert merged["path"] == {"4096x4096@r64": choice}
+    assert "path 6144x4096@r64 16: {'path': 'fused', 'slots': 8} -> None" in changes
+    own = {"16": {"path": "decode", "slots": 8}}
+    merged, _ = SHIP["ship"]({**cache, "path": {"6144x4096@r64": own}}, table, "f00d")
+    assert merged["path"] == {"6144x4096@r64": own, "4096x4096@r64": choice}
+
+
 def test_a_cache_with_a_bad_entry_is_refused():
     cache = _cache()
     cache["lora_gemm"]["4096x4096@r64/one-slot"]["1"] = {**PLAIN, "block_q": 3}

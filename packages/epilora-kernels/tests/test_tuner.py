@@ -519,7 +519,8 @@ def test_where_the_paths_are_close_the_faster_is_cached_and_chosen(cache, monkey
     assert (cells[8]["path"], cells[16]["path"], cells[16]["fused_us"]) == (None, want, fused_us)
     assert timings.count("fused") == 1
     cached = tuner.read_cache("triton-interpreter")
-    assert cached["path"] == {launch.shape_key(64, 4096, 16): {"16": {"path": want}}}
+    assert cached["path"] == {launch.shape_key(64, 4096, 16): {"16": {"path": want,
+                                                                       "slots": 2}}}
     from epilora_kernels import arch, dispatch
 
     gpu = arch.DeviceSupport("triton-interpreter", (9, 0), fp8_mma=True, pdl=True, tma=True,
@@ -538,6 +539,15 @@ def test_where_the_paths_are_close_the_faster_is_cached_and_chosen(cache, monkey
     assert dispatch.choose_path(20, batch_of(20)[1], gpu, lora) == "decode"
     one_slot = batch_of(16, slots=1)[1]  # one slot: not timed (other keys, too)
     assert not dispatch.timed_choice(16, one_slot, gpu)
+    four, four_batch = batch_of(16, slots=4)  # a choice timed with 2 slots is not 4 slots'
+    assert dispatch.choose_path(16, four_batch, gpu, four) == "decode"
+    assert launch.tuned_path("NVIDIA H200", 16, 64, 4096, 16, 2,
+                             cache_device="triton-interpreter") == want
+    # an engine asks before tuning: with 2 slots this shape's choice exists, with 4 not
+    monkeypatch.setattr(arch, "device_support", lambda device=None: gpu)
+    assert not tuner.needs_tuning(64, 4096, 16, slots=2)
+    assert tuner.needs_tuning(64, 4096, 16, slots=4)
+    assert tuner.needs_tuning(64, 4096, 16, slots=2, codes=True)
     sm89 = dataclasses.replace(gpu, capability=(8, 9), pdl=False, tma=False)
     assert dispatch.choose_path(16, batch, sm89, lora) == "fused"  # no decode path there
     monkeypatch.setenv("EPILORA_LAUNCH_TABLES", "0")
@@ -545,8 +555,26 @@ def test_where_the_paths_are_close_the_faster_is_cached_and_chosen(cache, monkey
 
 
 def test_path_entries_are_checked_like_launch_settings():
-    launch.validate_table({"path": {"64x4096@r16": {"16": {"path": "fused"}}},
-                           "path_codes": {"64x4096@r16": {"32": {"path": "decode"}}}})
-    for bad in ({"path": "hybrid"}, {"path": "fused", "block_m": 16}, {"block_m": 16}):
+    launch.validate_table({"path": {"64x4096@r16": {"16": {"path": "fused", "slots": 8}}},
+                           "path_codes": {"64x4096@r16": {"32": {"path": "decode",
+                                                                 "slots": 2}}}})
+    for bad in ({"path": "hybrid", "slots": 8}, {"path": "fused"}, {"path": "fused", "slots": 1},
+                {"path": "fused", "slots": 8, "block_m": 16}, {"block_m": 16}, "fused"):
         with pytest.raises(ValueError, match="must be"):
             launch.validate_table({"path": {"64x4096@r16": {"16": bad}}})
+
+
+def test_a_cell_whose_paths_were_not_timed_again_drops_the_earlier_choice(cache, monkeypatch):
+    # An earlier run's choice was timed with that run's GEMM settings: a later run that tunes
+    # the cell but reaches its budget before timing the fused path leaves no choice there.
+    key = launch.shape_key(64, 4096, 16)
+    tuner._write("triton-interpreter", {"path": {key: {"16": {"path": "fused", "slots": 2},
+                                                       "32": {"path": "fused", "slots": 2}}}})
+    _, time_us = _fake_gpu(monkeypatch, lambda k1, k2: 100.0)
+    clock = iter(range(0, 10**6, 1))  # one second a reading: the budget ends mid-cell
+    monkeypatch.setattr(tuner.time, "monotonic", lambda: float(next(clock)))
+    report = tuner.tune_decode({"down": (4096, (64,))}, rank=16, slots=2, tokens=(16,),
+                               budget_s=3, time_us=time_us, progress=lambda line: None)
+    assert not report["complete"] and report["cells"][0]["path"] is None
+    assert tuner.read_cache("triton-interpreter")["path"] == {key: {"32": {"path": "fused",
+                                                                            "slots": 2}}}

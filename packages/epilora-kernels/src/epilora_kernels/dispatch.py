@@ -3,9 +3,11 @@
 Paths (`PATHS`): `decode` (K1, then K2 as its PDL dependent; sm_90), `fused` (K1 then K2),
 `hybrid` (a vendor FP8 GEMM, then our shrink and expand), `w8a16` (the matched engine's
 arithmetic: bf16 activations, FP8 weights widened in registers). `supports` says whether a
-path can serve a case, and why not; `choose_path` is the rule `lora_linear` follows when it is
-given no path (timed dispatch, which measures the candidates on the caller's shapes, belongs to
-the engine integration and replaces it there).
+path can serve a case, and why not; `choose_path` is what `lora_linear` follows when it is
+given no path: a rule by the batch's size and slots, and where the decode and fused paths are
+close, the tuner's timed choice between them for the shape (an engine's timed dispatch, which
+measures every candidate on the caller's shapes, belongs to the engine integration and
+replaces it there).
 """
 
 import functools
@@ -110,16 +112,16 @@ def _supports_on(support: DeviceSupport, path: str, in_features: int,
 def choose_path(tokens: int, batch: AdapterBatch, support: DeviceSupport,
                 lora: LoraWeights | None = None, codes: bool = False) -> str:
     """The path `lora_linear` takes without one given: where the tuner timed the decode and
-    fused paths for the projection (`lora` gives its shape and rank; `codes`: called with the
-    codes given) at a bucket covering the batch (`timed_choice`: several slots at 9-32 tokens),
-    the faster (`launch.tuned_path`); else the rule's (`rule_path`: the decode path for small
-    batches where PDL exists, more tokens with one adapter slot, whose K2 epilogue is
-    cheapest; the fused path beyond). The hybrid path is for callers that choose it (an engine
-    timing its own GEMM against ours)."""
+    fused paths for the projection (`lora` gives its shape, rank and slots; `codes`: called
+    with the codes given) at a bucket covering the batch (`timed_choice`: several slots at
+    9-32 tokens), the faster (`launch.tuned_path`); else the rule's (`rule_path`: the decode
+    path for small batches where PDL exists, more tokens with one adapter slot, whose K2
+    epilogue is cheapest; the fused path beyond). The hybrid path is for callers that choose
+    it (an engine timing its own GEMM against ours)."""
     if (lora is not None and support.pdl and timed_choice(tokens, batch, support)
             and (table := _tiling.table_of(support)) is not None):
         timed = tuned_path(table, tokens, lora.out_features, lora.in_features, lora.max_rank,
-                           _tiling.one_slot(batch), codes, cache_device=support.name)
+                           lora.max_loras, codes, cache_device=support.name)
         if timed is not None:
             return timed
     return rule_path(tokens, batch, support)

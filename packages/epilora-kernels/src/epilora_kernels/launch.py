@@ -31,7 +31,8 @@ from importlib import resources
 OPS = ("quantize_shrink", "shrink", "decode_shrink", "decode_shrink_codes", "decode_lead_shrink",
        "lora_gemm")
 # The tuner's timed choice between the decode and fused paths at a decode bucket, per shape (on
-# bf16 x, or on the codes given): entries {"path": "decode" | "fused"}, not launch settings.
+# bf16 x, or on the codes given) and number of adapter slots: entries {"path": "decode" |
+# "fused", "slots": N}, not launch settings.
 PATH_OPS = ("path", "path_codes")
 TIMED_PATHS = ("decode", "fused")
 # The one-launch shrink's programs at most (the heuristic's): the decode GEMM's swapped tiles
@@ -412,10 +413,13 @@ def validate_table(table: dict) -> None:
             for bucket, fields in entries.items():
                 if not bucket.isdigit():
                     raise ValueError(f"{op} {shape}: bucket {bucket!r} must be a token count")
+                if not isinstance(fields, dict):
+                    raise ValueError(f"{op} {shape} {bucket}: {fields!r} must be an object")
                 if op in PATH_OPS:
-                    if fields != {"path": fields.get("path")} or fields["path"] not in TIMED_PATHS:
+                    if (set(fields) != {"path", "slots"} or fields["path"] not in TIMED_PATHS
+                            or not isinstance(fields["slots"], int) or fields["slots"] < 2):
                         raise ValueError(f"{op} {shape} {bucket}: {fields!r} must be "
-                                         f"{{'path': one of {TIMED_PATHS}}}")
+                                         f"{{'path': one of {TIMED_PATHS}, 'slots': 2 or more}}")
                     continue
                 LaunchConfig(**fields)  # raises on unknown or bad fields
 
@@ -538,23 +542,34 @@ def tuned_exactly(device_name: str, op: str, n: int, k: int, rank: int | None = 
 
 
 @functools.lru_cache(maxsize=4096)  # asked on every dispatched call, by value
-def tuned_path(device_name: str, tokens: int, n: int, k: int, rank: int, one_slot: bool,
+def tuned_path(device_name: str, tokens: int, n: int, k: int, rank: int, slots: int,
                codes: bool = False, cache_device: str | None = None) -> str | None:
     """The path the tuner timed fastest for N x K itself (no nearer shape's: a choice between
-    paths is the shape's own measurement) at the smallest of its decode buckets covering
-    `tokens` (up to DECODE_SHRINK_MAX_TOKENS), at the rank's keys (one slot's first with
-    `one_slot`); `codes`: the choice timed on the codes given. None where it timed none."""
+    paths is the shape's own measurement) with adapters of `rank` over `slots` slots (a
+    choice timed with other slots does not count), at the smallest of its decode buckets
+    covering `tokens` (up to DECODE_SHRINK_MAX_TOKENS); `codes`: the choice timed on the
+    codes given. None where it timed none."""
     table = _load_table(device_name, cache_device)
-    shapes = (table or {}).get("path_codes" if codes else "path", {})
-    if tokens > DECODE_SHRINK_MAX_TOKENS:
+    entries = (table or {}).get(path_op(codes), {}).get(shape_key(n, k, rank), {})
+    bucket = min((int(b) for b in entries if tokens <= int(b) <= DECODE_SHRINK_MAX_TOKENS),
+                 default=None)
+    if bucket is None or entries[str(bucket)]["slots"] != slots:
         return None
-    for suffix in reversed(_key_suffixes(rank, one_slot)):  # the most specific first
-        entries = shapes.get(f"{n}x{k}{suffix}", {})
-        bucket = min((int(b) for b in entries if tokens <= int(b) <= DECODE_SHRINK_MAX_TOKENS),
-                     default=None)
-        if bucket is not None:
-            return entries[str(bucket)]["path"]
-    return None
+    return entries[str(bucket)]["path"]
+
+
+def has_path_choice(device_name: str, n: int, k: int, rank: int, slots: int,
+                    codes: bool = False, cache_device: str | None = None) -> bool:
+    """Whether the tuner timed the decode and fused paths for N x K with adapters of `rank`
+    over `slots` slots (`codes`: on the codes given) at any bucket."""
+    table = _load_table(device_name, cache_device)
+    entries = (table or {}).get(path_op(codes), {}).get(shape_key(n, k, rank), {})
+    return any(entry["slots"] == slots for entry in entries.values())
+
+
+def path_op(codes: bool) -> str:
+    """The launch-table op of the tuner's path choices, on bf16 x or on the codes given."""
+    return "path_codes" if codes else "path"
 
 
 def _lookup_limits(op: str, tokens: int) -> tuple[bool, int | None]:

@@ -37,6 +37,7 @@ from epilora_kernels.launch import (
     SHARED_BYTES,
     LaunchConfig,
     fit_slices,
+    path_op,
     rank_block,
     shape_key,
     swap_candidates,
@@ -91,17 +92,24 @@ def needs_tuning(n: int, k: int, rank: int, *, slots: int = 1, codes: bool = Fal
     """Whether `tune_decode` would give the launchers decode settings they lack for an N x K
     projection with adapters of `rank` over `slots` slots (`codes`: called with the codes
     given): no K1 entry tuned on this very shape in the shipped table or the cache (one tuned
-    bucket counts), and the launchers read tables at all (not under EPILORA_LAUNCH_TABLES=0
-    or the interpreter). K2's entries are one per shape for both modes: tuning one mode
-    replaces the other's."""
+    bucket counts), or with several slots (where PDL runs) no timed choice between the decode
+    and fused paths for these slots; and the launchers read tables at all (not under
+    EPILORA_LAUNCH_TABLES=0 or the interpreter). K2's entries are one per shape for both
+    modes: tuning one mode replaces the other's."""
     from epilora_kernels._tiling import table_of
     from epilora_kernels.arch import device_support
-    from epilora_kernels.launch import tuned_exactly
+    from epilora_kernels.launch import has_path_choice, tuned_exactly
 
     support = device_support(device)
     name = table_of(support)
-    return name is not None and not tuned_exactly(name, _k1_op(codes, slots, 1), n, k, rank,
-                                                  slots == 1, cache_device=support.name)
+    if name is None:
+        return False
+    if not tuned_exactly(name, _k1_op(codes, slots, 1), n, k, rank, slots == 1,
+                         cache_device=support.name):
+        return True
+    # several slots: also the timed choice between the decode and fused paths, for these slots
+    return slots > 1 and support.pdl and not has_path_choice(name, n, k, rank, slots, codes,
+                                                             cache_device=support.name)
 
 
 def k2_candidates(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...],
@@ -452,6 +460,7 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
                  f"{len(compile_errors)} failed")
     table: dict = {"_meta": {"device": support.name, "tool": "epilora_kernels.tuner",
                              "rank": rank, "slots": slots, "codes": codes}}
+    stale: list = []  # (op, shape key, bucket) of path choices this run's settings void
     report = {"device": support.name, "rank": rank, "slots": slots, "codes": codes, "cells": [],
               "seconds": {}, "budget_s": budget_s, "complete": True, "compile_s": compile_s,
               "compile_errors": compile_errors}
@@ -552,8 +561,10 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
             for op, cfg in ((_k1_op(codes, slots, t), chosen[0]), ("lora_gemm", chosen[1])):
                 table.setdefault(op, {}).setdefault(key, {})[str(t)] = dataclasses.asdict(cfg)
             if path is not None:
-                table.setdefault("path_codes" if codes else "path", {}).setdefault(
-                    key, {})[str(t)] = {"path": path}
+                table.setdefault(path_op(codes), {}).setdefault(key, {})[str(t)] = {
+                    "path": path, "slots": slots}
+            elif timed_choice(t, batch, support):  # not timed with these settings: an earlier
+                stale.append((path_op(codes), key, str(t)))  # run's choice goes with them
             report["cells"].append({"projection": name, "tokens": t,
                                     "before_us": None if before == float("inf") else before,
                                     "after_us": best, "k1": dataclasses.asdict(chosen[0]),
@@ -569,12 +580,13 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
                      f"{fused_said})")
         report["seconds"][name] = round(time.monotonic() - began, 1)
     if write:
-        _write(support.name, table)
+        _write(support.name, table, stale)
     return report
 
 
-def _write(device_name: str, table: dict) -> None:
-    """Merge `table` into the device's cache file (shape keys replaced), atomically."""
+def _write(device_name: str, table: dict, stale: list = ()) -> None:
+    """Merge `table` into the device's cache file (shape keys replaced), atomically, less the
+    `stale` (op, shape key, bucket) entries."""
     from epilora_kernels.launch import clear_table_cache
 
     validate_table(table)
@@ -587,6 +599,8 @@ def _write(device_name: str, table: dict) -> None:
             continue
         for key, buckets in shapes.items():  # bucket by bucket: an earlier run's others stay
             merged.setdefault(op, {})[key] = {**merged.get(op, {}).get(key, {}), **buckets}
+    for op, key, bucket in stale:
+        merged.get(op, {}).get(key, {}).pop(bucket, None)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(merged, indent=1))
     tmp.replace(path)

@@ -44,6 +44,10 @@ def test_where_the_paths_are_close_the_tuner_times_both_and_the_dispatcher_takes
         x, weight, scale, lora, batch = tuner._problem(16, 1024, (512, 256, 256), 16, 4,
                                                        torch.device("cuda"))
         support = ek.device_support("cuda")
+        # the cached choice itself (the rule alone would give the decode path too)
+        table = launch.table_device(support.name, support.arch) or support.name
+        assert launch.tuned_path(table, 16, 1024, 1024, 16, 4,
+                                 cache_device=support.name) == cell["path"]
         assert ek.choose_path(16, batch, support, lora) == cell["path"]
         got = ek.lora_linear(x, weight, scale, lora, batch)
         want = reference.fused_lora_fp8_linear(x, weight, scale, lora, batch)

@@ -52,7 +52,8 @@ def quantize() -> str:
 
 def dispatch() -> str:
     """EPILORA_VLLM_DISPATCH=rule|timed: how a batch's path is chosen where EPILORA_VLLM_PATH
-    names none. `rule` (default): the kernels' `choose_path` (thresholds on the batch's size).
+    names none. `rule` (default): the kernels' `choose_path` (thresholds on the batch's size and
+    slots, and with several slots at 9-32 tokens the start's tuner's timed choice).
     `timed`: the fastest of the kernels' paths and vLLM's own LoRA kernels, timed per projection
     shape and token bucket on the layer's own weights and batch while the engine starts (vLLM's
     profiling run and its warm-up runs before capturing), and kept on disk
