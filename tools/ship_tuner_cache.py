@@ -19,7 +19,7 @@ import argparse
 import json
 from pathlib import Path
 
-from epilora_kernels.launch import PATH_OPS, table_name, validate_table, write_table
+from epilora_kernels.launch import stale_path_choices, table_name, validate_table, write_table
 
 CONFIGS = Path(__file__).parents[1] / "packages/epilora-kernels/src/epilora_kernels/configs"
 
@@ -41,11 +41,9 @@ def ship(cache: dict, table: dict, git_sha: str) -> tuple[dict, list[str]]:
             merged[op][shape] = dict(buckets)
     # A path choice was timed with the GEMM settings of its run: where the cache brings a
     # shape's GEMM settings but no choice for it, the table's choice goes with its settings.
-    for shape in cache.get("lora_gemm", {}):
-        for op in PATH_OPS:
-            if shape not in cache.get(op, {}) and shape in merged.get(op, {}):
-                changes += [f"{op} {shape} {bucket}: {entry} -> None"
-                            for bucket, entry in merged[op].pop(shape).items()]
+    for op, shape in stale_path_choices(table, cache):
+        changes += [f"{op} {shape} {bucket}: {entry} -> None"
+                    for bucket, entry in merged[op].pop(shape).items()]
     runs = merged.setdefault("_meta", {}).setdefault("runs", [])
     for run in cache.get("_meta", {}).get("runs", []):
         runs.append({**run, "git_sha": git_sha, "shipped_by": "tools/ship_tuner_cache.py"})

@@ -543,11 +543,10 @@ def test_where_the_paths_are_close_the_faster_is_cached_and_chosen(cache, monkey
     assert dispatch.choose_path(16, four_batch, gpu, four) == "decode"
     assert launch.tuned_path("NVIDIA H200", 16, 64, 4096, 16, 2,
                              cache_device="triton-interpreter") == want
-    # an engine asks before tuning: with 2 slots this shape's choice exists, with 4 not
+    # an engine with 4 slots finds this shape tuned (its K1 entries) and does not tune it
+    # again for a choice of its own: the rule serves it (a search every start otherwise)
     monkeypatch.setattr(arch, "device_support", lambda device=None: gpu)
-    assert not tuner.needs_tuning(64, 4096, 16, slots=2)
-    assert tuner.needs_tuning(64, 4096, 16, slots=4)
-    assert tuner.needs_tuning(64, 4096, 16, slots=2, codes=True)
+    assert not tuner.needs_tuning(64, 4096, 16, slots=4)
     sm89 = dataclasses.replace(gpu, capability=(8, 9), pdl=False, tma=False)
     assert dispatch.choose_path(16, batch, sm89, lora) == "fused"  # no decode path there
     monkeypatch.setenv("EPILORA_LAUNCH_TABLES", "0")
@@ -564,17 +563,43 @@ def test_path_entries_are_checked_like_launch_settings():
             launch.validate_table({"path": {"64x4096@r16": {"16": bad}}})
 
 
-def test_a_cell_whose_paths_were_not_timed_again_drops_the_earlier_choice(cache, monkeypatch):
-    # An earlier run's choice was timed with that run's GEMM settings: a later run that tunes
-    # the cell but reaches its budget before timing the fused path leaves no choice there.
+def test_a_cell_whose_paths_were_not_timed_again_drops_the_earlier_choices(cache,
+                                                                          monkeypatch):
+    # An earlier run's choices were timed with that run's GEMM settings, which K2's entries
+    # share between the modes: a later run that tunes the cell but reaches its budget before
+    # timing the fused path leaves no choice there, in either mode; other buckets keep theirs.
     key = launch.shape_key(64, 4096, 16)
-    tuner._write("triton-interpreter", {"path": {key: {"16": {"path": "fused", "slots": 2},
-                                                       "32": {"path": "fused", "slots": 2}}}})
+    fused_choice = {"path": "fused", "slots": 2}
+    earlier = {"16": fused_choice, "32": fused_choice}
+    tuner._write("triton-interpreter", {"path": {key: dict(earlier)},
+                                        "path_codes": {key: dict(earlier)}})
     _, time_us = _fake_gpu(monkeypatch, lambda k1, k2: 100.0)
     clock = iter(range(0, 10**6, 1))  # one second a reading: the budget ends mid-cell
     monkeypatch.setattr(tuner.time, "monotonic", lambda: float(next(clock)))
     report = tuner.tune_decode({"down": (4096, (64,))}, rank=16, slots=2, tokens=(16,),
                                budget_s=3, time_us=time_us, progress=lambda line: None)
     assert not report["complete"] and report["cells"][0]["path"] is None
-    assert tuner.read_cache("triton-interpreter")["path"] == {key: {"32": {"path": "fused",
-                                                                            "slots": 2}}}
+    cached = tuner.read_cache("triton-interpreter")
+    assert cached["path"] == cached["path_codes"] == {key: {"32": fused_choice}}
+
+
+def test_a_choice_timed_in_one_mode_drops_the_others_at_that_bucket(cache, monkeypatch):
+    # K2's settings are both modes': the codes run's new settings void the bf16 x choice.
+    key = launch.shape_key(64, 4096, 16)
+    tuner._write("triton-interpreter", {"path": {key: {"16": {"path": "fused", "slots": 2}}}})
+    monkeypatch.setattr(fused, "decode_lora_fp8_linear", lambda *a, **k: ANSWER)
+    monkeypatch.setattr(fused, "fused_lora_fp8_linear", lambda *a, **k: ANSWER)
+    tuner.tune_decode({"down": (4096, (64,))}, rank=16, slots=2, tokens=(16,), codes=True,
+                      time_us=lambda fn: fn() is None or 100.0, progress=lambda line: None)
+    cached = tuner.read_cache("triton-interpreter")
+    assert cached["path"] == {key: {}}
+    assert cached["path_codes"] == {key: {"16": {"path": "decode", "slots": 2}}}
+
+
+def test_a_cache_that_retunes_a_shape_voids_the_shipped_tables_choice_for_it():
+    key = launch.shape_key(64, 4096, 16)
+    choice = {"16": {"path": "fused", "slots": 8}}
+    table = {"path": {key: choice, "8x8@r16": choice}, "lora_gemm": {key: {"16": {}}}}
+    cache = {"lora_gemm": {key: {"16": {}}}}
+    assert launch.stale_path_choices(table, cache) == [("path", key)]
+    assert launch.stale_path_choices(table, {**cache, "path": {key: choice}}) == []

@@ -467,10 +467,20 @@ def _load_table(device_name: str, cache_device: str | None = None) -> dict | Non
     if cached is None:
         return table
     merged = {op: dict(shapes) for op, shapes in (table or {}).items() if op != "_meta"}
+    for op, shape in stale_path_choices(merged, cached):
+        del merged[op][shape]
     for op, shapes in cached.items():
         if op != "_meta":
             merged.setdefault(op, {}).update(shapes)
     return merged
+
+
+def stale_path_choices(table: dict, cache: dict) -> list[tuple[str, str]]:
+    """(op, shape key) of `table`'s path choices that `cache` voids when laid over it: a choice
+    was timed beside its table's GEMM settings, and the cache brings the shape's own GEMM
+    settings without a choice of that op."""
+    return [(op, shape) for shape in cache.get("lora_gemm", {}) for op in PATH_OPS
+            if shape in table.get(op, {}) and shape not in cache.get(op, {})]
 
 
 def settings_identity(device_name: str) -> str:
@@ -556,15 +566,6 @@ def tuned_path(device_name: str, tokens: int, n: int, k: int, rank: int, slots: 
     if bucket is None or entries[str(bucket)]["slots"] != slots:
         return None
     return entries[str(bucket)]["path"]
-
-
-def has_path_choice(device_name: str, n: int, k: int, rank: int, slots: int,
-                    codes: bool = False, cache_device: str | None = None) -> bool:
-    """Whether the tuner timed the decode and fused paths for N x K with adapters of `rank`
-    over `slots` slots (`codes`: on the codes given) at any bucket."""
-    table = _load_table(device_name, cache_device)
-    entries = (table or {}).get(path_op(codes), {}).get(shape_key(n, k, rank), {})
-    return any(entry["slots"] == slots for entry in entries.values())
 
 
 def path_op(codes: bool) -> str:

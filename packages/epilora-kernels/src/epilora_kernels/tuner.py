@@ -34,6 +34,7 @@ import torch
 
 from epilora_kernels import _env, reference
 from epilora_kernels.launch import (
+    PATH_OPS,
     SHARED_BYTES,
     LaunchConfig,
     fit_slices,
@@ -92,24 +93,20 @@ def needs_tuning(n: int, k: int, rank: int, *, slots: int = 1, codes: bool = Fal
     """Whether `tune_decode` would give the launchers decode settings they lack for an N x K
     projection with adapters of `rank` over `slots` slots (`codes`: called with the codes
     given): no K1 entry tuned on this very shape in the shipped table or the cache (one tuned
-    bucket counts), or with several slots (where PDL runs) no timed choice between the decode
-    and fused paths for these slots; and the launchers read tables at all (not under
-    EPILORA_LAUNCH_TABLES=0 or the interpreter). K2's entries are one per shape for both
-    modes: tuning one mode replaces the other's."""
+    bucket counts), and the launchers read tables at all (not under EPILORA_LAUNCH_TABLES=0
+    or the interpreter). K2's entries are one per shape for both modes: tuning one mode
+    replaces the other's (and the timed choices between the decode and fused paths made
+    beside them). A shape tuned without a timed choice (the shipped table's, an earlier
+    cache's, a run whose budget ended first) is not tuned again for it: `choose_path`'s rule
+    serves it, where a choice made each start would cost every start its search."""
     from epilora_kernels._tiling import table_of
     from epilora_kernels.arch import device_support
-    from epilora_kernels.launch import has_path_choice, tuned_exactly
+    from epilora_kernels.launch import tuned_exactly
 
     support = device_support(device)
     name = table_of(support)
-    if name is None:
-        return False
-    if not tuned_exactly(name, _k1_op(codes, slots, 1), n, k, rank, slots == 1,
-                         cache_device=support.name):
-        return True
-    # several slots: also the timed choice between the decode and fused paths, for these slots
-    return slots > 1 and support.pdl and not has_path_choice(name, n, k, rank, slots, codes,
-                                                             cache_device=support.name)
+    return name is not None and not tuned_exactly(name, _k1_op(codes, slots, 1), n, k, rank,
+                                                  slots == 1, cache_device=support.name)
 
 
 def k2_candidates(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...],
@@ -560,11 +557,15 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
             key = shape_key(n, k, rank, one_slot)
             for op, cfg in ((_k1_op(codes, slots, t), chosen[0]), ("lora_gemm", chosen[1])):
                 table.setdefault(op, {}).setdefault(key, {})[str(t)] = dataclasses.asdict(cfg)
+            if timed_choice(t, batch, support):
+                # an earlier run's choices at this bucket were timed beside the GEMM settings
+                # this one replaces (the other mode's too: K2's entries are both modes'), so
+                # they go, but this run's own
+                stale += [(op, key, str(t)) for op in PATH_OPS
+                          if path is None or op != path_op(codes)]
             if path is not None:
                 table.setdefault(path_op(codes), {}).setdefault(key, {})[str(t)] = {
                     "path": path, "slots": slots}
-            elif timed_choice(t, batch, support):  # not timed with these settings: an earlier
-                stale.append((path_op(codes), key, str(t)))  # run's choice goes with them
             report["cells"].append({"projection": name, "tokens": t,
                                     "before_us": None if before == float("inf") else before,
                                     "after_us": best, "k1": dataclasses.asdict(chosen[0]),
