@@ -50,6 +50,14 @@ Variants (`--variants`):
   table and no cache (H100, 103b6df): 0.90-0.95x with 4 slots of rank 32 and 0.92-0.97x with
   32 of rank 64 at 16 and 32 tokens, 16 of rank 16 0.96x at 32 and 1.02-1.03x at 16.
 
+* `k2-128x256`, `k2-128x128`, `k2-64x256`, `k2-64x128`: K2 in that tile (x 128 deep; 8 warps
+  and 3 or 4 stages for 128 rows, 4 warps for 64) from 129 tokens on, where the heuristic
+  takes its 128-row tiles by a wave rule. From 64 to 512 tokens most cells miss the quarter of
+  vLLM's added time (the H100 page at dbc1257: 0.26-0.51), and K2 without the adapter was
+  furthest from CUTLASS at 512 tokens (206 against 166 us on Qwen3-8B, docs/kernels.md,
+  "Prefill"), where qkv's 128 x 256 tiles are 96 programs for 132 SMs: `--tokens 256 512
+  1024`. Untimed so far.
+
 * `decode-prefill`: the decode path at every token count, prefill included. There K2 waits only
   for K1's quantizing programs before its K loop (their count) and for the shrink before its
   epilogue, where the fused path's K2 waits for all of K1 first: at 2048 tokens on Qwen3-8B's
@@ -304,6 +312,26 @@ def swap_ab(split: int, promote: bool = True):
     return variant
 
 
+def k2_tile(block_m: int, block_n: int, warps: int, stages: int):
+    """A variant: K2 in `block_m` x `block_n` x 128 tiles (`warps`, `stages`) wherever the
+    heuristic takes its 128-row tiles (from launch.MID_LARGE_TILE_TOKENS, 129 tokens), the
+    slices' boundaries kept (`launch.fit_slices`)."""
+    def variant():
+        shipped = _tiling.select_config
+
+        def tiled(device, op, tokens, n, k, rank, slices=(), *args, **kwargs):
+            cfg = shipped(device, op, tokens, n, k, rank, slices, *args, **kwargs)
+            if op != "lora_gemm" or tokens < launch.MID_LARGE_TILE_TOKENS:
+                return cfg
+            return dataclasses.replace(cfg, block_m=block_m,
+                                       block_n=launch.fit_slices(block_n, slices), block_k=128,
+                                       num_warps=warps, num_stages=stages, split_k=1,
+                                       swap_ab=False)
+
+        return _made_again_around(mock.patch.object(_tiling, "select_config", tiled))
+    return variant
+
+
 def segments_in_flight():
     shipped = _tiling.select_config
 
@@ -330,7 +358,9 @@ VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "segment-loop": with_env("EPILORA_GATHER_SEGMENTS", "0"),
             "epilogue-halves": with_env("EPILORA_EPILOGUE_HALVES", "1"),
             "epilogue-halves-all": with_env("EPILORA_EPILOGUE_HALVES", "all"),
-            "epilogue-parked": with_env("EPILORA_EPILOGUE_HALVES", "0")}
+            "epilogue-parked": with_env("EPILORA_EPILOGUE_HALVES", "0"),
+            "k2-128x256": k2_tile(128, 256, 8, 3), "k2-128x128": k2_tile(128, 128, 8, 4),
+            "k2-64x256": k2_tile(64, 256, 4, 3), "k2-64x128": k2_tile(64, 128, 4, 4)}
 
 
 PREFETCH_MIB = {"prefetch-8": (8, "end"), "prefetch-24": (24, "end"),
