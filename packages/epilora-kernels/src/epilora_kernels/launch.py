@@ -561,11 +561,18 @@ def tuned_path(device_name: str, tokens: int, n: int, k: int, rank: int, slots: 
     codes given. None where it timed none."""
     table = _load_table(device_name, cache_device)
     entries = (table or {}).get(path_op(codes), {}).get(shape_key(n, k, rank), {})
-    bucket = min((int(b) for b in entries if tokens <= int(b) <= DECODE_SHRINK_MAX_TOKENS),
-                 default=None)
+    bucket = _covering_bucket(entries, tokens, DECODE_SHRINK_MAX_TOKENS)
     if bucket is None or entries[str(bucket)]["slots"] != slots:
         return None
     return entries[str(bucket)]["path"]
+
+
+def _covering_bucket(entries: dict, tokens: int, max_bucket: int | None) -> int | None:
+    # The smallest of the entries' buckets (token counts, as text) at or above `tokens` and at
+    # most `max_bucket` (None: no bound), or None.
+    return min((int(b) for b in entries
+                if tokens <= int(b) and (max_bucket is None or int(b) <= max_bucket)),
+               default=None)
 
 
 def path_op(codes: bool) -> str:
@@ -642,7 +649,7 @@ def table_entry(table: dict, op: str, tokens: int, n: int, k: int, rank: int | N
         buckets = sorted(int(b) for b in entries if max_bucket is None or int(b) <= max_bucket)
         if not buckets:
             continue
-        bucket = next((b for b in buckets if b >= tokens), None)
+        bucket = _covering_bucket(entries, tokens, max_bucket)
         if bucket is not None:
             return LaunchConfig(**entries[str(bucket)])
         if buckets[-1] > fallback_bucket:

@@ -547,8 +547,8 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
             # Where the two paths are close (`dispatch.timed_choice`), the fused path with the
             # chosen GEMM settings (its K1 the launchers'; compiled here, not by the workers:
             # one kernel a cell) against the tuned decode path: `choose_path` takes the faster.
-            path, fused_us = None, None
-            if timed_choice(t, batch, support):
+            path, fused_us, timed = None, None, timed_choice(t, batch, support)
+            if timed:
                 if time.monotonic() - start > budget_s:
                     report["complete"] = False
                 else:
@@ -557,7 +557,7 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
             key = shape_key(n, k, rank, one_slot)
             for op, cfg in ((_k1_op(codes, slots, t), chosen[0]), ("lora_gemm", chosen[1])):
                 table.setdefault(op, {}).setdefault(key, {})[str(t)] = dataclasses.asdict(cfg)
-            if timed_choice(t, batch, support):
+            if timed:
                 # an earlier run's choices at this bucket were timed beside the GEMM settings
                 # this one replaces (the other mode's too: K2's entries are both modes'), so
                 # they go, but this run's own
