@@ -1,10 +1,12 @@
 """GPU: where the fused path's time goes at prefill sizes, kernel by kernel, per projection.
 
-For one model's four projections at prefill token counts, one rank-64 adapter: vLLM's per-token
+For one model's four projections at prefill token counts, one rank-64 adapter (`--adapters`,
+`--rank`: several slots, the tokens round robin over them): vLLM's per-token
 quant and CUTLASS apart; our quantizer alone; K1 (quantize + shrink) in its launchers' settings
 and in other tiles; the shrink alone (`lora_shrink`, on x and on the codes, in the same tiles);
 K2 without the adapter (`fp8_gemm`) and with it (`lora_fp8_gemm`, its
-epilogue adding h B^T); and the fused path whole. Each kernel alone in a CUDA graph, L2 flushed,
+epilogue adding h B^T); the expand alone (`lora_expand`, the hybrid path's second kernel); the
+fused and decode paths whole. Each kernel alone in a CUDA graph, L2 flushed,
 median. Every token count runs in a process of its own under a time limit, and each kernel is
 named before it first runs, so a kernel that hangs costs one case and says which it was.
 (At f4e3310 this probe timed K2's tiles and the hybrid path's kernels instead; its findings are
@@ -66,6 +68,7 @@ def kernels(x, weight, scale, lora, batch):
 
     codes, x_scale = ops.scaled_fp8_quant(x, None, use_per_token_if_dynamic=True)
     _, _, h = ek.quantize_and_shrink(x, lora, batch)
+    y = ops.cutlass_scaled_mm(codes, weight.t(), x_scale, scale, torch.bfloat16)
     a_cat = torch.cat([a[0, 0] for a in lora.lora_a]).contiguous()
     fns = {
         "vllm-quant": lambda: ops.scaled_fp8_quant(x, None, use_per_token_if_dynamic=True),
@@ -76,12 +79,15 @@ def kernels(x, weight, scale, lora, batch):
         "ek-gemm": lambda: ek.fp8_gemm(codes, x_scale, weight, scale),
         "ek-k2-lora": lambda: ek.lora_fp8_gemm(codes, x_scale, weight, scale, h, lora, batch),
         "ek-fused": lambda: ek.fused_lora_fp8_linear(x, weight, scale, lora, batch),
+        "ek-decode": lambda: ek.lora_linear(x, weight, scale, lora, batch, path="decode"),
+        "ek-expand": lambda: ek.lora_expand(y, h, lora, batch),
         # the shrink apart from the quantizer (the hybrid path's kernel: K1 without codes), on
         # x and on the codes: is K1's time over the quantizer the shrink's own, or their fusion's?
         "ek-shrink": lambda: ek.lora_shrink(x, lora, batch),
         "ek-shrink-codes": lambda: ek.lora_shrink(codes, lora, batch, x_scales=x_scale),
         # a floor for the shrink's tiles: with one adapter it is one bf16 GEMM, x against the
-        # slot's A of every slice, here cuBLAS's
+        # slot's A of every slice, here cuBLAS's (with several, slot 0's: a product of the
+        # same shape, not the same answer)
         "torch-shrink": lambda: torch.mm(x, a_cat.t()),
     }
     for bm, br, bk, split, warps, stages, *together in K1_TILES:
@@ -99,11 +105,12 @@ def kernels(x, weight, scale, lora, batch):
     return fns, {"ek-shrink-codes": on_codes.float(), None: h.float().clone()}
 
 
-def run_case(model: str, tokens: int, reps: int, only: list[str] | None = None) -> list[dict]:
+def run_case(model: str, tokens: int, reps: int, only: list[str] | None = None,
+             adapters: int = 1, rank: int = 64) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     projections = MODELS[model]
-    layer = make_layer(1, 64, gen, projections)
-    batch, xs, _ = adapter_inputs(tokens, 64, 1, gen, projections)
+    layer = make_layer(adapters, rank, gen, projections)
+    batch, xs, _ = adapter_inputs(tokens, rank, adapters, gen, projections)
     flush = l2_flush_buffer()
     rows = []
     for name, (weight, scale, lora) in layer.items():
@@ -135,7 +142,7 @@ def run_case(model: str, tokens: int, reps: int, only: list[str] | None = None) 
                    for t in K1_TILES for prefix in ("ek-k1", "ek-shrink")}
         for key, us in time_graphs(good, reps, flush).items():
             rows.append({"model": model, "projection": name, "tokens": tokens, "kernel": key,
-                         "us": round(us, 2)}
+                         "adapters": adapters, "rank": rank, "us": round(us, 2)}
                         | ({"partial_kb": reduced[key]} if key in reduced else {}))
             print(f"{model:12s} {name:8s} {tokens:5d} {key:28s} {us:8.1f}", flush=True)
     return rows
@@ -147,6 +154,9 @@ def main():
     parser.add_argument("--model", default="qwen3-8b", choices=tuple(MODELS))
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 4096])
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--adapters", type=int, default=1,
+                        help="adapter slots, the tokens round robin over them (default 1)")
+    parser.add_argument("--rank", type=int, default=64)
     parser.add_argument("--case-timeout", type=float, default=120.0)
     parser.add_argument("--kernels", nargs="+", metavar="NAME",
                         help="only these kernels (names as printed, e.g. ek-k1 vllm-quant "
@@ -156,7 +166,7 @@ def main():
     args = parser.parse_args()
     if args.case is not None:
         Path(args.out).write_text(json.dumps(
-            run_case(args.model, args.case, args.reps, args.kernels)))
+            run_case(args.model, args.case, args.reps, args.kernels, args.adapters, args.rank)))
         return
     rows = []
     for tokens in args.tokens:
@@ -164,6 +174,7 @@ def main():
         try:
             subprocess.run([sys.executable, __file__, "--out", str(part), "--model", args.model,
                             "--reps", str(args.reps), "--case", str(tokens),
+                            "--adapters", str(args.adapters), "--rank", str(args.rank),
                             *(["--kernels", *args.kernels] if args.kernels else [])],
                            timeout=args.case_timeout, check=False)
         except subprocess.TimeoutExpired:
