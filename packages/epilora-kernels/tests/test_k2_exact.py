@@ -224,6 +224,75 @@ def test_the_epilogue_in_halves_only_in_fp8_prefill_tiles(monkeypatch):
         _tiling.epilogue_halves(tile, 2, fp8=True)
 
 
+# EPILORA_DELTA_ROW_GROUPS: several slots' delta before the K loop (DELTA_FIRST, 64- and
+# 128-row tiles) in 16-row groups, each with the MMAs of the segments that meet its rows;
+# segments straddling groups (one_token_each: 9 tokens a slot), runs in reverse, tokens
+# without an adapter, the rank whole, in steps and in flight
+ROW_GROUPS = {"prefill-tma": K2_CONFIGS["prefill-tma"],
+              "prefill-segments": K2_CONFIGS["prefill-segments"],
+              "rank-steps-segments": K2_CONFIGS["rank-steps-segments"],
+              "128-rows": LaunchConfig(block_m=128, block_n=32, block_k=32, block_r=16)}
+ROW_GROUP_CASES = [(70, 64, (32, 16, 16), 16, 8, "one_token_each"),
+                   (130, 96, (64, 64), 16, 8, "one_token_each"),
+                   (70, 64, (32, 32), 16, 4, "reversed_runs"),
+                   (70, 64, (32,), 8, 3, "mixed_with_base")]
+ROW_GROUP_FITTING = [(case, name) for case in ROW_GROUP_CASES for name, k2 in ROW_GROUPS.items()
+                     if k2.block_r >= case[3] and not any(w % k2.block_n for w in case[2][:-1])]
+
+
+@pytest.mark.parametrize(("case", "cfg"), ROW_GROUP_FITTING,
+                         ids=[f"T{c[0]}-N{sum(c[2])}-{c[4]}-{c[5]}-{n}"
+                              for c, n in ROW_GROUP_FITTING])
+def test_k2_delta_in_row_groups_equals_reference_and_the_whole_tiles_delta(case, cfg,
+                                                                           monkeypatch):
+    x, codes, scales, weight, w_scale, h, lora, batch = make_integer_problem(0, *case)
+    k2 = ROW_GROUPS[cfg]
+    monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "0")
+    monkeypatch.setenv("EPILORA_GATHER_SEGMENTS", "0")
+    monkeypatch.setenv("EPILORA_DELTA_ROW_GROUPS", "0")
+    whole = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2)
+    monkeypatch.setenv("EPILORA_DELTA_ROW_GROUPS", "1")
+    arguments = _launchers._k2_arguments(
+        FP8, lora, batch.num_entries, k2, n=lora.out_features, stride_a=case[1],
+        stride_y=lora.out_features, h_planes=1, split=1, w_tma=False, per_channel=False,
+        traced=False, pdl=False, wait_codes=False, warm_l2=0, wait_k1_first=False,
+        a_sorted=False, interpreter=True, has_bias=False, tokens=case[0])
+    assert arguments["DELTA_FIRST"] and arguments["DELTA_ROWS"] == 16
+    y = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2)
+    assert_bitwise_equal(y, reference.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora,
+                                                    batch), name="K2, delta in row groups")
+    assert_bitwise_equal(y, whole, name="K2's delta in row groups vs the whole tile's")
+    _check_rows(y, fused.fp8_gemm(codes, scales, weight, w_scale, config=k2), h, lora, batch,
+                "K2, delta in row groups")
+
+
+def test_the_delta_in_row_groups_only_where_the_delta_goes_first(monkeypatch):
+    # =1: 16-row groups in tiles taller than 16 rows, and only with DELTA_FIRST (one slot,
+    # decode tiles and split K keep their epilogue); =0, the default: never; else an error
+    from epilora_kernels import _tiling
+
+    _, _, _, _, _, _, lora, _ = make_integer_problem(9, 5, 64, (32, 16, 16), 16, 8, "one_adapter")
+    monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "0")
+
+    def rows(block_m, entries, split=1):
+        cfg = LaunchConfig(block_m=block_m, block_n=16, block_k=32, block_r=16)
+        return _launchers._k2_arguments(
+            FP8, lora, entries, cfg, n=64, stride_a=64, stride_y=64, h_planes=1, split=split,
+            w_tma=False, per_channel=False, traced=False, pdl=False, wait_codes=False,
+            warm_l2=0, wait_k1_first=False, a_sorted=False, interpreter=True,
+            has_bias=False)["DELTA_ROWS"]
+
+    monkeypatch.delenv("EPILORA_DELTA_ROW_GROUPS", raising=False)
+    assert [rows(64, 9), rows(128, 9)] == [0, 0]
+    monkeypatch.setenv("EPILORA_DELTA_ROW_GROUPS", "1")
+    assert [rows(64, 9), rows(128, 9), rows(32, 9), rows(64, 2), rows(64, 9, split=2)] == [
+        16, 16, 0, 0, 0]
+    assert _tiling.delta_rows(LaunchConfig(block_m=16)) == 0
+    monkeypatch.setenv("EPILORA_DELTA_ROW_GROUPS", "yes")
+    with pytest.raises(ValueError, match="expected 0 or 1"):
+        _tiling.delta_rows(LaunchConfig(block_m=64))
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-N{sum(c[2])}-{c[5]}")
 def test_k2_w8a16_and_expand_equal_reference_bitwise_and_every_rows_delta(case):
     x, _, _, weight, w_scale, h, lora, batch = make_integer_problem(1, *case)
