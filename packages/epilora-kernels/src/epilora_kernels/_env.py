@@ -68,14 +68,3 @@ def epilogue_halves() -> str:
     if value not in ("0", "1", "all", "auto"):
         raise ValueError(f"EPILORA_EPILOGUE_HALVES={value!r}: expected auto, 0, 1 or all")
     return value
-
-
-def delta_row_groups() -> bool:
-    """EPILORA_DELTA_ROW_GROUPS=1 (default 0): K2's several-slot delta before the K loop
-    (`DELTA_FIRST`, 64- and 128-row FP8 tiles) in 16-row groups where several adapter segments
-    meet a tile, each group's MMAs only for the segments that meet its rows
-    (`_tiling.delta_rows`)."""
-    value = os.environ.get("EPILORA_DELTA_ROW_GROUPS", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"EPILORA_DELTA_ROW_GROUPS={value!r}: expected 0 or 1")
-    return value == "1"

@@ -388,47 +388,6 @@ def _several_slots_delta(acc, h_ptr, tok, pos, pos_mask, s, T, R, n, n_mask, sli
 
 
 @triton.jit
-def _delta_in_row_groups(y_ptr, stride_y, h_ptr, sorted_ptr, start_ptr, lora_ids_ptr,
-                         tile_begin, T, R, n, n_mask, s, slice_begin, slice_end, b_base, e,
-                         slots, seg_begins, seg_ends, NUM_ENTRIES, NUM_SLICES: tl.constexpr,
-                         H_PLANES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr,
-                         ENTRIES_BLOCK: tl.constexpr, SEG_STAGES: tl.constexpr,
-                         ROWS: tl.constexpr, INTERPRETER: tl.constexpr):
-    # DELTA_FIRST's delta, rounded to bf16, into y ROWS rows at a time (DELTA_ROWS): each
-    # group's MMAs only for the segments that meet its rows. The whole tile's loop runs an MMA
-    # of all BLOCK_M rows per segment, most of them masked to zero where many short segments
-    # meet a tile (32 slots at 256 tokens: 16 segments of 8 rows in a 128-row tile, 16 times
-    # the MMA work the rows need). Each row's sum is the same: its own segment's product over
-    # the same rank steps, zeros from the others.
-    b_stride = (slice_end - slice_begin) * R  # one slot's slice of B
-    if R_CHUNK > 0 and R_CHUNK < BLOCK_R:
-        STEP: tl.constexpr = R_CHUNK
-    else:
-        STEP: tl.constexpr = BLOCK_R
-    for g in range(0, BLOCK_M // ROWS):
-        g_begin = tile_begin + g * ROWS
-        pos = g_begin + tl.arange(0, ROWS)
-        pos_mask = pos < T
-        tok = _sorted_token(sorted_ptr, start_ptr, pos, NUM_ENTRIES, ENTRIES_BLOCK, pos_mask)
-        meets = (slots >= 0) & (seg_begins < g_begin + ROWS) & (seg_ends > g_begin)
-        z_first = tl.min(tl.where(meets, e, ENTRIES_BLOCK), axis=0)
-        z_last = tl.max(tl.where(meets, e, -1), axis=0)
-        acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-        for step in tl.static_range(BLOCK_R // STEP):
-            rr = step * STEP + tl.arange(0, STEP)
-            hs = _h_bf16(h_ptr, tok, pos_mask, s, T, R, rr, NUM_SLICES, H_PLANES, INTERPRETER)
-            for z in tl.range(z_first, z_last + 1,
-                              num_stages=None if SEG_STAGES == 1 else SEG_STAGES):
-                slot, begin, end = _segment(z, e, slots, seg_begins, seg_ends, lora_ids_ptr,
-                                            start_ptr, SEG_STAGES)
-                bt = _b_step(b_base, slot, b_stride, n, n_mask, slice_begin, slice_end, R, rr)
-                acc = _add_rows(acc, hs, (pos >= begin) & (pos < end), bt, INTERPRETER)
-        tl.store(y_ptr + tok[:, None].to(tl.int64) * stride_y + n[None, :],
-                 _to_bf16(acc, INTERPRETER), mask=pos_mask[:, None] & n_mask[None, :])
-
-
-@triton.jit
 def _gathered_delta(acc, h_ptr, tok, pos, pos_mask, s, T, R, n, n_mask, slice_begin,
                     slice_end, b_base, lora_ids_ptr, start_ptr, NUM_ENTRIES,
                     NUM_SLICES: tl.constexpr, H_PLANES: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -745,7 +704,7 @@ def _lora_gemm_kernel(
     A_TMA: tl.constexpr = False, W_SCALE_PER_CHANNEL: tl.constexpr = False,
     HAS_BIAS: tl.constexpr = False, DELTA_FIRST: tl.constexpr = False,
     SWAP_AB: tl.constexpr = False, SWAP_PROMOTE: tl.constexpr = True,
-    EPILOGUE_HALVES: tl.constexpr = False, DELTA_ROWS: tl.constexpr = 0,
+    EPILOGUE_HALVES: tl.constexpr = False,
     pf_ptr=None, PF_ROWS=0, PF_STRIDE=0, PF_LINES=0, PF_HALF=0, PF_ROW_BYTES=0,
     PREFETCH: tl.constexpr = 0,
     PF_BLOCK: tl.constexpr = 128,
@@ -885,21 +844,12 @@ def _lora_gemm_kernel(
         # Summed after the GEMM, beside its stored base, the tile spilled 1.6 KB a thread
         # (dev/sm90_occupancy.py --adapters 8 --tokens 512 2048) and the layer's 8x16 cells at
         # 512-2048 tokens took 1.15-1.57x as long on the H200 (docs/kernels.md).
-        # DELTA_ROWS: in row groups where several segments meet the tile; one segment's MMA
-        # spans the tile's rows that need it anyway.
-        if DELTA_ROWS > 0 and z_last > z_first:
-            _delta_in_row_groups(
-                y_ptr, stride_y, h_ptr, sorted_ptr, start_ptr, lora_ids_ptr, pid_m * BLOCK_M, T,
-                R, n, n_mask, s, slice_begin, slice_end, b_base, e, slots, seg_begins, seg_ends,
-                NUM_ENTRIES, NUM_SLICES, H_PLANES, BLOCK_M, BLOCK_N, BLOCK_R, R_CHUNK,
-                ENTRIES_BLOCK, SEG_STAGES, DELTA_ROWS, INTERPRETER)
-        else:
-            delta = _several_slots_delta(
-                tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), h_ptr, tok, pos, pos_mask, s, T,
-                R, n, n_mask, slice_begin, slice_end, b_base, b_offs, b_mask, lora_ids_ptr,
-                start_ptr, NUM_ENTRIES, z_first, z_last, NUM_SLICES, H_PLANES, BLOCK_R, R_CHUNK,
-                ENTRIES_BLOCK, SEG_STAGES, INTERPRETER)
-            tl.store(y_tile, _to_bf16(delta, INTERPRETER), mask=out_mask)
+        delta = _several_slots_delta(
+            tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), h_ptr, tok, pos, pos_mask, s, T, R,
+            n, n_mask, slice_begin, slice_end, b_base, b_offs, b_mask, lora_ids_ptr, start_ptr,
+            NUM_ENTRIES, z_first, z_last, NUM_SLICES, H_PLANES, BLOCK_R, R_CHUNK, ENTRIES_BLOCK,
+            SEG_STAGES, INTERPRETER)
+        tl.store(y_tile, _to_bf16(delta, INTERPRETER), mask=out_mask)
     if MODE == 2:
         acc = tl.load(y_tile, mask=out_mask, other=0.0).to(tl.float32)
     else:

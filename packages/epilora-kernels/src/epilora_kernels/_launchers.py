@@ -352,10 +352,6 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
     pf_when, pf_rows, pf_stride, pf_lines, pf_half, pf_row_bytes = prefetch or (0,) * 6
     gather_step = _tiling.gather_segments(cfg, num_entries, lora.max_rank)  # 0: loop
     halves = _tiling.epilogue_halves(cfg, num_entries, mode == FP8, tokens, lora.max_rank)
-    # Several slots in prefill tiles of the FP8 GEMM, h whole before the K loop (no PDL, or
-    # the fused path's wait for all of K1 first): the delta before the GEMM (the kernel).
-    delta_first = (mode == FP8 and cfg.block_m >= 64 and num_entries > 2 and split == 1
-                   and (wait_k1_first or not pdl) and not halves)
     return dict(
         pointers,
         N=n, K=lora.in_features, R=lora.max_rank, NUM_ENTRIES=num_entries,
@@ -373,8 +369,10 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
         W_SCALE_PER_CHANNEL=per_channel, HAS_BIAS=has_bias,
         SWAP_AB=cfg.swap_ab and mode != EXPAND,  # the expand has no GEMM to swap
         SWAP_PROMOTE=SWAP_AB_PROMOTE,
-        DELTA_FIRST=delta_first,
-        DELTA_ROWS=_tiling.delta_rows(cfg) if delta_first else 0,
+        # Several slots in prefill tiles of the FP8 GEMM, h whole before the K loop (no PDL, or
+        # the fused path's wait for all of K1 first): the delta before the GEMM (the kernel).
+        DELTA_FIRST=(mode == FP8 and cfg.block_m >= 64 and num_entries > 2 and split == 1
+                     and (wait_k1_first or not pdl) and not halves),
         PREFETCH=pf_when, PF_ROWS=pf_rows, PF_STRIDE=pf_stride, PF_LINES=pf_lines,
         PF_HALF=pf_half, PF_ROW_BYTES=pf_row_bytes,
         PF_BLOCK=cfg.num_warps * 32,  # a line a thread per round
@@ -395,8 +393,7 @@ def k2_template(support: DeviceSupport, mode: int, lora: LoraWeights, num_entrie
            cfg, stride_a, stride_y, h_planes, split, pdl, wait_codes, warm_l2, traced, w_tma,
            wait_k1_first, a_sorted, per_channel, has_bias, support.interpreter, prefetch,
            _tiling.gather_segments(cfg, num_entries, lora.max_rank),  # settings' (dev A/Bs)
-           _tiling.epilogue_halves(cfg, num_entries, mode == FP8, tokens, lora.max_rank),
-           _tiling.delta_rows(cfg))
+           _tiling.epilogue_halves(cfg, num_entries, mode == FP8, tokens, lora.max_rank))
     template = _K2_TEMPLATES.get(key)
     if template is None:
         arguments = _k2_arguments(
@@ -573,8 +570,7 @@ def fit_k2_waves(support: DeviceSupport, mode: int, a_dtype: torch.dtype, weight
     key = (weight.device, mode, a_dtype, h_dtype, t, batch.num_entries, k, lora.output_slices,
            lora.max_rank, weight_scale.numel() > 1, cfg, pdl, wait_codes, warm_l2,
            wait_k1_first, has_bias,
-           _tiling.gather_segments(cfg, batch.num_entries, lora.max_rank),
-           _tiling.delta_rows(cfg))
+           _tiling.gather_segments(cfg, batch.num_entries, lora.max_rank))
     if key not in _FITTED:
         def measure(candidate: LaunchConfig) -> tuple[int, int] | None:
             try:

@@ -339,21 +339,6 @@ def epilogue_halves(cfg: LaunchConfig, num_entries: int, fp8: bool, tokens: int 
     return setting == "all" or num_entries <= 2
 
 
-# K2's several-slot delta in groups of this many rows (`delta_rows`): mma.sync's and
-# Triton's smallest dot.
-DELTA_GROUP_ROWS = 16
-
-
-def delta_rows(cfg: LaunchConfig) -> int:
-    """The rows of a group in which K2 sums the several-slot delta before its K loop
-    (`DELTA_FIRST`; EPILORA_DELTA_ROW_GROUPS): DELTA_GROUP_ROWS where that is on and the tile
-    is taller, the kernel taking the groups only in tiles that several segments meet; 0: the
-    whole tile at once."""
-    if _env.delta_row_groups() and cfg.block_m > DELTA_GROUP_ROWS:
-        return DELTA_GROUP_ROWS
-    return 0
-
-
 def epilogue_rank_chunk(cfg: LaunchConfig) -> int:
     # Prefill tiles (64 rows or more) whose slice of B is too big to hold in registers add
     # h B^T in 32-wide rank steps, pipelined loops: whole, h and B took K2 past 200 registers
