@@ -272,6 +272,24 @@ def heuristic_plain_small():
         yield
 
 
+@contextlib.contextmanager
+def heuristic_swapped_small():
+    """The heuristic with K2's swapped decode tile at 2-32 tokens wherever the device's
+    shared memory allows, not only where plain tiles leave SMs without a program: what the
+    tuner chose in most of its 8x16 cells on an H100 at c6b1cf3 (docs/kernels.md, Next steps
+    3), for a several-slot rule to be read from and checked on other setups."""
+    new = launch.heuristic_config
+
+    def swapped(op, tokens, n, k, rank, slices=(), large_tiles=True):
+        cfg = new(op, tokens, n, k, rank, slices, large_tiles)
+        if op == "lora_gemm" and 2 <= tokens <= 32 and large_tiles and not cfg.swap_ab:
+            return launch.swap_candidate(cfg, n, k, slices, tokens)
+        return cfg
+
+    with heuristic(), _made_again_around(mock.patch.object(launch, "heuristic_config", swapped)):
+        yield
+
+
 def k1_apart():
     return _made_again_around(mock.patch.object(launch, "prefill_slices_together", _apart))
 
@@ -344,6 +362,7 @@ def segments_in_flight():
 
 VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "heuristic-before": heuristic_before, "heuristic-plain-small": heuristic_plain_small,
+            "heuristic-swapped-small": heuristic_swapped_small,
             "k1-apart": k1_apart, "k1-light": k1_split_by(2, 32, 32),
             "k1-lighter": k1_split_by(4, 64, 16), "k1-heavier": k1_split_by(0.5, 32, 128),
             "k1-heaviest": k1_split_by(0.25, 32, 128), "fused-path": fused_path,
