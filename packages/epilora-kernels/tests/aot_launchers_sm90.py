@@ -4,6 +4,7 @@ test_compile_sm90.py). The launchers run on CPU tensors with the kernels' `run` 
 recorder; each recorded launch is then compiled from its argument types and constexprs. This
 catches what the interpreter cannot: a pointer of the wrong type in a branch that never runs."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -38,7 +39,8 @@ def record_launches(launch, grids: list | None = None,
     tensors are on an sm_90 device; their grids go to `grids`, whether each was a compile
     without a run (Triton's `warmup`) to `warmups`."""
     calls = []
-    kernels = (_fused_kernels._quantize_shrink_kernel, _fused_kernels._lora_gemm_kernel)
+    kernels = (_fused_kernels._quantize_shrink_kernel, _fused_kernels._lora_gemm_kernel,
+               _fused_kernels._segment_delta_kernel)
     for kernel in kernels:
         def recorder(*args, grid, warmup, _kernel=kernel, **kwargs):
             calls.append((_kernel, args, kwargs))
@@ -126,6 +128,11 @@ def main() -> None:
                            swap_ab=True)
     # K1's shrink programs each taking every slice (LaunchConfig.slices_together), split
     together = LaunchConfig(block_m=16, block_k=64, block_r=16, split_k=2, slices_together=True)
+    # EPILORA_DELTA_KERNEL: eight slots in 64-row K2 tiles, where the delta goes first: K1,
+    # the delta kernel, K2 adding it (rank 16 whole, and rank 128 in two steps)
+    slots = make_problem(0, 70, 256, (64, 32, 32), 16, 8, "one_token_each")
+    slots_128 = make_problem(0, 70, 256, (64, 32, 32), 128, 8, "one_token_each")
+    prefill = LaunchConfig(block_m=64, block_n=32, block_k=64, block_r=16, num_stages=3)
     launchers = {
         "quantize": lambda: fused.quantize(x),
         "fp8_gemm_from_bf16": lambda: fused.fp8_gemm_from_bf16(x, weight, w_scale),
@@ -163,6 +170,10 @@ def main() -> None:
             fused.decode_lora_fp8_linear(x, weight, channel_scales, lora, batch),
             fused.fused_lora_w8a16_linear(x, weight, channel_scales, lora, batch),
             fused.fp8_gemm_from_bf16(x, weight, channel_scales)),
+        "fused_delta_kernel": lambda: _with_env("EPILORA_DELTA_KERNEL", lambda: (
+            fused.fused_lora_fp8_linear(*slots, k2_config=prefill),
+            fused.fused_lora_fp8_linear(*slots_128, k2_config=dataclasses.replace(
+                prefill, block_r=128)))),
         "expand": lambda: fused.lora_expand(
             torch.zeros(5, 128, dtype=torch.bfloat16), fused.lora_shrink(x, lora, batch), lora,
             batch),

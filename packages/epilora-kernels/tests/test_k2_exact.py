@@ -224,6 +224,94 @@ def test_the_epilogue_in_halves_only_in_fp8_prefill_tiles(monkeypatch):
         _tiling.epilogue_halves(tile, 2, fp8=True)
 
 
+# EPILORA_DELTA_KERNEL: where K2 would sum several slots' delta before its K loop, a kernel
+# of its own writes it into y (adapter rows only) and K2 adds it: segments straddling its
+# 16-row tiles (one_token_each: 9 tokens a slot), runs in reverse, tokens without an adapter,
+# three slices, the rank whole and in steps (rank 128: two 64-wide steps), h in bf16
+DELTA_KERNEL = {"prefill-tma": K2_CONFIGS["prefill-tma"],
+                "prefill-segments": K2_CONFIGS["prefill-segments"],
+                "128-rows": LaunchConfig(block_m=128, block_n=32, block_k=32, block_r=16)}
+DELTA_KERNEL_CASES = [(70, 64, (32, 16, 16), 16, 8, "one_token_each"),
+                      (130, 96, (64, 64), 16, 8, "one_token_each"),
+                      (70, 64, (32, 32), 16, 4, "reversed_runs"),
+                      (70, 64, (32,), 8, 3, "mixed_with_base")]
+DELTA_KERNEL_FITTING = [(case, name) for case in DELTA_KERNEL_CASES
+                        for name, k2 in DELTA_KERNEL.items()
+                        if not any(w % k2.block_n for w in case[2][:-1])]
+
+
+@pytest.mark.parametrize(("case", "cfg"), DELTA_KERNEL_FITTING,
+                         ids=[f"T{c[0]}-N{sum(c[2])}-{c[4]}-{c[5]}-{n}"
+                              for c, n in DELTA_KERNEL_FITTING])
+def test_k2_with_the_delta_kernel_equals_reference_and_the_delta_first(case, cfg,
+                                                                       monkeypatch):
+    x, codes, scales, weight, w_scale, h, lora, batch = make_integer_problem(0, *case)
+    k2 = DELTA_KERNEL[cfg]
+    monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "0")
+    monkeypatch.setenv("EPILORA_DELTA_KERNEL", "0")
+    first = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2)
+    monkeypatch.setenv("EPILORA_DELTA_KERNEL", "1")
+    launched = []
+    real = _launchers.launch_delta
+    monkeypatch.setattr(_launchers, "launch_delta",
+                        lambda *a, **k: launched.append(1) or real(*a, **k))
+    for h_in in (h, h.to(torch.bfloat16)):  # K1 writes h in bf16 for K2's prefill tiles
+        y = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h_in, lora, batch, config=k2)
+        assert_bitwise_equal(y, reference.lora_fp8_gemm(codes, scales, weight, w_scale, h,
+                                                        lora, batch),
+                             name="K2 with the delta kernel vs reference")
+        assert_bitwise_equal(y, first, name="K2 with the delta kernel vs the delta first")
+        _check_rows(y, fused.fp8_gemm(codes, scales, weight, w_scale, config=k2), h, lora,
+                    batch, "K2 with the delta kernel")
+    assert launched == [1, 1]
+
+
+def test_the_delta_kernel_at_rank_128_in_two_steps(monkeypatch):
+    # rank 128: the delta kernel's two 64-wide rank steps (every step carries data: h and B
+    # nonzero in all columns); outputs past 256 are inexact in bf16, so the reference's bits
+    # only, and the fused path whole (K1, the delta kernel, K2) against the delta first
+    monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "0")
+    x, codes, scales, weight, w_scale, h, lora, batch = make_integer_problem(
+        2, 70, 64, (64, 64), 128, 4, "reversed_runs")
+    k2 = LaunchConfig(block_m=64, block_n=32, block_k=32, block_r=128, num_warps=1)
+    monkeypatch.setenv("EPILORA_DELTA_KERNEL", "1")
+    y = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2)
+    assert_bitwise_equal(y, reference.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora,
+                                                    batch), name="delta kernel at rank 128")
+    k1 = LaunchConfig(block_m=64, block_r=32, block_k=32, split_k=2)
+    whole = ek.fused_lora_fp8_linear(x, weight, w_scale, lora, batch, k1_config=k1,
+                                     k2_config=k2)
+    monkeypatch.setenv("EPILORA_DELTA_KERNEL", "0")
+    assert_bitwise_equal(whole, ek.fused_lora_fp8_linear(x, weight, w_scale, lora, batch,
+                                                         k1_config=k1, k2_config=k2),
+                         name="the fused path with the delta kernel vs the delta first")
+
+
+def test_the_delta_kernel_only_where_the_delta_goes_first(monkeypatch):
+    # (mode, block_m, entries, split, pdl, wait_k1_first): as DELTA_FIRST; a K2 told the delta
+    # is in y where it would not sum it first is refused; =0 is the default; a bad value raises
+    _, _, _, _, _, _, lora, _ = make_integer_problem(9, 5, 64, (32, 16, 16), 16, 8, "one_adapter")
+    monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "0")
+    cfg = LaunchConfig(block_m=64, block_n=16, block_k=32, block_r=16)
+    kw = dict(n=64, stride_a=64, stride_y=64, h_planes=1, w_tma=False, per_channel=False,
+              traced=False, wait_codes=False, warm_l2=0, a_sorted=False, interpreter=True,
+              has_bias=False)
+    arguments = _launchers._k2_arguments(FP8, lora, 9, cfg, split=1, pdl=False,
+                                         wait_k1_first=False, delta_in_y=True, **kw)
+    assert arguments["DELTA_FIRST"] and arguments["DELTA_IN_Y"]
+    for entries, split, pdl in ((2, 1, False), (9, 2, False), (9, 1, True)):
+        with pytest.raises(ValueError, match="delta_in_y"):
+            _launchers._k2_arguments(FP8, lora, entries, cfg, split=split, pdl=pdl,
+                                     wait_k1_first=False, delta_in_y=True, **kw)
+    from epilora_kernels import _env
+
+    monkeypatch.delenv("EPILORA_DELTA_KERNEL", raising=False)
+    assert not _env.delta_kernel()
+    monkeypatch.setenv("EPILORA_DELTA_KERNEL", "yes")
+    with pytest.raises(ValueError, match="expected 0 or 1"):
+        _env.delta_kernel()
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-N{sum(c[2])}-{c[5]}")
 def test_k2_w8a16_and_expand_equal_reference_bitwise_and_every_rows_delta(case):
     x, _, _, weight, w_scale, h, lora, batch = make_integer_problem(1, *case)

@@ -314,6 +314,27 @@ def _epilogue_in_halves(acc, h_ptr, y_ptr, tok, pos, pos_mask, s, T, R, N, n0, s
 
 
 @triton.jit
+def _entry_row_tile(m_tile, counts_ptr, NUM_ENTRIES, BLOCK_M: tl.constexpr,
+                    ENTRIES_BLOCK: tl.constexpr):
+    # The entries' row tiles laid end to end (entry z has cdiv(count_z, BLOCK_M) of them):
+    # (z, the tile's index within entry z) of tile `m_tile`; z == NUM_ENTRIES past the list's
+    # end (a launch's bound on the list is larger than the list).
+    e = tl.arange(0, ENTRIES_BLOCK)
+    tiles = tl.cdiv(tl.load(counts_ptr + e, mask=e < NUM_ENTRIES, other=0), BLOCK_M)
+    z = tl.sum((tl.cumsum(tiles, axis=0) <= m_tile).to(tl.int32), axis=0)
+    return z, m_tile - tl.sum(tl.where(e < z, tiles, 0), axis=0)
+
+
+@triton.jit
+def _slice_at(n0, N, N_OFF1, N_OFF2, b0_ptr, b1_ptr, b2_ptr):
+    # The output slice holding column n0 (a tile never straddles two): its index, bounds and B.
+    s = (n0 >= N_OFF1).to(tl.int32) + (n0 >= N_OFF2).to(tl.int32)
+    slice_begin = tl.where(s == 0, 0, tl.where(s == 1, N_OFF1, N_OFF2))
+    slice_end = tl.where(s == 0, N_OFF1, tl.where(s == 1, N_OFF2, N))
+    return s, slice_begin, slice_end, _pick(s, b0_ptr, b1_ptr, b2_ptr)
+
+
+@triton.jit
 def _segment(z, e, slots, seg_begins, seg_ends, lora_ids_ptr, start_ptr,
              SEG_STAGES: tl.constexpr):
     # Segment z's slot and bounds. SEG_STAGES 1: loaded here, so the slice of B the loop
@@ -385,6 +406,48 @@ def _several_slots_delta(acc, h_ptr, tok, pos, pos_mask, s, T, R, n, n_mask, sli
                          mask=b_mask & (slot >= 0), other=0.0)
             acc = _add_rows(acc, hb, in_seg, bt, INTERPRETER)
     return acc
+
+
+@triton.jit(do_not_specialize=["T"])
+def _segment_delta_kernel(y_ptr, h_ptr, b0_ptr, b1_ptr, b2_ptr, sorted_ptr, lora_ids_ptr,
+                          counts_ptr, start_ptr, T, N, R, NUM_ENTRIES, stride_y, N_OFF1, N_OFF2,
+                          NUM_SLICES: tl.constexpr, H_PLANES: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                          R_STEP: tl.constexpr, ENTRIES_BLOCK: tl.constexpr,
+                          INTERPRETER: tl.constexpr):
+    # The several-slot delta on its own (EPILORA_DELTA_KERNEL): bf16(h) B_slot^T of every
+    # adapter segment's rows, rounded to bf16, into y, which K2 then adds to its base
+    # (DELTA_IN_Y); rows without an adapter are not written (K2 does not read them). One
+    # program: BLOCK_T rows of one segment by BLOCK_N columns of one slice, the segments' row
+    # tiles laid end to end as K1's shrink lays them, so each slot's slice of B is read by its
+    # own rows only. In K2, before the K loop (DELTA_FIRST), a tile met by many short
+    # segments ran an MMA of all its rows per segment, loading each segment's B in turn on
+    # an SM nothing else ran on; here small programs keep many loads of B in flight.
+    z, pid_m = _entry_row_tile(tl.program_id(0), counts_ptr, NUM_ENTRIES, BLOCK_T,
+                               ENTRIES_BLOCK)
+    if z < NUM_ENTRIES:
+        slot = tl.load(lora_ids_ptr + z)
+        if slot >= 0:
+            count = tl.load(counts_ptr + z)
+            start = tl.load(start_ptr + z)
+            rows = pid_m * BLOCK_T + tl.arange(0, BLOCK_T)
+            row_mask = rows < count
+            tok = tl.load(sorted_ptr + start + rows, mask=row_mask, other=0)
+            n0 = tl.program_id(1) * BLOCK_N
+            s, slice_begin, slice_end, b_base = _slice_at(n0, N, N_OFF1, N_OFF2, b0_ptr,
+                                                          b1_ptr, b2_ptr)
+            b_stride = (slice_end - slice_begin) * R  # one slot's slice of B
+            n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = n < N
+            acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+            for step in tl.static_range(BLOCK_R // R_STEP):
+                rr = step * R_STEP + tl.arange(0, R_STEP)
+                hs = _h_bf16(h_ptr, tok, row_mask, s, T, R, rr, NUM_SLICES, H_PLANES,
+                             INTERPRETER)
+                bt = _b_step(b_base, slot, b_stride, n, n_mask, slice_begin, slice_end, R, rr)
+                acc = _dot_acc(acc, hs, bt, INTERPRETER)
+            tl.store(y_ptr + tok[:, None].to(tl.int64) * stride_y + n[None, :],
+                     _to_bf16(acc, INTERPRETER), mask=row_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -536,11 +599,8 @@ def _shrink_tile(pid, x_ptr, scales_ptr, h_ptr, partial_ptr, a0_ptr, a1_ptr, a2_
     # launch has one program per tile of that list, not per tile of every entry times the
     # tokens' tiles, most of which would find no row (32 adapters at 128 tokens: 40 tiles for
     # 264). A program past the list's end (the launch's bound is larger) has nothing to do.
-    e = tl.arange(0, ENTRIES_BLOCK)
-    tiles = tl.cdiv(tl.load(counts_ptr + e, mask=e < NUM_ENTRIES, other=0), BLOCK_M)
-    z = tl.sum((tl.cumsum(tiles, axis=0) <= m_tile).to(tl.int32), axis=0)
+    z, pid_m = _entry_row_tile(m_tile, counts_ptr, NUM_ENTRIES, BLOCK_M, ENTRIES_BLOCK)
     if z < NUM_ENTRIES:
-        pid_m = m_tile - tl.sum(tl.where(e < z, tiles, 0), axis=0)
         slot = tl.load(lora_ids_ptr + z)
         count = tl.load(counts_ptr + z)
         start = tl.load(start_ptr + z)
@@ -704,7 +764,7 @@ def _lora_gemm_kernel(
     A_TMA: tl.constexpr = False, W_SCALE_PER_CHANNEL: tl.constexpr = False,
     HAS_BIAS: tl.constexpr = False, DELTA_FIRST: tl.constexpr = False,
     SWAP_AB: tl.constexpr = False, SWAP_PROMOTE: tl.constexpr = True,
-    EPILOGUE_HALVES: tl.constexpr = False,
+    EPILOGUE_HALVES: tl.constexpr = False, DELTA_IN_Y: tl.constexpr = False,
     pf_ptr=None, PF_ROWS=0, PF_STRIDE=0, PF_LINES=0, PF_HALF=0, PF_ROW_BYTES=0,
     PREFETCH: tl.constexpr = 0,
     PF_BLOCK: tl.constexpr = 128,
@@ -761,10 +821,8 @@ def _lora_gemm_kernel(
         # one slot, the first one's slice of B (B_IN_REGS: held in registers, so that after the
         # wait only h is read; else warmed in L2).
         n0 = pid_n * BLOCK_N
-        s = (n0 >= N_OFF1).to(tl.int32) + (n0 >= N_OFF2).to(tl.int32)
-        slice_begin = tl.where(s == 0, 0, tl.where(s == 1, N_OFF1, N_OFF2))
-        slice_end = tl.where(s == 0, N_OFF1, tl.where(s == 1, N_OFF2, N))
-        b_base = _pick(s, b0_ptr, b1_ptr, b2_ptr)
+        s, slice_begin, slice_end, b_base = _slice_at(n0, N, N_OFF1, N_OFF2, b0_ptr, b1_ptr,
+                                                      b2_ptr)
         b_offs = (n - slice_begin)[:, None] * R + tl.arange(0, BLOCK_R)[None, :]
         b_mask = (n < slice_end)[:, None] & n_mask[:, None] & (tl.arange(0, BLOCK_R)[None, :] < R)
         e = tl.arange(0, ENTRIES_BLOCK)
@@ -838,7 +896,7 @@ def _lora_gemm_kernel(
         tl.extra.cuda.gdc_wait()
         _stamp(trace_ptr, 1, TRACE)
 
-    if DELTA_FIRST:
+    if DELTA_FIRST and not DELTA_IN_Y:  # (DELTA_IN_Y: `_segment_delta_kernel` made it)
         # Several slots in 64- and 128-row FP8 tiles where h is whole before the K loop (K1
         # done): the adapters' delta first, rounded to bf16 and kept in y (L2), then the GEMM.
         # Summed after the GEMM, beside its stored base, the tile spilled 1.6 KB a thread
@@ -1018,7 +1076,13 @@ def _lora_gemm_kernel(
             # acc holds the delta, or with DELTA_FIRST the base; the other term, rounded, waits in
             # y or (base, below 64 rows) in registers. Their sum is the same either way round.
             held = _to_bf16(acc, INTERPRETER)  # rounded first: the fp32 tile's registers free
-            if DELTA_FIRST or BLOCK_M >= 64:
+            if DELTA_IN_Y:
+                # The delta kernel wrote the rows of adapter segments only: the others add 0.
+                inside = ((pos[:, None] >= seg_begins[None, :])
+                          & (pos[:, None] < seg_ends[None, :]) & (slots[None, :] >= 0))
+                adapted = tl.max(inside.to(tl.int32), axis=1) > 0
+                kept = tl.load(y_tile, mask=out_mask & adapted[:, None], other=0.0)
+            elif DELTA_FIRST or BLOCK_M >= 64:
                 tl.debug_barrier()  # y's stores, whichever thread made them, before its load
                 kept = tl.load(y_tile, mask=out_mask, other=0.0)
             else:

@@ -16,10 +16,14 @@ from triton.runtime.jit import MockTensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from epilora_kernels import _env, _fast_launch, _tiling
-from epilora_kernels._fused_kernels import _lora_gemm_kernel, _quantize_shrink_kernel
+from epilora_kernels._fused_kernels import (
+    _lora_gemm_kernel,
+    _quantize_shrink_kernel,
+    _segment_delta_kernel,
+)
 from epilora_kernels.arch import DeviceSupport
 from epilora_kernels.batch import MAX_SLICES, AdapterBatch, LoraWeights
-from epilora_kernels.launch import LaunchConfig
+from epilora_kernels.launch import LaunchConfig, fit_slices
 from epilora_kernels.prefetch import L2Prefetch, kernel_args
 from epilora_kernels.workspace import TILES, Workspace
 
@@ -343,15 +347,20 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
                   per_channel: bool, traced: bool, pdl: bool, wait_codes: bool, warm_l2: int,
                   wait_k1_first: bool, a_sorted: bool, interpreter: bool, has_bias: bool,
                   prefetch: tuple[int, ...] | None = None, tokens: int = 0,
-                  **pointers) -> dict:
+                  delta_in_y: bool = False, **pointers) -> dict:
     # K2's arguments with adapters, by name: what launch_k2's templates launch (their
     # pointers in slots, none given here) and k2_blocks_per_sm compiles (with MockTensors).
     # `prefetch`: an L2Prefetch's `prefetch.kernel_args`, or None; `tokens`: the batch's
-    # (`_tiling.epilogue_halves` asks).
+    # (`_tiling.epilogue_halves` asks); `delta_in_y`: the delta kernel wrote the several-slot
+    # delta into y (only where the delta goes first: `delta_first`).
     _, _, off1, off2 = _slices(lora)
     pf_when, pf_rows, pf_stride, pf_lines, pf_half, pf_row_bytes = prefetch or (0,) * 6
     gather_step = _tiling.gather_segments(cfg, num_entries, lora.max_rank)  # 0: loop
     halves = _tiling.epilogue_halves(cfg, num_entries, mode == FP8, tokens, lora.max_rank)
+    first = delta_first(mode, cfg, num_entries, split=split, pdl=pdl,
+                        wait_k1_first=wait_k1_first, tokens=tokens, rank=lora.max_rank)
+    if delta_in_y and not first:
+        raise ValueError("delta_in_y: only where K2 would sum the delta before its K loop")
     return dict(
         pointers,
         N=n, K=lora.in_features, R=lora.max_rank, NUM_ENTRIES=num_entries,
@@ -369,10 +378,7 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
         W_SCALE_PER_CHANNEL=per_channel, HAS_BIAS=has_bias,
         SWAP_AB=cfg.swap_ab and mode != EXPAND,  # the expand has no GEMM to swap
         SWAP_PROMOTE=SWAP_AB_PROMOTE,
-        # Several slots in prefill tiles of the FP8 GEMM, h whole before the K loop (no PDL, or
-        # the fused path's wait for all of K1 first): the delta before the GEMM (the kernel).
-        DELTA_FIRST=(mode == FP8 and cfg.block_m >= 64 and num_entries > 2 and split == 1
-                     and (wait_k1_first or not pdl) and not halves),
+        DELTA_FIRST=first, DELTA_IN_Y=delta_in_y,
         PREFETCH=pf_when, PF_ROWS=pf_rows, PF_STRIDE=pf_stride, PF_LINES=pf_lines,
         PF_HALF=pf_half, PF_ROW_BYTES=pf_row_bytes,
         PF_BLOCK=cfg.num_warps * 32,  # a line a thread per round
@@ -380,20 +386,31 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
     )
 
 
+def delta_first(mode: int, cfg: LaunchConfig, num_entries: int, *, split: int, pdl: bool,
+                wait_k1_first: bool, tokens: int, rank: int) -> bool:
+    """Whether K2 sums several slots' delta before its K loop (`DELTA_FIRST`): prefill tiles of
+    the FP8 GEMM, K whole, h whole before the K loop (no PDL, or the fused path's wait for all
+    of K1 first), and not the epilogue in halves."""
+    return (mode == FP8 and cfg.block_m >= 64 and num_entries > 2 and split == 1
+            and (wait_k1_first or not pdl)
+            and not _tiling.epilogue_halves(cfg, num_entries, True, tokens, rank))
+
+
 def k2_template(support: DeviceSupport, mode: int, lora: LoraWeights, num_entries: int,
                 cfg: LaunchConfig, *, stride_a: int, stride_y: int, h_planes: int, split: int,
                 w_tma: bool, per_channel: bool, pdl: bool, wait_codes: bool, warm_l2: int,
                 traced: bool, wait_k1_first: bool, a_sorted: bool,
                 has_bias: bool = False, prefetch: tuple[int, ...] | None = None,
-                tokens: int = 0) -> _fast_launch.Template:
+                tokens: int = 0, delta_in_y: bool = False) -> _fast_launch.Template:
     """K2's launch template (slots `_K2_SLOTS`) for these settings, made once; `pdl` as
-    `use_pdl` made it; `prefetch` and `tokens` as `_k2_arguments` takes them."""
+    `use_pdl` made it; `prefetch`, `tokens` and `delta_in_y` as `_k2_arguments` takes them."""
     n = lora.out_features
     key = (mode, n, lora.in_features, lora.max_rank, tuple(lora.output_slices), num_entries,
            cfg, stride_a, stride_y, h_planes, split, pdl, wait_codes, warm_l2, traced, w_tma,
            wait_k1_first, a_sorted, per_channel, has_bias, support.interpreter, prefetch,
            _tiling.gather_segments(cfg, num_entries, lora.max_rank),  # settings' (dev A/Bs)
-           _tiling.epilogue_halves(cfg, num_entries, mode == FP8, tokens, lora.max_rank))
+           _tiling.epilogue_halves(cfg, num_entries, mode == FP8, tokens, lora.max_rank),
+           delta_in_y)
     template = _K2_TEMPLATES.get(key)
     if template is None:
         arguments = _k2_arguments(
@@ -401,7 +418,7 @@ def k2_template(support: DeviceSupport, mode: int, lora: LoraWeights, num_entrie
             h_planes=h_planes, split=split, w_tma=w_tma, per_channel=per_channel,
             traced=traced, pdl=pdl, wait_codes=wait_codes, warm_l2=warm_l2,
             wait_k1_first=wait_k1_first, a_sorted=a_sorted, interpreter=support.interpreter,
-            has_bias=has_bias, prefetch=prefetch, tokens=tokens)
+            has_bias=has_bias, prefetch=prefetch, tokens=tokens, delta_in_y=delta_in_y)
         template = _keep_template(_K2_TEMPLATES, key, _fast_launch.Template(
             _lora_gemm_kernel, arguments, _K2_SLOTS))
     return template
@@ -424,16 +441,23 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
     grid, partial, counters = _gemm_buffers(workspace, mode, t, n, cfg, y.device, counters)
     w_operand = _w_operand(support, weight, cfg)
     a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]) if a_sorted else a
+    pdl = use_pdl(support, pdl)
+    # EPILORA_DELTA_KERNEL: where the delta would go first, a kernel of its own writes it
+    delta_in_y = _env.delta_kernel() and delta_first(
+        mode, cfg, batch.num_entries, split=grid[2], pdl=pdl, wait_k1_first=wait_k1_first,
+        tokens=t, rank=lora.max_rank)
     template = k2_template(
         support, mode, lora, batch.num_entries, cfg, stride_a=a.stride(0), stride_y=y.stride(0),
         h_planes=h.shape[0], split=grid[2], w_tma=w_operand is not weight,
-        per_channel=mode != EXPAND and weight_scale.numel() > 1, pdl=use_pdl(support, pdl),
+        per_channel=mode != EXPAND and weight_scale.numel() > 1, pdl=pdl,
         wait_codes=wait_codes, warm_l2=warm_l2, traced=trace is not None,
         wait_k1_first=wait_k1_first, a_sorted=a_sorted, has_bias=bias is not None,
-        prefetch=pf_args, tokens=t)
+        prefetch=pf_args, tokens=t, delta_in_y=delta_in_y)
     partial = y if partial is None else partial
     trace = trace_arg(trace, counters, grid[0] * grid[1] * grid[2])
     _, b, _, _ = _slices(lora)
+    if delta_in_y:
+        launch_delta(support, y, h, lora, batch)
     _start_template(support, template, grid, (
         t, a, a_desc, a_scale, weight, w_operand, weight_scale,
         weight_scale if bias is None else bias, y, h, b[0], b[1], b[2],
@@ -441,6 +465,34 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
         workspace.tile_counters(counters), counters, trace,
         weight if pf_args is None else prefetch.bytes_view()))
     return y
+
+
+# The delta kernel's tiles: 16 rows (mma.sync's and Triton's smallest dot) by 128 columns,
+# the rank in steps of at most 64 (a 128 x 64 bf16 slice of B, 64 registers a thread in 4 warps)
+DELTA_BLOCK_T = 16
+DELTA_BLOCK_N = 128
+DELTA_MAX_R_STEP = 64
+
+
+def launch_delta(support: DeviceSupport, y: torch.Tensor, h: torch.Tensor, lora: LoraWeights,
+                 batch: AdapterBatch) -> None:
+    """`_segment_delta_kernel`: bf16(h B_slot^T) of every adapter segment's rows into `y`
+    (rows without an adapter untouched), for a K2 with `delta_in_y`."""
+    t, n = y.shape
+    _, b, off1, off2 = _slices(lora)
+    block_n = fit_slices(DELTA_BLOCK_N, lora.output_slices)
+    block_r = _tiling.next_power_of_2(lora.max_rank)
+    row_tiles = max(0, -(-t // DELTA_BLOCK_T) + min(batch.num_entries, t) - 1)
+    _start(_segment_delta_kernel, (row_tiles, -(-n // block_n)),
+           y_ptr=y, h_ptr=h, b0_ptr=b[0], b1_ptr=b[1], b2_ptr=b[2],
+           sorted_ptr=batch.sorted_token_indices, lora_ids_ptr=batch.lora_ids,
+           counts_ptr=batch.num_tokens_per_lora, start_ptr=batch.lora_token_start, T=t, N=n,
+           R=lora.max_rank, NUM_ENTRIES=batch.num_entries, stride_y=y.stride(0), N_OFF1=off1,
+           N_OFF2=off2, NUM_SLICES=len(lora.output_slices), H_PLANES=h.shape[0],
+           BLOCK_T=DELTA_BLOCK_T, BLOCK_N=block_n, BLOCK_R=block_r,
+           R_STEP=min(block_r, DELTA_MAX_R_STEP),
+           ENTRIES_BLOCK=_tiling.next_power_of_2(batch.num_entries),
+           INTERPRETER=support.interpreter, num_warps=4)
 
 
 def k2_lead_template(support: DeviceSupport, lora: LoraWeights, num_entries: int,
