@@ -290,6 +290,27 @@ def heuristic_swapped_small():
         yield
 
 
+@contextlib.contextmanager
+def heuristic_k1_fewer_splits():
+    """The heuristic with the decode path's K1 at 1-32 tokens split half as often and its K
+    steps 256 deep where each split keeps whole ones: what the tuner chose for 8 slots of rank
+    16 in most cells on an H100 at c6b1cf3 (its cache: splits 4-8 where the heuristic's rule,
+    read from one slot, splits 8-16; docs/kernels.md, Next steps 3). A several-slot K1 rule to
+    read from 8x16 and check on 4x32, 16x16 and 32x64."""
+    shipped = _tiling.select_config
+
+    def fewer(device, op, tokens, n, k, rank, *args, **kwargs):
+        cfg = shipped(device, op, tokens, n, k, rank, *args, **kwargs)
+        if op not in ("decode_shrink", "decode_shrink_codes") or tokens > 32:
+            return cfg
+        split = max(1, cfg.split_k // 2)
+        deep = 256 if k % (256 * split) == 0 else cfg.block_k
+        return dataclasses.replace(cfg, split_k=split, block_k=deep)
+
+    with heuristic(), _made_again_around(mock.patch.object(_tiling, "select_config", fewer)):
+        yield
+
+
 def k1_apart():
     return _made_again_around(mock.patch.object(launch, "prefill_slices_together", _apart))
 
@@ -363,6 +384,7 @@ def segments_in_flight():
 VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "heuristic-before": heuristic_before, "heuristic-plain-small": heuristic_plain_small,
             "heuristic-swapped-small": heuristic_swapped_small,
+            "heuristic-k1-fewer-splits": heuristic_k1_fewer_splits,
             "k1-apart": k1_apart, "k1-light": k1_split_by(2, 32, 32),
             "k1-lighter": k1_split_by(4, 64, 16), "k1-heavier": k1_split_by(0.5, 32, 128),
             "k1-heaviest": k1_split_by(0.25, 32, 128), "fused-path": fused_path,
