@@ -132,6 +132,7 @@ def main() -> None:
     # the delta kernel, K2 adding it (rank 16 whole, and rank 128 in two steps)
     slots = make_problem(0, 70, 256, (64, 32, 32), 16, 8, "one_token_each")
     slots_128 = make_problem(0, 70, 256, (64, 32, 32), 128, 8, "one_token_each")
+    slots_8 = make_problem(0, 70, 256, (64, 32, 32), 8, 8, "one_token_each")  # rank tile 16
     prefill = LaunchConfig(block_m=64, block_n=32, block_k=64, block_r=16, num_stages=3)
     launchers = {
         "quantize": lambda: fused.quantize(x),
@@ -173,7 +174,8 @@ def main() -> None:
         "fused_delta_kernel": lambda: _with_env("EPILORA_DELTA_KERNEL", lambda: (
             fused.fused_lora_fp8_linear(*slots, k2_config=prefill),
             fused.fused_lora_fp8_linear(*slots_128, k2_config=dataclasses.replace(
-                prefill, block_r=128)))),
+                prefill, block_r=128)),
+            fused.fused_lora_fp8_linear(*slots_8, k2_config=prefill))),
         "expand": lambda: fused.lora_expand(
             torch.zeros(5, 128, dtype=torch.bfloat16), fused.lora_shrink(x, lora, batch), lora,
             batch),

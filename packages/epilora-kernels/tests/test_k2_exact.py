@@ -17,6 +17,8 @@ from kernel_cases import (
     check_the_bias_is_added_before_rounding,
     exact_lora_delta,
     make_integer_problem,
+    make_problem,
+    pad_batch,
 )
 
 K2_CONFIGS = {
@@ -253,8 +255,13 @@ def test_k2_with_the_delta_kernel_equals_reference_and_the_delta_first(case, cfg
     monkeypatch.setenv("EPILORA_DELTA_KERNEL", "1")
     launched = []
     real = _launchers.launch_delta
-    monkeypatch.setattr(_launchers, "launch_delta",
-                        lambda *a, **k: launched.append(1) or real(*a, **k))
+
+    def launch_delta(support, y, *args):  # y full of NaN first: K2 must not read unwritten rows
+        launched.append(1)
+        y.fill_(float("nan"))
+        real(support, y, *args)
+
+    monkeypatch.setattr(_launchers, "launch_delta", launch_delta)
     for h_in in (h, h.to(torch.bfloat16)):  # K1 writes h in bf16 for K2's prefill tiles
         y = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h_in, lora, batch, config=k2)
         assert_bitwise_equal(y, reference.lora_fp8_gemm(codes, scales, weight, w_scale, h,
@@ -285,6 +292,24 @@ def test_the_delta_kernel_at_rank_128_in_two_steps(monkeypatch):
     assert_bitwise_equal(whole, ek.fused_lora_fp8_linear(x, weight, w_scale, lora, batch,
                                                          k1_config=k1, k2_config=k2),
                          name="the fused path with the delta kernel vs the delta first")
+
+
+def test_the_delta_kernel_leaves_rows_padded_past_the_counted_tokens_alone(monkeypatch):
+    # vLLM pads a batch to a captured graph's size with rows whose slots and sorted indices are
+    # stale: with the delta kernel the real rows are what they are unpadded, the padding the
+    # base alone (it neither writes nor reads those rows)
+    monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "0")
+    monkeypatch.setenv("EPILORA_DELTA_KERNEL", "1")
+    x, weight, w_scale, lora, batch = make_problem(9, 70, 64, (32, 16, 16), 16, 8,
+                                                   "one_token_each")
+    xp, padded = pad_batch(x, batch, 80)
+    k2 = DELTA_KERNEL["prefill-tma"]
+    y = ek.fused_lora_fp8_linear(xp, weight, w_scale, lora, padded, k2_config=k2)
+    assert_bitwise_equal(y[:70], ek.fused_lora_fp8_linear(x, weight, w_scale, lora, batch,
+                                                          k2_config=k2), name="real rows")
+    none = ek.AdapterBatch.from_token_mapping(torch.full((80,), -1, dtype=torch.int32), 8)
+    assert_bitwise_equal(y[70:], ek.fused_lora_fp8_linear(xp, weight, w_scale, lora, none,
+                                                          k2_config=k2)[70:], name="padding")
 
 
 def test_the_delta_kernel_only_where_the_delta_goes_first(monkeypatch):

@@ -896,7 +896,13 @@ def _lora_gemm_kernel(
         tl.extra.cuda.gdc_wait()
         _stamp(trace_ptr, 1, TRACE)
 
-    if DELTA_FIRST and not DELTA_IN_Y:  # (DELTA_IN_Y: `_segment_delta_kernel` made it)
+    if DELTA_IN_Y:
+        # `_segment_delta_kernel` wrote the delta of adapter segments' rows only: which rows
+        # those are, worked out here so that only one flag a row lives through the K loop.
+        inside = ((pos[:, None] >= seg_begins[None, :]) & (pos[:, None] < seg_ends[None, :])
+                  & (slots[None, :] >= 0))
+        adapted = tl.max(inside.to(tl.int32), axis=1) > 0
+    elif DELTA_FIRST:
         # Several slots in 64- and 128-row FP8 tiles where h is whole before the K loop (K1
         # done): the adapters' delta first, rounded to bf16 and kept in y (L2), then the GEMM.
         # Summed after the GEMM, beside its stored base, the tile spilled 1.6 KB a thread
@@ -1076,11 +1082,7 @@ def _lora_gemm_kernel(
             # acc holds the delta, or with DELTA_FIRST the base; the other term, rounded, waits in
             # y or (base, below 64 rows) in registers. Their sum is the same either way round.
             held = _to_bf16(acc, INTERPRETER)  # rounded first: the fp32 tile's registers free
-            if DELTA_IN_Y:
-                # The delta kernel wrote the rows of adapter segments only: the others add 0.
-                inside = ((pos[:, None] >= seg_begins[None, :])
-                          & (pos[:, None] < seg_ends[None, :]) & (slots[None, :] >= 0))
-                adapted = tl.max(inside.to(tl.int32), axis=1) > 0
+            if DELTA_IN_Y:  # rows outside adapter segments add 0 (y is unwritten there)
                 kept = tl.load(y_tile, mask=out_mask & adapted[:, None], other=0.0)
             elif DELTA_FIRST or BLOCK_M >= 64:
                 tl.debug_barrier()  # y's stores, whichever thread made them, before its load

@@ -23,7 +23,7 @@ from epilora_kernels._fused_kernels import (
 )
 from epilora_kernels.arch import DeviceSupport
 from epilora_kernels.batch import MAX_SLICES, AdapterBatch, LoraWeights
-from epilora_kernels.launch import LaunchConfig, fit_slices
+from epilora_kernels.launch import LaunchConfig, fit_slices, rank_block
 from epilora_kernels.prefetch import L2Prefetch, kernel_args
 from epilora_kernels.workspace import TILES, Workspace
 
@@ -467,8 +467,10 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
     return y
 
 
-# The delta kernel's tiles: 16 rows (mma.sync's and Triton's smallest dot) by 128 columns,
-# the rank in steps of at most 64 (a 128 x 64 bf16 slice of B, 64 registers a thread in 4 warps)
+# The delta kernel's tiles: 16 rows (mma.sync's and Triton's smallest dot) by 128 columns
+# (fewer where the slices' boundaries ask), the rank in steps of at most 64 (a 128 x 64 bf16
+# slice of B, 64 registers a thread in 4 warps). It is launched without PDL, after K1 has
+# ended, and K2 (PDL or not) waits for it before its K loop: gdc_wait, or stream order.
 DELTA_BLOCK_T = 16
 DELTA_BLOCK_N = 128
 DELTA_MAX_R_STEP = 64
@@ -481,7 +483,7 @@ def launch_delta(support: DeviceSupport, y: torch.Tensor, h: torch.Tensor, lora:
     t, n = y.shape
     _, b, off1, off2 = _slices(lora)
     block_n = fit_slices(DELTA_BLOCK_N, lora.output_slices)
-    block_r = _tiling.next_power_of_2(lora.max_rank)
+    block_r = rank_block(lora.max_rank)  # at least 16: the dot's K on sm_90
     row_tiles = max(0, -(-t // DELTA_BLOCK_T) + min(batch.num_entries, t) - 1)
     _start(_segment_delta_kernel, (row_tiles, -(-n // block_n)),
            y_ptr=y, h_ptr=h, b0_ptr=b[0], b1_ptr=b[1], b2_ptr=b[2],
