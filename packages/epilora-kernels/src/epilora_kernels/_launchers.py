@@ -484,7 +484,7 @@ def launch_delta(support: DeviceSupport, y: torch.Tensor, h: torch.Tensor, lora:
     _, b, off1, off2 = _slices(lora)
     block_n = fit_slices(DELTA_BLOCK_N, lora.output_slices)
     block_r = rank_block(lora.max_rank)  # at least 16: the dot's K on sm_90
-    row_tiles = max(0, -(-t // DELTA_BLOCK_T) + min(batch.num_entries, t) - 1)
+    row_tiles = _tiling.entry_row_tiles(t, batch, DELTA_BLOCK_T)
     _start(_segment_delta_kernel, (row_tiles, -(-n // block_n)),
            y_ptr=y, h_ptr=h, b0_ptr=b[0], b1_ptr=b[1], b2_ptr=b[2],
            sorted_ptr=batch.sorted_token_indices, lora_ids_ptr=batch.lora_ids,

@@ -165,12 +165,17 @@ def quant_block(k: int, cap: int) -> int:
     return min(next_power_of_2(k), cap)
 
 
+def entry_row_tiles(t: int, batch: AdapterBatch, block_m: int) -> int:
+    """A bound on the row tiles of the entries' list (each entry's tokens in tiles of
+    `block_m` rows, laid end to end: K1's shrink, the delta kernel): at most cdiv(T, block_m)
+    + (entries with tokens) - 1, and at most min(entries, T) entries have tokens."""
+    return max(0, cdiv(t, block_m) + min(batch.num_entries, t) - 1)
+
+
 def shrink_programs(t: int, lora: LoraWeights, batch: AdapterBatch, cfg: LaunchConfig) -> int:
     # K1's shrink programs: one per (row tile of the entries' list, slice, rank tile, split),
-    # every slice in one with `slices_together`. The entries' row tiles number at most
-    # cdiv(T, block_m) + (entries with tokens) - 1, and at most min(entries, T) entries have
-    # tokens.
-    row_tiles = max(0, cdiv(t, cfg.block_m) + min(batch.num_entries, t) - 1)
+    # every slice in one with `slices_together`.
+    row_tiles = entry_row_tiles(t, batch, cfg.block_m)
     return (row_tiles * cdiv(lora.max_rank, cfg.block_r) * cfg.split_k
             * (1 if slices_together(cfg, lora) else len(lora.output_slices)))
 
