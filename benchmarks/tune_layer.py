@@ -172,8 +172,9 @@ def main() -> None:
     layer = make_layer(args.adapters, args.rank, gen)  # as decode.py and decode_timeline.py
     op = OPS[args.path, args.kernel]
     key_rank = entry_rank(args.rank, args.kernel == "k2")
-    # K2 timed with one slot ran its one-slot epilogue: its entries serve such batches only.
-    one_slot = args.kernel == "k2" and args.adapters == 1
+    # K2 timed with one slot ran its one-slot epilogue: its entries serve such batches only;
+    # anything timed with several slots serves several-slot batches only (launch.shape_key).
+    one_slot = (False if args.adapters > 1 else True if args.kernel == "k2" else None)
     table = installed_table()
     table.setdefault(op, {})
     meta = table.setdefault("_meta", {})

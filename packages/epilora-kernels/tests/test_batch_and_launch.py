@@ -264,20 +264,24 @@ def test_entries_tuned_at_a_rank_are_preferred_for_that_rank_tile(gpu_table):
         validate_table({"shrink": {"64x32@rx": {}}})
 
 
-def test_one_slot_entries_serve_only_batches_of_one_slot(gpu_table):
+def test_one_slot_and_several_slot_entries_serve_only_their_batches(gpu_table):
     from epilora_kernels import _tiling, launch
     from epilora_kernels.arch import DeviceSupport
 
-    table = {"lora_gemm": {"64x32": {"16": {"block_n": 16}, "32": {"block_n": 16}},
+    table = {"lora_gemm": {"64x32": {"16": {"block_n": 16}, "32": {"block_n": 16},
+                                     "64": {"block_n": 16}},
                            "64x32@r64": {"32": {"block_n": 32}},
                            f"64x32@r64{launch.ONE_SLOT}": {"16": {"block_n": 64},
-                                                            "32": {"block_n": 128}}}}
+                                                            "32": {"block_n": 128}},
+                           f"64x32@r64{launch.SEVERAL_SLOTS}": {"64": {"block_n": 64}}}}
     validate_table(table)
     gpu_table(table)
     block_n = {(tokens, one_slot): launch.select_config("Test GPU", "lora_gemm", tokens, 64, 32,
                                                        64, one_slot=one_slot).block_n
-               for tokens in (16, 32) for one_slot in (False, True)}
-    assert block_n == {(16, False): 16, (16, True): 64, (32, False): 32, (32, True): 128}
+               for tokens in (16, 32, 64) for one_slot in (False, True)}
+    assert block_n == {(16, False): 16, (16, True): 64, (32, False): 32, (32, True): 128,
+                       (64, False): 64, (64, True): 16}
+    assert launch.shape_key(64, 32, 64, one_slot=False) == f"64x32@r64{launch.SEVERAL_SLOTS}"
     # another rank tile's batches never see them
     assert launch.select_config("Test GPU", "lora_gemm", 16, 64, 32, 16, one_slot=True).block_n \
         == 16
@@ -293,7 +297,7 @@ def test_one_slot_entries_serve_only_batches_of_one_slot(gpu_table):
     launch._load_table.cache_clear()
     with pytest.raises(ValueError, match="under a rank key"):
         launch.shape_key(64, 32, one_slot=True)
-    with pytest.raises(ValueError, match="one-slot"):
+    with pytest.raises(ValueError, match="several-slots"):
         validate_table({"lora_gemm": {"64x32@r64/two-slots": {}}})
 
 

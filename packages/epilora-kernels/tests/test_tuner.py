@@ -381,6 +381,37 @@ def test_a_worker_stopped_at_the_budget_says_which_launch_it_was_on(tmp_path):
                         r"beginning its last launch of 1", said), said
 
 
+def test_one_slot_and_several_slot_runs_are_cached_apart(cache, monkeypatch):
+    # K2's several-slot epilogue is another kernel than its one-slot one: a run with 4 slots
+    # leaves the one-slot settings as the 1-slot run chose them, and the other way round.
+    for slots, best in ((1, 64), (4, 32)):
+        _, time_us = _fake_gpu(monkeypatch, lambda k1, k2, best=best: 100.0
+                               - 5 * (k2.block_n == best))
+        tuner.tune_decode({"down": (4096, (64,))}, rank=16, slots=slots, tokens=(8,),
+                          time_us=time_us, progress=lambda line: None)
+    cached = tuner.read_cache("triton-interpreter")["lora_gemm"]
+    assert sorted(cached) == ["64x4096@r16/one-slot", "64x4096@r16/several-slots"]
+    assert {one_slot: launch.table_config("triton-interpreter", "lora_gemm", 8, 64, 4096, 16,
+                                          one_slot=one_slot).block_n
+            for one_slot in (True, False)} == {True: 64, False: 32}
+
+
+def test_several_slots_are_tuned_where_only_one_slot_was(cache, monkeypatch):
+    # An engine of several slots tunes a shape whose entries sit under plain or rank keys (as
+    # the shipped table's, tuned with one slot) until its own several-slot entries exist.
+    from epilora_kernels import arch
+
+    gpu = arch.DeviceSupport("triton-interpreter", (9, 0), fp8_mma=True, pdl=True, tma=True,
+                             interpreter=False)
+    monkeypatch.setattr(arch, "device_support", lambda device=None: gpu)
+    tuner._write(gpu.name, {"decode_shrink": {"64x4096@r16": {"1": {"split_k": 4}}}})
+    assert not tuner.needs_tuning(64, 4096, 16, slots=1)
+    assert tuner.needs_tuning(64, 4096, 16, slots=4)
+    tuner._write(gpu.name, {"decode_shrink": {"64x4096@r16/several-slots": {
+        "1": {"split_k": 2}}}})
+    assert not tuner.needs_tuning(64, 4096, 16, slots=4)
+
+
 def test_a_later_run_keeps_the_buckets_an_earlier_one_tuned(cache):
     fields = {"block_n": 64}
     tuner._write("triton-interpreter", {"lora_gemm": {"64x4096@r16/one-slot": {
@@ -519,7 +550,7 @@ def test_where_the_paths_are_close_the_faster_is_cached_and_chosen(cache, monkey
     assert (cells[8]["path"], cells[16]["path"], cells[16]["fused_us"]) == (None, want, fused_us)
     assert timings.count("fused") == 1
     cached = tuner.read_cache("triton-interpreter")
-    assert cached["path"] == {launch.shape_key(64, 4096, 16): {"16": {"path": want,
+    assert cached["path"] == {launch.shape_key(64, 4096, 16, one_slot=False): {"16": {"path": want,
                                                                        "slots": 2}}}
     from epilora_kernels import arch, dispatch
 
@@ -568,7 +599,7 @@ def test_a_cell_whose_paths_were_not_timed_again_drops_the_earlier_choices(cache
     # An earlier run's choices were timed with that run's GEMM settings, which K2's entries
     # share between the modes: a later run that tunes the cell but reaches its budget before
     # timing the fused path leaves no choice there, in either mode; other buckets keep theirs.
-    key = launch.shape_key(64, 4096, 16)
+    key = launch.shape_key(64, 4096, 16, one_slot=False)
     fused_choice = {"path": "fused", "slots": 2}
     earlier = {"16": fused_choice, "32": fused_choice}
     tuner._write("triton-interpreter", {"path": {key: dict(earlier)},
@@ -585,7 +616,7 @@ def test_a_cell_whose_paths_were_not_timed_again_drops_the_earlier_choices(cache
 
 def test_a_choice_timed_in_one_mode_drops_the_others_at_that_bucket(cache, monkeypatch):
     # K2's settings are both modes': the codes run's new settings void the bf16 x choice.
-    key = launch.shape_key(64, 4096, 16)
+    key = launch.shape_key(64, 4096, 16, one_slot=False)
     tuner._write("triton-interpreter", {"path": {key: {"16": {"path": "fused", "slots": 2}}}})
     monkeypatch.setattr(fused, "decode_lora_fp8_linear", lambda *a, **k: ANSWER)
     monkeypatch.setattr(fused, "fused_lora_fp8_linear", lambda *a, **k: ANSWER)
@@ -597,7 +628,7 @@ def test_a_choice_timed_in_one_mode_drops_the_others_at_that_bucket(cache, monke
 
 
 def test_a_cache_that_retunes_a_shape_voids_the_shipped_tables_choice_for_it():
-    key = launch.shape_key(64, 4096, 16)
+    key = launch.shape_key(64, 4096, 16, one_slot=False)
     choice = {"16": {"path": "fused", "slots": 8}}
     table = {"path": {key: choice, "8x8@r16": choice}, "lora_gemm": {key: {"16": {}}}}
     cache = {"lora_gemm": {key: {"16": {}}}}

@@ -5,8 +5,9 @@ underscores, as vLLM names its tables): `{op: {"<N>x<K>": {"<tokens>": LaunchCon
 written by `benchmarks/tune.py` on the device, which tunes at rank 64; entries tuned at another
 rank sit under `"<N>x<K>@r<R>"` (R the rank tile, `rank_block`) and are preferred for adapters
 of that rank tile; entries that suit only batches of one adapter slot (K2 compiles its epilogue
-for one slot apart, K1's row tiles grow with the slots) under `"<N>x<K>@r<R>/one-slot"`,
-preferred again for such batches. The entry
+for one slot apart, K1's row tiles grow with the slots) under `"<N>x<K>@r<R>/one-slot"`, and
+those that suit only batches of several under `"<N>x<K>@r<R>/several-slots"` (the tuner's
+several-slot runs, and the timed path choices), preferred again for such batches. The entry
 for the smallest token bucket >= the batch is used (else the largest). A shape the table lacks
 takes the entries of the nearest tuned shape within a factor of two in N and K
 (`nearest_shape`). `validate_table` checks a table's schema on any machine. Ops, shapes or
@@ -376,21 +377,31 @@ def table_name(device_name: str) -> str:
     return device_name.replace(" ", "_").replace("-", "_") + ".json"
 
 
-# The suffix of rank keys whose entries serve batches with one adapter slot only: K2's one-slot
-# epilogue (ENTRIES_BLOCK <= 2) is another kernel than the several-slot one, and settings tuned
-# on it can slow the other (rank-64 K2 entries at 16 tokens: the 32-adapter layer 10-14 us
-# slower, benchmarks/results/h200/compare_layer_93f78f7_k2_r64.md).
+# The suffixes of rank keys whose entries serve batches of one adapter slot only, or of several
+# only: K2's one-slot epilogue (ENTRIES_BLOCK <= 2) is another kernel than the several-slot one,
+# and settings tuned on either can slow the other (rank-64 K2 entries tuned with one slot at 16
+# tokens made the 32-adapter layer 10-14 us slower on the H200 at 93f78f7; on an H100 at c6b1cf3
+# 32 slots of rank 64 at 16 tokens on the table's entries, tuned with one slot, added +70 to
+# +73% where the heuristic added +56 to +57%).
 ONE_SLOT = "/one-slot"
+SEVERAL_SLOTS = "/several-slots"
+SLOT_SUFFIXES = (ONE_SLOT, SEVERAL_SLOTS)
 
 
-def shape_key(n: int, k: int, rank: int | None = None, one_slot: bool = False) -> str:
-    """`"NxK"`, or `"NxK@rR"` (R = rank_block(rank)) for entries tuned at that rank, with
-    `ONE_SLOT` appended for entries that serve only batches of one slot."""
+def slots_suffix(one_slot: bool) -> str:
+    """The key suffix of entries for batches of one slot (True) or of several (False)."""
+    return ONE_SLOT if one_slot else SEVERAL_SLOTS
+
+
+def shape_key(n: int, k: int, rank: int | None = None, one_slot: bool | None = None) -> str:
+    """`"NxK"`, or `"NxK@rR"` (R = rank_block(rank)) for entries tuned at that rank; with
+    `one_slot` True or False, `ONE_SLOT` or `SEVERAL_SLOTS` appended for entries that serve
+    only batches of one slot or only batches of several."""
     if rank is None:
-        if one_slot:
-            raise ValueError("one-slot entries sit under a rank key")
+        if one_slot is not None:
+            raise ValueError("one-slot and several-slot entries sit under a rank key")
         return f"{n}x{k}"
-    return f"{n}x{k}@r{rank_block(rank)}" + (ONE_SLOT if one_slot else "")
+    return f"{n}x{k}@r{rank_block(rank)}" + ("" if one_slot is None else slots_suffix(one_slot))
 
 
 def validate_table(table: dict) -> None:
@@ -406,10 +417,11 @@ def validate_table(table: dict) -> None:
         for shape, entries in shapes.items():
             dims, at, rank = shape.partition("@r")
             n, _, k = dims.partition("x")
-            rank = rank.removesuffix(ONE_SLOT)
+            rank = rank.removesuffix(ONE_SLOT).removesuffix(SEVERAL_SLOTS)
             if not (n.isdigit() and k.isdigit()) or (at and not rank.isdigit()):
                 raise ValueError(f"{op}: shape key {shape!r} must look like '6144x4096', "
-                                 f"'6144x4096@r128' or '6144x4096@r128{ONE_SLOT}'")
+                                 f"'6144x4096@r128', '6144x4096@r128{ONE_SLOT}' or "
+                                 f"'6144x4096@r128{SEVERAL_SLOTS}'")
             for bucket, fields in entries.items():
                 if not bucket.isdigit():
                     raise ValueError(f"{op} {shape}: bucket {bucket!r} must be a token count")
@@ -523,8 +535,8 @@ def table_config(device_name: str, op: str, tokens: int, n: int, k: int,
     """The tuned entry for (op, N x K) at the smallest bucket >= tokens (else the largest, or
     with `cover` none; buckets above `max_bucket` not at all); given a rank, its rank tile's
     entries replace the others' at the buckets they tuned (a rank tuned at 64-256 tokens leaves
-    the decode buckets to the rank-64 entries), and with `one_slot` (a batch of one adapter
-    slot) its one-slot entries replace those in turn."""
+    the decode buckets to the rank-64 entries), and its one-slot entries (`one_slot`: a batch
+    of one adapter slot) or several-slot entries (otherwise) replace those in turn."""
     table = _load_table(device_name, cache_device)
     return None if table is None else table_entry(table, op, tokens, n, k, rank, cover, one_slot,
                                                   max_bucket)
@@ -532,15 +544,17 @@ def table_config(device_name: str, op: str, tokens: int, n: int, k: int,
 
 def tuned_exactly(device_name: str, op: str, n: int, k: int, rank: int | None = None,
                   one_slot: bool = False, cache_device: str | None = None,
-                  tokens: int | None = None) -> bool:
+                  tokens: int | None = None, slots_key_only: bool = False) -> bool:
     """Whether the table (with the tuner's cache over it) has entries of `op` for N x K itself,
-    plain or at the rank's keys `table_config` would read, rather than lending a nearer
-    shape's; given `tokens`, an entry `select_config` takes for that batch (not the heuristic's
-    settings where the shape's buckets do not cover it)."""
+    plain or at the rank's keys `table_config` would read (`slots_key_only`: at its one-slot
+    or several-slot key only), rather than lending a nearer shape's; given `tokens`, an entry
+    `select_config` takes for that batch (not the heuristic's settings where the shape's
+    buckets do not cover it)."""
     table = _load_table(device_name, cache_device)
     if table is None:
         return False
-    keys = [f"{n}x{k}{suffix}" for suffix in _key_suffixes(rank, one_slot)]
+    suffixes = _key_suffixes(rank, one_slot)
+    keys = [f"{n}x{k}{suffix}" for suffix in (suffixes[-1:] if slots_key_only else suffixes)]
     if tokens is None:
         return any(table.get(op, {}).get(key) for key in keys)
     own = {key: table[op][key] for key in keys if table.get(op, {}).get(key)}
@@ -560,7 +574,8 @@ def tuned_path(device_name: str, tokens: int, n: int, k: int, rank: int, slots: 
     covering `tokens` (up to DECODE_SHRINK_MAX_TOKENS); `codes`: the choice timed on the
     codes given. None where it timed none."""
     table = _load_table(device_name, cache_device)
-    entries = (table or {}).get(path_op(codes), {}).get(shape_key(n, k, rank), {})
+    entries = (table or {}).get(path_op(codes), {}).get(shape_key(n, k, rank, one_slot=False),
+                                                         {})
     bucket = _covering_bucket(entries, tokens, DECODE_SHRINK_MAX_TOKENS)
     if bucket is None or entries[str(bucket)]["slots"] != slots:
         return None
@@ -591,12 +606,12 @@ def _lookup_limits(op: str, tokens: int) -> tuple[bool, int | None]:
 
 
 def _key_suffixes(rank: int | None, one_slot: bool) -> list[str]:
-    # The shape-key suffixes a lookup at `rank` (one slot or not) reads: plain, the rank tile's,
-    # its one-slot entries.
+    # The shape-key suffixes a lookup at `rank` (one slot or several) reads, each replacing the
+    # one before at the buckets it has: plain, the rank tile's, its one-slot or several-slot
+    # entries.
     if rank is None:
         return [""]
-    return ["", f"@r{rank_block(rank)}"] + ([f"@r{rank_block(rank)}{ONE_SLOT}"]
-                                            if one_slot else [])
+    return ["", f"@r{rank_block(rank)}", f"@r{rank_block(rank)}{slots_suffix(one_slot)}"]
 
 
 # How far a tuned shape may be from an untuned one and still lend it its entries: within this

@@ -17,9 +17,9 @@ settings they had. With `codes` it tunes the path as an engine that quantizes x 
 fused paths are close (`dispatch.timed_choice`: several slots at 9-32 tokens), it also times the
 fused path with the chosen GEMM settings and caches the faster path (`path` or `path_codes`
 entries), which `choose_path` then takes for that shape. The cache is a launch
-table (`launch.validate_table`'s schema) under
-`one_slot` keys for batches of one adapter slot, plain rank keys otherwise; the launchers
-overlay it on the shipped table, shape by shape.
+table (`launch.validate_table`'s schema) under one-slot keys for batches of one adapter slot,
+several-slot keys otherwise (never plain rank keys: settings tuned with one slot count can slow
+the other); the launchers overlay it on the shipped table, shape by shape.
 """
 
 import dataclasses
@@ -93,12 +93,14 @@ def needs_tuning(n: int, k: int, rank: int, *, slots: int = 1, codes: bool = Fal
     """Whether `tune_decode` would give the launchers decode settings they lack for an N x K
     projection with adapters of `rank` over `slots` slots (`codes`: called with the codes
     given): no K1 entry tuned on this very shape in the shipped table or the cache (one tuned
-    bucket counts), and the launchers read tables at all (not under EPILORA_LAUNCH_TABLES=0
-    or the interpreter). K2's entries are one per shape for both modes: tuning one mode
-    replaces the other's (and the timed choices between the decode and fused paths made
-    beside them). A shape tuned without a timed choice (the shipped table's, an earlier
-    cache's, a run whose budget ended first) is not tuned again for it: `choose_path`'s rule
-    serves it, where a choice made each start would cost every start its search."""
+    bucket counts; with several slots, only an entry under the several-slot key: the plain
+    and rank keys the shipped table fills were tuned with one slot), and the launchers read
+    tables at all (not under EPILORA_LAUNCH_TABLES=0 or the interpreter). K2's entries are one
+    per shape and slot count for both modes: tuning one mode replaces the other's (and the
+    timed choices between the decode and fused paths made beside them). A shape tuned
+    without a timed choice (an earlier cache's, a run whose budget ended first) is not tuned
+    again for it: `choose_path`'s rule serves it, where a choice made each start would cost
+    every start its search."""
     from epilora_kernels._tiling import table_of
     from epilora_kernels.arch import device_support
     from epilora_kernels.launch import tuned_exactly
@@ -106,7 +108,8 @@ def needs_tuning(n: int, k: int, rank: int, *, slots: int = 1, codes: bool = Fal
     support = device_support(device)
     name = table_of(support)
     return name is not None and not tuned_exactly(name, _k1_op(codes, slots, 1), n, k, rank,
-                                                  slots == 1, cache_device=support.name)
+                                                  slots == 1, cache_device=support.name,
+                                                  slots_key_only=slots > 1)
 
 
 def k2_candidates(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...],
