@@ -111,6 +111,44 @@ def test_padded_rows_and_an_unaligned_weight_launch_as_lora_linear_does(monkeypa
             assert launched == unbound
 
 
+@pytest.mark.parametrize("kind", ["x", "codes"])
+def test_the_delta_kernel_launches_as_lora_linear_launches_it(kind, monkeypatch):
+    # EPILORA_DELTA_KERNEL=1 (read at construction): where the fused path's K2 would sum
+    # several slots' delta before its K loop, the delta kernel writes it into y between K1 and
+    # K2, as in lora_linear: the same launches, K2 told so, the same bits.
+    monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "0")  # the delta goes first wherever it can
+    monkeypatch.setenv("EPILORA_DELTA_KERNEL", "1")
+    x, weight, w_scale, lora, batch = make_problem(9, 70, K, SLICES, RANK, SLOTS,
+                                                   "mixed_with_base")
+    given, quantized = _inputs(kind, x)
+    bound = ek.LoraProjection(weight, w_scale, lora)
+    launched, start = [], _launchers._start
+
+    def recording(kernel, grid, **arguments):
+        launched.append((kernel, grid, {name: _launch_record(v) for name, v in arguments.items()}))
+        return start(kernel, grid, **arguments)
+
+    monkeypatch.setattr(_launchers, "_start", recording)
+    templates = _launches(monkeypatch)
+    want = ek.lora_linear(given, weight, w_scale, lora, batch, path="fused",
+                          x_quantized=quantized)
+    unbound, unbound_delta = templates.copy(), launched.copy()
+    templates.clear()
+    launched.clear()
+    got = bound(given, batch, path="fused", x_quantized=quantized)
+    assert_bitwise_equal(got, want, name="bound")
+    assert templates == unbound and launched == unbound_delta
+    names = [kernel.fn.__name__ for kernel, _, _ in launched]
+    assert names == ["_quantize_shrink_kernel", "_segment_delta_kernel", "_lora_gemm_kernel"]
+    assert templates[-1][2]["DELTA_IN_Y"] is True
+    # set after construction, the setting does not reach the projection's launches
+    monkeypatch.setenv("EPILORA_DELTA_KERNEL", "0")
+    launched.clear()
+    assert_bitwise_equal(bound(given, batch, path="fused", x_quantized=quantized), want,
+                         name="bound, setting changed after construction")
+    assert [kernel.fn.__name__ for kernel, _, _ in launched] == names
+
+
 def test_per_channel_scales_and_every_slot_in_a_prefill_tile():
     x, weight, w_scale, lora, batch = make_problem(4, 70, K, SLICES, RANK, SLOTS, "one_adapter",
                                                    per_channel=True)

@@ -73,7 +73,8 @@ def epilogue_halves() -> str:
 def delta_kernel() -> bool:
     """EPILORA_DELTA_KERNEL=1 (default 0: untimed): where K2 would sum several slots' delta
     before its K loop (`DELTA_FIRST`: 64- and 128-row FP8 tiles, h whole), a kernel of its own
-    writes it into y first (`_launchers.launch_delta`) and K2 only adds it."""
+    writes it into y first (`_launchers.launch_delta`) and K2 only adds it. Read at each
+    launch by `lora_linear`, when made by a `LoraProjection`."""
     value = os.environ.get("EPILORA_DELTA_KERNEL", "0")
     if value not in ("0", "1"):
         raise ValueError(f"EPILORA_DELTA_KERNEL={value!r}: expected 0 or 1")

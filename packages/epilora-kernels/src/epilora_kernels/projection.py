@@ -17,7 +17,8 @@ and kernels, hence the same bits. The decode, fused and W8A16 paths take the bou
 hybrid path and empty batches go through `lora_linear`. The tensors given at construction must
 keep their storage: an engine that replaces or moves a weight makes a new projection. The launch
 tables a projection reads are those of its construction (EPILORA_LAUNCH_TABLES read then, as
-EPILORA_DECODE_AFTER_PREVIOUS and EPILORA_DECODE_ONE_LAUNCH: not read again at every call);
+EPILORA_DECODE_AFTER_PREVIOUS, EPILORA_DECODE_ONE_LAUNCH and EPILORA_DELTA_KERNEL: not read again
+at every call);
 settings a tuner writes later reach it through `launch.clear_table_cache`, as they reach
 `lora_linear`.
 """
@@ -43,7 +44,7 @@ class _Step:
     projection of those shapes (`_STEPS`)."""
 
     __slots__ = ("k1", "k2", "grid1", "grid2", "partial_shape", "tiles", "cfg1", "block_a",
-                 "a_sorted", "h_dtype", "quantize", "cfg2", "prefetch")
+                 "a_sorted", "h_dtype", "quantize", "cfg2", "prefetch", "delta_in_y")
 
     def __init__(self, **values) -> None:
         for name, value in values.items():
@@ -93,6 +94,7 @@ class LoraProjection:
         self._prefetch_args = kernel_args(prefetch, self.device)
         self._after_previous = _env.decode_after_previous()
         self._one_launch = _env.decode_one_launch()
+        self._delta_kernel = _env.delta_kernel()
         self._support = support = device_support(device)
         slices = tuple(lora.output_slices)
         self._supported = {path: _supports_on(support, path, lora.in_features, slices,
@@ -175,7 +177,7 @@ class LoraProjection:
         after_previous = path == "decode" and self._after_previous
         key = (self._shapes, path, t, -1 if x is None else x.stride(0),
                -1 if x_quantized is None else x_quantized[0].stride(0), batch.num_entries,
-               biased, prefetch, after_previous, self._one_launch)
+               biased, prefetch, after_previous, self._one_launch, self._delta_kernel)
         step = _STEPS.get(key)
         if step is not None:
             return step
@@ -205,8 +207,13 @@ class LoraProjection:
                 partial_shape=(None if grid2[2] == 1 else
                                _launchers.gemm_partial_shape(grid2, lora.out_features, cfg2)),
                 tiles=tiles, cfg1=cfg1, cfg2=cfg2, block_a=None, a_sorted=False,
-                h_dtype=h_dtype, quantize=False, prefetch=None)
+                h_dtype=h_dtype, quantize=False, prefetch=None, delta_in_y=False)
             return _keep_step(key, step)
+        k2_pdl = _launchers.use_pdl(support, pdl)
+        # EPILORA_DELTA_KERNEL: as `_launchers.launch_k2` decides it
+        delta_in_y = self._delta_kernel and _launchers.delta_first(
+            mode, cfg2, batch.num_entries, split=grid2[2], pdl=k2_pdl,
+            wait_k1_first=wait_k1_first, tokens=t, rank=lora.max_rank)
         step = _Step(
             k1=_launchers.k1_template(
                 support, lora, batch.num_entries, cfg1, stride_x=rows.stride(0),
@@ -218,14 +225,16 @@ class LoraProjection:
                 stride_a=stride_a,
                 stride_y=lora.out_features, h_planes=1, split=grid2[2], w_tma=w_tma,
                 per_channel=self.weight_scale.numel() > 1,
-                pdl=_launchers.use_pdl(support, pdl), wait_codes=counted,
+                pdl=k2_pdl, wait_codes=counted,
                 warm_l2=fused.DECODE_WARM_L2, traced=False, wait_k1_first=wait_k1_first,
-                a_sorted=a_sorted, has_bias=biased, prefetch=prefetch, tokens=t),
+                a_sorted=a_sorted, has_bias=biased, prefetch=prefetch, tokens=t,
+                delta_in_y=delta_in_y),
             grid1=_launchers.k1_grid(t, lora, batch, cfg1, quantize=quantize), grid2=grid2,
             partial_shape=(None if grid2[2] == 1 else
                            _launchers.gemm_partial_shape(grid2, lora.out_features, cfg2)),
             tiles=tiles, cfg1=cfg1, cfg2=cfg2, block_a=[cfg2.block_m, cfg2.block_k],
-            a_sorted=a_sorted, h_dtype=h_dtype, quantize=quantize, prefetch=prefetch)
+            a_sorted=a_sorted, h_dtype=h_dtype, quantize=quantize, prefetch=prefetch,
+            delta_in_y=delta_in_y)
         return _keep_step(key, step)
 
     def _bind(self, template, step: _Step):
@@ -283,6 +292,8 @@ class LoraProjection:
             h, partials, sorted_indices, lora_ids, batch.num_tokens_per_lora,
             batch.lora_token_start, tile_counters, counters, counters))
         try:
+            if step.delta_in_y:
+                _launchers.launch_delta(support, y, h, lora, batch)
             _launchers._start_template(support, k2, step.grid2, (
                 t, a, a_desc, a_scale, self.weight_scale if bias is None else bias, y, h,
                 sorted_indices, lora_ids, batch.lora_token_start, partial, tile_counters,
