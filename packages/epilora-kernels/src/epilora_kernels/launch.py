@@ -385,7 +385,6 @@ def table_name(device_name: str) -> str:
 # +73% where the heuristic added +56 to +57%).
 ONE_SLOT = "/one-slot"
 SEVERAL_SLOTS = "/several-slots"
-SLOT_SUFFIXES = (ONE_SLOT, SEVERAL_SLOTS)
 
 
 def slots_suffix(one_slot: bool) -> str:

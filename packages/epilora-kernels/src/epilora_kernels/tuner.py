@@ -18,8 +18,9 @@ fused paths are close (`dispatch.timed_choice`: several slots at 9-32 tokens), i
 fused path with the chosen GEMM settings and caches the faster path (`path` or `path_codes`
 entries), which `choose_path` then takes for that shape. The cache is a launch
 table (`launch.validate_table`'s schema) under one-slot keys for batches of one adapter slot,
-several-slot keys otherwise (never plain rank keys: settings tuned with one slot count can slow
-the other); the launchers overlay it on the shipped table, shape by shape.
+several-slot keys otherwise (never plain rank keys: settings tuned with one slot can slow
+batches of several, and the other way round); the launchers overlay it on the shipped table,
+shape by shape.
 """
 
 import dataclasses
@@ -96,11 +97,11 @@ def needs_tuning(n: int, k: int, rank: int, *, slots: int = 1, codes: bool = Fal
     bucket counts; with several slots, only an entry under the several-slot key: the plain
     and rank keys the shipped table fills were tuned with one slot), and the launchers read
     tables at all (not under EPILORA_LAUNCH_TABLES=0 or the interpreter). K2's entries are one
-    per shape and slot count for both modes: tuning one mode replaces the other's (and the
-    timed choices between the decode and fused paths made beside them). A shape tuned
-    without a timed choice (an earlier cache's, a run whose budget ended first) is not tuned
-    again for it: `choose_path`'s rule serves it, where a choice made each start would cost
-    every start its search."""
+    per shape, for one slot or several, for both modes: tuning one mode replaces the other's
+    (and the timed choices between the decode and fused paths made beside them). A shape
+    tuned without a timed choice (an earlier cache's, a run whose budget ended first) is not
+    tuned again for it: `choose_path`'s rule serves it, where a choice made each start would
+    cost every start its search."""
     from epilora_kernels._tiling import table_of
     from epilora_kernels.arch import device_support
     from epilora_kernels.launch import tuned_exactly
