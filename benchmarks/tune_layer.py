@@ -171,10 +171,11 @@ def main() -> None:
     flush = l2_flush_buffer()
     layer = make_layer(args.adapters, args.rank, gen)  # as decode.py and decode_timeline.py
     op = OPS[args.path, args.kernel]
-    key_rank = entry_rank(args.rank, args.kernel == "k2")
     # K2 timed with one slot ran its one-slot epilogue: its entries serve such batches only;
-    # anything timed with several slots serves several-slot batches only (launch.shape_key).
+    # anything timed with several slots serves several-slot batches only, under a rank key
+    # (launch.shape_key).
     one_slot = (False if args.adapters > 1 else True if args.kernel == "k2" else None)
+    key_rank = args.rank if one_slot is False else entry_rank(args.rank, args.kernel == "k2")
     table = installed_table()
     table.setdefault(op, {})
     meta = table.setdefault("_meta", {})

@@ -51,14 +51,15 @@ def test_a_path_choice_goes_with_the_gemm_settings_it_was_timed_with():
     # GEMM settings; a cache that replaces those settings without timing a choice drops it,
     # and one that brings its own choice replaces it.
     choice = {"16": {"path": "fused", "slots": 8}}
-    table = {**_table(), "path": {"6144x4096@r64": choice, "4096x4096@r64": choice}}
-    cache = {**_cache(), "lora_gemm": {"6144x4096@r64": {"16": PLAIN}}}
+    qkv, o = "6144x4096@r64/several-slots", "4096x4096@r64/several-slots"  # the tuner's keys
+    table = {**_table(), "path": {qkv: choice, o: choice}}
+    cache = {**_cache(), "lora_gemm": {qkv: {"16": PLAIN}}}
     merged, changes = SHIP["ship"](cache, table, "f00d")
-    assert merged["path"] == {"4096x4096@r64": choice}
-    assert "path 6144x4096@r64 16: {'path': 'fused', 'slots': 8} -> None" in changes
+    assert merged["path"] == {o: choice}
+    assert f"path {qkv} 16: {{'path': 'fused', 'slots': 8}} -> None" in changes
     own = {"16": {"path": "decode", "slots": 8}}
-    merged, _ = SHIP["ship"]({**cache, "path": {"6144x4096@r64": own}}, table, "f00d")
-    assert merged["path"] == {"6144x4096@r64": own, "4096x4096@r64": choice}
+    merged, _ = SHIP["ship"]({**cache, "path": {qkv: own}}, table, "f00d")
+    assert merged["path"] == {qkv: own, o: choice}
 
 
 def test_a_cache_with_a_bad_entry_is_refused():

@@ -297,8 +297,12 @@ def test_one_slot_and_several_slot_entries_serve_only_their_batches(gpu_table):
     launch._load_table.cache_clear()
     with pytest.raises(ValueError, match="under a rank key"):
         launch.shape_key(64, 32, one_slot=True)
-    with pytest.raises(ValueError, match="several-slots"):
-        validate_table({"lora_gemm": {"64x32@r64/two-slots": {}}})
+    for bad in ("64x32@r64/two-slots", "64x32@r64/several-slots/one-slot"):
+        with pytest.raises(ValueError, match="several-slots"):
+            validate_table({"lora_gemm": {bad: {}}})
+    # K2 without adapters asks for no slots' entries: plain and rank keys only
+    assert launch.select_config("Test GPU", "lora_gemm", 64, 64, 32, 64, one_slot=None).block_n \
+        == 16
 
 
 def test_vllm_meta_args_round_trip():

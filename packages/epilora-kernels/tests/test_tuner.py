@@ -510,7 +510,8 @@ def test_the_settings_identity_changes_with_what_decides_the_settings(cache, mon
     assert launch.settings_identity(h200) != before
     monkeypatch.delenv("EPILORA_LAUNCH_TABLES")
     # the settings that change which kernels run (kernels compiled ahead are then others)
-    settings = (("EPILORA_GATHER_SEGMENTS", "fit"), ("EPILORA_EPILOGUE_HALVES", "0"))
+    settings = (("EPILORA_GATHER_SEGMENTS", "fit"), ("EPILORA_EPILOGUE_HALVES", "0"),
+                ("EPILORA_DELTA_KERNEL", "1"))
     for name, _ in settings:
         monkeypatch.delenv(name, raising=False)
     defaults = launch.settings_identity(h200)

@@ -42,7 +42,7 @@ def table_of(support: DeviceSupport) -> str | None:
 
 
 def shape_config(support: DeviceSupport, op: str, tokens: int, n: int, k: int, rank: int,
-                 slices: tuple[int, ...], one_slot: bool = False) -> LaunchConfig:
+                 slices: tuple[int, ...], one_slot: bool | None = False) -> LaunchConfig:
     """The device's table entry (its own table, else its architecture's), else the heuristic."""
     device = table_of(support)
     # Prefill tiles only where a block may take sm_90's shared memory (sm_89 and consumer GPUs
@@ -53,7 +53,7 @@ def shape_config(support: DeviceSupport, op: str, tokens: int, n: int, k: int, r
 
 
 def config(support: DeviceSupport, op: str, tokens: int, lora: LoraWeights,
-           given: LaunchConfig | None, one_slot: bool = False) -> LaunchConfig:
+           given: LaunchConfig | None, one_slot: bool | None = False) -> LaunchConfig:
     if given is not None:
         return given
     return shape_config(support, op, tokens, lora.out_features, lora.in_features, lora.max_rank,

@@ -77,7 +77,8 @@ def quantize_and_shrink(
     summed in K1, in a fixed order."""
     _checks.check_inputs(x, lora, batch)
     support = _support(x, "fused")
-    cfg = _tiling.config(support, "quantize_shrink", x.shape[0], lora, config)
+    cfg = _tiling.config(support, "quantize_shrink", x.shape[0], lora, config,
+                         _tiling.one_slot(batch))
     return _launchers.launch_k1(support, _workspace(workspace, x.device), x, lora, batch, cfg,
                                 quantize=True)
 
@@ -95,7 +96,7 @@ def lora_shrink(
     else:
         _checks.check_quantized_inputs(x, x_scales, lora, batch)
     support = device_support(x.device)
-    cfg = _tiling.config(support, "shrink", x.shape[0], lora, config)
+    cfg = _tiling.config(support, "shrink", x.shape[0], lora, config, _tiling.one_slot(batch))
     return _launchers.launch_k1(support, _workspace(workspace, x.device), x, lora, batch, cfg,
                                 quantize=False, x_scales=x_scales)[2]
 
@@ -118,7 +119,8 @@ def _k2_alone(support, mode, a, a_scale, weight, weight_scale, config, workspace
     # K2 without adapters (`fp8_gemm`, `w8a16_gemm`): the given settings, else the table's or
     # the heuristic's for the shape (those of W8A16 fitted to its bf16 operands).
     t, k = a.shape
-    cfg = config or _tiling.shape_config(support, "lora_gemm", t, weight.shape[0], k, 16, ())
+    cfg = config or _tiling.shape_config(support, "lora_gemm", t, weight.shape[0], k, 16, (),
+                                         one_slot=None)  # no adapters: no slot keys
     if config is None and mode == W8A16:
         cfg = _w8a16_tiles(cfg, _tiling.w_tma(support, weight, cfg))
     return _launchers.launch_gemm_only(support, _workspace(workspace, a.device), a, a_scale,

@@ -381,7 +381,8 @@ def table_name(device_name: str) -> str:
 # only: K2's one-slot epilogue (ENTRIES_BLOCK <= 2) is another kernel than the several-slot one,
 # and settings tuned on either can slow the other (rank-64 K2 entries tuned with one slot at 16
 # tokens made the 32-adapter layer 10-14 us slower on the H200 at 93f78f7; on an H100 at c6b1cf3
-# 32 slots of rank 64 at 16 tokens on the table's entries, tuned with one slot, added +70 to
+# 32 slots of rank 64 at 16 tokens on the table's entries, tuned with one adapter (or 4 slots in
+# benchmarks/tune.py's earlier sweeps), added +70 to
 # +73% where the heuristic added +56 to +57%).
 ONE_SLOT = "/one-slot"
 SEVERAL_SLOTS = "/several-slots"
@@ -416,8 +417,9 @@ def validate_table(table: dict) -> None:
         for shape, entries in shapes.items():
             dims, at, rank = shape.partition("@r")
             n, _, k = dims.partition("x")
-            rank = rank.removesuffix(ONE_SLOT).removesuffix(SEVERAL_SLOTS)
-            if not (n.isdigit() and k.isdigit()) or (at and not rank.isdigit()):
+            rank, slash, slots = rank.partition("/")
+            if (not (n.isdigit() and k.isdigit()) or (at and not rank.isdigit())
+                    or slash + slots not in ("", ONE_SLOT, SEVERAL_SLOTS)):
                 raise ValueError(f"{op}: shape key {shape!r} must look like '6144x4096', "
                                  f"'6144x4096@r128', '6144x4096@r128{ONE_SLOT}' or "
                                  f"'6144x4096@r128{SEVERAL_SLOTS}'")
@@ -499,15 +501,15 @@ def settings_identity(device_name: str) -> str:
     use on `device_name`: whether they read tables at all, the shipped tables and the tuner's
     cache for the device, and the settings that change which kernels the launchers run
     (EPILORA_DECODE_AFTER_PREVIOUS, EPILORA_DECODE_ONE_LAUNCH, EPILORA_GATHER_SEGMENTS,
-    EPILORA_EPILOGUE_HALVES). Work that depends on those settings (an engine's kernels
-    compiled ahead) stays valid while this is unchanged."""
+    EPILORA_EPILOGUE_HALVES, EPILORA_DELTA_KERNEL). Work that depends on those settings (an
+    engine's kernels compiled ahead) stays valid while this is unchanged."""
     from epilora_kernels import _env, tuner
 
     digest = hashlib.sha256(b"tables" if _env.launch_tables() else b"heuristic")
     digest.update(b"after-previous %d one-launch %d" % (_env.decode_after_previous(),
                                                         _env.decode_one_launch()))
-    digest.update(b"gather %s halves %s" % (_env.gather_segments().encode(),
-                                            _env.epilogue_halves().encode()))
+    digest.update(b"gather %s halves %s delta-kernel %d" % (
+        _env.gather_segments().encode(), _env.epilogue_halves().encode(), _env.delta_kernel()))
     shipped = resources.files("epilora_kernels").joinpath("configs")
     for path in [*sorted(shipped.iterdir(), key=lambda p: p.name), tuner.cache_path(device_name)]:
         if path.is_file():
@@ -529,7 +531,7 @@ def clear_table_cache() -> None:
 
 def table_config(device_name: str, op: str, tokens: int, n: int, k: int,
                  rank: int | None = None, cover: bool = False,
-                 one_slot: bool = False, cache_device: str | None = None,
+                 one_slot: bool | None = False, cache_device: str | None = None,
                  max_bucket: int | None = None) -> LaunchConfig | None:
     """The tuned entry for (op, N x K) at the smallest bucket >= tokens (else the largest, or
     with `cover` none; buckets above `max_bucket` not at all); given a rank, its rank tile's
@@ -604,13 +606,14 @@ def _lookup_limits(op: str, tokens: int) -> tuple[bool, int | None]:
             DECODE_SHRINK_MAX_TOKENS if decode else None)
 
 
-def _key_suffixes(rank: int | None, one_slot: bool) -> list[str]:
-    # The shape-key suffixes a lookup at `rank` (one slot or several) reads, each replacing the
-    # one before at the buckets it has: plain, the rank tile's, its one-slot or several-slot
-    # entries.
+def _key_suffixes(rank: int | None, one_slot: bool | None) -> list[str]:
+    # The shape-key suffixes a lookup at `rank` (one slot, several, or None: no adapters'
+    # slots asked, as K2 without adapters) reads, each replacing the one before at the buckets
+    # it has: plain, the rank tile's, its one-slot or several-slot entries.
     if rank is None:
         return [""]
-    return ["", f"@r{rank_block(rank)}", f"@r{rank_block(rank)}{slots_suffix(one_slot)}"]
+    rank_key = f"@r{rank_block(rank)}"
+    return ["", rank_key] + ([] if one_slot is None else [rank_key + slots_suffix(one_slot)])
 
 
 # How far a tuned shape may be from an untuned one and still lend it its entries: within this
@@ -645,7 +648,7 @@ def nearest_shapes(shapes: dict, n: int, k: int,
 
 
 def table_entry(table: dict, op: str, tokens: int, n: int, k: int, rank: int | None = None,
-                cover: bool = False, one_slot: bool = False,
+                cover: bool = False, one_slot: bool | None = False,
                 max_bucket: int | None = None) -> LaunchConfig | None:
     """`table_config`'s lookup in a given table; a shape the table lacks takes the entries of
     its nearest tuned shape (`nearest_shape`), if any."""
@@ -672,7 +675,7 @@ def table_entry(table: dict, op: str, tokens: int, n: int, k: int, rank: int | N
 
 
 def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int, rank: int,
-                  slices: tuple[int, ...] = (), one_slot: bool = False,
+                  slices: tuple[int, ...] = (), one_slot: bool | None = False,
                   cache_device: str | None = None, large_tiles: bool = True) -> LaunchConfig:
     """The launchers' choice: the device's tuned entry, else the heuristic (`device_name`
     None: the heuristic). K2's table entries are tuned at one rank; its epilogue holds a whole
@@ -682,7 +685,8 @@ def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int,
     PREFILL_MIN_TOKENS every op takes the heuristic's prefill tiles unless a bucket covers the
     batch; up to DECODE_SHRINK_MAX_TOKENS, the heuristic's unless a bucket up to there does
     (but `shrink`, the hybrid path's K1).
-    `one_slot`: the batch has one adapter slot (its one-slot entries first, `table_config`).
+    `one_slot`: the batch has one adapter slot (its one-slot entries first, `table_config`),
+    or several (its several-slot entries), or None: no adapters (neither).
     `cache_device`: the device whose tuner cache overlays `device_name`'s table (default: that
     device). `large_tiles`: as for `heuristic_config`. `decode_shrink_codes` takes its own
     entry where a bucket covers the batch, else `decode_shrink`'s choice."""

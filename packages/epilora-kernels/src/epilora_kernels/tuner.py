@@ -95,7 +95,8 @@ def needs_tuning(n: int, k: int, rank: int, *, slots: int = 1, codes: bool = Fal
     projection with adapters of `rank` over `slots` slots (`codes`: called with the codes
     given): no K1 entry tuned on this very shape in the shipped table or the cache (one tuned
     bucket counts; with several slots, only an entry under the several-slot key: the plain
-    and rank keys the shipped table fills were tuned with one slot), and the launchers read
+    and rank keys the shipped table fills were not tuned with an engine's slots, but with one
+    adapter or, in `benchmarks/tune.py`'s earlier sweeps, 4 slots), and the launchers read
     tables at all (not under EPILORA_LAUNCH_TABLES=0 or the interpreter). K2's entries are one
     per shape, for one slot or several, for both modes: tuning one mode replaces the other's
     (and the timed choices between the decode and fused paths made beside them). A shape
