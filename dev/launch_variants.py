@@ -401,6 +401,7 @@ VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "epilogue-halves-all": with_env("EPILORA_EPILOGUE_HALVES", "all"),
             "epilogue-parked": with_env("EPILORA_EPILOGUE_HALVES", "0"),
             "delta-kernel": with_env("EPILORA_DELTA_KERNEL", "1"),
+            "delta-kernel-overlap": with_env("EPILORA_DELTA_KERNEL", "overlap"),
             "k2-128x256": k2_tile(128, 256, 8, 3), "k2-128x128": k2_tile(128, 128, 8, 4),
             "k2-64x256": k2_tile(64, 256, 4, 3), "k2-64x128": k2_tile(64, 128, 4, 4)}
 

@@ -70,12 +70,15 @@ def epilogue_halves() -> str:
     return value
 
 
-def delta_kernel() -> bool:
-    """EPILORA_DELTA_KERNEL=1 (default 0: untimed): where K2 would sum several slots' delta
+def delta_kernel() -> str:
+    """EPILORA_DELTA_KERNEL (default `0`: untimed): where K2 would sum several slots' delta
     before its K loop (`DELTA_FIRST`: 64- and 128-row FP8 tiles, h whole), a kernel of its own
-    writes it into y first (`_launchers.launch_delta`) and K2 only adds it. Read at each
-    launch by `lora_linear`, when made by a `LoraProjection`."""
+    writes it into y first (`_launchers.launch_delta`) and K2 only adds it. `1`: K2 waits for
+    the delta kernel before its K loop; `overlap`: the delta kernel, in persistent programs,
+    lets K2 launch at once (PDL, sm_90) and K2 waits for it only before its epilogue, its K
+    loop running beside the delta's loads of B. Read at each launch by `lora_linear`, when
+    made by a `LoraProjection`."""
     value = os.environ.get("EPILORA_DELTA_KERNEL", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"EPILORA_DELTA_KERNEL={value!r}: expected 0 or 1")
-    return value == "1"
+    if value not in ("0", "1", "overlap"):
+        raise ValueError(f"EPILORA_DELTA_KERNEL={value!r}: expected 0, 1 or overlap")
+    return value

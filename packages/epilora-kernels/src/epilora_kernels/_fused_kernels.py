@@ -411,20 +411,47 @@ def _several_slots_delta(acc, h_ptr, tok, pos, pos_mask, s, T, R, n, n_mask, sli
 @triton.jit(do_not_specialize=["T"])
 def _segment_delta_kernel(y_ptr, h_ptr, b0_ptr, b1_ptr, b2_ptr, sorted_ptr, lora_ids_ptr,
                           counts_ptr, start_ptr, T, N, R, NUM_ENTRIES, stride_y, N_OFF1, N_OFF2,
-                          NUM_SLICES: tl.constexpr, H_PLANES: tl.constexpr,
+                          ROW_TILES, NUM_SLICES: tl.constexpr, H_PLANES: tl.constexpr,
                           BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                           R_STEP: tl.constexpr, ENTRIES_BLOCK: tl.constexpr,
-                          INTERPRETER: tl.constexpr):
+                          PERSISTENT: tl.constexpr, INTERPRETER: tl.constexpr):
     # The several-slot delta on its own (EPILORA_DELTA_KERNEL): bf16(h) B_slot^T of every
     # adapter segment's rows, rounded to bf16, into y, which K2 then adds to its base
     # (DELTA_IN_Y); rows without an adapter are not written (K2 does not read them). One
-    # program: BLOCK_T rows of one segment by BLOCK_N columns of one slice, the segments' row
+    # tile: BLOCK_T rows of one segment by BLOCK_N columns of one slice, the segments' row
     # tiles laid end to end as K1's shrink lays them, so each slot's slice of B is read by its
     # own rows only. In K2, before the K loop (DELTA_FIRST), a tile met by many short
     # segments ran an MMA of all its rows per segment, loading each segment's B in turn on
     # an SM nothing else ran on; here small programs keep many loads of B in flight.
-    z, pid_m = _entry_row_tile(tl.program_id(0), counts_ptr, NUM_ENTRIES, BLOCK_T,
-                               ENTRIES_BLOCK)
+    # PERSISTENT (`overlap`): a 1-D grid that every SM holds at once, each program taking
+    # tiles in turn (ROW_TILES row tiles a column tile), which lets K2, its programmatic
+    # dependent, launch now: K2's K loop needs nothing of ours, its epilogue waits for all
+    # of us (gdc_wait, which waits for this grid's end and its stores).
+    if PERSISTENT:
+        if not INTERPRETER:
+            tl.extra.cuda.gdc_launch_dependents()
+        for tile in range(tl.program_id(0), ROW_TILES * tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
+            _segment_delta_tile(tile % ROW_TILES, tile // ROW_TILES, y_ptr, h_ptr, b0_ptr,
+                                b1_ptr, b2_ptr, sorted_ptr, lora_ids_ptr, counts_ptr,
+                                start_ptr, T, N, R, NUM_ENTRIES, stride_y, N_OFF1, N_OFF2,
+                                NUM_SLICES, H_PLANES, BLOCK_T, BLOCK_N, BLOCK_R, R_STEP,
+                                ENTRIES_BLOCK, INTERPRETER)
+    else:
+        _segment_delta_tile(tl.program_id(0), tl.program_id(1), y_ptr, h_ptr, b0_ptr, b1_ptr,
+                            b2_ptr, sorted_ptr, lora_ids_ptr, counts_ptr, start_ptr, T, N, R,
+                            NUM_ENTRIES, stride_y, N_OFF1, N_OFF2, NUM_SLICES, H_PLANES,
+                            BLOCK_T, BLOCK_N, BLOCK_R, R_STEP, ENTRIES_BLOCK, INTERPRETER)
+
+
+@triton.jit
+def _segment_delta_tile(m_tile, n_tile, y_ptr, h_ptr, b0_ptr, b1_ptr, b2_ptr, sorted_ptr,
+                        lora_ids_ptr, counts_ptr, start_ptr, T, N, R, NUM_ENTRIES, stride_y,
+                        N_OFF1, N_OFF2, NUM_SLICES: tl.constexpr, H_PLANES: tl.constexpr,
+                        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                        R_STEP: tl.constexpr, ENTRIES_BLOCK: tl.constexpr,
+                        INTERPRETER: tl.constexpr):
+    # The delta kernel's tile (m_tile of the entries' row tiles, n_tile of the columns).
+    z, pid_m = _entry_row_tile(m_tile, counts_ptr, NUM_ENTRIES, BLOCK_T, ENTRIES_BLOCK)
     if z < NUM_ENTRIES:
         slot = tl.load(lora_ids_ptr + z)
         if slot >= 0:
@@ -433,7 +460,7 @@ def _segment_delta_kernel(y_ptr, h_ptr, b0_ptr, b1_ptr, b2_ptr, sorted_ptr, lora
             rows = pid_m * BLOCK_T + tl.arange(0, BLOCK_T)
             row_mask = rows < count
             tok = tl.load(sorted_ptr + start + rows, mask=row_mask, other=0)
-            n0 = tl.program_id(1) * BLOCK_N
+            n0 = n_tile * BLOCK_N
             s, slice_begin, slice_end, b_base = _slice_at(n0, N, N_OFF1, N_OFF2, b0_ptr,
                                                           b1_ptr, b2_ptr)
             b_stride = (slice_end - slice_begin) * R  # one slot's slice of B

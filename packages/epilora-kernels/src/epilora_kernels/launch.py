@@ -508,8 +508,9 @@ def settings_identity(device_name: str) -> str:
     digest = hashlib.sha256(b"tables" if _env.launch_tables() else b"heuristic")
     digest.update(b"after-previous %d one-launch %d" % (_env.decode_after_previous(),
                                                         _env.decode_one_launch()))
-    digest.update(b"gather %s halves %s delta-kernel %d" % (
-        _env.gather_segments().encode(), _env.epilogue_halves().encode(), _env.delta_kernel()))
+    digest.update(b"gather %s halves %s delta-kernel %s" % (
+        _env.gather_segments().encode(), _env.epilogue_halves().encode(),
+        _env.delta_kernel().encode()))
     shipped = resources.files("epilora_kernels").joinpath("configs")
     for path in [*sorted(shipped.iterdir(), key=lambda p: p.name), tuner.cache_path(device_name)]:
         if path.is_file():
