@@ -142,8 +142,12 @@ def main() -> None:
                     calls = record_launches(functools.partial(
                         linear, x, weight, torch.ones(1), lora, batch, k1_config=k1_cfg,
                         k2_config=k2_cfg), grids)
-                    for kernel_name, call, grid in zip(("K1", "K2"), calls, grids, strict=True):
-                        if kernel_name not in reported:
+                    # (EPILORA_DELTA_KERNEL: the delta kernel between K1 and K2, reported
+                    # beside them)
+                    names = ("K1", "K2") if len(calls) == 2 else ("K1", "delta", "K2")
+                    for kernel_name, call, grid in zip(names, calls, grids, strict=True):
+                        if kernel_name not in reported and not (
+                                kernel_name == "delta" and "K2" in reported):
                             continue
                         compiled = compile_launch_full(*call)
                         regs, spills = ptxas_usage(compiled.asm["ptx"])
