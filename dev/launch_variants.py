@@ -228,6 +228,17 @@ def with_env(name: str, value: str):
 heuristic = with_env("EPILORA_LAUNCH_TABLES", "0")
 
 
+def delta_overlap_programs(per_sm: int):
+    """A variant: EPILORA_DELTA_KERNEL=overlap with `per_sm` delta programs an SM (shipped:
+    `_launchers.DELTA_PROGRAMS_PER_SM`): more loads of B in flight, less room for K2's."""
+    @contextlib.contextmanager
+    def variant():
+        with (with_env("EPILORA_DELTA_KERNEL", "overlap")(),
+              mock.patch.object(_launchers, "DELTA_PROGRAMS_PER_SM", per_sm)):
+            yield
+    return variant
+
+
 @contextlib.contextmanager
 def one_launch_swapped():
     with with_env("EPILORA_DECODE_ONE_LAUNCH", "1")(), swap_ab(1)():
@@ -402,6 +413,7 @@ VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "epilogue-parked": with_env("EPILORA_EPILOGUE_HALVES", "0"),
             "delta-kernel": with_env("EPILORA_DELTA_KERNEL", "1"),
             "delta-kernel-overlap": with_env("EPILORA_DELTA_KERNEL", "overlap"),
+            "delta-kernel-overlap-4": delta_overlap_programs(4),
             "k2-128x256": k2_tile(128, 256, 8, 3), "k2-128x128": k2_tile(128, 128, 8, 4),
             "k2-64x256": k2_tile(64, 256, 4, 3), "k2-64x128": k2_tile(64, 128, 4, 4)}
 

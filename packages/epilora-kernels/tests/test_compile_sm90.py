@@ -61,6 +61,11 @@ def test_kernels_compile_for_sm90_with_the_expected_instructions():
     # the 232,448 bytes of shared memory an sm_90 block may take (8 stages: 245,816)
     stages, shared = found["w8a16_swapped_fitted"]
     assert stages == 7 and shared <= 232448
+    # EPILORA_DELTA_KERNEL=overlap: the delta kernel triggers K2 before its own loads; K2
+    # waits once, after its K loop, storing nothing before; with =1, before its K loop.
+    assert found["delta_overlap_triggers_first"]
+    assert found["k2_delta_overlap_waits_once_after_mma"]
+    assert found["k2_delta_serial_waits_before_mma"]
 
 
 def test_every_launch_compiles_for_sm90_with_the_arguments_its_launcher_passes():

@@ -142,7 +142,7 @@ def test_the_delta_kernel_launches_as_lora_linear_launches_it(kind, setting, mon
     names = [kernel.fn.__name__ for kernel, _, _ in launched]
     assert names == ["_quantize_shrink_kernel", "_segment_delta_kernel", "_lora_gemm_kernel"]
     assert templates[-1][2]["DELTA_IN_Y"] is True
-    assert launched[1][2]["PERSISTENT"] is (setting == "overlap")
+    assert launched[1][2]["LAUNCH_DEPENDENTS"] is (setting == "overlap")
     # set after construction, the setting does not reach the projection's launches
     monkeypatch.setenv("EPILORA_DELTA_KERNEL", "0")
     launched.clear()

@@ -5,6 +5,7 @@ A pointer a launch does not use is passed as `unused` (any tensor of the device,
 written: its flag compiles the access out)."""
 
 import contextlib
+import functools
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -357,8 +358,9 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
     pf_when, pf_rows, pf_stride, pf_lines, pf_half, pf_row_bytes = prefetch or (0,) * 6
     gather_step = _tiling.gather_segments(cfg, num_entries, lora.max_rank)  # 0: loop
     halves = _tiling.epilogue_halves(cfg, num_entries, mode == FP8, tokens, lora.max_rank)
-    # (with the delta in y K2 needs no h before its K loop: EPILORA_DELTA_KERNEL=overlap's K2
-    # waits for nothing before it)
+    # (with the delta in y K2 reads no h at all: EPILORA_DELTA_KERNEL=overlap's K2 waits for
+    # nothing before its K loop, which is safe only because the delta kernel, launched without
+    # PDL, runs between K1 and K2: `delta_plan`, `launch_k2`, `LoraProjection._launch`)
     first = delta_first(mode, cfg, num_entries, split=split, pdl=pdl,
                         wait_k1_first=wait_k1_first or delta_in_y, tokens=tokens,
                         rank=lora.max_rank)
@@ -446,7 +448,7 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
     a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]) if a_sorted else a
     pdl = use_pdl(support, pdl)
     # EPILORA_DELTA_KERNEL: where the delta would go first, a kernel of its own writes it
-    delta_in_y, overlap, wait_k1_first = delta_plan(
+    delta_in_y, overlap, k2_waits_k1 = delta_plan(
         support, _env.delta_kernel(), mode, cfg, batch.num_entries, split=grid[2], pdl=pdl,
         wait_k1_first=wait_k1_first, tokens=t, rank=lora.max_rank)
     template = k2_template(
@@ -454,7 +456,7 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
         h_planes=h.shape[0], split=grid[2], w_tma=w_operand is not weight,
         per_channel=mode != EXPAND and weight_scale.numel() > 1, pdl=pdl,
         wait_codes=wait_codes, warm_l2=warm_l2, traced=trace is not None,
-        wait_k1_first=wait_k1_first, a_sorted=a_sorted, has_bias=bias is not None,
+        wait_k1_first=k2_waits_k1, a_sorted=a_sorted, has_bias=bias is not None,
         prefetch=pf_args, tokens=t, delta_in_y=delta_in_y)
     partial = y if partial is None else partial
     trace = trace_arg(trace, counters, grid[0] * grid[1] * grid[2])
@@ -492,10 +494,10 @@ def launch_delta(support: DeviceSupport, y: torch.Tensor, h: torch.Tensor, lora:
     block_n = fit_slices(DELTA_BLOCK_N, lora.output_slices)
     block_r = rank_block(lora.max_rank)  # at least 16: the dot's K on sm_90
     row_tiles = _tiling.entry_row_tiles(t, batch, DELTA_BLOCK_T)
-    n_tiles = -(-n // block_n)
-    grid = ((min(row_tiles * n_tiles, DELTA_PROGRAMS_PER_SM * _multiprocessors(support, y)),)
-            if overlap else (row_tiles, n_tiles))
-    _start(_segment_delta_kernel, grid,
+    tiles = row_tiles * -(-n // block_n)
+    programs = (min(tiles, DELTA_PROGRAMS_PER_SM * _multiprocessors(support, y)) if overlap
+                else tiles)
+    _start(_segment_delta_kernel, (programs,),
            y_ptr=y, h_ptr=h, b0_ptr=b[0], b1_ptr=b[1], b2_ptr=b[2],
            sorted_ptr=batch.sorted_token_indices, lora_ids_ptr=batch.lora_ids,
            counts_ptr=batch.num_tokens_per_lora, start_ptr=batch.lora_token_start, T=t, N=n,
@@ -503,7 +505,7 @@ def launch_delta(support: DeviceSupport, y: torch.Tensor, h: torch.Tensor, lora:
            N_OFF2=off2, ROW_TILES=row_tiles, NUM_SLICES=len(lora.output_slices),
            H_PLANES=h.shape[0], BLOCK_T=DELTA_BLOCK_T, BLOCK_N=block_n, BLOCK_R=block_r,
            R_STEP=min(block_r, DELTA_MAX_R_STEP),
-           ENTRIES_BLOCK=_tiling.next_power_of_2(batch.num_entries), PERSISTENT=overlap,
+           ENTRIES_BLOCK=_tiling.next_power_of_2(batch.num_entries), LAUNCH_DEPENDENTS=overlap,
            INTERPRETER=support.interpreter, num_warps=4)
 
 
@@ -524,14 +526,23 @@ def delta_plan(support: DeviceSupport, setting: str, mode: int, cfg: LaunchConfi
 
 
 def _multiprocessors(support: DeviceSupport, y: torch.Tensor) -> int:
-    # One on the interpreter: there the persistent programs' loop is what a test should see.
-    # Tensors off CUDA for a GPU's launch are a compile ahead on a CPU (the sm_90 tests),
-    # where the grid changes no code: the H200's count.
+    # Three on the interpreter, so that its tests see programs taking several tiles each from
+    # different starts (the loop's stride itself no test of bits can see: a program redoing
+    # another's tiles writes the same bits). Tensors off CUDA for a GPU's launch are a compile
+    # ahead on a CPU (the sm_90 tests), where the grid changes no code: the H200's count.
     if support.interpreter:
-        return 1
+        return INTERPRETER_SMS
     if y.device.type != "cuda":
         return H200_SMS
-    return torch.cuda.get_device_properties(y.device).multi_processor_count
+    return _cuda_multiprocessors(y.device.index)
+
+
+@functools.cache
+def _cuda_multiprocessors(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+INTERPRETER_SMS = 3
 
 
 def k2_lead_template(support: DeviceSupport, lora: LoraWeights, num_entries: int,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given
 
-from epilora_kernels import _tiling, device_support, fused, reference
+from epilora_kernels import _launchers, _tiling, device_support, fused, reference
 from epilora_quant import Fp8Arithmetic
 from epilora_testing import assert_bitwise_equal
 from epilora_testing.corpora import special_activations
@@ -345,7 +345,15 @@ def test_the_delta_kernel_gives_the_delta_firsts_answer(shape, setting, monkeypa
     monkeypatch.setenv("EPILORA_DELTA_KERNEL", "1")
     serial = fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch)
     monkeypatch.setenv("EPILORA_DELTA_KERNEL", setting)
+    launched, real = [], _launchers.launch_delta
+
+    def launch_delta(*args, overlap):  # (the K2-given half above has no PDL: `1` there)
+        launched.append(overlap)
+        real(*args, overlap=overlap)
+
+    monkeypatch.setattr(_launchers, "launch_delta", launch_delta)
     eager = fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch)
+    assert launched == [setting == "overlap"]
     assert relative_error(eager, first) < 1e-3
     assert_bitwise_equal(eager, serial, name=f"the fused path, delta kernel {setting} vs 1")
     graph, out = capture(lambda: fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch))
