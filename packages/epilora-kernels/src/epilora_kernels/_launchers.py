@@ -488,7 +488,7 @@ def launch_delta(support: DeviceSupport, y: torch.Tensor, h: torch.Tensor, lora:
                  batch: AdapterBatch, *, overlap: bool = False) -> None:
     """`_segment_delta_kernel`: bf16(h B_slot^T) of every adapter segment's rows into `y`
     (rows without an adapter untouched), for a K2 with `delta_in_y`. `overlap`: in
-    persistent programs that let K2 launch at once (`delta_overlaps`)."""
+    persistent programs that let K2 launch at once (`delta_plan`)."""
     t, n = y.shape
     _, b, off1, off2 = _slices(lora)
     block_n = fit_slices(DELTA_BLOCK_N, lora.output_slices)
