@@ -176,9 +176,6 @@ def main() -> None:
             fused.fused_lora_fp8_linear(*slots_128, k2_config=dataclasses.replace(
                 prefill, block_r=128)),
             fused.fused_lora_fp8_linear(*slots_8, k2_config=prefill))),
-        # its persistent programs, K2 their PDL dependent waiting only before its epilogue
-        "fused_delta_overlap": lambda: _with_env("EPILORA_DELTA_KERNEL", lambda: (
-            fused.fused_lora_fp8_linear(*slots, k2_config=prefill)), value="overlap"),
         "expand": lambda: fused.lora_expand(
             torch.zeros(5, 128, dtype=torch.bfloat16), fused.lora_shrink(x, lora, batch), lora,
             batch),
@@ -202,9 +199,9 @@ def main() -> None:
     print(json.dumps(compiled))
 
 
-def _with_env(name: str, launch, value: str = "1"):
+def _with_env(name: str, launch):
     before = os.environ.get(name)
-    os.environ[name] = value
+    os.environ[name] = "1"
     try:
         return launch()
     finally:

@@ -196,31 +196,16 @@ def main() -> None:
         tail = k2_tenants[k2_tenants.find("griddepcontrol.wait"):]
         out[f"k2_segment_loop_waits_{stages}"] = sorted({int(n) for n in re.findall(
             r"cp\.async\.wait_group\s+(\d+)", tail)})
-    # EPILORA_DELTA_KERNEL=overlap on the fused path (several slots, 64-row K2 tiles): the
-    # delta kernel lets K2 launch before any load or store of its own; K2 waits once, after
-    # its K loop's MMAs, and stores and counts nothing before; with =1 it waits for all of K1
-    # (and so the delta kernel) before its first MMA.
+    # EPILORA_DELTA_KERNEL=1 on the fused path (several slots, 64-row K2 tiles): K2, the
+    # delta kernel's PDL dependent, waits for it (and so all of K1) before its first MMA.
     slots = make_problem(0, 70, 256, (64, 32, 32), 64, 4, "mixed_with_base")
     k2_rows64 = LaunchConfig(block_m=64, block_n=32, block_k=64, block_r=64, num_stages=3)
-    delta_ptx = {}
-    for setting in ("overlap", "1"):
-        os.environ["EPILORA_DELTA_KERNEL"] = setting
-        try:
-            delta_ptx[setting] = ptx_of(lambda: fused.fused_lora_fp8_linear(
-                *slots, k1_config=K1, k2_config=k2_rows64))
-        finally:
-            del os.environ["EPILORA_DELTA_KERNEL"]
-    _, delta, k2_overlap = delta_ptx["overlap"]
-    trigger = delta.find("griddepcontrol.launch_dependents")
-    out["delta_overlap_triggers_first"] = 0 <= trigger and not any(
-        op in delta[:trigger] for op in ("ld.global", "st.global", "atom."))
-    overlap_wait = k2_overlap.find("griddepcontrol.wait")
-    first_mma = min(i for i in (k2_overlap.find("mma.sync"), k2_overlap.find("wgmma"))
-                    if i >= 0)
-    out["k2_delta_overlap_waits_once_after_mma"] = (
-        k2_overlap.count("griddepcontrol.wait") == 1 and 0 <= first_mma < overlap_wait
-        and not any(op in k2_overlap[:overlap_wait] for op in ("st.global", "atom.")))
-    k2_serial = delta_ptx["1"][2]
+    os.environ["EPILORA_DELTA_KERNEL"] = "1"
+    try:
+        _, _, k2_serial = ptx_of(lambda: fused.fused_lora_fp8_linear(
+            *slots, k1_config=K1, k2_config=k2_rows64))
+    finally:
+        del os.environ["EPILORA_DELTA_KERNEL"]
     serial_mma = min(i for i in (k2_serial.find("mma.sync"), k2_serial.find("wgmma")) if i >= 0)
     out["k2_delta_serial_waits_before_mma"] = (
         0 <= k2_serial.find("griddepcontrol.wait") < serial_mma)

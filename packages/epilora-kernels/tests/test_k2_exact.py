@@ -9,7 +9,6 @@ import torch
 import epilora_kernels as ek
 from epilora_kernels import LaunchConfig, _launchers, fused, reference
 from epilora_kernels._launchers import FP8, W8A16
-from epilora_kernels.arch import INTERPRETER, DeviceSupport
 from epilora_testing import assert_bitwise_equal
 
 from kernel_cases import (
@@ -243,30 +242,24 @@ DELTA_KERNEL_FITTING = [(case, name) for case in DELTA_KERNEL_CASES
                         if not any(w % k2.block_n for w in case[2][:-1])]
 
 
-# `overlap`: the delta kernel in persistent programs (one under the interpreter: every tile
-# by one program's loop) beside K2, which waits for it only before its epilogue
-DELTA_SETTINGS = ("1", "overlap")
-
-
-@pytest.mark.parametrize("setting", DELTA_SETTINGS)
 @pytest.mark.parametrize(("case", "cfg"), DELTA_KERNEL_FITTING,
                          ids=[f"T{c[0]}-N{sum(c[2])}-{c[4]}-{c[5]}-{n}"
                               for c, n in DELTA_KERNEL_FITTING])
-def test_k2_with_the_delta_kernel_equals_reference_and_the_delta_first(case, cfg, setting,
+def test_k2_with_the_delta_kernel_equals_reference_and_the_delta_first(case, cfg,
                                                                        monkeypatch):
     x, codes, scales, weight, w_scale, h, lora, batch = make_integer_problem(0, *case)
     k2 = DELTA_KERNEL[cfg]
     monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "0")
     monkeypatch.setenv("EPILORA_DELTA_KERNEL", "0")
     first = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2)
-    monkeypatch.setenv("EPILORA_DELTA_KERNEL", setting)
+    monkeypatch.setenv("EPILORA_DELTA_KERNEL", "1")
     launched = []
     real = _launchers.launch_delta
 
-    def launch_delta(support, y, *args, overlap):  # y all NaN: K2 must not read unwritten rows
-        launched.append(overlap)
+    def launch_delta(support, y, *args):  # y full of NaN first: K2 must not read unwritten rows
+        launched.append(1)
         y.fill_(float("nan"))
-        real(support, y, *args, overlap=overlap)
+        real(support, y, *args)
 
     monkeypatch.setattr(_launchers, "launch_delta", launch_delta)
     for h_in in (h, h.to(torch.bfloat16)):  # K1 writes h in bf16 for K2's prefill tiles
@@ -277,11 +270,10 @@ def test_k2_with_the_delta_kernel_equals_reference_and_the_delta_first(case, cfg
         assert_bitwise_equal(y, first, name="K2 with the delta kernel vs the delta first")
         _check_rows(y, fused.fp8_gemm(codes, scales, weight, w_scale, config=k2), h, lora,
                     batch, "K2 with the delta kernel")
-    assert launched == [setting == "overlap"] * 2
+    assert launched == [1, 1]
 
 
-@pytest.mark.parametrize("setting", DELTA_SETTINGS)
-def test_the_delta_kernel_at_rank_128_in_two_steps(setting, monkeypatch):
+def test_the_delta_kernel_at_rank_128_in_two_steps(monkeypatch):
     # rank 128: the delta kernel's two 64-wide rank steps (every step carries data: h and B
     # nonzero in all columns); outputs past 256 are inexact in bf16, so the reference's bits
     # only, and the fused path whole (K1, the delta kernel, K2) against the delta first
@@ -289,7 +281,7 @@ def test_the_delta_kernel_at_rank_128_in_two_steps(setting, monkeypatch):
     x, codes, scales, weight, w_scale, h, lora, batch = make_integer_problem(
         2, 70, 64, (64, 64), 128, 4, "reversed_runs")
     k2 = LaunchConfig(block_m=64, block_n=32, block_k=32, block_r=128, num_warps=1)
-    monkeypatch.setenv("EPILORA_DELTA_KERNEL", setting)
+    monkeypatch.setenv("EPILORA_DELTA_KERNEL", "1")
     y = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2)
     assert_bitwise_equal(y, reference.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora,
                                                     batch), name="delta kernel at rank 128")
@@ -302,14 +294,12 @@ def test_the_delta_kernel_at_rank_128_in_two_steps(setting, monkeypatch):
                          name="the fused path with the delta kernel vs the delta first")
 
 
-@pytest.mark.parametrize("setting", DELTA_SETTINGS)
-def test_the_delta_kernel_leaves_rows_padded_past_the_counted_tokens_alone(setting,
-                                                                          monkeypatch):
+def test_the_delta_kernel_leaves_rows_padded_past_the_counted_tokens_alone(monkeypatch):
     # vLLM pads a batch to a captured graph's size with rows whose slots and sorted indices are
     # stale: with the delta kernel the real rows are what they are unpadded, the padding the
     # base alone (it neither writes nor reads those rows)
     monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "0")
-    monkeypatch.setenv("EPILORA_DELTA_KERNEL", setting)
+    monkeypatch.setenv("EPILORA_DELTA_KERNEL", "1")
     x, weight, w_scale, lora, batch = make_problem(9, 70, 64, (32, 16, 16), 16, 8,
                                                    "one_token_each")
     xp, padded = pad_batch(x, batch, 80)
@@ -323,10 +313,8 @@ def test_the_delta_kernel_leaves_rows_padded_past_the_counted_tokens_alone(setti
 
 
 def test_the_delta_kernel_only_where_the_delta_goes_first(monkeypatch):
-    # (mode, block_m, entries, split, pdl, wait_k1_first): as DELTA_FIRST, except that a K2
-    # with the delta in y needs no h before its K loop (`overlap`: PDL, no wait for K1); a K2
-    # told the delta is in y where it would not sum it first is refused; =0 is the default; a
-    # bad value raises
+    # (mode, block_m, entries, split, pdl, wait_k1_first): as DELTA_FIRST; a K2 told the delta
+    # is in y where it would not sum it first is refused; =0 is the default; a bad value raises
     _, _, _, _, _, _, lora, _ = make_integer_problem(9, 5, 64, (32, 16, 16), 16, 8, "one_adapter")
     monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "0")
     cfg = LaunchConfig(block_m=64, block_n=16, block_k=32, block_r=16)
@@ -336,40 +324,35 @@ def test_the_delta_kernel_only_where_the_delta_goes_first(monkeypatch):
     arguments = _launchers._k2_arguments(FP8, lora, 9, cfg, split=1, pdl=False,
                                          wait_k1_first=False, delta_in_y=True, **kw)
     assert arguments["DELTA_FIRST"] and arguments["DELTA_IN_Y"]
-    overlapped = _launchers._k2_arguments(FP8, lora, 9, cfg, split=1, pdl=True,
-                                          wait_k1_first=False, delta_in_y=True, **kw)
-    assert overlapped["DELTA_FIRST"] and overlapped["DELTA_IN_Y"]
-    assert overlapped["USE_PDL"] and not overlapped["WAIT_K1_FIRST"]
-    for entries, split in ((2, 1), (9, 2)):
+    for entries, split, pdl in ((2, 1, False), (9, 2, False), (9, 1, True)):
         with pytest.raises(ValueError, match="delta_in_y"):
-            _launchers._k2_arguments(FP8, lora, entries, cfg, split=split, pdl=False,
+            _launchers._k2_arguments(FP8, lora, entries, cfg, split=split, pdl=pdl,
                                      wait_k1_first=False, delta_in_y=True, **kw)
     from epilora_kernels import _env
 
     monkeypatch.delenv("EPILORA_DELTA_KERNEL", raising=False)
     assert _env.delta_kernel() == "0"
     monkeypatch.setenv("EPILORA_DELTA_KERNEL", "yes")
-    with pytest.raises(ValueError, match="expected 0, 1 or overlap"):
+    with pytest.raises(ValueError, match="expected 0, 1 or auto"):
         _env.delta_kernel()
 
 
-def test_the_delta_plan_overlaps_only_where_k2_waits_for_the_delta_kernel_alone():
-    # (delta_in_y, overlap, K2's wait_k1_first) on sm_90 (PDL) and sm_89 (none), the fused
-    # path's K2 (PDL, waiting for K1 first) at 9 entries in 64-row tiles
+def test_the_delta_kernel_auto_takes_short_segments_only(monkeypatch):
+    # EPILORA_DELTA_KERNEL=auto: where the delta goes first, up to DELTA_TOKENS_PER_SLOT
+    # tokens a slot held (9 entries: 8 slots and the one without an adapter); `1` at any
+    # count; neither where the delta does not go first (one slot, split K)
+    monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "0")
     cfg = LaunchConfig(block_m=64, block_n=16, block_k=32, block_r=16)
-    sm90 = DeviceSupport("H100", (9, 0), fp8_mma=True, pdl=True, tma=True, interpreter=False)
-    sm89 = DeviceSupport("L40S", (8, 9), fp8_mma=True, pdl=False, tma=False, interpreter=False)
+    bound = _launchers.DELTA_TOKENS_PER_SLOT * 8
 
-    def plan(support, setting, entries=9, pdl=True):
-        return _launchers.delta_plan(support, setting, FP8, cfg, entries, split=1, pdl=pdl,
-                                     wait_k1_first=True, tokens=70, rank=16)
+    def use(setting, tokens, entries=9, split=1):
+        return _launchers.use_delta_kernel(setting, FP8, cfg, entries, split=split,
+                                           pdl=True, wait_k1_first=True, tokens=tokens,
+                                           rank=16)
 
-    assert plan(sm90, "0") == (False, False, True)
-    assert plan(sm90, "1") == (True, False, True)
-    assert plan(sm90, "overlap") == (True, True, False)  # K1 ended before the delta began
-    assert plan(sm90, "overlap", entries=2) == (False, False, True)  # one slot: no delta first
-    assert plan(sm89, "overlap", pdl=False) == (True, False, True)  # no PDL: in stream order
-    assert plan(INTERPRETER, "overlap", pdl=False) == (True, True, False)
+    assert use("auto", bound) and not use("auto", bound + 1)
+    assert use("1", bound + 1) and not use("0", bound)
+    assert not use("1", 70, entries=2) and not use("auto", 70, split=2)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-N{sum(c[2])}-{c[5]}")

@@ -71,15 +71,13 @@ def epilogue_halves() -> str:
 
 
 def delta_kernel() -> str:
-    """EPILORA_DELTA_KERNEL (default `0`: untimed): where K2 would sum several slots' delta
-    before its K loop (`DELTA_FIRST`: 64- and 128-row FP8 tiles, h whole), a kernel of its own
-    writes it into y first (`_launchers.launch_delta`) and K2 only adds it. `1`: K2 waits for
-    the delta kernel before its K loop; `overlap`: the delta kernel, in persistent programs,
-    lets K2 launch at once (PDL, sm_90) and K2 waits for it only before its epilogue, its K
-    loop running beside the delta's loads of B; where K2 is no PDL launch (sm_89, the fused
-    path at 32 tokens or fewer, `lora_fp8_gemm`) `overlap` is `1`. Read at each launch by
-    `lora_linear`, when made by a `LoraProjection`."""
+    """EPILORA_DELTA_KERNEL (default `0`): where K2 would sum several slots' delta before its K
+    loop (`DELTA_FIRST`: 64- and 128-row FP8 tiles, h whole), a kernel of its own writes it
+    into y first (`_launchers.launch_delta`) and K2, waiting for it before its K loop, only
+    adds it. `1`: wherever the delta goes first; `auto`: where the batch has at most
+    `_launchers.DELTA_TOKENS_PER_SLOT` tokens a slot held (`_launchers.use_delta_kernel`);
+    `0`: never. Read at each launch by `lora_linear`, when made by a `LoraProjection`."""
     value = os.environ.get("EPILORA_DELTA_KERNEL", "0")
-    if value not in ("0", "1", "overlap"):
-        raise ValueError(f"EPILORA_DELTA_KERNEL={value!r}: expected 0, 1 or overlap")
+    if value not in ("0", "1", "auto"):
+        raise ValueError(f"EPILORA_DELTA_KERNEL={value!r}: expected 0, 1 or auto")
     return value

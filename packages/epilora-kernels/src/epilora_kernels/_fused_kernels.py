@@ -25,9 +25,7 @@ slots in tiles of 64 rows or more whose h is whole before the K loop, the delta 
 and waits in y: `DELTA_FIRST`; with `EPILOGUE_HALVES` no term waits in y, the rounded base stays
 in registers and the delta is added half the tile's columns at a time); in MODE 1 rounded once,
 `bf16(base + delta)`. In the fused path with PDL (`WAIT_K1_FIRST`) it is launched as K1's
-programmatic dependent only to hide its launch, and waits for all of K1 before its K loop
-(with EPILORA_DELTA_KERNEL=overlap it is the delta kernel's dependent instead, and waits for
-it only before its epilogue: `_segment_delta_kernel`). In
+programmatic dependent only to hide its launch, and waits for all of K1 before its K loop. In
 the decode path (`USE_PDL`, `WAIT_CODES`) it is K1's programmatic dependent: it waits for K1's
 count of quantized rows before its K loop (prefetching the first `WARM_L2` bytes of its weight
 rows into L2 meanwhile), streams its weights while K1's shrink runs, and waits for all of K1
@@ -410,44 +408,23 @@ def _several_slots_delta(acc, h_ptr, tok, pos, pos_mask, s, T, R, n, n_mask, sli
     return acc
 
 
-@triton.jit(do_not_specialize=["T", "ROW_TILES"])
+@triton.jit(do_not_specialize=["T"])
 def _segment_delta_kernel(y_ptr, h_ptr, b0_ptr, b1_ptr, b2_ptr, sorted_ptr, lora_ids_ptr,
                           counts_ptr, start_ptr, T, N, R, NUM_ENTRIES, stride_y, N_OFF1, N_OFF2,
-                          ROW_TILES, NUM_SLICES: tl.constexpr, H_PLANES: tl.constexpr,
+                          NUM_SLICES: tl.constexpr, H_PLANES: tl.constexpr,
                           BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                           R_STEP: tl.constexpr, ENTRIES_BLOCK: tl.constexpr,
-                          LAUNCH_DEPENDENTS: tl.constexpr, INTERPRETER: tl.constexpr):
+                          INTERPRETER: tl.constexpr):
     # The several-slot delta on its own (EPILORA_DELTA_KERNEL): bf16(h) B_slot^T of every
     # adapter segment's rows, rounded to bf16, into y, which K2 then adds to its base
     # (DELTA_IN_Y); rows without an adapter are not written (K2 does not read them). One
-    # tile: BLOCK_T rows of one segment by BLOCK_N columns of one slice, the segments' row
-    # tiles laid end to end as K1's shrink lays them (ROW_TILES of them, a bound), so each
-    # slot's slice of B is read by its own rows only. In K2, before the K loop (DELTA_FIRST),
-    # a tile met by many short segments ran an MMA of all its rows per segment, loading each
-    # segment's B in turn on an SM nothing else ran on; here small programs keep many loads
-    # of B in flight. A 1-D grid, each program taking tiles in turn: one tile each where the
-    # grid has them all (`1`); with LAUNCH_DEPENDENTS (`overlap`) persistent programs that
-    # every SM holds at once and that let K2, their programmatic dependent, launch now: K2's K
-    # loop needs nothing of ours, its epilogue waits for all of us (gdc_wait: this grid's end
-    # and its stores).
-    if LAUNCH_DEPENDENTS and not INTERPRETER:
-        tl.extra.cuda.gdc_launch_dependents()
-    for tile in range(tl.program_id(0), ROW_TILES * tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
-        _segment_delta_tile(tile % ROW_TILES, tile // ROW_TILES, y_ptr, h_ptr, b0_ptr, b1_ptr,
-                            b2_ptr, sorted_ptr, lora_ids_ptr, counts_ptr, start_ptr, T, N, R,
-                            NUM_ENTRIES, stride_y, N_OFF1, N_OFF2, NUM_SLICES, H_PLANES,
-                            BLOCK_T, BLOCK_N, BLOCK_R, R_STEP, ENTRIES_BLOCK, INTERPRETER)
-
-
-@triton.jit
-def _segment_delta_tile(m_tile, n_tile, y_ptr, h_ptr, b0_ptr, b1_ptr, b2_ptr, sorted_ptr,
-                        lora_ids_ptr, counts_ptr, start_ptr, T, N, R, NUM_ENTRIES, stride_y,
-                        N_OFF1, N_OFF2, NUM_SLICES: tl.constexpr, H_PLANES: tl.constexpr,
-                        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                        R_STEP: tl.constexpr, ENTRIES_BLOCK: tl.constexpr,
-                        INTERPRETER: tl.constexpr):
-    # The delta kernel's tile (m_tile of the entries' row tiles, n_tile of the columns).
-    z, pid_m = _entry_row_tile(m_tile, counts_ptr, NUM_ENTRIES, BLOCK_T, ENTRIES_BLOCK)
+    # program: BLOCK_T rows of one segment by BLOCK_N columns of one slice, the segments' row
+    # tiles laid end to end as K1's shrink lays them, so each slot's slice of B is read by its
+    # own rows only. In K2, before the K loop (DELTA_FIRST), a tile met by many short
+    # segments ran an MMA of all its rows per segment, loading each segment's B in turn on
+    # an SM nothing else ran on; here small programs keep many loads of B in flight.
+    z, pid_m = _entry_row_tile(tl.program_id(0), counts_ptr, NUM_ENTRIES, BLOCK_T,
+                               ENTRIES_BLOCK)
     if z < NUM_ENTRIES:
         slot = tl.load(lora_ids_ptr + z)
         if slot >= 0:
@@ -456,7 +433,7 @@ def _segment_delta_tile(m_tile, n_tile, y_ptr, h_ptr, b0_ptr, b1_ptr, b2_ptr, so
             rows = pid_m * BLOCK_T + tl.arange(0, BLOCK_T)
             row_mask = rows < count
             tok = tl.load(sorted_ptr + start + rows, mask=row_mask, other=0)
-            n0 = n_tile * BLOCK_N
+            n0 = tl.program_id(1) * BLOCK_N
             s, slice_begin, slice_end, b_base = _slice_at(n0, N, N_OFF1, N_OFF2, b0_ptr,
                                                           b1_ptr, b2_ptr)
             b_stride = (slice_end - slice_begin) * R  # one slot's slice of B
@@ -1004,10 +981,8 @@ def _lora_gemm_kernel(
         _stamp(trace_ptr, 3, TRACE)
     if USE_PDL:
         # Everything above read what existed before K1 started or what K1 counted as done
-        # (WAIT_CODES), or all of K1 (WAIT_K1_FIRST; with DELTA_IN_Y and neither, the delta
-        # kernel launched us: K1 ended before it began, and its delta in y is read only
-        # below); h is K1's. Unconditional, and before any global store (split-K partials
-        # included): see docs/kernels.md, "The decode path".
+        # (WAIT_CODES); h is K1's. Unconditional, and before any global store (split-K
+        # partials included): see docs/kernels.md, "The decode path".
         tl.extra.cuda.gdc_wait()
         _stamp(trace_ptr, 3, TRACE)
     if SPLIT_K > 1:

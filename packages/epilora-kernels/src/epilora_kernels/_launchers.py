@@ -5,7 +5,6 @@ A pointer a launch does not use is passed as `unused` (any tensor of the device,
 written: its flag compiles the access out)."""
 
 import contextlib
-import functools
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -24,7 +23,7 @@ from epilora_kernels._fused_kernels import (
 )
 from epilora_kernels.arch import DeviceSupport
 from epilora_kernels.batch import MAX_SLICES, AdapterBatch, LoraWeights
-from epilora_kernels.launch import H200_SMS, LaunchConfig, fit_slices, rank_block
+from epilora_kernels.launch import LaunchConfig, fit_slices, rank_block
 from epilora_kernels.prefetch import L2Prefetch, kernel_args
 from epilora_kernels.workspace import TILES, Workspace
 
@@ -358,12 +357,8 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
     pf_when, pf_rows, pf_stride, pf_lines, pf_half, pf_row_bytes = prefetch or (0,) * 6
     gather_step = _tiling.gather_segments(cfg, num_entries, lora.max_rank)  # 0: loop
     halves = _tiling.epilogue_halves(cfg, num_entries, mode == FP8, tokens, lora.max_rank)
-    # (with the delta in y K2 reads no h at all: EPILORA_DELTA_KERNEL=overlap's K2 waits for
-    # nothing before its K loop, which is safe only because the delta kernel, launched without
-    # PDL, runs between K1 and K2: `delta_plan`, `launch_k2`, `LoraProjection._launch`)
     first = delta_first(mode, cfg, num_entries, split=split, pdl=pdl,
-                        wait_k1_first=wait_k1_first or delta_in_y, tokens=tokens,
-                        rank=lora.max_rank)
+                        wait_k1_first=wait_k1_first, tokens=tokens, rank=lora.max_rank)
     if delta_in_y and not first:
         raise ValueError("delta_in_y: only where K2 would sum the delta before its K loop")
     return dict(
@@ -448,21 +443,21 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
     a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]) if a_sorted else a
     pdl = use_pdl(support, pdl)
     # EPILORA_DELTA_KERNEL: where the delta would go first, a kernel of its own writes it
-    delta_in_y, overlap, k2_waits_k1 = delta_plan(
-        support, _env.delta_kernel(), mode, cfg, batch.num_entries, split=grid[2], pdl=pdl,
+    delta_in_y = use_delta_kernel(
+        _env.delta_kernel(), mode, cfg, batch.num_entries, split=grid[2], pdl=pdl,
         wait_k1_first=wait_k1_first, tokens=t, rank=lora.max_rank)
     template = k2_template(
         support, mode, lora, batch.num_entries, cfg, stride_a=a.stride(0), stride_y=y.stride(0),
         h_planes=h.shape[0], split=grid[2], w_tma=w_operand is not weight,
         per_channel=mode != EXPAND and weight_scale.numel() > 1, pdl=pdl,
         wait_codes=wait_codes, warm_l2=warm_l2, traced=trace is not None,
-        wait_k1_first=k2_waits_k1, a_sorted=a_sorted, has_bias=bias is not None,
+        wait_k1_first=wait_k1_first, a_sorted=a_sorted, has_bias=bias is not None,
         prefetch=pf_args, tokens=t, delta_in_y=delta_in_y)
     partial = y if partial is None else partial
     trace = trace_arg(trace, counters, grid[0] * grid[1] * grid[2])
     _, b, _, _ = _slices(lora)
     if delta_in_y:
-        launch_delta(support, y, h, lora, batch, overlap=overlap)
+        launch_delta(support, y, h, lora, batch)
     _start_template(support, template, grid, (
         t, a, a_desc, a_scale, weight, w_operand, weight_scale,
         weight_scale if bias is None else bias, y, h, b[0], b[1], b[2],
@@ -475,74 +470,52 @@ def launch_k2(support: DeviceSupport, workspace: Workspace, mode: int, a, a_scal
 # The delta kernel's tiles: 16 rows (mma.sync's and Triton's smallest dot) by 128 columns
 # (fewer where the slices' boundaries ask), the rank in steps of at most 64 (a 128 x 64 bf16
 # slice of B, 64 registers a thread in 4 warps). It is launched without PDL, after K1 has
-# ended, and K2 (PDL or not) waits for it before its K loop: gdc_wait, or stream order;
-# with `overlap` before its epilogue, the delta in DELTA_PROGRAMS_PER_SM programs an SM (the
-# rest of each SM for K2's programs).
+# ended, and K2 (PDL or not) waits for it before its K loop: gdc_wait, or stream order.
 DELTA_BLOCK_T = 16
 DELTA_BLOCK_N = 128
 DELTA_MAX_R_STEP = 64
-DELTA_PROGRAMS_PER_SM = 1
+# EPILORA_DELTA_KERNEL=auto's bound: a segment of this many rows or fewer is one of the delta
+# kernel's row tiles, where K2's epilogue runs an MMA of its whole 64 or 128 rows for it.
+DELTA_TOKENS_PER_SLOT = DELTA_BLOCK_T
 
 
 def launch_delta(support: DeviceSupport, y: torch.Tensor, h: torch.Tensor, lora: LoraWeights,
-                 batch: AdapterBatch, *, overlap: bool = False) -> None:
+                 batch: AdapterBatch) -> None:
     """`_segment_delta_kernel`: bf16(h B_slot^T) of every adapter segment's rows into `y`
-    (rows without an adapter untouched), for a K2 with `delta_in_y`. `overlap`: in
-    persistent programs that let K2 launch at once (`delta_plan`)."""
+    (rows without an adapter untouched), for a K2 with `delta_in_y`."""
     t, n = y.shape
     _, b, off1, off2 = _slices(lora)
     block_n = fit_slices(DELTA_BLOCK_N, lora.output_slices)
     block_r = rank_block(lora.max_rank)  # at least 16: the dot's K on sm_90
     row_tiles = _tiling.entry_row_tiles(t, batch, DELTA_BLOCK_T)
-    tiles = row_tiles * -(-n // block_n)
-    programs = (min(tiles, DELTA_PROGRAMS_PER_SM * _multiprocessors(support, y)) if overlap
-                else tiles)
-    _start(_segment_delta_kernel, (programs,),
+    _start(_segment_delta_kernel, (row_tiles, -(-n // block_n)),
            y_ptr=y, h_ptr=h, b0_ptr=b[0], b1_ptr=b[1], b2_ptr=b[2],
            sorted_ptr=batch.sorted_token_indices, lora_ids_ptr=batch.lora_ids,
            counts_ptr=batch.num_tokens_per_lora, start_ptr=batch.lora_token_start, T=t, N=n,
            R=lora.max_rank, NUM_ENTRIES=batch.num_entries, stride_y=y.stride(0), N_OFF1=off1,
-           N_OFF2=off2, ROW_TILES=row_tiles, NUM_SLICES=len(lora.output_slices),
-           H_PLANES=h.shape[0], BLOCK_T=DELTA_BLOCK_T, BLOCK_N=block_n, BLOCK_R=block_r,
+           N_OFF2=off2, NUM_SLICES=len(lora.output_slices), H_PLANES=h.shape[0],
+           BLOCK_T=DELTA_BLOCK_T, BLOCK_N=block_n, BLOCK_R=block_r,
            R_STEP=min(block_r, DELTA_MAX_R_STEP),
-           ENTRIES_BLOCK=_tiling.next_power_of_2(batch.num_entries), LAUNCH_DEPENDENTS=overlap,
+           ENTRIES_BLOCK=_tiling.next_power_of_2(batch.num_entries),
            INTERPRETER=support.interpreter, num_warps=4)
 
 
-def delta_plan(support: DeviceSupport, setting: str, mode: int, cfg: LaunchConfig,
-               num_entries: int, *, split: int, pdl: bool, wait_k1_first: bool, tokens: int,
-               rank: int) -> tuple[bool, bool, bool]:
-    """(delta_in_y, overlap, K2's wait_k1_first) for EPILORA_DELTA_KERNEL's `setting`:
-    whether the delta kernel writes the delta before K2 (where K2 would sum it first,
-    `delta_first`); whether it runs beside K2's K loop (`overlap`, with K2 as its
-    programmatic dependent (`pdl`, sm_90) or under the interpreter, in stream order there,
-    which tests the persistent programs' tiles); and whether K2 still waits for all of K1
-    before its K loop: not when overlapped, since K1 ended before the delta kernel began."""
-    delta_in_y = setting != "0" and delta_first(
-        mode, cfg, num_entries, split=split, pdl=pdl, wait_k1_first=wait_k1_first,
-        tokens=tokens, rank=rank)
-    overlap = delta_in_y and setting == "overlap" and (pdl or support.interpreter)
-    return delta_in_y, overlap, wait_k1_first and not overlap
-
-
-def _multiprocessors(support: DeviceSupport, y: torch.Tensor) -> int:
-    # Three on the interpreter, so that its tests see programs taking several tiles each from
-    # different starts (the loop's stride itself no test of bits can see: a program redoing
-    # another's tiles writes the same bits). Tensors off CUDA for a GPU's launch are a compile
-    # ahead on a CPU (the sm_90 tests), where the grid changes no code: the H200's count.
-    if support.interpreter:
-        return INTERPRETER_SMS
-    if y.device.type != "cuda":
-        return H200_SMS
-    return _cuda_multiprocessors(y.device.index)
-
-
-@functools.cache
-def _cuda_multiprocessors(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-INTERPRETER_SMS = 3
+def use_delta_kernel(setting: str, mode: int, cfg: LaunchConfig, num_entries: int, *,
+                     split: int, pdl: bool, wait_k1_first: bool, tokens: int,
+                     rank: int) -> bool:
+    """Whether the delta kernel writes the several-slot delta into y before K2
+    (`delta_in_y`), for EPILORA_DELTA_KERNEL's `setting`: only where K2 would sum it before
+    its K loop (`delta_first`); with `auto` where the batch has at most DELTA_TOKENS_PER_SLOT
+    tokens a slot held (the slots an engine holds, as `_tiling.epilogue_halves` counts them:
+    with fewer in use, segments are longer). There K2's epilogue runs a whole-tile MMA for
+    each of the many short segments that meet its tile, loading each one's B in turn, while
+    the delta kernel's 16-row tiles each take one segment's rows and keep many loads of B in
+    flight."""
+    if setting == "0" or not delta_first(mode, cfg, num_entries, split=split, pdl=pdl,
+                                         wait_k1_first=wait_k1_first, tokens=tokens,
+                                         rank=rank):
+        return False
+    return setting == "1" or tokens <= DELTA_TOKENS_PER_SLOT * (num_entries - 1)
 
 
 def k2_lead_template(support: DeviceSupport, lora: LoraWeights, num_entries: int,

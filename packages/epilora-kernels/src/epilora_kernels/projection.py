@@ -44,8 +44,7 @@ class _Step:
     projection of those shapes (`_STEPS`)."""
 
     __slots__ = ("k1", "k2", "grid1", "grid2", "partial_shape", "tiles", "cfg1", "block_a",
-                 "a_sorted", "h_dtype", "quantize", "cfg2", "prefetch", "delta_in_y",
-                 "delta_overlap")
+                 "a_sorted", "h_dtype", "quantize", "cfg2", "prefetch", "delta_in_y")
 
     def __init__(self, **values) -> None:
         for name, value in values.items():
@@ -208,14 +207,13 @@ class LoraProjection:
                 partial_shape=(None if grid2[2] == 1 else
                                _launchers.gemm_partial_shape(grid2, lora.out_features, cfg2)),
                 tiles=tiles, cfg1=cfg1, cfg2=cfg2, block_a=None, a_sorted=False,
-                h_dtype=h_dtype, quantize=False, prefetch=None, delta_in_y=False,
-                delta_overlap=False)
+                h_dtype=h_dtype, quantize=False, prefetch=None, delta_in_y=False)
             return _keep_step(key, step)
         k2_pdl = _launchers.use_pdl(support, pdl)
         # EPILORA_DELTA_KERNEL: as `_launchers.launch_k2` decides it
-        delta_in_y, delta_overlap, k2_waits_k1 = _launchers.delta_plan(
-            support, self._delta_kernel, mode, cfg2, batch.num_entries, split=grid2[2],
-            pdl=k2_pdl, wait_k1_first=wait_k1_first, tokens=t, rank=lora.max_rank)
+        delta_in_y = _launchers.use_delta_kernel(
+            self._delta_kernel, mode, cfg2, batch.num_entries, split=grid2[2], pdl=k2_pdl,
+            wait_k1_first=wait_k1_first, tokens=t, rank=lora.max_rank)
         step = _Step(
             k1=_launchers.k1_template(
                 support, lora, batch.num_entries, cfg1, stride_x=rows.stride(0),
@@ -228,7 +226,7 @@ class LoraProjection:
                 stride_y=lora.out_features, h_planes=1, split=grid2[2], w_tma=w_tma,
                 per_channel=self.weight_scale.numel() > 1,
                 pdl=k2_pdl, wait_codes=counted,
-                warm_l2=fused.DECODE_WARM_L2, traced=False, wait_k1_first=k2_waits_k1,
+                warm_l2=fused.DECODE_WARM_L2, traced=False, wait_k1_first=wait_k1_first,
                 a_sorted=a_sorted, has_bias=biased, prefetch=prefetch, tokens=t,
                 delta_in_y=delta_in_y),
             grid1=_launchers.k1_grid(t, lora, batch, cfg1, quantize=quantize), grid2=grid2,
@@ -236,7 +234,7 @@ class LoraProjection:
                            _launchers.gemm_partial_shape(grid2, lora.out_features, cfg2)),
             tiles=tiles, cfg1=cfg1, cfg2=cfg2, block_a=[cfg2.block_m, cfg2.block_k],
             a_sorted=a_sorted, h_dtype=h_dtype, quantize=quantize, prefetch=prefetch,
-            delta_in_y=delta_in_y, delta_overlap=delta_overlap)
+            delta_in_y=delta_in_y)
         return _keep_step(key, step)
 
     def _bind(self, template, step: _Step):
@@ -295,8 +293,7 @@ class LoraProjection:
             batch.lora_token_start, tile_counters, counters, counters))
         try:
             if step.delta_in_y:
-                _launchers.launch_delta(support, y, h, lora, batch,
-                                        overlap=step.delta_overlap)
+                _launchers.launch_delta(support, y, h, lora, batch)
             _launchers._start_template(support, k2, step.grid2, (
                 t, a, a_desc, a_scale, self.weight_scale if bias is None else bias, y, h,
                 sorted_indices, lora_ids, batch.lora_token_start, partial, tile_counters,
