@@ -150,6 +150,33 @@ def test_the_delta_kernel_launches_as_lora_linear_launches_it(kind, setting, mon
     assert [kernel.fn.__name__ for kernel, _, _ in launched] == names
 
 
+@pytest.mark.parametrize("kind", ["x", "codes"])
+def test_the_delta_kernel_auto_declines_long_segments_as_lora_linear_does(kind, monkeypatch):
+    # EPILORA_DELTA_KERNEL=auto with 3 slots at 70 tokens (over 16 a slot): no delta kernel
+    # in lora_linear nor in a LoraProjection, K2 summing the delta first itself
+    monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "0")
+    monkeypatch.setenv("EPILORA_DELTA_KERNEL", "auto")
+    x, weight, w_scale, lora, batch = make_problem(9, 70, K, SLICES, RANK, SLOTS,
+                                                   "mixed_with_base")
+    given, quantized = _inputs(kind, x)
+    bound = ek.LoraProjection(weight, w_scale, lora)
+    launched, start = [], _launchers._start
+
+    def recording(kernel, grid, **arguments):
+        launched.append(kernel.fn.__name__)
+        return start(kernel, grid, **arguments)
+
+    monkeypatch.setattr(_launchers, "_start", recording)
+    templates = _launches(monkeypatch)
+    want = ek.lora_linear(given, weight, w_scale, lora, batch, path="fused",
+                          x_quantized=quantized)
+    assert_bitwise_equal(bound(given, batch, path="fused", x_quantized=quantized), want,
+                         name="bound")
+    assert launched == ["_quantize_shrink_kernel", "_lora_gemm_kernel"] * 2
+    k2 = [arguments for _, _, arguments in templates if "DELTA_IN_Y" in arguments]
+    assert len(k2) == 2 and all(a["DELTA_FIRST"] and not a["DELTA_IN_Y"] for a in k2)
+
+
 def test_per_channel_scales_and_every_slot_in_a_prefill_tile():
     x, weight, w_scale, lora, batch = make_problem(4, 70, K, SLICES, RANK, SLOTS, "one_adapter",
                                                    per_channel=True)
