@@ -138,11 +138,12 @@ Variants (`--variants`):
   it was the opt-in `fit` until its check on setups it was not read from, docs/kernels.md
   Next steps 1).
 
-* `delta-kernel`: where K2 would sum several slots' delta before its K loop (`DELTA_FIRST`,
+* `delta-kernel`: wherever K2 would sum several slots' delta before its K loop (`DELTA_FIRST`,
   prefill tiles), a kernel of its own writes it into y first (EPILORA_DELTA_KERNEL=1,
-  `_launchers.launch_delta`); `delta-kernel-auto` only up to `_launchers.DELTA_TOKENS_PER_SLOT`
-  tokens a slot held (`use_delta_kernel`). Give several slots and prefill sizes:
-  `--adapters 32 --ranks 64 --tokens 128 256 512 2048`.
+  `_launchers.launch_delta`), where the shipped `auto` does so only up to
+  `_launchers.DELTA_TOKENS_PER_SLOT` tokens a slot held (`use_delta_kernel`);
+  `delta-kernel-off` never (`0`, K2 summing it, as before 2026-12-06). Give several slots and
+  prefill sizes: `--adapters 32 --ranks 64 --tokens 128 256 512 2048`.
 
 `--gap-us G`: after every projection of every system, a kernel that spins G microseconds on one
 thread (`torch.cuda._sleep`), standing for the engine's other kernels between the GEMMs.
@@ -407,7 +408,7 @@ VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "epilogue-halves-all": with_env("EPILORA_EPILOGUE_HALVES", "all"),
             "epilogue-parked": with_env("EPILORA_EPILOGUE_HALVES", "0"),
             "delta-kernel": with_env("EPILORA_DELTA_KERNEL", "1"),
-            "delta-kernel-auto": with_env("EPILORA_DELTA_KERNEL", "auto"),
+            "delta-kernel-off": with_env("EPILORA_DELTA_KERNEL", "0"),
             "k2-128x256": k2_tile(128, 256, 8, 3), "k2-128x128": k2_tile(128, 128, 8, 4),
             "k2-64x256": k2_tile(64, 256, 4, 3), "k2-64x128": k2_tile(64, 128, 4, 4)}
 

@@ -314,7 +314,7 @@ def test_the_delta_kernel_leaves_rows_padded_past_the_counted_tokens_alone(monke
 
 def test_the_delta_kernel_only_where_the_delta_goes_first(monkeypatch):
     # (mode, block_m, entries, split, pdl, wait_k1_first): as DELTA_FIRST; a K2 told the delta
-    # is in y where it would not sum it first is refused; =0 is the default; a bad value raises
+    # is in y where it would not sum it first is refused; auto is the default; a bad value raises
     _, _, _, _, _, _, lora, _ = make_integer_problem(9, 5, 64, (32, 16, 16), 16, 8, "one_adapter")
     monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "0")
     cfg = LaunchConfig(block_m=64, block_n=16, block_k=32, block_r=16)
@@ -331,7 +331,7 @@ def test_the_delta_kernel_only_where_the_delta_goes_first(monkeypatch):
     from epilora_kernels import _env
 
     monkeypatch.delenv("EPILORA_DELTA_KERNEL", raising=False)
-    assert _env.delta_kernel() == "0"
+    assert _env.delta_kernel() == "auto"
     monkeypatch.setenv("EPILORA_DELTA_KERNEL", "yes")
     with pytest.raises(ValueError, match="expected 0, 1 or auto"):
         _env.delta_kernel()

@@ -71,13 +71,14 @@ def epilogue_halves() -> str:
 
 
 def delta_kernel() -> str:
-    """EPILORA_DELTA_KERNEL (default `0`): where K2 would sum several slots' delta before its K
-    loop (`DELTA_FIRST`: 64- and 128-row FP8 tiles, h whole), a kernel of its own writes it
-    into y first (`_launchers.launch_delta`) and K2, waiting for it before its K loop, only
-    adds it. `1`: wherever the delta goes first; `auto`: where the batch has at most
-    `_launchers.DELTA_TOKENS_PER_SLOT` tokens a slot held (`_launchers.use_delta_kernel`);
-    `0`: never. Read at each launch by `lora_linear`, when made by a `LoraProjection`."""
-    value = os.environ.get("EPILORA_DELTA_KERNEL", "0")
+    """EPILORA_DELTA_KERNEL (default `auto`): where K2 would sum several slots' delta before
+    its K loop (`DELTA_FIRST`: 64- and 128-row FP8 tiles, h whole), a kernel of its own writes
+    it into y first (`_launchers.launch_delta`) and K2, waiting for it before its K loop, only
+    adds it. `auto`: where the batch has at most `_launchers.DELTA_TOKENS_PER_SLOT` tokens a
+    slot held (`_launchers.use_delta_kernel`); `1`: wherever the delta goes first; `0`: never
+    (K2 sums it, as before 2026-12-06). Read at each launch by `lora_linear`, when made by a
+    `LoraProjection`."""
+    value = os.environ.get("EPILORA_DELTA_KERNEL", "auto")
     if value not in ("0", "1", "auto"):
         raise ValueError(f"EPILORA_DELTA_KERNEL={value!r}: expected 0, 1 or auto")
     return value
