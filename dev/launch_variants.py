@@ -142,8 +142,10 @@ Variants (`--variants`):
   prefill tiles), a kernel of its own writes it into y first (EPILORA_DELTA_KERNEL=1,
   `_launchers.launch_delta`), where the shipped `auto` does so only up to
   `_launchers.DELTA_TOKENS_PER_SLOT` tokens a slot held (`use_delta_kernel`);
-  `delta-kernel-off` never (`0`, K2 summing it, as before 2026-12-06). Give several slots and
-  prefill sizes: `--adapters 32 --ranks 64 --tokens 128 256 512 2048`.
+  `delta-kernel-off` never (`0`, K2 summing it, as before 2026-12-06); `delta-kernel-by-rank`
+  also up to 64 tokens a slot at rank 128 or more (untimed). Give several slots and prefill
+  sizes: `--adapters 32 --ranks 64 --tokens 128 256 512 2048`, `--adapters 8 --ranks 128
+  --tokens 128 256 512`.
 
 `--gap-us G`: after every projection of every system, a kernel that spins G microseconds on one
 thread (`torch.cuda._sleep`), standing for the engine's other kernels between the GEMMs.
@@ -233,6 +235,22 @@ def with_env(name: str, value: str):
 
 
 heuristic = with_env("EPILORA_LAUNCH_TABLES", "0")
+
+
+def delta_kernel_by_rank():
+    """A variant: the shipped `auto`, and at rank 128 or more the delta kernel up to 64 tokens
+    a slot held (4 slots of rank 128 gained with it at 32 and 64 a slot on the H100 at
+    a2db2cf, where `auto` declines; 32 of rank 64 lost at 64 a slot: docs/kernels.md, Next
+    steps 3). To be timed on setups other than those (8x128, 16x128)."""
+    shipped = _launchers.use_delta_kernel
+
+    def rule(setting, mode, cfg, num_entries, *, tokens, rank, **kw):
+        if setting == "auto" and rank >= 128:
+            return (shipped("1", mode, cfg, num_entries, tokens=tokens, rank=rank, **kw)
+                    and tokens <= 64 * (num_entries - 1))
+        return shipped(setting, mode, cfg, num_entries, tokens=tokens, rank=rank, **kw)
+
+    return _made_again_around(mock.patch.object(_launchers, "use_delta_kernel", rule))
 
 
 @contextlib.contextmanager
@@ -409,6 +427,7 @@ VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "epilogue-parked": with_env("EPILORA_EPILOGUE_HALVES", "0"),
             "delta-kernel": with_env("EPILORA_DELTA_KERNEL", "1"),
             "delta-kernel-off": with_env("EPILORA_DELTA_KERNEL", "0"),
+            "delta-kernel-by-rank": delta_kernel_by_rank,
             "k2-128x256": k2_tile(128, 256, 8, 3), "k2-128x128": k2_tile(128, 128, 8, 4),
             "k2-64x256": k2_tile(64, 256, 4, 3), "k2-64x128": k2_tile(64, 128, 4, 4)}
 
