@@ -112,15 +112,19 @@ def test_padded_rows_and_an_unaligned_weight_launch_as_lora_linear_does(monkeypa
 
 
 @pytest.mark.parametrize("kind", ["x", "codes"])
-@pytest.mark.parametrize("setting", ["1", "auto"])
-def test_the_delta_kernel_launches_as_lora_linear_launches_it(kind, setting, monkeypatch):
-    # EPILORA_DELTA_KERNEL=1 or auto (read at construction; 70 tokens over 8 slots are short
-    # segments): where the fused path's K2 would sum several slots' delta before its K loop,
-    # the delta kernel writes it into y between K1 and K2, as in lora_linear: the same
-    # launches, K2 told so, the same bits.
+@pytest.mark.parametrize(("setting", "slots"), [("1", 8), ("auto", 8), ("auto", SLOTS)])
+def test_the_delta_kernel_launches_as_lora_linear_launches_it(kind, setting, slots,
+                                                               monkeypatch):
+    # EPILORA_DELTA_KERNEL=1 or auto (read at construction): where the fused path's K2 would
+    # sum several slots' delta before its K loop, the delta kernel writes it into y between K1
+    # and K2, as in lora_linear: the same launches, K2 told so, the same bits. `auto` takes
+    # 70 tokens over 8 slots (short segments) and declines them over 3 (over 16 a slot),
+    # where K2 sums the delta first itself.
     monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "0")  # the delta goes first wherever it can
     monkeypatch.setenv("EPILORA_DELTA_KERNEL", setting)
-    x, weight, w_scale, lora, batch = make_problem(9, 70, K, SLICES, RANK, 8, "mixed_with_base")
+    delta = setting == "1" or 70 <= 16 * slots
+    x, weight, w_scale, lora, batch = make_problem(9, 70, K, SLICES, RANK, slots,
+                                                   "mixed_with_base")
     given, quantized = _inputs(kind, x)
     bound = ek.LoraProjection(weight, w_scale, lora)
     launched, start = [], _launchers._start
@@ -140,41 +144,16 @@ def test_the_delta_kernel_launches_as_lora_linear_launches_it(kind, setting, mon
     assert_bitwise_equal(got, want, name="bound")
     assert templates == unbound and launched == unbound_delta
     names = [kernel.fn.__name__ for kernel, _, _ in launched]
-    assert names == ["_quantize_shrink_kernel", "_segment_delta_kernel", "_lora_gemm_kernel"]
-    assert templates[-1][2]["DELTA_IN_Y"] is True
+    assert names == ["_quantize_shrink_kernel", *["_segment_delta_kernel"] * delta,
+                     "_lora_gemm_kernel"]
+    assert templates[-1][2]["DELTA_FIRST"] is True
+    assert templates[-1][2]["DELTA_IN_Y"] is delta
     # set after construction, the setting does not reach the projection's launches
     monkeypatch.setenv("EPILORA_DELTA_KERNEL", "0")
     launched.clear()
     assert_bitwise_equal(bound(given, batch, path="fused", x_quantized=quantized), want,
                          name="bound, setting changed after construction")
     assert [kernel.fn.__name__ for kernel, _, _ in launched] == names
-
-
-@pytest.mark.parametrize("kind", ["x", "codes"])
-def test_the_delta_kernel_auto_declines_long_segments_as_lora_linear_does(kind, monkeypatch):
-    # EPILORA_DELTA_KERNEL=auto with 3 slots at 70 tokens (over 16 a slot): no delta kernel
-    # in lora_linear nor in a LoraProjection, K2 summing the delta first itself
-    monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "0")
-    monkeypatch.setenv("EPILORA_DELTA_KERNEL", "auto")
-    x, weight, w_scale, lora, batch = make_problem(9, 70, K, SLICES, RANK, SLOTS,
-                                                   "mixed_with_base")
-    given, quantized = _inputs(kind, x)
-    bound = ek.LoraProjection(weight, w_scale, lora)
-    launched, start = [], _launchers._start
-
-    def recording(kernel, grid, **arguments):
-        launched.append(kernel.fn.__name__)
-        return start(kernel, grid, **arguments)
-
-    monkeypatch.setattr(_launchers, "_start", recording)
-    templates = _launches(monkeypatch)
-    want = ek.lora_linear(given, weight, w_scale, lora, batch, path="fused",
-                          x_quantized=quantized)
-    assert_bitwise_equal(bound(given, batch, path="fused", x_quantized=quantized), want,
-                         name="bound")
-    assert launched == ["_quantize_shrink_kernel", "_lora_gemm_kernel"] * 2
-    k2 = [arguments for _, _, arguments in templates if "DELTA_IN_Y" in arguments]
-    assert len(k2) == 2 and all(a["DELTA_FIRST"] and not a["DELTA_IN_Y"] for a in k2)
 
 
 def test_per_channel_scales_and_every_slot_in_a_prefill_tile():
