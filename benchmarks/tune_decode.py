@@ -7,7 +7,8 @@ writes goes to $EPILORA_CACHE_DIR, which the layer benchmark of the same call th
         --ranks 16 64 128 --slots 1 8 --budget 60 --out benchmarks/results/h200/tune_decode.json
 
 `--setups SLOTSxRANK ...` (the layer benchmark's setups, e.g. 1x16 8x16 32x64) tunes those
-pairs instead of every rank with every slot count.
+pairs instead of every rank with every slot count; `--tokens` the buckets (default 1-32;
+`--tokens 1 4 8 16 32 64` also one slot's 64, opt-in: `tuner.ONE_SLOT_BUCKETS`).
 """
 
 import argparse
@@ -33,6 +34,9 @@ def main() -> None:
     parser.add_argument("--codes", action="store_true",
                         help="tune the path on per-token codes given (x None), as the vLLM "
                              "plugin's default mode calls it")
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(tuner.DECODE_BUCKETS),
+                        help="the token buckets (e.g. 1 4 8 16 32 64: tuner.ONE_SLOT_BUCKETS, "
+                             "the decode path's one-slot batches up to 64)")
     parser.add_argument("--git-sha", default=None)
     args = parser.parse_args()
     pairs = ([parse_setup(s, parser) for s in args.setups] if args.setups
@@ -58,7 +62,7 @@ def parse_setup(text: str, parser: argparse.ArgumentParser) -> tuple[int, int]:
 def tune(model: str, rank: int, slots: int, args) -> list[dict]:
     """One model at one rank and slot count: the tuner's rows."""
     report = tuner.tune_decode(MODELS[model], rank=rank, slots=slots, budget_s=args.budget,
-                               jobs=args.jobs, codes=args.codes)
+                               jobs=args.jobs, codes=args.codes, tokens=tuple(args.tokens))
     total = report["compile_s"] + sum(report["seconds"].values())
     common = {"bench": "tune_decode", "model": model, "base": "fp8", "rank": rank,
               "adapters": slots, "x": "codes" if args.codes else "bf16"}

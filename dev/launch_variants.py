@@ -143,9 +143,9 @@ Variants (`--variants`):
   `_launchers.launch_delta`), where the shipped `auto` does so only up to
   `_launchers.DELTA_TOKENS_PER_SLOT` tokens a slot held (`use_delta_kernel`);
   `delta-kernel-off` never (`0`, K2 summing it, as before 2026-12-06); `delta-kernel-by-rank`
-  also up to 64 tokens a slot at rank 128 or more (untimed). Give several slots and prefill
-  sizes: `--adapters 32 --ranks 64 --tokens 128 256 512 2048`, `--adapters 8 --ranks 128
-  --tokens 128 256 512`.
+  also up to 64 tokens a slot at rank 128 or more (one held-out run: 8x128, docs/kernels.md
+  Next steps 1). Give several slots and prefill sizes: `--adapters 32 --ranks 64 --tokens 128
+  256 512 2048`, `--adapters 8 --ranks 128 --tokens 128 256 512`.
 
 `--gap-us G`: after every projection of every system, a kernel that spins G microseconds on one
 thread (`torch.cuda._sleep`), standing for the engine's other kernels between the GEMMs.

@@ -635,3 +635,47 @@ def test_a_cache_that_retunes_a_shape_voids_the_shipped_tables_choice_for_it():
     cache = {"lora_gemm": {key: {"16": {}}}}
     assert launch.stale_path_choices(table, cache) == [("path", key)]
     assert launch.stale_path_choices(table, {**cache, "path": {key: choice}}) == []
+
+
+def test_one_slots_64_token_bucket_searches_one_row_tile_and_decode_tiles(cache, monkeypatch):
+    # At 33-64 tokens (the decode path's one-slot batches beyond 32) the settings in use are
+    # prefill-sized: K1 in several row tiles, K2 in 64-row tiles. The search there adds K1 in
+    # one row tile and moves K2's candidates to 32-row (decode) tiles; at 32 tokens nothing
+    # changes. The stand-in GPU likes K1 in one 64-row tile and swapped K2 tiles.
+    k1, k2 = tuner._baseline(fused._support(torch.empty(0), "decode"), 4096, (64,), 64, 16,
+                             True, False)
+    assert k1.block_m < 64 and k2.block_m == 64 and not k2.swap_ab
+    k1s = tuner.k1_candidates(k1, 4096, 16, 1, tokens=64)
+    assert {c.block_m for c in k1s} == {k1.block_m, 64}
+    assert tuner.k1_candidates(k1, 4096, 16, 1, tokens=32) == tuner.k1_candidates(k1, 4096, 16)
+    monkeypatch.setenv("EPILORA_TUNE_SWAP_AB", "1")
+    k2s = tuner.k2_candidates(k2, 64, 4096, (64,), tokens=64)
+    assert {c.block_m for c in k2s} == {32} and any(c.swap_ab for c in k2s)
+    assert tuner.k2_candidates(k2, 64, 4096, (64,), tokens=65) == tuner.k2_candidates(
+        k2, 64, 4096, (64,))
+
+    def score(k1, k2):
+        return 100.0 - 10 * (k1.block_m == 64) - 5 * k2.swap_ab
+
+    seen, time_us = _fake_gpu(monkeypatch, score)
+    report = tuner.tune_decode({"down": (4096, (64,))}, rank=16, tokens=tuner.ONE_SLOT_BUCKETS,
+                               time_us=time_us, progress=lambda line: None)
+    assert report["complete"] and [c["tokens"] for c in report["cells"]] == [1, 4, 8, 16, 32, 64]
+    (cell,) = [c for c in report["cells"] if c["tokens"] == 64]
+    assert (cell["k1"]["block_m"], cell["k2"]["block_m"], cell["k2"]["swap_ab"],
+            cell["before_us"], cell["after_us"]) == (64, 32, True, 100.0, 85.0), cell
+    # served from 33 tokens to 64 (the decode path's K1 and K2 alike), not beyond
+    for tokens in (33, 48, 64):
+        assert launch.select_config("triton-interpreter", "decode_shrink", tokens, 64, 4096, 16,
+                                    (64,), one_slot=True).block_m == 64
+        assert launch.select_config("triton-interpreter", "lora_gemm", tokens, 64, 4096, 16,
+                                    (64,), one_slot=True).swap_ab
+    assert launch.select_config("triton-interpreter", "decode_shrink", 32, 64, 4096, 16,
+                                (64,), one_slot=True).block_m != 64
+
+
+@pytest.mark.parametrize(("slots", "tokens"), [(1, (65,)), (4, (64,)), (1, ()), (1, (0, 8))])
+def test_buckets_the_decode_path_does_not_serve_are_refused(cache, slots, tokens):
+    with pytest.raises(ValueError, match="the decode path serves batches of 1 to"):
+        tuner.tune_decode({"down": (4096, (64,))}, rank=16, slots=slots, tokens=tokens,
+                          time_us=lambda fn: 1.0, progress=lambda line: None)

@@ -47,6 +47,15 @@ from epilora_kernels.launch import (
 )
 
 DECODE_BUCKETS = (1, 4, 8, 16, 32)
+# One adapter slot: the decode path serves batches up to dispatch.DECODE_MAX_TOKENS_ONE_SLOT
+# (64), and at 33-64 tokens its K1 takes the fused path's settings (`launch.select_config`)
+# unless a `decode_shrink` bucket covers the batch: only rank 128's Qwen3-8B shapes have one in
+# the shipped table, and with it one slot of rank 128 added +11 to +18% over CUTLASS at 64
+# tokens on both three-models pages (H200 at ba2f1be, H100 at dfe26ad) where rank 64 added
+# +18 to +28% and the heuristic at rank 128 +23 to +33%. Tuning the 64 bucket too
+# (`tokens=ONE_SLOT_BUCKETS`) searches K1 in one row tile and K2 in decode tiles there; opt-in
+# until a run times what it gains and costs (its compile adds about a quarter of the kernels).
+ONE_SLOT_BUCKETS = (*DECODE_BUCKETS, 64)
 MARGIN = 0.01  # a candidate must beat the settings in use by more than this fraction
 
 
@@ -119,7 +128,18 @@ def k2_candidates(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...],
     """K2 settings around `cfg`: N tiles of 32, 64 and 128, K tiles of 256 and 512, the K loop
     split in 1 or 2, 3 or 5 stages (a tile must not straddle two slices); unless
     EPILORA_TUNE_SWAP_AB=0, for decode tiles (32 rows or fewer) also, first, the swapped
-    product (`swap_ab`, `swap_candidates`) for a batch of `tokens` (default: one row tile)."""
+    product (`swap_ab`, `swap_candidates`) for a batch of `tokens` (default: one row tile).
+    Where `cfg` has tiles of more than 32 rows for a batch of 33 to ONE_SLOT_BUCKETS[-1]
+    tokens (the decode path's one-slot batches beyond 32), the candidates around its 32-row
+    form instead, the decode tiles (`cfg` itself stays the settings in use the search starts
+    from): prefill tiles around it would be kernels compiled for this bucket alone."""
+    if cfg.block_m > 32 and tokens is not None and 32 < tokens <= ONE_SLOT_BUCKETS[-1]:
+        cfg = dataclasses.replace(cfg, block_m=32)
+    return _k2_around(cfg, n, k, slices, tokens)
+
+
+def _k2_around(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...],
+               tokens: int | None) -> list:
     out = []
     for block_n in (32, 64, 128):
         for block_k in (256, 512):
@@ -151,14 +171,25 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).norm() / want.norm().clamp_min(1e-30))
 
 
-def k1_candidates(cfg: LaunchConfig, k: int, rank: int, slices: int = 1) -> list:
+def k1_candidates(cfg: LaunchConfig, k: int, rank: int, slices: int = 1,
+                  tokens: int | None = None) -> list:
     """The decode K1's settings around `cfg`: K split in 2 to 32 parts, K tiles of 128 and 256
     (each split at least one tile deep), rank tiles of 32 and 64 (the rank's own where it is
     smaller). Beside K2's weight stream each K step of K1 waits a loaded HBM's latency, so K1
     ends after about (its share of K) / block_k steps: deep splits and wide tiles end it
     sooner, at the price of more programs on K2's SMs. With several output `slices`, the three
     deepest splits also with every slice in one program (`slices_together`: the same steps in
-    a third or half the programs), in their deepest K tiles and widest rank tiles."""
+    a third or half the programs), in their deepest K tiles and widest rank tiles. Where `cfg`
+    splits a batch of 33 to ONE_SLOT_BUCKETS[-1] `tokens` into several row tiles, also the
+    candidates of its form in one (each row tile reads A again, beside K2's weight stream)."""
+    forms = [cfg]
+    rows = 1 << max(0, (tokens or 1) - 1).bit_length()  # the batch in one row tile
+    if tokens is not None and 32 < tokens <= ONE_SLOT_BUCKETS[-1] and cfg.block_m < rows:
+        forms.append(dataclasses.replace(cfg, block_m=rows))
+    return list(dict.fromkeys(c for form in forms for c in _k1_around(form, k, rank, slices)))
+
+
+def _k1_around(cfg: LaunchConfig, k: int, rank: int, slices: int) -> list:
     out = []
     for split_k in (2, 4, 8, 16, 32):
         for block_k in (128, 256):
@@ -272,7 +303,7 @@ def _launches(support, projections: dict, tokens, rank: int, slots: int, codes: 
                 out.append((k, slices, t, k1, dataclasses.replace(k2, segment_stages=1)))
             if k1_tuned(codes, slots, t):
                 out += [(k, slices, t, c, partner)
-                        for c in k1_candidates(k1, k, rank, len(slices))
+                        for c in k1_candidates(k1, k, rank, len(slices), tokens=t)
                         for partner in ([k2] if codes else _k1_partners([k2, *k2s]))]
     return list(dict.fromkeys(out))
 
@@ -421,7 +452,8 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
                 compile_threads: int = 0, codes: bool = False, time_us=None,
                 progress=print) -> dict:
     """Tune the decode path's K1 and K2 for `projections` ({name: (K, output slices)}) with
-    adapters of `rank` over `slots` slots at the `tokens` buckets, within `budget_s` seconds;
+    adapters of `rank` over `slots` slots at the `tokens` buckets (ONE_SLOT_BUCKETS: one slot's
+    64 too), within `budget_s` seconds;
     `codes`: called as an engine that quantizes x itself calls it (`x_quantized`, x None: K1's
     settings are cached as `decode_shrink_codes`, K2's as the GEMM's for every path);
     write the winners into the cache (`cache_path`) unless `write` is False. With `jobs` > 1
@@ -431,9 +463,18 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
     and their times, and the seconds each projection took."""
     from epilora_kernels import fused
     from epilora_kernels.arch import device_support
-    from epilora_kernels.dispatch import timed_choice
+    from epilora_kernels.dispatch import (
+        DECODE_MAX_TOKENS,
+        DECODE_MAX_TOKENS_ONE_SLOT,
+        timed_choice,
+    )
     from epilora_kernels.workspace import Workspace
 
+    served = DECODE_MAX_TOKENS_ONE_SLOT if slots == 1 else DECODE_MAX_TOKENS
+    if not tokens or min(tokens) < 1 or max(tokens) > served:
+        # beyond, the fused path serves the batch and would take these K2 settings
+        raise ValueError(f"tokens {tuple(tokens)}: the decode path serves batches of 1 to "
+                         f"{served} tokens with {slots} adapter slot(s)")
     support = device_support()
     device = torch.device("cuda") if not support.interpreter else torch.device("cpu")
     if time_us is None:
@@ -538,7 +579,7 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
                         best, chosen = us, (chosen[0], shipped)
             if slots == 1:
                 chosen = (chosen[0], shipped)
-            for cand in (k1_candidates(k1, k, rank, len(slices))
+            for cand in (k1_candidates(k1, k, rank, len(slices), tokens=t)
                          if k1_tuned(codes, slots, t) else ()):
                 if time.monotonic() - start > budget_s:
                     report["complete"] = False
