@@ -147,6 +147,14 @@ Variants (`--variants`):
   Next steps 1). Give several slots and prefill sizes: `--adapters 32 --ranks 64 --tokens 128
   256 512 2048`, `--adapters 8 --ranks 128 --tokens 128 256 512`.
 
+* `decode-k1-one-tile`: one adapter slot at 33-64 tokens (the decode path's batches beyond
+  the tuner's default buckets), the decode path's K1 in one row tile of the batch (64 rows)
+  where the settings in use split it in several (the fused path's 16-row tiles, each reading
+  A again beside K2's weight stream). Read from rank 128's shipped `decode_shrink` entry at
+  64 tokens on Qwen3-8B's shapes (one 64-row tile on qkv) and the three-models pages (docs/
+  kernels.md, "The tuner": one slot's 64-token bucket). Untimed; `--ranks 16 32 64 --tokens
+  40 48 64`, the three models.
+
 `--gap-us G`: after every projection of every system, a kernel that spins G microseconds on one
 thread (`torch.cuda._sleep`), standing for the engine's other kernels between the GEMMs.
 
@@ -396,6 +404,19 @@ def k2_tile(block_m: int, block_n: int, warps: int, stages: int):
     return variant
 
 
+def decode_k1_one_tile():
+    shipped = _tiling.select_config
+
+    def one_tile(device, op, tokens, n, k, rank, slices=(), one_slot=False, *args, **kwargs):
+        cfg = shipped(device, op, tokens, n, k, rank, slices, one_slot, *args, **kwargs)
+        if (op in ("decode_shrink", "decode_shrink_codes") and one_slot is True
+                and 32 < tokens <= dispatch.DECODE_MAX_TOKENS_ONE_SLOT and cfg.block_m < 64):
+            return dataclasses.replace(cfg, block_m=64)
+        return cfg
+
+    return _made_again_around(mock.patch.object(_tiling, "select_config", one_tile))
+
+
 def segments_in_flight():
     shipped = _tiling.select_config
 
@@ -427,7 +448,7 @@ VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "epilogue-parked": with_env("EPILORA_EPILOGUE_HALVES", "0"),
             "delta-kernel": with_env("EPILORA_DELTA_KERNEL", "1"),
             "delta-kernel-off": with_env("EPILORA_DELTA_KERNEL", "0"),
-            "delta-kernel-by-rank": delta_kernel_by_rank,
+            "delta-kernel-by-rank": delta_kernel_by_rank, "decode-k1-one-tile": decode_k1_one_tile,
             "k2-128x256": k2_tile(128, 256, 8, 3), "k2-128x128": k2_tile(128, 128, 8, 4),
             "k2-64x256": k2_tile(64, 256, 4, 3), "k2-64x128": k2_tile(64, 128, 4, 4)}
 
