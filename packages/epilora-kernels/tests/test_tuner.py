@@ -647,6 +647,9 @@ def test_one_slots_64_token_bucket_searches_one_row_tile_and_decode_tiles(cache,
     assert k1.block_m < 64 and k2.block_m == 64 and not k2.swap_ab
     k1s = tuner.k1_candidates(k1, 4096, 16, 1, tokens=64)
     assert {c.block_m for c in k1s} == {k1.block_m, 64}
+    one_tile = [c for c in k1s if c.block_m == 64]  # kernels for this bucket alone: few
+    assert {(c.block_k, c.block_r) for c in one_tile} == {(k1.block_k, k1.block_r)}
+    assert sorted(c.split_k for c in one_tile) == [2, 4, 8, 16, 32]
     assert tuner.k1_candidates(k1, 4096, 16, 1, tokens=32) == tuner.k1_candidates(k1, 4096, 16)
     monkeypatch.setenv("EPILORA_TUNE_SWAP_AB", "1")
     k2s = tuner.k2_candidates(k2, 64, 4096, (64,), tokens=64)

@@ -54,7 +54,7 @@ DECODE_BUCKETS = (1, 4, 8, 16, 32)
 # tokens on both three-models pages (H200 at ba2f1be, H100 at dfe26ad) where rank 64 added
 # +18 to +28% and the heuristic at rank 128 +23 to +33%. Tuning the 64 bucket too
 # (`tokens=ONE_SLOT_BUCKETS`) searches K1 in one row tile and K2 in decode tiles there; opt-in
-# until a run times what it gains and costs (its compile adds about a quarter of the kernels).
+# until a run times what it gains and costs (7-9% more kernels to compile, counted on the CPU).
 ONE_SLOT_BUCKETS = (*DECODE_BUCKETS, 64)
 MARGIN = 0.01  # a candidate must beat the settings in use by more than this fraction
 
@@ -180,13 +180,15 @@ def k1_candidates(cfg: LaunchConfig, k: int, rank: int, slices: int = 1,
     sooner, at the price of more programs on K2's SMs. With several output `slices`, the three
     deepest splits also with every slice in one program (`slices_together`: the same steps in
     a third or half the programs), in their deepest K tiles and widest rank tiles. Where `cfg`
-    splits a batch of 33 to ONE_SLOT_BUCKETS[-1] `tokens` into several row tiles, also the
-    candidates of its form in one (each row tile reads A again, beside K2's weight stream)."""
-    forms = [cfg]
+    splits a batch of 33 to ONE_SLOT_BUCKETS[-1] `tokens` into several row tiles, also `cfg`'s
+    tiles in one row tile (each row tile reads A again, beside K2's weight stream), K split in
+    2 to 32 parts: a kernel each for this bucket alone, so its K and rank tiles are not varied."""
+    out = _k1_around(cfg, k, rank, slices)
     rows = 1 << max(0, (tokens or 1) - 1).bit_length()  # the batch in one row tile
     if tokens is not None and 32 < tokens <= ONE_SLOT_BUCKETS[-1] and cfg.block_m < rows:
-        forms.append(dataclasses.replace(cfg, block_m=rows))
-    return list(dict.fromkeys(c for form in forms for c in _k1_around(form, k, rank, slices)))
+        out += [dataclasses.replace(cfg, block_m=rows, split_k=split_k)
+                for split_k in (2, 4, 8, 16, 32) if k // split_k >= cfg.block_k]
+    return list(dict.fromkeys(out))
 
 
 def _k1_around(cfg: LaunchConfig, k: int, rank: int, slices: int) -> list:
