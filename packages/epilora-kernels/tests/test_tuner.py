@@ -300,10 +300,10 @@ def test_the_parallel_compile_covers_every_launch_the_search_times(codes, monkey
                         or shape_config(support, op, *a))
 
     monkeypatch.setenv("EPILORA_TUNE_SWAP_AB", "1")  # the swapped candidates compiled too
-    launches = tuner._launches(INTERPRETER, PROJECTIONS, (1, 8), 16, 1, codes)
+    launches = tuner._launches(INTERPRETER, PROJECTIONS, (1, 8, 64), 16, 1, codes)
     assert len(launches) == len(set(launches))
     for k, slices in PROJECTIONS.values():
-        for t in (1, 8):
+        for t in (1, 8, 64):  # (64: one slot's opt-in bucket, K1 in one row tile there too)
             k1, k2 = tuner._baseline(INTERPRETER, k, slices, t, 16, True, codes)
             cells = {(a, b) for kk, ss, tt, a, b in launches if (kk, ss, tt) == (k, slices, t)}
             assert (k1, k2) in cells
@@ -312,7 +312,7 @@ def test_the_parallel_compile_covers_every_launch_the_search_times(codes, monkey
             # swapped where 64-wide tiles fit the slices (down's, not qkv's 32-wide ones)
             assert any(c.swap_ab for c in k2s) == all(w % 64 == 0 for w in slices[:-1])
             assert all((c, k2) in cells
-                       for c in tuner.k1_candidates(k1, k, 16, len(slices)))
+                       for c in tuner.k1_candidates(k1, k, 16, len(slices), tokens=t))
     assert asked == {"decode_shrink_codes" if codes else "decode_shrink", "lora_gemm"}
 
 
