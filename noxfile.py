@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import nox
+from nox.command import CommandFailed
 
 nox.needs_version = ">=2026.10.20"
 nox.options.default_venv_backend = "uv"
@@ -54,8 +55,14 @@ def tests(session: nox.Session) -> None:
     if session.posargs:
         session.run("pytest", "packages", "benchmarks/tests", *common, *session.posargs)
         return
-    session.run("pytest", KERNELS, "-n", "2", *common)
-    session.run("pytest", "packages", "benchmarks/tests", f"--ignore={KERNELS}", *common)
+    failed = []  # both runs report, whichever fails
+    for where in ((KERNELS, "-n", "2"), ("packages", "benchmarks/tests", f"--ignore={KERNELS}")):
+        try:
+            session.run("pytest", *where, *common)
+        except CommandFailed:
+            failed.append(where[0])
+    if failed:
+        session.error(f"tests failed in {' and '.join(failed)}")
 
 
 @nox.session(default=False)

@@ -8,7 +8,8 @@ writes goes to $EPILORA_CACHE_DIR, which the layer benchmark of the same call th
 
 `--setups SLOTSxRANK ...` (the layer benchmark's setups, e.g. 1x16 8x16 32x64) tunes those
 pairs instead of every rank with every slot count; `--tokens` the buckets (default 1-32;
-`--tokens 1 4 8 16 32 64` also one slot's 64, opt-in: `tuner.ONE_SLOT_BUCKETS`).
+`--tokens 1 4 8 16 32 64` also one slot's 64, opt-in: `tuner.ONE_SLOT_BUCKETS`; setups of
+several slots leave out buckets beyond 32, which the decode path does not serve for them).
 """
 
 import argparse
@@ -17,6 +18,7 @@ from layer import write_results
 from models import MODELS
 
 import epilora_kernels.tuner as tuner
+from epilora_kernels.dispatch import DECODE_MAX_TOKENS
 
 
 def main() -> None:
@@ -59,10 +61,20 @@ def parse_setup(text: str, parser: argparse.ArgumentParser) -> tuple[int, int]:
     return slots, rank
 
 
+def buckets(args, slots: int) -> tuple[int, ...]:
+    """--tokens, but the buckets the decode path does not serve with several slots (beyond
+    dispatch.DECODE_MAX_TOKENS, where the fused path takes the batch), said once."""
+    served = tuple(t for t in args.tokens if slots == 1 or t <= DECODE_MAX_TOKENS)
+    if served != tuple(args.tokens):
+        print(f"{slots} slots: the decode path serves up to {DECODE_MAX_TOKENS} tokens; "
+              f"tuning {served}")
+    return served
+
+
 def tune(model: str, rank: int, slots: int, args) -> list[dict]:
     """One model at one rank and slot count: the tuner's rows."""
     report = tuner.tune_decode(MODELS[model], rank=rank, slots=slots, budget_s=args.budget,
-                               jobs=args.jobs, codes=args.codes, tokens=tuple(args.tokens))
+                               jobs=args.jobs, codes=args.codes, tokens=buckets(args, slots))
     total = report["compile_s"] + sum(report["seconds"].values())
     common = {"bench": "tune_decode", "model": model, "base": "fp8", "rank": rank,
               "adapters": slots, "x": "codes" if args.codes else "bf16"}

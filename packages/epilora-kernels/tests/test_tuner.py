@@ -313,6 +313,14 @@ def test_the_parallel_compile_covers_every_launch_the_search_times(codes, monkey
             assert any(c.swap_ab for c in k2s) == all(w % 64 == 0 for w in slices[:-1])
             assert all((c, k2) in cells
                        for c in tuner.k1_candidates(k1, k, 16, len(slices), tokens=t))
+            # K1's kernel follows K2's h dtype (bf16 for 64 rows or more), and where it
+            # quantizes the TMA order too: each K1 candidate beside a K2 of each form
+            def form(c):
+                return c.block_m >= 64, not codes and c.swap_ab
+
+            for c in tuner.k1_candidates(k1, k, 16, len(slices), tokens=t):
+                compiled = {form(b) for a, b in cells if a == c}
+                assert compiled == {form(b) for b in (k2, *k2s)}, (t, c)
     assert asked == {"decode_shrink_codes" if codes else "decode_shrink", "lora_gemm"}
 
 
@@ -667,7 +675,7 @@ def test_one_slots_64_token_bucket_searches_one_row_tile_and_decode_tiles(cache,
     (cell,) = [c for c in report["cells"] if c["tokens"] == 64]
     assert (cell["k1"]["block_m"], cell["k2"]["block_m"], cell["k2"]["swap_ab"],
             cell["before_us"], cell["after_us"]) == (64, 32, True, 100.0, 85.0), cell
-    # served from 33 tokens to 64 (the decode path's K1 and K2 alike), not beyond
+    # served at 33-64 tokens (the decode path's K1 and K2 alike); 32 keeps its own bucket
     for tokens in (33, 48, 64):
         assert launch.select_config("triton-interpreter", "decode_shrink", tokens, 64, 4096, 16,
                                     (64,), one_slot=True).block_m == 64

@@ -49,12 +49,13 @@ from epilora_kernels.launch import (
 DECODE_BUCKETS = (1, 4, 8, 16, 32)
 # One adapter slot: the decode path serves batches up to dispatch.DECODE_MAX_TOKENS_ONE_SLOT
 # (64), and at 33-64 tokens its K1 takes the fused path's settings (`launch.select_config`)
-# unless a `decode_shrink` bucket covers the batch: only rank 128's Qwen3-8B shapes have one in
-# the shipped table, and with it one slot of rank 128 added +11 to +18% over CUTLASS at 64
-# tokens on both three-models pages (H200 at ba2f1be, H100 at dfe26ad) where rank 64 added
-# +18 to +28% and the heuristic at rank 128 +23 to +33%. Tuning the 64 bucket too
-# (`tokens=ONE_SLOT_BUCKETS`) searches K1 in one row tile and K2 in decode tiles there; opt-in
-# until a run times what it gains and costs (7-9% more kernels to compile, counted on the CPU).
+# unless a `decode_shrink` bucket covers the batch: in the shipped table only rank 128 has one
+# (tuned on Qwen3-8B's shapes, lent to shapes near them), and with it one slot of rank 128
+# added +11 to +18% over CUTLASS at 64 tokens on both three-models pages (H200 at ba2f1be,
+# H100 at dfe26ad) where rank 64 added +18 to +28% and the heuristic at rank 128 +23 to +33%.
+# Tuning the 64 bucket too (`tokens=ONE_SLOT_BUCKETS`) searches K1 in one row tile and K2 in
+# decode tiles there; opt-in until a run times what it gains and costs (7-9% more distinct
+# settings to compile, counted on the CPU; the compile step's launches about 29% more).
 ONE_SLOT_BUCKETS = (*DECODE_BUCKETS, 64)
 MARGIN = 0.01  # a candidate must beat the settings in use by more than this fraction
 
@@ -306,18 +307,20 @@ def _launches(support, projections: dict, tokens, rank: int, slots: int, codes: 
             if k1_tuned(codes, slots, t):
                 out += [(k, slices, t, c, partner)
                         for c in k1_candidates(k1, k, rank, len(slices), tokens=t)
-                        for partner in ([k2] if codes else _k1_partners([k2, *k2s]))]
+                        for partner in _k1_partners([k2, *k2s], codes)]
     return list(dict.fromkeys(out))
 
 
-def _k1_partners(k2s: list) -> list:
-    """One K2 of each form that K1's kernel follows, the first of each: K1, where it quantizes
-    x, writes the codes in adapter order for a K2 that reads them by TMA (swapped tiles, or 64
-    rows or more: `_tiling.w_tma`, K1's CODES_SORTED), so each K1 candidate is another kernel
-    beside a K2 of the other form, and the search times them beside whichever K2 won."""
+def _k1_partners(k2s: list, codes: bool = False) -> list:
+    """One K2 of each form that K1's kernel follows, the first of each, so that the search,
+    which times K1's candidates beside whichever K2 won, finds each compiled: K1 writes h in
+    bf16 for K2 tiles of 64 rows or more, else fp32 (`fused._plan`, K1's H_BF16: at one slot's
+    64-token bucket the settings in use have 64 rows and the K2 candidates 32), and, where it
+    quantizes x (not `codes`), the codes in adapter order for a K2 that reads them by TMA
+    (swapped tiles, or 64 rows or more: `_tiling.w_tma`, K1's CODES_SORTED)."""
     partners: dict = {}
     for c in k2s:
-        partners.setdefault((c.swap_ab, c.block_m >= 64), c)
+        partners.setdefault((c.block_m >= 64, not codes and c.swap_ab), c)
     return list(partners.values())
 
 
