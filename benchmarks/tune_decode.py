@@ -18,7 +18,7 @@ from layer import write_results
 from models import MODELS
 
 import epilora_kernels.tuner as tuner
-from epilora_kernels.dispatch import DECODE_MAX_TOKENS
+from epilora_kernels.dispatch import decode_max_tokens
 
 
 def main() -> None:
@@ -62,12 +62,12 @@ def parse_setup(text: str, parser: argparse.ArgumentParser) -> tuple[int, int]:
 
 
 def buckets(args, slots: int) -> tuple[int, ...]:
-    """--tokens, but the buckets the decode path does not serve with several slots (beyond
-    dispatch.DECODE_MAX_TOKENS, where the fused path takes the batch), said once."""
-    served = tuple(t for t in args.tokens if slots == 1 or t <= DECODE_MAX_TOKENS)
+    """--tokens, but the buckets the decode path does not serve with `slots` (beyond
+    dispatch.decode_max_tokens, where the fused path takes the batch), said once."""
+    most = decode_max_tokens(slots == 1)
+    served = tuple(t for t in args.tokens if t <= most)
     if served != tuple(args.tokens):
-        print(f"{slots} slots: the decode path serves up to {DECODE_MAX_TOKENS} tokens; "
-              f"tuning {served}")
+        print(f"{slots} slots: the decode path serves up to {most} tokens; tuning {served}")
     return served
 
 

@@ -140,11 +140,16 @@ def rule_path(tokens: int, batch: AdapterBatch, support: DeviceSupport) -> str:
     """`choose_path`'s rule where the tuner timed no choice: the decode path up to
     DECODE_MAX_TOKENS_ONE_SLOT tokens with one adapter slot, DECODE_MAX_TOKENS with several,
     where PDL exists; else the fused path."""
-    if support.pdl or support.interpreter:
-        limit = DECODE_MAX_TOKENS_ONE_SLOT if _tiling.one_slot(batch) else DECODE_MAX_TOKENS
-        if tokens <= limit:
-            return "decode"
+    if (support.pdl or support.interpreter) and tokens <= decode_max_tokens(
+            _tiling.one_slot(batch)):
+        return "decode"
     return "fused"
+
+
+def decode_max_tokens(one_slot: bool) -> int:
+    """The largest batch `rule_path` gives the decode path: DECODE_MAX_TOKENS_ONE_SLOT with one
+    adapter slot, DECODE_MAX_TOKENS with several."""
+    return DECODE_MAX_TOKENS_ONE_SLOT if one_slot else DECODE_MAX_TOKENS
 
 
 BaseGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -60,6 +60,11 @@ ONE_SLOT_BUCKETS = (*DECODE_BUCKETS, 64)
 MARGIN = 0.01  # a candidate must beat the settings in use by more than this fraction
 
 
+def _past_decode_buckets(tokens: int | None) -> bool:
+    # a batch of one slot's 64-token bucket beyond the default buckets (33-64 tokens)
+    return tokens is not None and DECODE_BUCKETS[-1] < tokens <= ONE_SLOT_BUCKETS[-1]
+
+
 def cache_path(device_name: str) -> Path:
     """The cache file of `device_name` for these versions of torch, Triton and this package
     (settings tuned with one compiler are not assumed to suit another)."""
@@ -134,7 +139,7 @@ def k2_candidates(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...],
     tokens (the decode path's one-slot batches beyond 32), the candidates around its 32-row
     form instead, the decode tiles (`cfg` itself stays the settings in use the search starts
     from): prefill tiles around it would be kernels compiled for this bucket alone."""
-    if cfg.block_m > 32 and tokens is not None and 32 < tokens <= ONE_SLOT_BUCKETS[-1]:
+    if cfg.block_m > 32 and _past_decode_buckets(tokens):
         cfg = dataclasses.replace(cfg, block_m=32)
     return _k2_around(cfg, n, k, slices, tokens)
 
@@ -186,7 +191,7 @@ def k1_candidates(cfg: LaunchConfig, k: int, rank: int, slices: int = 1,
     2 to 32 parts: a kernel each for this bucket alone, so its K and rank tiles are not varied."""
     out = _k1_around(cfg, k, rank, slices)
     rows = 1 << max(0, (tokens or 1) - 1).bit_length()  # the batch in one row tile
-    if tokens is not None and 32 < tokens <= ONE_SLOT_BUCKETS[-1] and cfg.block_m < rows:
+    if _past_decode_buckets(tokens) and cfg.block_m < rows:
         out += [dataclasses.replace(cfg, block_m=rows, split_k=split_k)
                 for split_k in (2, 4, 8, 16, 32) if k // split_k >= cfg.block_k]
     return list(dict.fromkeys(out))
@@ -468,14 +473,10 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
     and their times, and the seconds each projection took."""
     from epilora_kernels import fused
     from epilora_kernels.arch import device_support
-    from epilora_kernels.dispatch import (
-        DECODE_MAX_TOKENS,
-        DECODE_MAX_TOKENS_ONE_SLOT,
-        timed_choice,
-    )
+    from epilora_kernels.dispatch import decode_max_tokens, timed_choice
     from epilora_kernels.workspace import Workspace
 
-    served = DECODE_MAX_TOKENS_ONE_SLOT if slots == 1 else DECODE_MAX_TOKENS
+    served = decode_max_tokens(slots == 1)
     if not tokens or min(tokens) < 1 or max(tokens) > served:
         # beyond, the fused path serves the batch and would take these K2 settings
         raise ValueError(f"tokens {tuple(tokens)}: the decode path serves batches of 1 to "
