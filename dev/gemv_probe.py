@@ -1,7 +1,7 @@
 """GPU: an FP8 GEMV on CUDA cores (no tensor cores) against vLLM's CUTLASS and our K2 without
 adapter, on FP8 codes at 1-8 tokens, per projection of the benchmarks' models.
 
-The batch-1 gap (docs/kernels.md, Next steps 9): in an engine step our K2 runs 1.5-2.3 us a
+The batch-1 gap (docs/kernels-history.md, item 61): in an engine step our K2 runs 1.5-2.3 us a
 projection longer than CUTLASS, and CUTLASS itself streams the weight at 60-75% of the HBM's
 bandwidth at one token. A tensor-core GEMM pads one token to an 8-16 wide MMA; a GEMV reads
 each weight row once, converts FP8 in registers and sums with FMAs, which at 1-8 tokens is far

@@ -68,7 +68,7 @@ Variants (`--variants`):
 * `after-previous`: the decode path's K1 launched as the programmatic dependent of the kernel
   before it (EPILORA_DECODE_AFTER_PREVIOUS=1), so that K1's launch overlaps that kernel's end
   (the committed timeline: each projection starts 1.1-1.2 us after the one before; docs/
-  kernels.md, Next steps 8). Give `--gap-us` so that a kernel other than ours precedes each
+  kernels-history.md, item 60). Give `--gap-us` so that a kernel other than ours precedes each
   K1, as in an engine.
 
 * `one-launch`: the decode path on the codes in one launch (EPILORA_DECODE_ONE_LAUNCH=1, one
@@ -85,7 +85,7 @@ Variants (`--variants`):
   stream. Only the decode path prefetches: give decode sizes (`--tokens 1 4 8 16 32`;
   not in the default `--variants`). Time it with `--gap-us`: an engine runs attention, norms
   and the SiLU between the GEMMs (at batch 1 about 19 us before o, 4-6 us before the others:
-  docs/kernels.md, Next steps 7), where back to back the prefetch would only compete with the
+  docs/kernels-history.md, item 59), where back to back the prefetch would only compete with the
   next GEMM's own stream.
 
 * `swap-ab`, `swap-ab-split`: K2's decode tiles (16 and 32 rows) as the transposed product
@@ -95,8 +95,8 @@ Variants (`--variants`):
   committed engine step (`engine_kernels.json` of 9a03a4b, `last_step`, medians of its four
   layers) vLLM's swap-AB CUTLASS GEMM takes 8.7, 6.6, 26.6 and 15.3 us for qkv, o, gate_up and
   down, our K2 (K1 beside it) 12.3, 10.7, 29.0 and 21.0: 15.8 us a layer, most of the batch-1
-  TPOT's gap (flushed, our K2 alone is near CUTLASS; beside K1 it is not: docs/kernels.md,
-  Next steps 9). Decode sizes: `--codes --tokens 1 4 8 16 32`. `swap-ab-fast-acc`: `swap-ab`
+  TPOT's gap (flushed, our K2 alone is near CUTLASS; beside K1 it is not: docs/kernels-history.md,
+  item 61). Decode sizes: `--codes --tokens 1 4 8 16 32`. `swap-ab-fast-acc`: `swap-ab`
   without the promotion of each K tile's FP8 sum to fp32 (wgmma's reduced-precision sums over
   the whole K, as CUTLASS's; ptxas waits for each tile's MMAs before the promotion's adds).
 
@@ -112,7 +112,7 @@ Variants (`--variants`):
   `_tiling.gather_segments`), where the shipped epilogue runs an MMA per adapter segment, one
   after another: the flushed timeline at 8x16 had K2's epilogue at 2.9-5.7 us a program (0.26
   without adapter) and `h-given` at +14% over `cutlass` where `gemm` was at -4% (docs/
-  kernels.md, Next steps 3). `--adapters 8 --ranks 16 --tokens 4 8 16 32` and `--adapters 32
+  kernels-history.md, item 55). `--adapters 8 --ranks 16 --tokens 4 8 16 32` and `--adapters 32
   --ranks 64`; with `decode-path` beside it for 16 and 32 tokens.
   `gather-fitting` gathers only where `fit` does (16-row tiles whose slices of B fit L1), and
   `segment-loop` never (EPILORA_GATHER_SEGMENTS=0, the default: it differs from the shipped
@@ -135,16 +135,16 @@ Variants (`--variants`):
   epilogue as before, parking a term in y. Since 2026-12-06 `auto` also takes the halves with
   several slots where their rank is at most 32 and the batch has 64 tokens a slot (32 a
   slot and 65 in all since a later check; `_tiling.HALVES_MAX_RANK`, `HALVES_TOKENS_PER_SLOT`;
-  it was the opt-in `fit` until its check on setups it was not read from, docs/kernels.md
-  Next steps 1).
+  it was the opt-in `fit` until its check on setups it was not read from, docs/kernels-history.md,
+  item 53).
 
 * `delta-kernel`: wherever K2 would sum several slots' delta before its K loop (`DELTA_FIRST`,
   prefill tiles), a kernel of its own writes it into y first (EPILORA_DELTA_KERNEL=1,
   `_launchers.launch_delta`), where the shipped `auto` does so only up to
   `_launchers.DELTA_TOKENS_PER_SLOT` tokens a slot held (`use_delta_kernel`);
   `delta-kernel-off` never (`0`, K2 summing it, as before 2026-12-06); `delta-kernel-by-rank`
-  also up to 64 tokens a slot at rank 128 or more (one held-out run: 8x128, docs/kernels.md
-  Next steps 1). Give several slots and prefill sizes: `--adapters 32 --ranks 64 --tokens 128
+  also up to 64 tokens a slot at rank 128 or more (one held-out run: 8x128, docs/kernels-history.md,
+  item 53). Give several slots and prefill sizes: `--adapters 32 --ranks 64 --tokens 128
   256 512 2048`, `--adapters 8 --ranks 128 --tokens 128 256 512`.
 
 * `decode-k1-one-tile`: one adapter slot at 33-64 tokens (the decode path's batches beyond
@@ -248,8 +248,8 @@ heuristic = with_env("EPILORA_LAUNCH_TABLES", "0")
 def delta_kernel_by_rank():
     """A variant: the shipped `auto`, and at rank 128 or more the delta kernel up to 64 tokens
     a slot held (4 slots of rank 128 gained with it at 32 and 64 a slot on the H100 at
-    a2db2cf, where `auto` declines; 32 of rank 64 lost at 64 a slot: docs/kernels.md, Next
-    steps 3). To be timed on setups other than those (8x128, 16x128)."""
+    a2db2cf, where `auto` declines; 32 of rank 64 lost at 64 a slot: docs/kernels-history.md,
+    item 53). To be timed on setups other than those (8x128, 16x128)."""
     shipped = _launchers.use_delta_kernel
 
     def rule(setting, mode, cfg, num_entries, *, tokens, rank, **kw):
@@ -309,8 +309,8 @@ def heuristic_plain_small():
 def heuristic_swapped_small():
     """The heuristic with K2's swapped decode tile at 2-32 tokens wherever the device's
     shared memory allows, not only where plain tiles leave SMs without a program: what the
-    tuner chose in most of its 8x16 cells on an H100 at c6b1cf3 (docs/kernels.md, Next steps
-    3), for a several-slot rule to be read from and checked on other setups."""
+    tuner chose in most of its 8x16 cells on an H100 at c6b1cf3 (docs/kernels-history.md, item
+    55), for a several-slot rule to be read from and checked on other setups."""
     new = launch.heuristic_config
 
     def swapped(op, tokens, n, k, rank, slices=(), large_tiles=True):
@@ -328,7 +328,7 @@ def heuristic_k1_fewer_splits():
     """The heuristic with the decode path's K1 at 1-32 tokens split half as often and its K
     steps 256 deep where each split keeps whole ones: what the tuner chose for 8 slots of rank
     16 in most cells on an H100 at c6b1cf3 (its cache: splits 4-8 where the heuristic's rule,
-    read from one slot, splits 8-16; docs/kernels.md, Next steps 3). A several-slot K1 rule to
+    read from one slot, splits 8-16; docs/kernels-history.md, item 55). A several-slot K1 rule to
     read from 8x16 and check on 4x32, 16x16 and 32x64."""
     shipped = _tiling.select_config
 

@@ -49,8 +49,8 @@ def gather_segments() -> str:
     per adapter segment (`_tiling.gather_segments`): `fit` in 16-row tiles whose rows' slices
     of B fit a budget of L1, 1 in every tile of 32 rows or fewer, 0 never. Off by default:
     on setups its rule was not read from, `fit` lost up to 8% of the layer's time (4 slots
-    of rank 32 on Qwen2.5-7B's shapes) where it gained up to 9% on others (docs/kernels.md,
-    Next steps 3)."""
+    of rank 32 on Qwen2.5-7B's shapes) where it gained up to 9% on others (docs/kernels-history.md,
+    item 55)."""
     value = os.environ.get("EPILORA_GATHER_SEGMENTS", "0")
     if value not in ("0", "1", "fit"):
         raise ValueError(f"EPILORA_GATHER_SEGMENTS={value!r}: expected 0, 1 or fit")

@@ -462,7 +462,7 @@ def _gathered_delta(acc, h_ptr, tok, pos, pos_mask, s, T, R, n, n_mask, slice_be
     # row's slice of B (rows of one slot read the same lines, from L1 or L2) in loads that wait
     # on nothing but the slots, summed over the step in fp32 in registers (no MMA, no operand
     # through shared memory). The segment loop's MMA per segment costs its latency in turn:
-    # 8x16's epilogue took 2.9-5.7 us a program (docs/kernels.md, Next steps 3). The sum runs
+    # 8x16's epilogue took 2.9-5.7 us a program (docs/kernels-history.md, item 55). The sum runs
     # over the rank in another order than the MMA's: the same bits on integer-valued operands.
     e = tl.arange(0, ENTRIES_BLOCK)
     e_mask = e < NUM_ENTRIES

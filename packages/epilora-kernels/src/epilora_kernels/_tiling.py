@@ -276,7 +276,7 @@ def gather_segments(cfg: LaunchConfig, num_entries: int, rank: int) -> int:
     if they stay in L1 through the steps. Gathering everywhere (`1`), with 8 slots of rank 16
     the layer took 0.90-1.01x the loop's time at 4-16 tokens but 1.03-1.18x at 32 (32-row
     tiles), and up to 1.8x at rank 64 (8 KB a row's slice in a 64-wide tile); with 32 slots
-    of rank 64 up to 3.7x (an H100; docs/kernels.md, Next steps 3). Hence `fit`: 16-row
+    of rank 64 up to 3.7x (an H100; docs/kernels-history.md, item 55). Hence `fit`: 16-row
     tiles only, and only where the tile's distinct slices take at most
     `GATHER_L1_BYTES`. On setups that rule was not read from (32 slots of rank 16 at 4-16
     tokens on three models, Qwen2.5-7B's 8 slots of rank 16, 16 of rank 16) it took
@@ -319,7 +319,7 @@ def epilogue_halves(cfg: LaunchConfig, num_entries: int, fp8: bool, tokens: int 
     delta tile): the same bits. One slot's B is then loaded after the K loop (warmed in L2
     before it), never held through it.
 
-    Timed on three models' layers (docs/kernels.md, Next steps 1, has the runs): with one slot
+    Timed on three models' layers (docs/kernels-history.md, item 53, has the runs): with one slot
     the layer took 0.91-1.02x its time at 64-4096 tokens; several slots gained where few adapter
     segments meet a tile at ranks up to 32 (4x32 0.79-0.92x at 256-2048 tokens) and lost where
     many do or the rank spills (16x16 at 256 tokens, 16 a slot, 1.04-1.09x; 32x64

@@ -32,7 +32,7 @@ SLICE_ALIGN = 16  # output slices start on a multiple of the narrowest K2 tile
 # to 32 tokens (was 8, read from 32 slots of rank 64 at f715d55): on an H100 at 103b6df, with
 # no table and no cache, it took 0.90-0.95x the fused path's layer time at 16 and 32 tokens
 # with 4 slots of rank 32, 0.92-0.97x with 32 of rank 64, and with 16 of rank 16 0.96x at 32
-# tokens but 1.02-1.03x at 16, on the three models' shapes (docs/kernels.md, Next steps 3).
+# tokens but 1.02-1.03x at 16, on the three models' shapes (docs/kernels-history.md, item 55).
 # Where the choice is that close (several slots, DECODE_TIMED_MIN_TOKENS up to
 # DECODE_MAX_TOKENS) the tuner times both paths and `choose_path` takes its choice. At
 # 512-4096 tokens, with K1 and K2 in their prefill tiles, the fused path beat the hybrid path

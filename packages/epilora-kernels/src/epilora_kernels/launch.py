@@ -224,7 +224,7 @@ def heuristic_config(
         # tuner chose swapped tiles in 17 of 20 buckets on Qwen3-8B's shapes, and this one
         # swapped tile (64 weight rows, 256 deep, K whole, the one-wave pipeline) took 0.95x
         # the shipped table's layer at 32 tokens, 0.98x at 16 and 1.05x at 1 and 4 (docs/
-        # kernels.md, Next steps 9): hence from 17 tokens. At 2-16 tokens it is taken where
+        # kernels-history.md, item 61): hence from 17 tokens. At 2-16 tokens it is taken where
         # the plain tiles leave SMs without a program: the tuner's entries for the 4096 x 4096
         # projection (o: 128 plain 32-wide tiles) took it at 4, 8 and 16 tokens at ranks 16,
         # 64 and 128 (its cache on the H200 at ba2f1be; the decode path 1.07-1.18x faster
@@ -276,7 +276,7 @@ def _mid_gemm_config(tokens: int, n: int, k: int, block_r: int, slices: tuple[in
     everywhere and matched 2, and took 1.6-4.5x the table's added time at 64 tokens on the
     three models' layers: layer_models.json of b10d3da). On an H100 the layer with these
     tiles took 0.99-1.01x the table's time at 64 and 256 tokens on all three models, the old
-    rule's 1.10-1.14x (docs/kernels.md, Next steps 2)."""
+    rule's 1.10-1.14x (docs/kernels-history.md, item 54)."""
     if tokens >= MID_LARGE_TILE_TOKENS and large_tiles:
         wide = LaunchConfig(block_m=128, block_n=fit_slices(128, slices), block_k=128,
                             block_r=block_r, num_warps=8, num_stages=4)

@@ -23,7 +23,7 @@ projections' GEMMs are latency-bound (qkv's and o's at about 2 TB/s on the H200,
 gate_up reaches) and leave HBM room. Those lines are marked evicted last
 (`prefetch.global.L2::evict_last`), so that the GEMM's own lines, read once, make the room.
 
-Timed at layer level on the H200 (no gain: docs/kernels.md, Next steps 7), its engine step
+Timed at layer level on the H200 (no gain: docs/kernels-history.md, item 59), its engine step
 not; the vLLM plugin uses it only where asked (`EPILORA_VLLM_PREFETCH_MIB`,
 `EPILORA_VLLM_PREFETCH_AT`).
 """

@@ -161,7 +161,7 @@ def _k2_around(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...],
     if _env.tune_swap_ab():  # first: what the setting asks to try is timed within the budget
         out = swap_candidates(cfg, n, k, slices, tokens) + out
     # the segment loop as shipped (`LaunchConfig.segment_stages` 1), wherever the settings in
-    # use (a cache's) had it: in flight it timed no faster (docs/kernels.md, Next steps 3)
+    # use (a cache's) had it: in flight it timed no faster (docs/kernels-history.md, item 55)
     return list(dict.fromkeys(dataclasses.replace(c, segment_stages=1) for c in out))
 
 
