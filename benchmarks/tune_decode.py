@@ -86,6 +86,10 @@ def tune(model: str, rank: int, slots: int, args) -> list[dict]:
             rows.append({**common, "system": f"tuner-{when}", "projection": cell["projection"],
                          "tokens": cell["tokens"], "metric": "decode_us",
                          "value": round(cell[f"{when}_us"], 2)})
+        # the settings chosen, so that a heuristic can be read from (and checked against) the
+        # tuner's picks without its cache: K1's and K2's LaunchConfig fields, the path chosen
+        # where the tuner timed the fused path too (None: the size rule's)
+        rows[-1].update(k1=cell["k1"], k2=cell["k2"], path=cell["path"])
     rows.append({**common, "system": "tuner", "metric": "tune_s", "value": round(total, 1),
                  "complete": report["complete"], "budget_s": args.budget,
                  "compile_s": report["compile_s"], "jobs": args.jobs,

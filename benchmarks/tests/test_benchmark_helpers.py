@@ -63,3 +63,29 @@ def test_tune_decode_takes_the_layer_benchmarks_setups_and_refuses_bad_ones(caps
         with pytest.raises(SystemExit):
             tune_decode.parse_setup(bad, parser)
         assert repr(bad) in capsys.readouterr().err
+
+
+def test_tune_decode_rows_carry_the_settings_the_tuner_chose(monkeypatch):
+    # The "tuner-after" row of each cell names the K1 and K2 settings and the path the tuner
+    # chose (a heuristic is read from them without the cache); "tuner-before" carries none, and
+    # a cell whose settings in use failed gives no rows.
+    import argparse
+
+    import tune_decode
+
+    k1, k2 = {"block_m": 16, "split_k": 8}, {"block_m": 32, "swap_ab": True}
+    cells = [{"projection": "o", "tokens": 4, "before_us": 20.0, "after_us": 18.5,
+              "k1": k1, "k2": k2, "path": None, "fused_us": None},
+             {"projection": "o", "tokens": 8, "before_us": None, "after_us": 19.0,
+              "k1": k1, "k2": k2, "path": "fused", "fused_us": 18.0}]
+    report = {"cells": cells, "compile_s": 1.0, "seconds": {"o": 2.0}, "complete": True,
+              "compile_errors": []}
+    monkeypatch.setattr(tune_decode.tuner, "tune_decode", lambda *a, **kw: report)
+    args = argparse.Namespace(budget=60.0, jobs=0, codes=False, tokens=[4, 8])
+    rows = tune_decode.tune("qwen3-8b", 64, 1, args)
+    cell_rows = [r for r in rows if r["metric"] == "decode_us"]
+    assert [(r["system"], r["tokens"]) for r in cell_rows] == [("tuner-before", 4),
+                                                               ("tuner-after", 4)]
+    before, after = cell_rows
+    assert (after["k1"], after["k2"], after["path"], after["value"]) == (k1, k2, None, 18.5)
+    assert "k2" not in before
