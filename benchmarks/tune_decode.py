@@ -7,9 +7,9 @@ writes goes to $EPILORA_CACHE_DIR, which the layer benchmark of the same call th
         --ranks 16 64 128 --slots 1 8 --budget 60 --out benchmarks/results/h200/tune_decode.json
 
 `--setups SLOTSxRANK ...` (the layer benchmark's setups, e.g. 1x16 8x16 32x64) tunes those
-pairs instead of every rank with every slot count; `--tokens` the buckets (default 1-32;
-`--tokens 1 4 8 16 32 64` also one slot's 64, opt-in: `tuner.ONE_SLOT_BUCKETS`; setups of
-several slots leave out buckets beyond 32, which the decode path does not serve for them).
+pairs instead of every rank with every slot count; `--tokens` the buckets (default the
+tuner's, `tuner.default_buckets`: 1-64 with one slot, 1-32 with several; setups of several
+slots leave out buckets given beyond 32, which the decode path does not serve for them).
 """
 
 import argparse
@@ -36,9 +36,9 @@ def main() -> None:
     parser.add_argument("--codes", action="store_true",
                         help="tune the path on per-token codes given (x None), as the vLLM "
                              "plugin's default mode calls it")
-    parser.add_argument("--tokens", type=int, nargs="+", default=list(tuner.DECODE_BUCKETS),
-                        help="the token buckets (e.g. 1 4 8 16 32 64: tuner.ONE_SLOT_BUCKETS, "
-                             "the decode path's one-slot batches up to 64)")
+    parser.add_argument("--tokens", type=int, nargs="+",
+                        help="the token buckets (default: the tuner's, 1 4 8 16 32 64 with "
+                             "one slot, 1 4 8 16 32 with several)")
     parser.add_argument("--git-sha", default=None)
     args = parser.parse_args()
     pairs = ([parse_setup(s, parser) for s in args.setups] if args.setups
@@ -62,8 +62,11 @@ def parse_setup(text: str, parser: argparse.ArgumentParser) -> tuple[int, int]:
 
 
 def buckets(args, slots: int) -> tuple[int, ...]:
-    """--tokens, but the buckets the decode path does not serve with `slots` (beyond
-    dispatch.decode_max_tokens, where the fused path takes the batch), said once."""
+    """--tokens (not given: the tuner's default for `slots`), but the buckets the decode path
+    does not serve with `slots` (beyond dispatch.decode_max_tokens, where the fused path takes
+    the batch), said once."""
+    if args.tokens is None:
+        return tuner.default_buckets(slots)
     most = decode_max_tokens(slots == 1)
     served = tuple(t for t in args.tokens if t <= most)
     if served != tuple(args.tokens):

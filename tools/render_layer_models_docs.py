@@ -66,6 +66,18 @@ def verdicts(adapters: int, rank: int, tokens: int, c: dict) -> tuple[str, str]:
     return verdict, heuristic
 
 
+def _buckets(data: dict) -> str:
+    """The token buckets a tuner's result file timed, e.g. '1-32' or '1-32, one slot 1-64'."""
+    spans: dict = {}
+    for r in data["rows"]:
+        if r["metric"] == "decode_us":
+            spans.setdefault(r["adapters"] == 1, set()).add(r["tokens"])
+    said = {one: f"{min(t)}-{max(t)}" for one, t in spans.items()}
+    if len(set(said.values())) <= 1:
+        return next(iter(said.values()), "none")
+    return f"{said[False]}, one slot {said[True]}"
+
+
 def _tuner_lines(tuner: Path, layer_used_cache: bool) -> list[str]:
     """The tuner's cost per model and what it found, from its own result file `tuner`;
     `layer_used_cache`: whether the layer run above had a tuner's cache."""
@@ -79,7 +91,8 @@ def _tuner_lines(tuner: Path, layer_used_cache: bool) -> list[str]:
                   "another call's, not what `epilora` used.", ""]
     lines += [f"From `{tuner.relative_to(ROOT)}`: commit `{meta['git_sha'][:10]}`, "
               f"{meta['date']}, `{meta['command']}`. `epilora_kernels.tuner.tune_decode` on "
-              "each model's four projections at the decode buckets (1-32 tokens); seconds "
+              f"each model's four projections at the decode buckets ({_buckets(data)} "
+              "tokens); seconds "
               "include compiling the candidates in parallel processes first (the "
               "first model's with Triton's disk cache empty). Before and after: the decode "
               "path per projection as the tuner timed it.", "",

@@ -89,3 +89,24 @@ def test_tune_decode_rows_carry_the_settings_the_tuner_chose(monkeypatch):
     before, after = cell_rows
     assert (after["k1"], after["k2"], after["path"], after["value"]) == (k1, k2, None, 18.5)
     assert "k2" not in before
+
+
+def test_the_layer_pages_tuner_section_names_the_buckets_its_file_timed():
+    # tools/render_layer_models_docs.py says which buckets the tuner's run timed, from its rows
+    # (the default buckets differ with one slot and several since 2026-12-07).
+    import runpy
+
+    tools = Path(__file__).parents[2] / "tools"
+    sys.path.insert(0, str(tools))  # its layer_plots, as when run from tools/
+    try:
+        render = runpy.run_path(str(tools / "render_layer_models_docs.py"))
+    finally:
+        sys.path.remove(str(tools))
+
+    def rows(*cells):
+        return {"rows": [{"metric": "decode_us", "adapters": a, "tokens": t} for a, t in cells]
+                + [{"metric": "tune_s", "adapters": 1}]}
+
+    assert render["_buckets"](rows((1, 1), (1, 32), (8, 1), (8, 32))) == "1-32"
+    assert render["_buckets"](rows((1, 1), (1, 64), (8, 1), (8, 32))) == "1-32, one slot 1-64"
+    assert render["_buckets"](rows((1, 1), (1, 64))) == "1-64"

@@ -669,8 +669,8 @@ def test_one_slots_64_token_bucket_searches_one_row_tile_and_decode_tiles(cache,
         return 100.0 - 10 * (k1.block_m == 64) - 5 * k2.swap_ab
 
     seen, time_us = _fake_gpu(monkeypatch, score)
-    report = tuner.tune_decode({"down": (4096, (64,))}, rank=16, tokens=tuner.ONE_SLOT_BUCKETS,
-                               time_us=time_us, progress=lambda line: None)
+    report = tuner.tune_decode({"down": (4096, (64,))}, rank=16, time_us=time_us,
+                               progress=lambda line: None)  # one slot's default buckets
     assert report["complete"] and [c["tokens"] for c in report["cells"]] == [1, 4, 8, 16, 32, 64]
     (cell,) = [c for c in report["cells"] if c["tokens"] == 64]
     assert (cell["k1"]["block_m"], cell["k2"]["block_m"], cell["k2"]["swap_ab"],
@@ -683,6 +683,15 @@ def test_one_slots_64_token_bucket_searches_one_row_tile_and_decode_tiles(cache,
                                     (64,), one_slot=True).swap_ab
     assert launch.select_config("triton-interpreter", "decode_shrink", 32, 64, 4096, 16,
                                 (64,), one_slot=True).block_m != 64
+
+
+@pytest.mark.parametrize("slots", [1, 2, 8])
+def test_the_default_buckets_reach_every_batch_the_decode_path_serves(slots):
+    from epilora_kernels.dispatch import decode_max_tokens
+
+    buckets = tuner.default_buckets(slots)
+    assert buckets[:5] == (1, 4, 8, 16, 32) and list(buckets) == sorted(set(buckets))
+    assert buckets[-1] == decode_max_tokens(slots == 1) == (64 if slots == 1 else 32)
 
 
 @pytest.mark.parametrize(("slots", "tokens"), [(1, (65,)), (4, (64,)), (1, ()), (1, (0, 8))])

@@ -97,6 +97,9 @@ def test_tune_passes_the_case_and_logs_what_it_found(no_cuda, monkeypatch, caplo
     assert "64x64 r16 l2 on codes" in caplog.text and "0.900 of its time" in caplog.text
     assert "compiles 1.5 s in 8 threads, 0 failed" in caplog.text
     assert "K2 swapped in 1; 1 candidates refused or failed" in caplog.text
+    # one slot too: the start's buckets end at 32, not at the library default's 64 (tuning.py)
+    tuning.tune(_forward(max_loras=1))
+    assert calls[-1][1]["slots"] == 1 and calls[-1][1]["tokens"] == tuner.DECODE_BUCKETS
 
 
 def _recording_tuner(monkeypatch) -> list[dict]:

@@ -49,14 +49,21 @@ from epilora_kernels.launch import (
 DECODE_BUCKETS = (1, 4, 8, 16, 32)
 # One adapter slot: the decode path serves batches up to dispatch.DECODE_MAX_TOKENS_ONE_SLOT
 # (64), and at 33-64 tokens its K1 takes the fused path's settings (`launch.select_config`)
-# unless a `decode_shrink` bucket covers the batch: in the shipped table only rank 128 has one
-# (tuned on Qwen3-8B's shapes, lent to shapes near them), and with it one slot of rank 128
-# added +11 to +18% over CUTLASS at 64 tokens on both three-models pages (H200 at ba2f1be,
-# H100 at dfe26ad) where rank 64 added +18 to +28% and the heuristic at rank 128 +23 to +33%.
-# Tuning the 64 bucket too (`tokens=ONE_SLOT_BUCKETS`) searches K1 in one row tile and K2 in
-# decode tiles there; opt-in until a run times what it gains and costs (7-9% more distinct
-# settings to compile, counted on the CPU; the compile step's launches about 29% more).
+# unless a `decode_shrink` bucket covers the batch, so the tuner's buckets for one slot end at
+# 64 (there the search adds K1 in one row tile and K2 in 32-row decode tiles). On an H100 at
+# c23f639, one slot of rank 32 (a setup no table entry was tuned on) on Llama-3.1-8B's and
+# Qwen2.5-7B's shapes, two runs: the layer at 48 and 64 tokens took 0.93-0.97x its time
+# without the bucket, its added time over CUTLASS from 0.28-0.31 of vLLM's LoRA's to
+# 0.12-0.22; the tuner took 56 s a model (49 s of it compiling, Triton's cache cold).
 ONE_SLOT_BUCKETS = (*DECODE_BUCKETS, 64)
+
+
+def default_buckets(slots: int) -> tuple[int, ...]:
+    """The token buckets `tune_decode` tunes unless told: every batch size class the decode
+    path serves with `slots` adapter slots (ONE_SLOT_BUCKETS with one, else DECODE_BUCKETS)."""
+    return ONE_SLOT_BUCKETS if slots == 1 else DECODE_BUCKETS
+
+
 MARGIN = 0.01  # a candidate must beat the settings in use by more than this fraction
 
 
@@ -457,13 +464,13 @@ def _stopped_at_the_budget(timeout_s: float, progress: Path) -> str:
 
 
 def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: int,
-                slots: int = 1, tokens: tuple[int, ...] = DECODE_BUCKETS,
+                slots: int = 1, tokens: tuple[int, ...] | None = None,
                 budget_s: float = 60.0, reps: int = 15, write: bool = True, jobs: int = 0,
                 compile_threads: int = 0, codes: bool = False, time_us=None,
                 progress=print) -> dict:
     """Tune the decode path's K1 and K2 for `projections` ({name: (K, output slices)}) with
-    adapters of `rank` over `slots` slots at the `tokens` buckets (ONE_SLOT_BUCKETS: one slot's
-    64 too), within `budget_s` seconds;
+    adapters of `rank` over `slots` slots at the `tokens` buckets (None: `default_buckets`,
+    with one slot 1-64, with several 1-32), within `budget_s` seconds;
     `codes`: called as an engine that quantizes x itself calls it (`x_quantized`, x None: K1's
     settings are cached as `decode_shrink_codes`, K2's as the GEMM's for every path);
     write the winners into the cache (`cache_path`) unless `write` is False. With `jobs` > 1
@@ -476,6 +483,8 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
     from epilora_kernels.dispatch import decode_max_tokens, timed_choice
     from epilora_kernels.workspace import Workspace
 
+    if tokens is None:
+        tokens = default_buckets(slots)
     served = decode_max_tokens(slots == 1)
     if not tokens or min(tokens) < 1 or max(tokens) > served:
         # beyond, the fused path serves the batch and would take these K2 settings
