@@ -4,11 +4,13 @@ On a GPU (marked `gpu`, so run by the GPU session) the kernels compute, over vLL
 for the classes the plugin serves: 1-4 adapters among 8 slots (vLLM's own fixture skips its
 decode stage on CUDA, where its kernels are the same for both stages). On CPU the plugin
 computes through the kernels' torch references and vLLM's reference, its FP8 layer, through
-torch's CPU `_scaled_mm` (0.2 s a call at 4096 x 4096; vLLM's tests call it once per request),
-so a subset: two adapters' batches (a token given the other tenant's adapter fails) with
-prefill and decode metadata for the single-slice layers, one adapter's for the packed ones."""
+`vllm_suite.scaled_mm_in_fp32` in place of torch's CPU `_scaled_mm` (oneDNN's scalar reference
+kernel: 8.8 s for each request's 17 padded rows at 4096 x 4096), on a subset: two adapters'
+batches (a token given the other tenant's adapter fails) with prefill and decode metadata for
+the single-slice layers, one adapter's for the packed ones."""
 
 import pytest
+import torch
 from vllm_suite import (  # noqa: F401 - the fixtures vLLM's tests take
     SUITE_FIXTURES,
     clean_cache_reset_device,
@@ -19,10 +21,13 @@ from vllm_suite import (  # noqa: F401 - the fixtures vLLM's tests take
     no_earlier_parallel_groups,
     ray_for_cleanup,
     reset_default_device,
+    scaled_mm_in_fp32,
     should_do_global_cleanup_after_test,
     skip_cuda_with_stage_false,
     vt,
 )
+
+from epilora_testing import assert_bitwise_equal
 
 ON_GPU = vt.DEVICES != ["cpu"]
 pytestmark = [pytest.mark.vllm, *([pytest.mark.gpu] if ON_GPU else [])]
@@ -66,3 +71,20 @@ def test_linear_parallel(num_loras, weights, orientation, device, stage):
 @pytest.mark.parametrize("stage", vt.STAGES if ON_GPU else [True])
 def test_column_parallel_packed(num_loras, weights, repeats, device, stage):
     vt.test_column_parallel_packed(None, None, num_loras, repeats, False, device, stage)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_fp8_gemm_stand_in_gives_torchs_bits(out_dtype):
+    # Integer-valued FP8 operands with short rows: every sum is exact in fp32, so the stand-in
+    # for vLLM's reference GEMM must give torch's own CPU kernel's bits.
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(-8, 9, (17, 48), generator=gen).float().to(torch.float8_e4m3fn)
+    b = torch.randint(-8, 9, (40, 48), generator=gen).float().to(torch.float8_e4m3fn).t()
+    scale_a, scale_b = torch.tensor(0.5), torch.tensor(3.0)
+    ours = scaled_mm_in_fp32(a, b, scale_a, scale_b, out_dtype=out_dtype)
+    torchs = torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype)
+    assert ours.dtype == torchs.dtype == out_dtype
+    assert_bitwise_equal(ours, torchs)
+    # What torch's CPU kernel refuses (per-row scales) is still refused, by torch.
+    with pytest.raises(RuntimeError, match="per-tensor"):
+        scaled_mm_in_fp32(a, b, torch.ones(17, 1), scale_b, out_dtype=out_dtype)

@@ -280,6 +280,25 @@ def _served(lora_cls, weight_offset: float = 0.0):
     return wrap
 
 
+_TORCH_SCALED_MM = torch._scaled_mm
+
+
+def scaled_mm_in_fp32(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None,
+                      use_fast_accum=False):
+    """`torch._scaled_mm` with FP8 operands on CPU as an fp32 matmul of their values; anything
+    else goes to torch's. Torch 2.11's CPU FP8 GEMM is oneDNN's scalar reference kernel, 0.5 s
+    a row at 4096 x 4096, and vLLM's FP8 layer pads every request to 17 rows: vLLM's layer
+    tests took ~20 min each (CI at 989414a ran out of time). An FP8 product is exact in fp32
+    and both sum in fp32, so only the order of the sums differs (a test checks the bits where
+    the sums are exact)."""
+    if (a.device.type != "cpu" or a.element_size() != 1 or bias is not None
+            or scale_result is not None or scale_a.numel() != 1 or scale_b.numel() != 1):
+        return _TORCH_SCALED_MM(a, b, scale_a, scale_b, bias=bias, scale_result=scale_result,
+                                out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+    out = (a.float() @ b.float()) * (scale_a.float() * scale_b.float())
+    return out.to(out_dtype or a.dtype)
+
+
 def fp8_suite(vt, monkeypatch, weight_offset: float = 0.0):
     """Rebind vLLM's test module `vt` to FP8 bases, the plugin's classes and bf16; the bases'
     weights are the test's plus `weight_offset` (the `fp8` fixture's signed weights)."""
@@ -307,6 +326,7 @@ def fp8_suite(vt, monkeypatch, weight_offset: float = 0.0):
             layer.base_layer.output_size_per_partition, layer.base_layer.input_size_per_partition,
             dtype=torch.bfloat16, device=layer_weights.device), **kw))
     monkeypatch.setattr(vt, "torch", _TorchWithFp8Equal())
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm_in_fp32)
 
 
 # The fixtures vLLM's layer tests take, for the test modules that import them: vLLM's own (its
