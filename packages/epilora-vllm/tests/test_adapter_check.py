@@ -1,6 +1,6 @@
 """`check_adapter` on the adapters a tenant might bring: each bad kind refused with its reason,
-a good one and paths that are vLLM's to resolve let through; the server middleware's API-key
-test, vLLM's."""
+a good one and paths that are vLLM's to resolve let through; `check_adapter_once`'s remembered
+verdicts; the server middleware's API-key test, vLLM's."""
 
 import json
 from types import SimpleNamespace
@@ -22,6 +22,8 @@ def test_a_good_adapter_and_paths_vllm_resolves_pass(base, tmp_path):
     base_dir, config = base
     check_adapter(good_adapter(tmp_path / "good", base_dir), config, MAX_RANK)
     check_adapter("some-org/some-adapter", config, MAX_RANK)  # a hub id: vLLM's to resolve
+    check_adapter("memory://epilora-rl/v3", config, MAX_RANK)  # the RL engine's in-memory one
+    check_adapter("", config, MAX_RANK)  # not the working directory
 
 
 @pytest.mark.parametrize("kind", BAD)
@@ -30,6 +32,42 @@ def test_each_bad_adapter_is_refused_with_its_reason(kind, base, tmp_path):
     path, reason = bad_adapter(kind, tmp_path / kind, base_dir, config)
     with pytest.raises(BadAdapter, match=reason):
         check_adapter(path, config, MAX_RANK)
+
+
+def test_a_verdict_is_remembered_until_the_adapters_files_change(base, tmp_path, monkeypatch):
+    import torch
+    from adapter_cases import RANK
+
+    from epilora_testing.tiny_models import write_lora_adapter
+    from epilora_vllm import adapter_check
+
+    base_dir, config = base
+    reads = []
+    read_weights = adapter_check._check_weights
+    monkeypatch.setattr(adapter_check, "_check_weights",
+                        lambda *a: (reads.append(a[0]), read_weights(*a)))
+    monkeypatch.setattr(adapter_check, "_verdicts", type(adapter_check._verdicts)())
+    path = good_adapter(tmp_path / "tenant", base_dir)
+    for _ in range(3):
+        adapter_check.check_adapter_once(path, config, MAX_RANK)
+    assert len(reads) == 1
+    adapter_check.check_adapter_once(path, config, RANK)  # another engine's limit: its own
+    assert len(reads) == 2
+    nan = torch.full((RANK, config.hidden_size), float("nan"), dtype=torch.bfloat16)
+    write_lora_adapter(path, base_dir, rank=RANK, seed=3, overrides={
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": nan})
+    for _ in range(2):  # rewritten: checked again, and the refusal remembered
+        with pytest.raises(BadAdapter, match="holds NaN or Inf"):
+            adapter_check.check_adapter_once(path, config, MAX_RANK)
+    assert len(reads) == 3
+    monkeypatch.setattr(adapter_check, "VERDICTS_KEPT", 2)
+    others = [good_adapter(tmp_path / f"other-{i}", base_dir) for i in range(2)]
+    for other in others:
+        adapter_check.check_adapter_once(other, config, MAX_RANK)
+    assert len(adapter_check._verdicts) == 2  # the oldest verdicts gone
+    with pytest.raises(BadAdapter, match="holds NaN or Inf"):
+        adapter_check.check_adapter_once(path, config, MAX_RANK)
+    assert len(reads) == 6
 
 
 def test_good_adapters_of_other_layouts_are_not_refused(base, tmp_path):

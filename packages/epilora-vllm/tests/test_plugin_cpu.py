@@ -8,6 +8,7 @@ from importlib.metadata import entry_points
 
 import pytest
 import torch
+from adapter_cases import BAD, bad_adapter
 from engine_cases import (
     FUSED,
     NEAR_TIE_NATS,
@@ -97,6 +98,7 @@ def test_register_is_idempotent_and_can_be_turned_off(monkeypatch):
     import vllm.lora.utils as lora_utils
     from vllm.model_executor.kernels.linear import _POSSIBLE_FP8_KERNELS
     from vllm.platforms import PlatformEnum
+    from vllm.v1.engine.input_processor import InputProcessor
 
     from epilora_vllm import installed, logits, register
     from epilora_vllm.layers import LAYER_CLASSES
@@ -110,6 +112,9 @@ def test_register_is_idempotent_and_can_be_turned_off(monkeypatch):
     for platform in platforms:
         monkeypatch.setitem(_POSSIBLE_FP8_KERNELS, platform, [
             k for k in _POSSIBLE_FP8_KERNELS[platform] if k is not EpiloraW8A16LinearKernel])
+    vllms_validation = getattr(InputProcessor._validate_lora, "__wrapped__",
+                               InputProcessor._validate_lora)
+    monkeypatch.setattr(InputProcessor, "_validate_lora", vllms_validation)
     monkeypatch.setenv("EPILORA_VLLM_DISABLE", "1")
     assert register() is False and not installed()
     monkeypatch.delenv("EPILORA_VLLM_DISABLE")
@@ -118,6 +123,7 @@ def test_register_is_idempotent_and_can_be_turned_off(monkeypatch):
     assert register() is True and register() is True and installed()
     assert lora_utils._all_lora_classes == (*LAYER_CLASSES, *stock)  # once, first
     assert model_manager.from_layer_logits_processor is logits.from_layer_logits_processor
+    assert InputProcessor._validate_lora.__wrapped__ is vllms_validation  # wrapped once
     for platform in platforms:  # the matched mode's kernel: once, first
         assert _POSSIBLE_FP8_KERNELS[platform] == [EpiloraW8A16LinearKernel,
                                                    *stock_kernels[platform]]
@@ -227,25 +233,28 @@ def test_a_request_without_an_adapter_gets_the_tokens_of_an_engine_without_lora(
     assert [tokens[i] for i in (1, 3, 4)] == [no_lora[1], no_lora[0], no_lora[2]]
 
 
-def test_an_adapter_with_nan_weights_spoils_only_its_own_tenants_answers(served, checkpoints,
-                                                                          tmp_path):
-    # An engine used from Python loads it (the server's middleware, epilora_vllm.adapter_check,
-    # refuses it): its tokens' rows are NaN, and every other tenant in its batch gets the answer
-    # it gets alone.
-    import torch
+@pytest.mark.parametrize("bad", BAD)
+def test_a_request_naming_a_bad_adapter_is_refused_with_its_reason_and_serving_goes_on(
+        served, checkpoints, tmp_path, bad):
+    # An engine used from Python: the adapter is checked before vLLM admits the request
+    # (epilora_vllm.request_check), the batch's other requests are taken back, and the engine
+    # goes on serving every other tenant as before.
+    import json
+    from types import SimpleNamespace
+
     from vllm.lora.request import LoRARequest
 
-    from epilora_testing.tiny_models import write_lora_adapter
+    from epilora_vllm import BadAdapter
 
-    nan_b = torch.full((128, 8), float("nan"), dtype=torch.bfloat16)
-    poisoned = write_lora_adapter(
-        tmp_path / "nan", checkpoints["bf16"], rank=8, seed=3,
-        overrides={"base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": nan_b})
+    config = SimpleNamespace(**json.loads((checkpoints["bf16"] / "config.json").read_text()))
+    path, reason = bad_adapter(bad, tmp_path / bad, checkpoints["bf16"], config, max_rank=8)
     llm = served["llm"]
     good = (PROMPTS[1], request(checkpoints, 1))
     (alone,) = generate(llm, [good])
-    mixed = generate(llm, [(PROMPTS[2], LoRARequest("nan", 9, str(poisoned))), good])
-    assert mixed[1] == alone
+    with pytest.raises(BadAdapter, match=reason):
+        generate(llm, [good, (PROMPTS[2], LoRARequest(bad, 9, str(path)))])
+    assert llm.llm_engine.get_num_unfinished_requests() == 0  # the good one taken back
+    assert generate(llm, [good, (PROMPTS[0], None)])[0] == alone
 
 
 def _serve_eagerly_with(checkpoints, **env):

@@ -2,7 +2,8 @@
 its entry point), an adapter loaded at runtime (`/v1/load_lora_adapter`) serves completions that
 differ from the base model's and repeat, and every kind of bad adapter (`adapter_cases.BAD`) is
 refused with HTTP 400 and its reason by the plugin's middleware while the server goes on
-serving; tenants loaded, and unloaded and reloaded (through the route, or by vLLM's filesystem
+serving, and without the middlewares in the requests that name it (as is one a LoRA resolver
+brings in); tenants loaded, and unloaded and reloaded (through the route, or by vLLM's filesystem
 LoRA resolver inside a request), under load answer as when served alone (the reload held by the
 plugin's other middleware, epilora_vllm.reload_guard)."""
 
@@ -43,10 +44,11 @@ def _post(url: str, body: dict) -> tuple[int, dict | str]:
         return e.code, e.read().decode()
 
 
-def _serve(root, endpoint_plugin=False, **env_extra):
+def _serve(root, endpoint_plugin=False, middlewares=True, **env_extra):
     """`vllm serve` with the plugin and both of its middlewares on a tiny FP8 checkpoint under
     `root` (yields the server's facts, stops it after): named by `--middleware`, or put there by
-    the plugin's endpoint plugin (`endpoint_plugin`, allowlisted in VLLM_PLUGINS)."""
+    the plugin's endpoint plugin (`endpoint_plugin`, allowlisted in VLLM_PLUGINS), or neither
+    (`middlewares` false)."""
     checkpoints = make_checkpoints(root)
     write_word_tokenizer(checkpoints["fp8"])
     port = _free_port()
@@ -57,7 +59,8 @@ def _serve(root, endpoint_plugin=False, **env_extra):
            **env_extra}
     env.pop("VLLM_PLUGINS", None)
     middlewares = ["--middleware", "epilora_vllm.adapter_check.refuse_bad_adapters",
-                   "--middleware", "epilora_vllm.reload_guard.hold_reloads_until_drained"]
+                   "--middleware", "epilora_vllm.reload_guard.hold_reloads_until_drained"
+                   ] if middlewares else []
     if endpoint_plugin:
         # every plugin the server uses named, vLLM's resolver too (the allowlist is for all)
         env["VLLM_PLUGINS"] = "epilora,epilora-server,lora_filesystem_resolver"
@@ -105,6 +108,13 @@ def resolving_server(tmp_path_factory):
     cache = root / "lora-cache"
     cache.mkdir()
     yield from _serve(root, endpoint_plugin=True, VLLM_LORA_RESOLVER_CACHE_DIR=str(cache))
+
+
+@pytest.fixture(scope="module")
+def bare_server(tmp_path_factory):
+    # The plugin's layers only: neither middleware, as a server gets that leaves the endpoint
+    # plugin out of VLLM_PLUGINS and names no `--middleware`.
+    yield from _serve(tmp_path_factory.mktemp("bare"), middlewares=False)
 
 
 def _complete(server, model: str) -> tuple[int, object]:
@@ -274,6 +284,42 @@ def test_the_endpoint_plugin_puts_the_adapter_check_on_the_server(resolving_serv
         status, body = _post(server["base"] + "/v1/load_lora_adapter",
                              {"lora_name": bad, "lora_path": str(path)})
         assert status == 400 and reason in body, (status, body)
+    assert _complete(server, server["model"])[0] == 200
+
+
+@pytest.mark.parametrize("bad", BAD)
+def test_without_the_middlewares_no_request_is_served_by_a_bad_adapter(bare_server, bad):
+    # The route loads what vLLM's loader takes (it answers the rest itself: a missing config
+    # 404, a rank above the limit 400 or 500); every request that names the adapter is then
+    # refused with 400 and the check's reason (epilora_vllm.request_check), and the base model
+    # goes on answering.
+    server = bare_server
+    bf16 = server["checkpoints"]["bf16"]
+    config = SimpleNamespace(**json.loads((bf16 / "config.json").read_text()))
+    path, reason = bad_adapter(bad, server["root"] / bad, bf16, config, max_rank=8)
+    loaded, body = _post(server["base"] + "/v1/load_lora_adapter",
+                         {"lora_name": bad, "lora_path": str(path)})
+    status, answer = _complete(server, bad)
+    if loaded == 200:
+        assert status == 400 and reason in answer and '"code":400' in answer, (status, answer)
+    else:
+        assert status == 404, (loaded, body, status, answer)  # never served
+    assert _complete(server, server["model"])[0] == 200
+
+
+def test_a_bad_adapter_a_resolver_brings_in_is_refused_with_400_and_its_reason(
+        resolving_server):
+    # vLLM's filesystem resolver loads an adapter inside the request that names it, past the
+    # load route's middleware: the request's own check refuses it.
+    server = resolving_server
+    bf16, cache = server["checkpoints"]["bf16"], server["root"] / "lora-cache"
+    config = SimpleNamespace(**json.loads((bf16 / "config.json").read_text()))
+    path, reason = bad_adapter("nan", cache / "resolved-nan", bf16, config, max_rank=8)
+    config_file = path / "adapter_config.json"  # the resolver checks the served model
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()),
+                                       "base_model_name_or_path": server["model"]}))
+    status, answer = _complete(server, "resolved-nan")
+    assert status == 400 and reason in answer, (status, answer)
     assert _complete(server, server["model"])[0] == 200
 
 

