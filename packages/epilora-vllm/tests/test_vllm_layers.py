@@ -6,8 +6,8 @@ decode stage on CUDA, where its kernels are the same for both stages). On CPU th
 computes through the kernels' torch references and vLLM's reference, its FP8 layer, through
 `vllm_suite.scaled_mm_in_fp32` in place of torch's CPU `_scaled_mm` (oneDNN's scalar reference
 kernel: 8.8 s for each request's 17 padded rows at 4096 x 4096), on a subset: two adapters'
-batches (a token given the other tenant's adapter fails) with prefill and decode metadata for
-the single-slice layers, one adapter's for the packed ones."""
+batches (a token given the other tenant's adapter fails) for the single-slice layers, one
+adapter's for the packed ones, each with prefill and decode metadata."""
 
 import pytest
 import torch
@@ -68,7 +68,7 @@ def test_linear_parallel(num_loras, weights, orientation, device, stage):
 @pytest.mark.parametrize(("num_loras", "weights"), _cases(1, 2, 4) if ON_GPU else _cases(1))
 @pytest.mark.parametrize("repeats", [1, 2, 3])
 @pytest.mark.parametrize("device", vt.DEVICES)
-@pytest.mark.parametrize("stage", vt.STAGES if ON_GPU else [True])
+@pytest.mark.parametrize("stage", vt.STAGES)
 def test_column_parallel_packed(num_loras, weights, repeats, device, stage):
     vt.test_column_parallel_packed(None, None, num_loras, repeats, False, device, stage)
 
