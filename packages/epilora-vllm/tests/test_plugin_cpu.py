@@ -98,9 +98,8 @@ def test_register_is_idempotent_and_can_be_turned_off(monkeypatch):
     import vllm.lora.utils as lora_utils
     from vllm.model_executor.kernels.linear import _POSSIBLE_FP8_KERNELS
     from vllm.platforms import PlatformEnum
-    from vllm.v1.engine.input_processor import InputProcessor
 
-    from epilora_vllm import installed, logits, register
+    from epilora_vllm import installed, logits, register, request_check
     from epilora_vllm.layers import LAYER_CLASSES
     from epilora_vllm.matched_linear import EpiloraW8A16LinearKernel
 
@@ -112,9 +111,10 @@ def test_register_is_idempotent_and_can_be_turned_off(monkeypatch):
     for platform in platforms:
         monkeypatch.setitem(_POSSIBLE_FP8_KERNELS, platform, [
             k for k in _POSSIBLE_FP8_KERNELS[platform] if k is not EpiloraW8A16LinearKernel])
-    vllms_validation = getattr(InputProcessor._validate_lora, "__wrapped__",
-                               InputProcessor._validate_lora)
-    monkeypatch.setattr(InputProcessor, "_validate_lora", vllms_validation)
+    checked = {(cls, name): getattr(cls, name) for cls, name in request_check._targets()}
+    vllms_own = {key: getattr(method, "__wrapped__", method) for key, method in checked.items()}
+    for (cls, name), method in vllms_own.items():
+        monkeypatch.setattr(cls, name, method)
     monkeypatch.setenv("EPILORA_VLLM_DISABLE", "1")
     assert register() is False and not installed()
     monkeypatch.delenv("EPILORA_VLLM_DISABLE")
@@ -123,7 +123,8 @@ def test_register_is_idempotent_and_can_be_turned_off(monkeypatch):
     assert register() is True and register() is True and installed()
     assert lora_utils._all_lora_classes == (*LAYER_CLASSES, *stock)  # once, first
     assert model_manager.from_layer_logits_processor is logits.from_layer_logits_processor
-    assert InputProcessor._validate_lora.__wrapped__ is vllms_validation  # wrapped once
+    for (cls, name), method in vllms_own.items():  # vLLM's methods checked, once
+        assert getattr(cls, name).__wrapped__ is method
     for platform in platforms:  # the matched mode's kernel: once, first
         assert _POSSIBLE_FP8_KERNELS[platform] == [EpiloraW8A16LinearKernel,
                                                    *stock_kernels[platform]]
@@ -236,9 +237,9 @@ def test_a_request_without_an_adapter_gets_the_tokens_of_an_engine_without_lora(
 @pytest.mark.parametrize("bad", BAD)
 def test_a_request_naming_a_bad_adapter_is_refused_with_its_reason_and_serving_goes_on(
         served, checkpoints, tmp_path, bad):
-    # An engine used from Python: the adapter is checked before vLLM admits the request
-    # (epilora_vllm.request_check), the batch's other requests are taken back, and the engine
-    # goes on serving every other tenant as before.
+    # An engine used from Python: the adapter is checked before vLLM admits the request, or
+    # loads it ahead (epilora_vllm.request_check); the batch's other requests are taken back,
+    # and the engine goes on serving every other tenant as before.
     import json
     from types import SimpleNamespace
 
@@ -254,6 +255,9 @@ def test_a_request_naming_a_bad_adapter_is_refused_with_its_reason_and_serving_g
     with pytest.raises(BadAdapter, match=reason):
         generate(llm, [good, (PROMPTS[2], LoRARequest(bad, 9, str(path)))])
     assert llm.llm_engine.get_num_unfinished_requests() == 0  # the good one taken back
+    with pytest.raises(BadAdapter, match=reason):  # loaded ahead, from Python
+        llm.llm_engine.add_lora(LoRARequest(bad, 9, str(path)))
+    assert 9 not in llm.llm_engine.list_loras()
     assert generate(llm, [good, (PROMPTS[0], None)])[0] == alone
 
 

