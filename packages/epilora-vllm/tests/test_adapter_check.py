@@ -47,6 +47,7 @@ def test_a_verdict_is_remembered_until_the_adapters_files_change(base, tmp_path,
     monkeypatch.setattr(adapter_check, "_check_weights",
                         lambda *a: (reads.append(a[0]), read_weights(*a)))
     monkeypatch.setattr(adapter_check, "_verdicts", type(adapter_check._verdicts)())
+    monkeypatch.setattr(adapter_check, "RACY_S", 0.0)  # the files here were just written
     path = good_adapter(tmp_path / "tenant", base_dir)
     for _ in range(3):
         adapter_check.check_adapter_once(path, config, MAX_RANK)
@@ -68,6 +69,34 @@ def test_a_verdict_is_remembered_until_the_adapters_files_change(base, tmp_path,
     with pytest.raises(BadAdapter, match="holds NaN or Inf"):
         adapter_check.check_adapter_once(path, config, MAX_RANK)
     assert len(reads) == 6
+    # Files changed within RACY_S of the check: read every time, nothing remembered.
+    monkeypatch.setattr(adapter_check, "RACY_S", 3600.0)
+    fresh = good_adapter(tmp_path / "fresh", base_dir)
+    for _ in range(2):
+        adapter_check.check_adapter_once(fresh, config, MAX_RANK)
+    assert len(reads) == 8
+    # A copy that keeps the modification time (cp -p) is another version: its ctime differs.
+    import os
+    import shutil
+
+    monkeypatch.setattr(adapter_check, "RACY_S", 0.0)
+    copy = shutil.copytree(others[0], tmp_path / "copy")
+    adapter_check.check_adapter_once(copy, config, MAX_RANK)
+    assert len(reads) == 9
+    weights = copy / "adapter_model.safetensors"
+    stat = weights.stat()
+    shutil.copy2(path / "adapter_model.safetensors", weights)  # the NaN weights, same size
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(BadAdapter, match="holds NaN or Inf"):
+        adapter_check.check_adapter_once(copy, config, MAX_RANK)
+
+
+def test_a_home_relative_path_is_checked_as_vllm_reads_it(base, tmp_path, monkeypatch):
+    base_dir, config = base
+    monkeypatch.setenv("HOME", str(tmp_path))
+    bad_adapter("nan", tmp_path / "nan", base_dir, config)
+    with pytest.raises(BadAdapter, match="holds NaN or Inf"):
+        check_adapter("~/nan", config, MAX_RANK)
 
 
 def test_good_adapters_of_other_layouts_are_not_refused(base, tmp_path):
@@ -118,3 +147,20 @@ def test_adapters_are_looked_at_only_for_callers_vllms_key_check_lets_through(
     assert _authorized(request) == let_through
     request.app.state.args.api_key = None  # no key: everyone
     assert _authorized(request)
+
+
+def test_the_engines_check_leaves_tensorizer_adapters_and_engines_without_lora_to_vllm(
+        base, tmp_path):
+    from epilora_vllm import request_check
+
+    base_dir, config = base
+    path, reason = bad_adapter("nan", tmp_path / "nan", base_dir, config)
+    engine = SimpleNamespace(model_config=SimpleNamespace(hf_config=config),
+                             lora_config=SimpleNamespace(max_lora_rank=MAX_RANK))
+    with pytest.raises(BadAdapter, match=reason):
+        request_check._check(engine, SimpleNamespace(lora_path=str(path)))
+    # vLLM reads a tensorizer adapter's weights from its tensorizer_dir, not lora_path
+    request_check._check(engine, SimpleNamespace(lora_path=str(path), tensorizer_config_dict={
+        "tensorizer_dir": str(tmp_path / "elsewhere")}))
+    request_check._check(engine, None)
+    request_check._check(SimpleNamespace(lora_config=None), SimpleNamespace(lora_path=str(path)))

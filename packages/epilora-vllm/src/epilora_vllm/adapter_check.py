@@ -65,7 +65,7 @@ def _local_dir(path) -> Path | None:
     # memory:// adapters) is not ours to judge: vLLM resolves it (or says it found nothing).
     if not isinstance(path, (str, Path)) or not str(path):
         return None
-    path = Path(path)
+    path = Path(path).expanduser()  # as vLLM's loader reads it (get_adapter_absolute_path)
     return path if path.is_dir() else None
 
 
@@ -128,45 +128,57 @@ def _check_weights(weights: Path, rank: int | None, shapes, layers) -> None:
 
 
 _verdicts: OrderedDict = OrderedDict()  # key -> None (served) or the refusal's message
+_UNKNOWN = object()
 _verdicts_lock = threading.Lock()
 
 
-def _file_version(file: Path) -> tuple[int, int, int] | None:
+# A verdict on files changed this recently is not remembered: a filesystem with coarse
+# timestamps could give a second write within the same tick the first one's version (git's
+# "racily clean" files).
+RACY_S = 2.0
+
+
+def _file_version(file: Path) -> tuple[int, ...] | None:
+    # ctime too: a copy that keeps the old modification time (cp -p, rsync -a) changes it.
     try:
         st = file.stat()
     except OSError:
         return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def check_adapter_once(path, hf_config, max_lora_rank: int) -> None:
     """`check_adapter`, its verdict remembered for this model and rank limit while the adapter's
-    config and weights keep their inode, size and modification time (a rewritten adapter is
-    checked again); the `VERDICTS_KEPT` latest adapter versions are kept."""
+    config and weights keep their device, inode, size, modification and change times (a
+    rewritten adapter is checked again); the `VERDICTS_KEPT` latest adapter versions are kept,
+    none changed in the last `RACY_S` seconds."""
+    import time
+
     directory = _local_dir(path)
     if directory is None:
         return
     shapes, layers = _model_facts(hf_config)
     # The files' versions are read before the check: a write during it leaves a verdict under
     # the old version, and the next call checks the new one.
+    versions = (_file_version(directory / CONFIG), _file_version(directory / WEIGHTS))
     key = (str(directory.resolve()), max_lora_rank,
-           tuple(sorted(shapes.items())) if shapes else None, layers,
-           _file_version(directory / CONFIG), _file_version(directory / WEIGHTS))
+           tuple(sorted(shapes.items())) if shapes else None, layers, versions)
+    changed = max((v[-1] for v in versions if v is not None), default=0) / 1e9
     with _verdicts_lock:
-        known = key in _verdicts
-        if known:
+        verdict = _verdicts.get(key, _UNKNOWN)
+        if verdict is not _UNKNOWN:
             _verdicts.move_to_end(key)
-            verdict = _verdicts[key]
-    if not known:
+    if verdict is _UNKNOWN:
         try:
             check_adapter(directory, hf_config, max_lora_rank)
             verdict = None
         except BadAdapter as e:
             verdict = str(e)
-        with _verdicts_lock:
-            _verdicts[key] = verdict
-            while len(_verdicts) > VERDICTS_KEPT:
-                _verdicts.popitem(last=False)
+        if time.time() - changed >= RACY_S:
+            with _verdicts_lock:
+                _verdicts[key] = verdict
+                while len(_verdicts) > VERDICTS_KEPT:
+                    _verdicts.popitem(last=False)
     if verdict is not None:
         raise BadAdapter(verdict)
 

@@ -1,6 +1,7 @@
 """Every adapter is checked before vLLM takes it, so that a bad one is refused with its reason
 whatever brought it in: `LLM.generate` from Python, a server with or without the plugin's
-middlewares, an adapter loaded at the server's start, at runtime or by a LoRA resolver.
+middlewares, an adapter loaded at the server's start, at runtime or by a LoRA resolver (what is
+not checked: below).
 
 vLLM has no extension point for a check of its own there, so `install` wraps three of its
 methods, each with vLLM's own code unchanged after `adapter_check.check_adapter_once`:
@@ -8,7 +9,8 @@ methods, each with vLLM's own code unchanged after `adapter_check.check_adapter_
 * `InputProcessor._validate_lora`, the front end's validation of each request's `LoRARequest`
   (in the process that takes the requests, before the engine core sees them): a `ValueError`
   there (`BadAdapter` is one) is the request's error: `LLM` raises it and takes back the
-  batch's requests it had already added, and vLLM's OpenAI server answers it with HTTP 400.
+  batch's requests it had already added, and vLLM's OpenAI server answers it with HTTP 400
+  (a streamed request: 200, then vLLM's error event with code 400 in the stream).
 * `AsyncLLM.add_lora` (the server's `--lora-modules` at its start, `/v1/load_lora_adapter`,
   LoRA resolvers) and `LLMEngine.add_lora` (`LLM.llm_engine.add_lora` from Python): the
   adapter is refused before the engine core loads it, so its name is never served; vLLM's
@@ -17,16 +19,21 @@ methods, each with vLLM's own code unchanged after `adapter_check.check_adapter_
   request with 400. The server's check reads the weights off the event loop.
 
 The check reads an adapter's weights once per version of its files: a request after a checked
-load reads nothing. Without it, vLLM loads an adapter only when a batch first needs it, in the
-worker: a NaN or Inf in its weights is served (its tenant's answers are NaN), and a file vLLM's
-loader cannot read fails the engine's step that needed it, with the batch's other requests.
+load reads only the files' metadata. Not checked (vLLM's own checks): hub ids and other paths
+that are not local directories, `.bin`/`.pt` weights, tensorizer adapters, and requests given
+to the engine already processed (vLLM's deprecated `EngineCoreRequest` input). Without it, vLLM
+loads an adapter only when a batch first needs it, in the worker: a NaN or Inf in its weights
+is served (its tenant's answers are NaN), and a file vLLM's loader cannot read fails the
+engine's step that needed it, with the batch's other requests.
 """
 
 _MARK = "_epilora_checks_adapters"
 
 
 def _check(vllm_config, lora_request) -> None:
-    if lora_request is not None and vllm_config.lora_config is not None:
+    # A tensorizer adapter's weights are not in its lora_path: vLLM's to read.
+    if (lora_request is not None and vllm_config.lora_config is not None
+            and not getattr(lora_request, "tensorizer_config_dict", None)):
         from epilora_vllm.adapter_check import check_adapter_once
 
         check_adapter_once(lora_request.lora_path, vllm_config.model_config.hf_config,
