@@ -53,7 +53,7 @@ def register() -> bool:
 
 def installed() -> bool:
     """Whether this process's vLLM picks epilora's layer classes first (and its LM head's, and
-    the matched mode's FP8 kernel) and checks each request's adapter."""
+    the matched mode's FP8 kernel) and checks each adapter before taking it."""
     import vllm.lora.model_manager as model_manager
     import vllm.lora.utils as lora_utils
 

@@ -50,6 +50,8 @@ def _targets():
 
 
 def _checked(vllms, is_async: bool):
+    import functools
+
     if is_async:
         async def checked(self, lora_request, *args, **kwargs):
             import asyncio
@@ -60,8 +62,7 @@ def _checked(vllms, is_async: bool):
         def checked(self, lora_request, *args, **kwargs):
             _check(self.vllm_config, lora_request)
             return vllms(self, lora_request, *args, **kwargs)
-    checked.__wrapped__ = vllms
-    checked.__name__, checked.__doc__ = vllms.__name__, vllms.__doc__
+    checked = functools.wraps(vllms)(checked)  # vLLM's name and doc; __wrapped__ is vLLM's
     setattr(checked, _MARK, True)
     return checked
 
