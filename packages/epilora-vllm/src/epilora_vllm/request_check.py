@@ -14,9 +14,9 @@ methods, each with vLLM's own code unchanged after `adapter_check.check_adapter_
 * `AsyncLLM.add_lora` (the server's `--lora-modules` at its start, `/v1/load_lora_adapter`,
   LoRA resolvers) and `LLMEngine.add_lora` (`LLM.llm_engine.add_lora` from Python): the
   adapter is refused before the engine core loads it, so its name is never served; vLLM's
-  server then fails to start (a `--lora-modules` adapter) or answers the load with its 500 and
-  the reason (the middleware `refuse_bad_adapters` answers 400 before it), and a resolver's
-  request with 400. The server's check reads the weights off the event loop.
+  server then fails to start (a `--lora-modules` adapter) or answers the load with its 500
+  and the reason (the middleware `refuse_bad_adapters` answers 400 before it), and a
+  resolver's request with 400. The server's check reads the weights off the event loop.
 
 The check reads an adapter's weights once per version of its files: a request after a checked
 load reads only the files' metadata. Not checked (vLLM's own checks): hub ids and other paths
