@@ -10,6 +10,14 @@ BAD = ["rank_above_max", "no_config", "config_not_json", "nan", "inf", "another_
        "too_many_layers", "truncated", "corrupt"]
 
 
+def base_config(base_dir):
+    """The config of the checkpoint in `base_dir`, as attributes (what the check reads)."""
+    import json
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**json.loads((base_dir / "config.json").read_text()))
+
+
 def good_adapter(directory, base_dir, *, rank=RANK, **kw):
     """A rank-`rank` adapter for the checkpoint in `base_dir`, written in `directory`."""
     return write_lora_adapter(directory, base_dir, rank=rank, seed=3, **kw)

@@ -6,7 +6,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from adapter_cases import BAD, MAX_RANK, bad_adapter, good_adapter
+from adapter_cases import BAD, MAX_RANK, bad_adapter, base_config, good_adapter
 
 from epilora_testing.tiny_models import write_tiny_llama
 from epilora_vllm import BadAdapter, check_adapter
@@ -15,7 +15,7 @@ from epilora_vllm import BadAdapter, check_adapter
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     path = write_tiny_llama(tmp_path_factory.mktemp("base"))
-    return path, SimpleNamespace(**json.loads((path / "config.json").read_text()))
+    return path, base_config(path)
 
 
 def test_a_good_adapter_and_paths_vllm_resolves_pass(base, tmp_path):

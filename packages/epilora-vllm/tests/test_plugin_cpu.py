@@ -8,7 +8,7 @@ from importlib.metadata import entry_points
 
 import pytest
 import torch
-from adapter_cases import BAD, bad_adapter
+from adapter_cases import BAD, bad_adapter, base_config
 from engine_cases import (
     FUSED,
     NEAR_TIE_NATS,
@@ -94,6 +94,8 @@ def test_the_endpoint_plugin_warns_when_the_allowlist_turns_the_resolver_off(
 
 
 def test_register_is_idempotent_and_can_be_turned_off(monkeypatch):
+    import inspect
+
     import vllm.lora.model_manager as model_manager
     import vllm.lora.utils as lora_utils
     from vllm.model_executor.kernels.linear import _POSSIBLE_FP8_KERNELS
@@ -111,8 +113,8 @@ def test_register_is_idempotent_and_can_be_turned_off(monkeypatch):
     for platform in platforms:
         monkeypatch.setitem(_POSSIBLE_FP8_KERNELS, platform, [
             k for k in _POSSIBLE_FP8_KERNELS[platform] if k is not EpiloraW8A16LinearKernel])
-    checked = {(cls, name): getattr(cls, name) for cls, name in request_check._targets()}
-    vllms_own = {key: getattr(method, "__wrapped__", method) for key, method in checked.items()}
+    vllms_own = {(cls, name): inspect.unwrap(getattr(cls, name))
+                 for cls, name in request_check._targets()}
     for (cls, name), method in vllms_own.items():
         monkeypatch.setattr(cls, name, method)
     monkeypatch.setenv("EPILORA_VLLM_DISABLE", "1")
@@ -240,15 +242,12 @@ def test_a_request_naming_a_bad_adapter_is_refused_with_its_reason_and_serving_g
     # An engine used from Python: the adapter is checked before vLLM admits the request, or
     # loads it ahead (epilora_vllm.request_check); the batch's other requests are taken back,
     # and the engine goes on serving every other tenant as before.
-    import json
-    from types import SimpleNamespace
-
     from vllm.lora.request import LoRARequest
 
     from epilora_vllm import BadAdapter
 
-    config = SimpleNamespace(**json.loads((checkpoints["bf16"] / "config.json").read_text()))
-    path, reason = bad_adapter(bad, tmp_path / bad, checkpoints["bf16"], config, max_rank=8)
+    path, reason = bad_adapter(bad, tmp_path / bad, checkpoints["bf16"],
+                               base_config(checkpoints["bf16"]), max_rank=8)
     llm = served["llm"]
     good = (PROMPTS[1], request(checkpoints, 1))
     (alone,) = generate(llm, [good])

@@ -15,10 +15,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from types import SimpleNamespace
 
 import pytest
-from adapter_cases import BAD, bad_adapter
+from adapter_cases import BAD, bad_adapter, base_config
 from engine_cases import make_checkpoints
 
 from epilora_testing.tiny_models import write_lora_adapter, write_word_tokenizer
@@ -124,6 +123,13 @@ def bare_server(tmp_path_factory):
     yield from _serve(tmp_path_factory.mktemp("bare"), middlewares=False)
 
 
+def _for_the_served_model(adapter, server) -> None:
+    # vLLM's filesystem resolver serves an adapter only for the base model its config names.
+    config = adapter / "adapter_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()),
+                                  "base_model_name_or_path": server["model"]}))
+
+
 def _complete(server, model: str) -> tuple[int, object]:
     status, body = _post(server["base"] + "/v1/completions",
                          {"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
@@ -151,7 +157,7 @@ def test_the_server_serves_through_the_plugin_and_an_adapter_loaded_at_runtime(s
 @pytest.mark.parametrize("bad", BAD)
 def test_a_bad_adapter_is_refused_with_400_and_its_reason_and_serving_goes_on(server, bad):
     bf16 = server["checkpoints"]["bf16"]
-    config = SimpleNamespace(**json.loads((bf16 / "config.json").read_text()))
+    config = base_config(bf16)
     path, reason = bad_adapter(bad, server["root"] / bad, bf16, config, max_rank=8)
     status, body = _post(server["base"] + "/v1/load_lora_adapter",
                          {"lora_name": bad, "lora_path": str(path)})
@@ -285,7 +291,7 @@ def test_the_endpoint_plugin_puts_the_adapter_check_on_the_server(resolving_serv
     log = server["log"].read_text()
     assert "Loaded endpoint plugin epilora-server" in log and "epilora: serving" in log
     bf16 = server["checkpoints"]["bf16"]
-    config = SimpleNamespace(**json.loads((bf16 / "config.json").read_text()))
+    config = base_config(bf16)
     for bad in ("nan", "rank_above_max"):
         path, reason = bad_adapter(bad, server["root"] / bad, bf16, config, max_rank=8)
         status, body = _post(server["base"] + "/v1/load_lora_adapter",
@@ -301,7 +307,7 @@ def test_without_the_middlewares_a_bad_adapter_is_refused_at_its_load(bare_serve
     # never served, and the base model goes on answering.
     server = bare_server
     bf16 = server["checkpoints"]["bf16"]
-    config = SimpleNamespace(**json.loads((bf16 / "config.json").read_text()))
+    config = base_config(bf16)
     path, reason = bad_adapter(bad, server["root"] / bad, bf16, config, max_rank=8)
     status, body = _post(server["base"] + "/v1/load_lora_adapter",
                          {"lora_name": bad, "lora_path": str(path)})
@@ -315,7 +321,7 @@ def test_a_bad_adapter_given_at_the_start_stops_it_with_the_reason(tmp_path):
     # the plugin's refusal, so the server never serves.
     checkpoints = make_checkpoints(tmp_path)
     write_word_tokenizer(checkpoints["fp8"])
-    config = SimpleNamespace(**json.loads((checkpoints["bf16"] / "config.json").read_text()))
+    config = base_config(checkpoints["bf16"])
     path, reason = bad_adapter("nan", tmp_path / "nan", checkpoints["bf16"], config,
                                max_rank=8)
     proc = _start(tmp_path, checkpoints, _free_port(), middlewares=False,
@@ -336,11 +342,9 @@ def test_a_bad_adapter_a_resolver_brings_in_is_refused_and_its_reason_logged(
     # with its 400 and logs the reason.
     server = resolving_server
     bf16, cache = server["checkpoints"]["bf16"], server["root"] / "lora-cache"
-    config = SimpleNamespace(**json.loads((bf16 / "config.json").read_text()))
+    config = base_config(bf16)
     path, reason = bad_adapter("nan", cache / "resolved-nan", bf16, config, max_rank=8)
-    config_file = path / "adapter_config.json"  # the resolver checks the served model
-    config_file.write_text(json.dumps({**json.loads(config_file.read_text()),
-                                       "base_model_name_or_path": server["model"]}))
+    _for_the_served_model(path, server)
     status, answer = _complete(server, "resolved-nan")
     assert status == 400 and "could not be loaded" in answer, (status, answer)
     assert "Failed to load LoRA 'resolved-nan'" in server["log"].read_text()
@@ -363,10 +367,8 @@ def test_adapters_unloaded_under_load_and_loaded_again_by_a_resolver_answer_as_a
     bf16, cache = server["checkpoints"]["bf16"], server["root"] / "lora-cache"
     names = [f"resolved-{i}" for i in range(RESOLVED_TENANTS)]
     for i, name in enumerate(names):
-        write_lora_adapter(cache / name, bf16, rank=8, seed=80 + i)
-        config = cache / name / "adapter_config.json"  # the resolver checks the served model
-        config.write_text(json.dumps({**json.loads(config.read_text()),
-                                      "base_model_name_or_path": server["model"]}))
+        _for_the_served_model(write_lora_adapter(cache / name, bf16, rank=8, seed=80 + i),
+                              server)
     reference = {n: _complete(server, n) for n in names}  # each loaded by the resolver
     assert all(status == 200 for status, _ in reference.values()), reference
     assert len({text for _, text in reference.values()}) > RESOLVED_TENANTS // 2

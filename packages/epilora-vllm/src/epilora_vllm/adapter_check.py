@@ -21,6 +21,7 @@ adapter is answered 400 in vLLM's error format, every other request passes throu
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -71,9 +72,12 @@ def _local_dir(path) -> Path | None:
 
 def check_adapter(path, hf_config, max_lora_rank: int) -> None:
     """Raise `BadAdapter` if the PEFT adapter in directory `path` cannot serve this model."""
-    path = _local_dir(path)
-    if path is None:
-        return
+    directory = _local_dir(path)
+    if directory is not None:
+        _check_directory(directory, max_lora_rank, *_model_facts(hf_config))
+
+
+def _check_directory(path: Path, max_lora_rank: int, shapes, layers) -> None:
     config_file = path / CONFIG
     if not config_file.is_file():
         raise BadAdapter(f"{path}: no adapter_config.json")
@@ -91,7 +95,7 @@ def check_adapter(path, hf_config, max_lora_rank: int) -> None:
     if not weights.is_file():
         return  # .bin or .pt weights: vLLM's loader checks those
     # With a rank_pattern, a module's rank is its own: only the other dimension is checked.
-    _check_weights(weights, None if pattern else rank, *_model_facts(hf_config))
+    _check_weights(weights, None if pattern else rank, shapes, layers)
 
 
 def _check_weights(weights: Path, rank: int | None, shapes, layers) -> None:
@@ -152,8 +156,6 @@ def check_adapter_once(path, hf_config, max_lora_rank: int) -> None:
     config and weights keep their device, inode, size, modification and change times (a
     rewritten adapter is checked again); the `VERDICTS_KEPT` latest adapter versions are kept,
     none changed in the last `RACY_S` seconds."""
-    import time
-
     directory = _local_dir(path)
     if directory is None:
         return
@@ -161,7 +163,9 @@ def check_adapter_once(path, hf_config, max_lora_rank: int) -> None:
     # The files' versions are read before the check: a write during it leaves a verdict under
     # the old version, and the next call checks the new one.
     versions = (_file_version(directory / CONFIG), _file_version(directory / WEIGHTS))
-    key = (str(directory.resolve()), max_lora_rank,
+    # The path as given, not resolved (a stat per component, on every request): another
+    # spelling of it only costs one more check.
+    key = (str(directory), max_lora_rank,
            tuple(sorted(shapes.items())) if shapes else None, layers, versions)
     changed = max((v[-1] for v in versions if v is not None), default=0) / 1e9
     with _verdicts_lock:
@@ -170,7 +174,7 @@ def check_adapter_once(path, hf_config, max_lora_rank: int) -> None:
             _verdicts.move_to_end(key)
     if verdict is _UNKNOWN:
         try:
-            check_adapter(directory, hf_config, max_lora_rank)
+            _check_directory(directory, max_lora_rank, shapes, layers)
             verdict = None
         except BadAdapter as e:
             verdict = str(e)

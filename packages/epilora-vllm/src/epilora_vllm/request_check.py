@@ -27,6 +27,10 @@ is served (its tenant's answers are NaN), and a file vLLM's loader cannot read f
 engine's step that needed it, with the batch's other requests.
 """
 
+import asyncio
+import functools
+import inspect
+
 _MARK = "_epilora_checks_adapters"
 
 
@@ -50,12 +54,8 @@ def _targets():
 
 
 def _checked(vllms, is_async: bool):
-    import functools
-
     if is_async:
         async def checked(self, lora_request, *args, **kwargs):
-            import asyncio
-
             await asyncio.to_thread(_check, self.vllm_config, lora_request)
             return await vllms(self, lora_request, *args, **kwargs)
     else:
@@ -69,8 +69,6 @@ def _checked(vllms, is_async: bool):
 
 def install() -> None:
     """Check each adapter before vLLM's front end takes it (idempotent)."""
-    import inspect
-
     for cls, name in _targets():
         vllms = getattr(cls, name)
         if not getattr(vllms, _MARK, False):
