@@ -154,9 +154,6 @@ Variants (`--variants`):
   64 tokens on Qwen3-8B's shapes (one 64-row tile on qkv) and the three-models pages (docs/
   kernels.md, "The tuner": one slot's 64-token bucket). Untimed; `--ranks 16 32 64 --tokens
   40 48 64`, the three models.
-* `heuristic-decode-k1`: `heuristic` with the decode path's K1 at 33-64 tokens (one slot) in a
-  rule of its own, read from the tuner's picks there (its docstring). Against `heuristic`,
-  `--ranks 16 32 64 128 --tokens 40 48 64`, the three models.
 
 `--gap-us G`: after every projection of every system, a kernel that spins G microseconds on one
 thread (`torch.cuda._sleep`), standing for the engine's other kernels between the GEMMs.
@@ -347,35 +344,6 @@ def heuristic_k1_fewer_splits():
         yield
 
 
-@contextlib.contextmanager
-def heuristic_decode_k1():
-    """The heuristic with the decode path's K1 at 33-64 tokens (one slot) in a rule of its own
-    instead of the fused path's 16 x 32 x 128 tiles split 8: 16-row tiles, 256 deep up to rank
-    64 (128 beyond), rank tiles of at most 64, K split so that each program takes about two K
-    steps and the launch at most 64 programs. Read from the tuner's one-slot picks at 64 tokens
-    on an H100 at 917d998 (benchmarks/results/h100/tune_decode.json: 256-deep steps at ranks 16
-    and 64, 16-64 programs, where the heuristic's launch has 64-192), where the heuristic's
-    layer added +9.2 to +27.1% over CUTLASS and the tuned one +1.3 to +13.3%; check at 40 and
-    48 tokens and at rank 32, which no pick saw."""
-    shipped = _tiling.select_config
-
-    def rule(device, op, tokens, n, k, rank, slices=(), one_slot=False, *args, **kwargs):
-        cfg = shipped(device, op, tokens, n, k, rank, slices, one_slot, *args, **kwargs)
-        if (op not in ("decode_shrink", "decode_shrink_codes") or one_slot is not True
-                or not 32 < tokens <= dispatch.DECODE_MAX_TOKENS_ONE_SLOT):
-            return cfg
-        block_k = 256 if rank <= 64 else 128
-        block_r = min(launch.rank_block(rank), 64)
-        tiles = -(-tokens // 16) * -(-rank // block_r) * max(1, len(slices))
-        split = launch.whole_steps_split(
-            k, block_k, max(1, min(16, k // (2 * block_k), 64 // tiles)))
-        return launch.LaunchConfig(block_m=16, block_n=64, block_k=block_k, block_r=block_r,
-                                   split_k=split, num_warps=4, num_stages=2)
-
-    with heuristic(), _made_again_around(mock.patch.object(_tiling, "select_config", rule)):
-        yield
-
-
 def k1_apart():
     return _made_again_around(mock.patch.object(launch, "prefill_slices_together", _apart))
 
@@ -463,7 +431,6 @@ VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "heuristic-before": heuristic_before, "heuristic-plain-small": heuristic_plain_small,
             "heuristic-swapped-small": heuristic_swapped_small,
             "heuristic-k1-fewer-splits": heuristic_k1_fewer_splits,
-            "heuristic-decode-k1": heuristic_decode_k1,
             "k1-apart": k1_apart, "k1-light": k1_split_by(2, 32, 32),
             "k1-lighter": k1_split_by(4, 64, 16), "k1-heavier": k1_split_by(0.5, 32, 128),
             "k1-heaviest": k1_split_by(0.25, 32, 128), "fused-path": fused_path,

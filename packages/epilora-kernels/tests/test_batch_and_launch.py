@@ -180,8 +180,10 @@ def test_decode_k1_beyond_its_buckets_takes_the_fused_settings_unless_covered(gp
     gpu_table(table)
     max_t = launch.DECODE_SHRINK_MAX_TOKENS
     assert launch.select_config("Test GPU", "decode_shrink", max_t, 64, 32, 64).split_k == 8
-    # rank 64: no decode bucket covers 33 tokens, so not the 32-token entry stretched
-    assert launch.select_config("Test GPU", "decode_shrink", max_t + 1, 64, 32, 64).split_k == 4
+    # rank 64: no decode bucket covers 33 tokens, so neither the 32-token entry stretched nor
+    # the fused path's entry: the heuristic's rule for the decode path's K1 there
+    assert (launch.select_config("Test GPU", "decode_shrink", max_t + 1, 64, 32, 64)
+            == launch.heuristic_config("decode_shrink", max_t + 1, 64, 32, 64))
     assert launch.table_config("Test GPU", "decode_shrink", 999, 64, 32, cover=True) is None
     # rank 128: its 256-token bucket covers 33-256 tokens, and none covers more: beyond, the
     # fused path's, where the heuristic's prefill tiles replace the 256-token entry stretched
@@ -189,9 +191,30 @@ def test_decode_k1_beyond_its_buckets_takes_the_fused_settings_unless_covered(gp
     assert launch.select_config("Test GPU", "decode_shrink", 256, 64, 32, 128).split_k == 2
     assert (launch.select_config("Test GPU", "decode_shrink", 257, 64, 32, 128)
             == launch.heuristic_config("quantize_shrink", 257, 64, 32, 128))
-    # no table: the heuristic's fused settings
-    assert (launch.select_config(None, "decode_shrink", max_t + 1, 64, 32, 64)
-            == launch.heuristic_config("quantize_shrink", max_t + 1, 64, 32, 64))
+    # no table: beyond DECODE_K1_RULE_MAX_RANK the heuristic's fused settings
+    assert (launch.select_config(None, "decode_shrink", max_t + 1, 64, 32, 128)
+            == launch.heuristic_config("quantize_shrink", max_t + 1, 64, 32, 128))
+
+
+@pytest.mark.parametrize("rank", [16, 32, 64])
+@pytest.mark.parametrize("tokens", [33, 48, 64])
+def test_the_decode_paths_k1_past_the_decode_buckets_leaves_room_for_k2(rank, tokens):
+    # One slot's 33-64 tokens without a bucket of their own: 16-row tiles, 256 deep, at most 64
+    # programs of whole K steps (the fused path's settings, which this rule replaced, launch
+    # 64-192 there on these shapes), every slice of every projection of the three models.
+    from epilora_kernels import dispatch, launch
+
+    fused_path = launch.heuristic_config("quantize_shrink", tokens, 24576, 4096, rank, (12288,) * 2)
+    for n, k, slices in ((6144, 4096, (4096, 1024, 1024)), (4096, 4096, (4096,)),
+                         (24576, 4096, (12288, 12288)), (4096, 12288, (4096,)),
+                         (4608, 3584, (3584, 512, 512)), (3584, 18944, (3584,))):
+        cfg = launch.select_config(None, "decode_shrink", tokens, n, k, rank, slices, True)
+        assert (cfg.block_m, cfg.block_k, cfg.block_r) == (16, 256, launch.rank_block(rank))
+        programs = -(-tokens // 16) * len(slices) * cfg.split_k
+        assert programs <= 64, (n, k, cfg)
+        assert launch.whole_steps_split(k, 256, cfg.split_k) == cfg.split_k
+    assert fused_path.block_k == 128  # what it replaced
+    assert launch.DECODE_K1_RULE_MAX_TOKENS == dispatch.DECODE_MAX_TOKENS_ONE_SLOT
 
 
 def test_decode_sizes_take_a_bucket_up_to_32_tokens_else_the_heuristic(gpu_table):
@@ -352,11 +375,13 @@ def test_shrink_heuristics_split_small_batches():
             for k in (4096, 3584, 512)] == [16, 14, 2]
     assert heuristic_config("decode_shrink", 8, 4096, 4096, 128).block_r == 64
     assert heuristic_config("decode_shrink", 8, 4096, 4096, 16).block_r == 16
-    for op in ("shrink", "quantize_shrink", "decode_shrink"):
-        # Beyond 32 tokens: 16-row tiles, K in at most 8 parts each at least 512 deep.
+    for op in ("shrink", "quantize_shrink"):
+        # Beyond 32 tokens: 16-row tiles, K in at most 8 parts each at least 512 deep (the
+        # decode path's K1 up to rank 64 has a rule of its own at 33-64 tokens, tested apart).
         assert [heuristic_config(op, t, 4096, k, 64).split_k
                 for t, k in ((64, 4096), (256, 12288), (2048, 2048), (64, 256))] == [8, 8, 4, 1]
         assert heuristic_config(op, 256, 4096, 4096, 64).block_m == 16
+    for op in ("shrink", "quantize_shrink", "decode_shrink"):
         # K1 takes rank 128 in 32-wide tiles there; K2's epilogue needs it whole.
         assert heuristic_config(op, 64, 4096, 4096, 128).block_r == 32
         assert heuristic_config(op, 64, 4096, 4096, 16).block_r == 16

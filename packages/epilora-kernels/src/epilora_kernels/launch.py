@@ -48,6 +48,12 @@ PREFILL_MIN_TOKENS = 256
 # (benchmarks/tune_layer.py writes them, few programs that leave room for K2 beside them), else
 # `quantize_shrink`'s, the fused path's: the 32-token ones stretched would launch too many.
 DECODE_SHRINK_MAX_TOKENS = 32
+# Past those buckets (one slot's 33-64 tokens), without a bucket of its own, the decode path's
+# K1 up to this rank takes a rule of its own (`heuristic_config`), not the fused path's
+# settings; beyond it the fused path's settings were faster (dev/launch_variants.py,
+# `heuristic-decode-k1`, ranks 96 and 128 on an H100 at 2c97882).
+DECODE_K1_RULE_MAX_RANK = 64
+DECODE_K1_RULE_MAX_TOKENS = 64  # one slot's largest decode batch (dispatch.py; a test ties them)
 # A batch of at most DECODE_SHRINK_MAX_TOKENS tokens takes a table bucket at or above it only up
 # to there, else the heuristic: a larger bucket's tiles are prefill-sized (64-row K2 tiles for
 # 17 tokens), and stretching a smaller bucket's to the batch was never measured. The shipped
@@ -170,6 +176,20 @@ def heuristic_config(
                                 block_r=min(block_r, 64),
                                 split_k=whole_steps_split(k, block_k, min(16, k // (2 * block_k))),
                                 num_warps=4, num_stages=2)
+        if (op == "decode_shrink" and block_r <= DECODE_K1_RULE_MAX_RANK
+                and tokens <= DECODE_K1_RULE_MAX_TOKENS):
+            # One slot's 33-64 tokens on the decode path: 16-row tiles 256 deep, about two K
+            # steps a program and at most 64 programs, room for K2 beside them (the fused
+            # path's 16 x 32 x 128 tiles split 8 launch 64-192). Read from the tuner's picks at
+            # 64 tokens (an H100 at 917d998, benchmarks/results/h100/tune_decode.json: 256 deep
+            # at ranks 16 and 64, 16-64 programs); checked at 40, 48 and 56 tokens and rank 32,
+            # which no pick saw: the layer 0.92-0.97x the heuristic's time before on the three
+            # models, ranks 16-64, two runs (dev/launch_variants.py at 2c97882,
+            # heuristic-decode-k1; docs/kernels.md, "The tuner").
+            tiles = -(-tokens // 16) * -(-rank // block_r) * max(1, len(slices))
+            split_k = whole_steps_split(k, 256, max(1, min(16, k // 512, 64 // tiles)))
+            return LaunchConfig(block_m=16, block_n=64, block_k=256, block_r=block_r,
+                                split_k=split_k, num_warps=4, num_stages=2)
         if tokens <= 32:
             return LaunchConfig(block_m=block_m, block_n=64, block_k=256 if tokens <= 16 else 128,
                                 block_r=block_r, split_k=max(1, min(16, k // 256)),
@@ -707,6 +727,8 @@ def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int,
         tuned = covered(op)
         if tuned is not None:
             return tuned
+        if rank_block(rank) <= DECODE_K1_RULE_MAX_RANK and tokens <= DECODE_K1_RULE_MAX_TOKENS:
+            return heuristic_config(op, tokens, n, k, rank, slices, large_tiles)
         op = "quantize_shrink"
     tuned = None if device_name is None else table_config(
         device_name, op, tokens, n, k, rank, cover=cover, one_slot=one_slot,
