@@ -137,6 +137,11 @@ Variants (`--variants`):
   slot and 65 in all since a later check; `_tiling.HALVES_MAX_RANK`, `HALVES_TOKENS_PER_SLOT`;
   it was the opt-in `fit` until its check on setups it was not read from, docs/kernels-history.md,
   item 53).
+  `epilogue-warm` (EPILORA_EPILOGUE_WARM=1): where one slot's epilogue runs in halves, K2
+  pulls its tile's columns of B and rows of h into L2 before the K loop as evicted last, so
+  that the epilogue's loads after the weight stream find them there (the prefill probe on an
+  H100 at 917d998: K2's epilogue +13% of its time at 256 tokens, rank 16, Qwen3-8B). Untimed.
+  `--adapters 1 --ranks 16 64 128 --tokens 128 256 512 2048`.
 
 * `delta-kernel`: wherever K2 would sum several slots' delta before its K loop (`DELTA_FIRST`,
   prefill tiles), a kernel of its own writes it into y first (EPILORA_DELTA_KERNEL=1,
@@ -446,6 +451,7 @@ VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "epilogue-halves": with_env("EPILORA_EPILOGUE_HALVES", "1"),
             "epilogue-halves-all": with_env("EPILORA_EPILOGUE_HALVES", "all"),
             "epilogue-parked": with_env("EPILORA_EPILOGUE_HALVES", "0"),
+            "epilogue-warm": with_env("EPILORA_EPILOGUE_WARM", "1"),
             "delta-kernel": with_env("EPILORA_DELTA_KERNEL", "1"),
             "delta-kernel-off": with_env("EPILORA_DELTA_KERNEL", "0"),
             "delta-kernel-by-rank": delta_kernel_by_rank, "decode-k1-one-tile": decode_k1_one_tile,

@@ -765,6 +765,7 @@ def _lora_gemm_kernel(
     HAS_BIAS: tl.constexpr = False, DELTA_FIRST: tl.constexpr = False,
     SWAP_AB: tl.constexpr = False, SWAP_PROMOTE: tl.constexpr = True,
     EPILOGUE_HALVES: tl.constexpr = False, DELTA_IN_Y: tl.constexpr = False,
+    WARM_EPILOGUE: tl.constexpr = False,
     pf_ptr=None, PF_ROWS=0, PF_STRIDE=0, PF_LINES=0, PF_HALF=0, PF_ROW_BYTES=0,
     PREFETCH: tl.constexpr = 0,
     PF_BLOCK: tl.constexpr = 128,
@@ -854,7 +855,7 @@ def _lora_gemm_kernel(
                 warm_b = first_b + (n - slice_begin)[:, None] * R + lines[None, :]
                 warm_b = tl.where((n < slice_end)[:, None] & n_mask[:, None]
                                   & (lines[None, :] < R) & (first_slot >= 0), warm_b, b_base)
-                _prefetch_l2(warm_b)
+                _prefetch_l2(warm_b, EVICT_LAST=WARM_EPILOGUE)
 
     if SPLIT_K == 1:
         k_begin = 0
@@ -895,6 +896,16 @@ def _lora_gemm_kernel(
         # above, it waits for all of K1 before reading K1's codes.
         tl.extra.cuda.gdc_wait()
         _stamp(trace_ptr, 1, TRACE)
+
+    if WARM_EPILOGUE and not INTERPRETER:
+        # One slot's epilogue in halves (B warmed above): the tile's rows of h, K1's (whole
+        # here), into L2 too, both as the last lines it evicts, so that the epilogue's loads
+        # after the weight stream (which fills L2 many times over) find them there.
+        tl.static_assert(EPILOGUE_HALVES and ENTRIES_BLOCK <= 2, "WARM_EPILOGUE: one slot")
+        h_lines = tl.arange(0, (BLOCK_R + 31) // 32) * 32  # 128-byte lines of fp32 (or bf16)
+        warm_h = h_ptr + (s * T + tok[:, None]).to(tl.int64) * R + h_lines[None, :]
+        _prefetch_l2(tl.where(pos_mask[:, None] & (h_lines[None, :] < R), warm_h, h_ptr),
+                     EVICT_LAST=True)
 
     if DELTA_IN_Y:
         # `_segment_delta_kernel` wrote the delta of adapter segments' rows only: which rows

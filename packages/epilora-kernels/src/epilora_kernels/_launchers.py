@@ -372,6 +372,7 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
         WAIT_CODES=wait_codes, WARM_L2=warm_l2 if wait_codes else 0, TRACE=traced,
         B_IN_REGS=_tiling.b_in_registers(cfg) and not halves,
         R_CHUNK=_tiling.epilogue_rank_chunk(cfg), EPILOGUE_HALVES=halves,
+        WARM_EPILOGUE=_tiling.epilogue_warm(halves, num_entries),
         SEG_STAGES=cfg.segment_stages if num_entries > 2 else 1,
         GATHER_SEGMENTS=gather_step > 0, GATHER_R_STEP=max(1, gather_step),
         W_TMA=w_tma, WAIT_K1_FIRST=wait_k1_first and pdl, A_TMA=a_sorted,
@@ -410,7 +411,7 @@ def k2_template(support: DeviceSupport, mode: int, lora: LoraWeights, num_entrie
            wait_k1_first, a_sorted, per_channel, has_bias, support.interpreter, prefetch,
            _tiling.gather_segments(cfg, num_entries, lora.max_rank),  # settings' (dev A/Bs)
            _tiling.epilogue_halves(cfg, num_entries, mode == FP8, tokens, lora.max_rank),
-           delta_in_y)
+           _env.epilogue_warm(), delta_in_y)
     template = _K2_TEMPLATES.get(key)
     if template is None:
         arguments = _k2_arguments(
