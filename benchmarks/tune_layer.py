@@ -196,8 +196,8 @@ def main() -> None:
         chosen = tune_tokens(tokens, layer, args, gen, flush, row)
         if op == "decode_shrink" and tokens > DECODE_SHRINK_MAX_TOKENS:
             # A decode_shrink bucket beyond 32 tokens serves every batch down to the next
-            # bucket, so it holds every projection's settings: the installed ones (the fused
-            # path's) where nothing beat them.
+            # bucket, so it holds every projection's settings: the installed ones
+            # (select_config's) where nothing beat them.
             chosen = {name: chosen.get(name) or select_config(
                 torch.cuda.get_device_name(), op, tokens, sum(slices), k, args.rank, slices)
                 for name, (k, slices) in PROJECTIONS.items()}

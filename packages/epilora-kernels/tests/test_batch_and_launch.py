@@ -1,5 +1,6 @@
 import functools
 import json
+import math
 
 import pytest
 import torch
@@ -171,7 +172,7 @@ def test_table_lookup_picks_the_smallest_bucket_at_or_above(gpu_table):
     assert launch.table_config("Other GPU", "lora_gemm", 1, 64, 32) is None
 
 
-def test_decode_k1_beyond_its_buckets_takes_the_fused_settings_unless_covered(gpu_table):
+def test_decode_k1_beyond_its_buckets_takes_a_covering_bucket_else_a_rule(gpu_table):
     from epilora_kernels import launch
 
     table = {"decode_shrink": {"64x32": {"16": {"split_k": 16}, "32": {"split_k": 8}},
@@ -180,10 +181,13 @@ def test_decode_k1_beyond_its_buckets_takes_the_fused_settings_unless_covered(gp
     gpu_table(table)
     max_t = launch.DECODE_SHRINK_MAX_TOKENS
     assert launch.select_config("Test GPU", "decode_shrink", max_t, 64, 32, 64).split_k == 8
-    # rank 64: no decode bucket covers 33 tokens, so neither the 32-token entry stretched nor
-    # the fused path's entry: the heuristic's rule for the decode path's K1 there
-    assert (launch.select_config("Test GPU", "decode_shrink", max_t + 1, 64, 32, 64)
+    # rank 64: no decode bucket covers 33 tokens, so neither the 32-token entry stretched nor,
+    # with one slot, the fused path's entry: the heuristic's rule for the decode path's K1
+    assert (launch.select_config("Test GPU", "decode_shrink", max_t + 1, 64, 32, 64,
+                                 one_slot=True)
             == launch.heuristic_config("decode_shrink", max_t + 1, 64, 32, 64))
+    # (several slots: the fused path's entry)
+    assert launch.select_config("Test GPU", "decode_shrink", max_t + 1, 64, 32, 64).split_k == 4
     assert launch.table_config("Test GPU", "decode_shrink", 999, 64, 32, cover=True) is None
     # rank 128: its 256-token bucket covers 33-256 tokens, and none covers more: beyond, the
     # fused path's, where the heuristic's prefill tiles replace the 256-token entry stretched
@@ -204,16 +208,22 @@ def test_the_decode_paths_k1_past_the_decode_buckets_leaves_room_for_k2(rank, to
     # 64-192 there on these shapes), every slice of every projection of the three models.
     from epilora_kernels import dispatch, launch
 
-    fused_path = launch.heuristic_config("quantize_shrink", tokens, 24576, 4096, rank, (12288,) * 2)
     for n, k, slices in ((6144, 4096, (4096, 1024, 1024)), (4096, 4096, (4096,)),
                          (24576, 4096, (12288, 12288)), (4096, 12288, (4096,)),
                          (4608, 3584, (3584, 512, 512)), (3584, 18944, (3584,))):
         cfg = launch.select_config(None, "decode_shrink", tokens, n, k, rank, slices, True)
         assert (cfg.block_m, cfg.block_k, cfg.block_r) == (16, 256, launch.rank_block(rank))
         programs = -(-tokens // 16) * len(slices) * cfg.split_k
-        assert programs <= 64, (n, k, cfg)
-        assert launch.whole_steps_split(k, 256, cfg.split_k) == cfg.split_k
-    assert fused_path.block_k == 128  # what it replaced
+        steps = math.ceil(math.ceil(k / cfg.split_k) / 256)  # 256-deep K steps a program
+        assert programs <= 64 and 1 <= steps <= 5 and cfg.split_k <= 16, (n, k, cfg)
+        # on the codes too; with several slots, or beyond rank 64, the fused path's settings
+        assert launch.select_config(None, "decode_shrink_codes", tokens, n, k, rank, slices,
+                                    True) == cfg
+        for slots_rank in ((False, rank), (True, 128)):
+            assert (launch.select_config(None, "decode_shrink", tokens, n, k, slots_rank[1],
+                                         slices, slots_rank[0])
+                    == launch.heuristic_config("quantize_shrink", tokens, n, k, slots_rank[1],
+                                               slices))
     assert launch.DECODE_K1_RULE_MAX_TOKENS == dispatch.DECODE_MAX_TOKENS_ONE_SLOT
 
 

@@ -657,9 +657,9 @@ def test_one_slots_64_token_bucket_searches_one_row_tile_and_decode_tiles(cache,
     assert {c.block_m for c in k1s} == {k1.block_m, 64}
     one_tile = [c for c in k1s if c.block_m == 64]  # kernels for this bucket alone: few
     assert {(c.block_k, c.block_r) for c in one_tile} == {(k1.block_k, k1.block_r)}
-    # K split 2 to 32 ways, each split at least one of the settings' K steps deep
-    assert sorted(c.split_k for c in one_tile) == [
-        s for s in (2, 4, 8, 16, 32) if 4096 // s >= k1.block_k]
+    # K split 2 to 32 ways, each split at least one of the settings' K steps (256) deep
+    assert k1 == launch.heuristic_config("decode_shrink", 64, 64, 4096, 16, (64,))
+    assert sorted(c.split_k for c in one_tile) == [2, 4, 8, 16]
     assert tuner.k1_candidates(k1, 4096, 16, 1, tokens=32) == tuner.k1_candidates(k1, 4096, 16)
     monkeypatch.setenv("EPILORA_TUNE_SWAP_AB", "1")
     k2s = tuner.k2_candidates(k2, 64, 4096, (64,), tokens=64)

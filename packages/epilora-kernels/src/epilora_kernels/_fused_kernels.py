@@ -898,14 +898,17 @@ def _lora_gemm_kernel(
         _stamp(trace_ptr, 1, TRACE)
 
     if WARM_EPILOGUE and not INTERPRETER:
-        # One slot's epilogue in halves (B warmed above): the tile's rows of h, K1's (whole
-        # here), into L2 too, both as the last lines it evicts, so that the epilogue's loads
-        # after the weight stream (which fills L2 many times over) find them there.
+        # One slot's epilogue in halves (B warmed above), h whole here (the launcher asks for
+        # it only then): the tile's rows of h into L2 too, both as the last lines it evicts,
+        # so that the epilogue's loads after the weight stream (which fills L2 many times
+        # over) find them there. A row's element every 128 bytes of fp32 (64 of bf16) from
+        # its first, and its last: every line the row touches.
         tl.static_assert(EPILOGUE_HALVES and ENTRIES_BLOCK <= 2, "WARM_EPILOGUE: one slot")
-        h_lines = tl.arange(0, (BLOCK_R + 31) // 32) * 32  # 128-byte lines of fp32 (or bf16)
-        warm_h = h_ptr + (s * T + tok[:, None]).to(tl.int64) * R + h_lines[None, :]
-        _prefetch_l2(tl.where(pos_mask[:, None] & (h_lines[None, :] < R), warm_h, h_ptr),
-                     EVICT_LAST=True)
+        h_rows = h_ptr + (s * T + tok).to(tl.int64) * R
+        h_lines = tl.arange(0, (BLOCK_R + 31) // 32) * 32
+        _prefetch_l2(tl.where(pos_mask[:, None] & (h_lines[None, :] < R),
+                              h_rows[:, None] + h_lines[None, :], h_ptr), EVICT_LAST=True)
+        _prefetch_l2(tl.where(pos_mask, h_rows + R - 1, h_ptr), EVICT_LAST=True)
 
     if DELTA_IN_Y:
         # `_segment_delta_kernel` wrote the delta of adapter segments' rows only: which rows

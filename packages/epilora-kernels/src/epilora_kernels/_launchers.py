@@ -372,7 +372,8 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
         WAIT_CODES=wait_codes, WARM_L2=warm_l2 if wait_codes else 0, TRACE=traced,
         B_IN_REGS=_tiling.b_in_registers(cfg) and not halves,
         R_CHUNK=_tiling.epilogue_rank_chunk(cfg), EPILOGUE_HALVES=halves,
-        WARM_EPILOGUE=_tiling.epilogue_warm(halves, num_entries),
+        # h whole before the K loop: the fused path's wait for all of K1, or K1 done before
+        WARM_EPILOGUE=_tiling.epilogue_warm(halves, num_entries) and (wait_k1_first or not pdl),
         SEG_STAGES=cfg.segment_stages if num_entries > 2 else 1,
         GATHER_SEGMENTS=gather_step > 0, GATHER_R_STEP=max(1, gather_step),
         W_TMA=w_tma, WAIT_K1_FIRST=wait_k1_first and pdl, A_TMA=a_sorted,
@@ -538,8 +539,9 @@ def k2_lead_template(support: DeviceSupport, lora: LoraWeights, num_entries: int
             split=split, w_tma=w_tma, per_channel=per_channel, traced=traced, pdl=False,
             wait_codes=False, warm_l2=0, wait_k1_first=False, a_sorted=False,
             interpreter=support.interpreter, has_bias=has_bias)
-        arguments.update(LEAD_SHRINK=True, stride_x=stride_x, S_SPLIT_K=cfg1.split_k,
-                         S_BLOCK_M=cfg1.block_m, S_BLOCK_R=cfg1.block_r,
+        # WARM_EPILOGUE never: h is the lead programs', not whole before the K loop
+        arguments.update(LEAD_SHRINK=True, WARM_EPILOGUE=False, stride_x=stride_x,
+                         S_SPLIT_K=cfg1.split_k, S_BLOCK_M=cfg1.block_m, S_BLOCK_R=cfg1.block_r,
                          S_BLOCK_K=cfg1.block_k, S_STAGES=cfg1.num_stages, X_CODES=x_codes)
         template = _keep_template(_K2_TEMPLATES, key, _fast_launch.Template(
             _lora_gemm_kernel, arguments, _K2_LEAD_SLOTS))

@@ -46,6 +46,7 @@ PREFILL_MIN_TOKENS = 256
 # `decode_shrink` buckets cover up to this many tokens (benchmarks/tune.py). Beyond, the decode
 # path's K1 takes a `decode_shrink` entry only from a bucket at or above the batch
 # (benchmarks/tune_layer.py writes them, few programs that leave room for K2 beside them), else
+# (one slot, rank up to DECODE_K1_RULE_MAX_RANK) the heuristic's rule for it, else
 # `quantize_shrink`'s, the fused path's: the 32-token ones stretched would launch too many.
 DECODE_SHRINK_MAX_TOKENS = 32
 # Past those buckets (one slot's 33-64 tokens), without a bucket of its own, the decode path's
@@ -178,8 +179,10 @@ def heuristic_config(
                                 num_warps=4, num_stages=2)
         if (op == "decode_shrink" and block_r <= DECODE_K1_RULE_MAX_RANK
                 and tokens <= DECODE_K1_RULE_MAX_TOKENS):
-            # One slot's 33-64 tokens on the decode path: 16-row tiles 256 deep, about two K
-            # steps a program and at most 64 programs, room for K2 beside them (the fused
+            # One slot's 33-64 tokens on the decode path (select_config asks for one slot
+            # only): 16-row tiles 256 deep, K split in at most 16 parts of whole steps, about
+            # two steps each where the program bound allows (2-5 on the three models' shapes),
+            # at most 64 programs, room for K2 beside them (the fused
             # path's 16 x 32 x 128 tiles split 8 launch 64-192). Read from the tuner's picks at
             # 64 tokens (an H100 at 917d998, benchmarks/results/h100/tune_decode.json: 256 deep
             # at ranks 16 and 64, 16-64 programs); checked at 40, 48 and 56 tokens and rank 32,
@@ -702,7 +705,9 @@ def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int,
     None: the heuristic). K2's table entries are tuned at one rank; its epilogue holds a whole
     adapter's rank in one tile, so their `block_r` becomes the rank's. The decode path's K1
     beyond the decode buckets (`decode_shrink`, more than DECODE_SHRINK_MAX_TOKENS tokens) takes
-    the fused path's settings unless a `decode_shrink` bucket covers the batch; beyond
+    a `decode_shrink` bucket covering the batch, else with one slot (`one_slot` True) up to
+    rank DECODE_K1_RULE_MAX_RANK and DECODE_K1_RULE_MAX_TOKENS tokens the heuristic's rule for
+    it, else the fused path's settings; beyond
     PREFILL_MIN_TOKENS every op takes the heuristic's prefill tiles unless a bucket covers the
     batch; up to DECODE_SHRINK_MAX_TOKENS, the heuristic's unless a bucket up to there does
     (but `shrink`, the hybrid path's K1).
@@ -727,7 +732,8 @@ def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int,
         tuned = covered(op)
         if tuned is not None:
             return tuned
-        if rank_block(rank) <= DECODE_K1_RULE_MAX_RANK and tokens <= DECODE_K1_RULE_MAX_TOKENS:
+        if (one_slot is True and rank_block(rank) <= DECODE_K1_RULE_MAX_RANK
+                and tokens <= DECODE_K1_RULE_MAX_TOKENS):
             return heuristic_config(op, tokens, n, k, rank, slices, large_tiles)
         op = "quantize_shrink"
     tuned = None if device_name is None else table_config(

@@ -48,8 +48,9 @@ from epilora_kernels.launch import (
 
 DECODE_BUCKETS = (1, 4, 8, 16, 32)
 # One adapter slot: the decode path serves batches up to dispatch.DECODE_MAX_TOKENS_ONE_SLOT
-# (64), and at 33-64 tokens its K1 takes the fused path's settings (`launch.select_config`)
-# unless a `decode_shrink` bucket covers the batch, so the tuner's buckets for one slot end at
+# (64), and at 33-64 tokens its K1 takes the heuristic's rule for it up to rank 64, else the
+# fused path's settings (`launch.select_config`), unless a `decode_shrink` bucket covers the
+# batch, so the tuner's buckets for one slot end at
 # 64 (there the search adds K1 in one row tile and K2 in 32-row decode tiles). On an H100 at
 # c23f639, one slot of rank 32 (a setup no table entry was tuned on) on Llama-3.1-8B's and
 # Qwen2.5-7B's shapes, two runs: the layer at 48 and 64 tokens took 0.93-0.97x its time
