@@ -224,7 +224,10 @@ def test_the_decode_paths_k1_past_the_decode_buckets_leaves_room_for_k2(rank, to
                                          slices, slots_rank[0])
                     == launch.heuristic_config("quantize_shrink", tokens, n, k, slots_rank[1],
                                                slices))
-    assert launch.DECODE_K1_RULE_MAX_TOKENS == dispatch.DECODE_MAX_TOKENS_ONE_SLOT
+    # up to the decode path's largest one-slot batch, and no further
+    past = dispatch.DECODE_MAX_TOKENS_ONE_SLOT + 1
+    assert (launch.select_config(None, "decode_shrink", past, 4096, 4096, rank, (4096,), True)
+            == launch.heuristic_config("quantize_shrink", past, 4096, 4096, rank, (4096,)))
 
 
 def test_decode_sizes_take_a_bucket_up_to_32_tokens_else_the_heuristic(gpu_table):

@@ -19,7 +19,7 @@ import torch
 from epilora_kernels import _checks, _tiling, fused
 from epilora_kernels.arch import DeviceSupport, UnsupportedError, device_support
 from epilora_kernels.batch import MAX_SLICES, AdapterBatch, LoraWeights
-from epilora_kernels.launch import tuned_path
+from epilora_kernels.launch import DECODE_MAX_TOKENS_ONE_SLOT, tuned_path
 from epilora_kernels.prefetch import L2Prefetch, kernel_args
 from epilora_kernels.workspace import Workspace
 
@@ -37,8 +37,8 @@ SLICE_ALIGN = 16  # output slices start on a multiple of the narrowest K2 tile
 # DECODE_MAX_TOKENS) the tuner times both paths and `choose_path` takes its choice. At
 # 512-4096 tokens, with K1 and K2 in their prefill tiles, the fused path beat the hybrid path
 # (CUTLASS, then our shrink and expand) in 35 of 36 cases on the three models' shapes and lost
-# one by 2% (layer runs at 5c4e33e; docs/kernels.md, "Prefill").
-DECODE_MAX_TOKENS_ONE_SLOT = 64
+# one by 2% (layer runs at 5c4e33e; docs/kernels.md, "Prefill"). (DECODE_MAX_TOKENS_ONE_SLOT,
+# 64, is launch's: the decode path's K1 has settings of its own up to there.)
 DECODE_MAX_TOKENS = 32
 DECODE_TIMED_MIN_TOKENS = 9
 

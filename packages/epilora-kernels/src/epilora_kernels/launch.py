@@ -54,7 +54,8 @@ DECODE_SHRINK_MAX_TOKENS = 32
 # settings; beyond it the fused path's settings were faster (dev/launch_variants.py,
 # `heuristic-decode-k1`, ranks 96 and 128 on an H100 at 2c97882).
 DECODE_K1_RULE_MAX_RANK = 64
-DECODE_K1_RULE_MAX_TOKENS = 64  # one slot's largest decode batch (dispatch.py; a test ties them)
+# One adapter slot's largest batch on the decode path (dispatch.choose_path's, which imports it).
+DECODE_MAX_TOKENS_ONE_SLOT = 64
 # A batch of at most DECODE_SHRINK_MAX_TOKENS tokens takes a table bucket at or above it only up
 # to there, else the heuristic: a larger bucket's tiles are prefill-sized (64-row K2 tiles for
 # 17 tokens), and stretching a smaller bucket's to the batch was never measured. The shipped
@@ -178,7 +179,7 @@ def heuristic_config(
                                 split_k=whole_steps_split(k, block_k, min(16, k // (2 * block_k))),
                                 num_warps=4, num_stages=2)
         if (op == "decode_shrink" and block_r <= DECODE_K1_RULE_MAX_RANK
-                and tokens <= DECODE_K1_RULE_MAX_TOKENS):
+                and tokens <= DECODE_MAX_TOKENS_ONE_SLOT):
             # One slot's 33-64 tokens on the decode path (select_config asks for one slot
             # only): 16-row tiles 256 deep, K split in at most 16 parts of whole steps, about
             # two steps each where the program bound allows (2-5 on the three models' shapes),
@@ -189,7 +190,7 @@ def heuristic_config(
             # which no pick saw: the layer 0.92-0.97x the heuristic's time before on the three
             # models, ranks 16-64, two runs (dev/launch_variants.py at 2c97882,
             # heuristic-decode-k1; docs/kernels.md, "The tuner").
-            tiles = -(-tokens // 16) * -(-rank // block_r) * max(1, len(slices))
+            tiles = -(-tokens // 16) * max(1, len(slices))  # the rank in one tile
             split_k = whole_steps_split(k, 256, max(1, min(16, k // 512, 64 // tiles)))
             return LaunchConfig(block_m=16, block_n=64, block_k=256, block_r=block_r,
                                 split_k=split_k, num_warps=4, num_stages=2)
@@ -706,7 +707,7 @@ def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int,
     adapter's rank in one tile, so their `block_r` becomes the rank's. The decode path's K1
     beyond the decode buckets (`decode_shrink`, more than DECODE_SHRINK_MAX_TOKENS tokens) takes
     a `decode_shrink` bucket covering the batch, else with one slot (`one_slot` True) up to
-    rank DECODE_K1_RULE_MAX_RANK and DECODE_K1_RULE_MAX_TOKENS tokens the heuristic's rule for
+    rank DECODE_K1_RULE_MAX_RANK and DECODE_MAX_TOKENS_ONE_SLOT tokens the heuristic's rule for
     it, else the fused path's settings; beyond
     PREFILL_MIN_TOKENS every op takes the heuristic's prefill tiles unless a bucket covers the
     batch; up to DECODE_SHRINK_MAX_TOKENS, the heuristic's unless a bucket up to there does
@@ -733,7 +734,7 @@ def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int,
         if tuned is not None:
             return tuned
         if (one_slot is True and rank_block(rank) <= DECODE_K1_RULE_MAX_RANK
-                and tokens <= DECODE_K1_RULE_MAX_TOKENS):
+                and tokens <= DECODE_MAX_TOKENS_ONE_SLOT):
             return heuristic_config(op, tokens, n, k, rank, slices, large_tiles)
         op = "quantize_shrink"
     tuned = None if device_name is None else table_config(

@@ -307,7 +307,7 @@ def test_k2_epilogue_in_halves_gives_the_bits_of_the_term_parked_in_y(shape, mon
     # EPILORA_EPILOGUE_WARM=1 (one slot): B's and h's lines pulled into L2 first, the same bits
     if slots == 1:
         monkeypatch.setenv("EPILORA_EPILOGUE_WARM", "1")
-        assert _tiling.epilogue_warm(True, batch.num_entries)
+        assert _tiling.epilogue_warm(True, batch.num_entries, h_whole=True)
         for cfg, halves in zip([*tiles, None], runs["all"], strict=True):
             warm = fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch, k2_config=cfg)
             assert_bitwise_equal(warm, halves, name=f"K2 in halves, warmed, {cfg}")
