@@ -56,7 +56,8 @@ Variants (`--variants`):
   vLLM's added time (the H100 page at dbc1257: 0.26-0.51), and K2 without the adapter was
   furthest from CUTLASS at 512 tokens (206 against 166 us on Qwen3-8B, docs/kernels.md,
   "Prefill"), where qkv's 128 x 256 tiles are 96 programs for 132 SMs: `--tokens 256 512
-  1024`. Untimed so far.
+  1024`. Timed on an H100 at bd4c10b (ranks 16-128, 256-2048 tokens, the three models): each
+  1.00-1.52x the shipped layer's time but 128 x 128 at 256 tokens (0.97-1.05x): no rule changed.
 
 * `decode-prefill`: the decode path at every token count, prefill included. There K2 waits only
   for K1's quantizing programs before its K loop (their count) and for the shrink before its
@@ -137,11 +138,6 @@ Variants (`--variants`):
   slot and 65 in all since a later check; `_tiling.HALVES_MAX_RANK`, `HALVES_TOKENS_PER_SLOT`;
   it was the opt-in `fit` until its check on setups it was not read from, docs/kernels-history.md,
   item 53).
-  `epilogue-warm` (EPILORA_EPILOGUE_WARM=1): where one slot's epilogue runs in halves, K2
-  pulls its tile's columns of B and rows of h into L2 before the K loop as evicted last, so
-  that the epilogue's loads after the weight stream find them there (the prefill probe on an
-  H100 at 917d998: K2's epilogue +13% of its time at 256 tokens, rank 16, Qwen3-8B). Untimed.
-  `--adapters 1 --ranks 16 64 128 --tokens 128 256 512 2048`.
 
 * `delta-kernel`: wherever K2 would sum several slots' delta before its K loop (`DELTA_FIRST`,
   prefill tiles), a kernel of its own writes it into y first (EPILORA_DELTA_KERNEL=1,
@@ -315,7 +311,8 @@ def heuristic_swapped_small():
     """The heuristic with K2's swapped decode tile at 2-32 tokens wherever the device's
     shared memory allows, not only where plain tiles leave SMs without a program: what the
     tuner chose in most of its 8x16 cells on an H100 at c6b1cf3 (docs/kernels-history.md, item
-    55), for a several-slot rule to be read from and checked on other setups."""
+    55). The heuristic's rule for several slots since it was checked on 4x32 and 16x16
+    (`launch.heuristic_config`'s `several_slots`); this variant swaps one slot's tiles too."""
     new = launch.heuristic_config
 
     def swapped(op, tokens, n, k, rank, slices=(), large_tiles=True):
@@ -451,7 +448,6 @@ VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "epilogue-halves": with_env("EPILORA_EPILOGUE_HALVES", "1"),
             "epilogue-halves-all": with_env("EPILORA_EPILOGUE_HALVES", "all"),
             "epilogue-parked": with_env("EPILORA_EPILOGUE_HALVES", "0"),
-            "epilogue-warm": with_env("EPILORA_EPILOGUE_WARM", "1"),
             "delta-kernel": with_env("EPILORA_DELTA_KERNEL", "1"),
             "delta-kernel-off": with_env("EPILORA_DELTA_KERNEL", "0"),
             "delta-kernel-by-rank": delta_kernel_by_rank, "decode-k1-one-tile": decode_k1_one_tile,

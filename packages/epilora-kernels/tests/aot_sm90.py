@@ -209,25 +209,6 @@ def main() -> None:
     serial_mma = min(i for i in (k2_serial.find("mma.sync"), k2_serial.find("wgmma")) if i >= 0)
     out["k2_delta_serial_waits_before_mma"] = (
         0 <= k2_serial.find("griddepcontrol.wait") < serial_mma)
-    # EPILORA_EPILOGUE_WARM=1, one slot in 64-row tiles at 70 tokens (the epilogue in halves):
-    # K2 pulls B's and h's lines into L2 as evicted last, before its first MMA, h's after the
-    # wait for K1; without the setting, B's warming keeps the normal priority.
-    one_slot = make_problem(0, 70, 256, (64, 32, 32), 64, 1, "one_adapter")
-    warm = {}
-    for setting in ("0", "1"):
-        os.environ["EPILORA_EPILOGUE_WARM"] = setting
-        try:
-            warm[setting] = ptx_of(lambda: fused.fused_lora_fp8_linear(
-                *one_slot, k1_config=K1, k2_config=k2_rows64))[-1]
-        finally:
-            del os.environ["EPILORA_EPILOGUE_WARM"]
-    k2_warm = warm["1"]
-    warm_mma = min(i for i in (k2_warm.find("mma.sync"), k2_warm.find("wgmma")) if i >= 0)
-    last_lines = [m.start() for m in re.finditer(r"prefetch\.global\.L2::evict_last", k2_warm)]
-    out["k2_epilogue_warm"] = (
-        len(last_lines) >= 2 and "prefetch.global.L2::evict_last" not in warm["0"]
-        and "prefetch.global.L2" in warm["0"] and max(last_lines) < warm_mma
-        and 0 <= k2_warm.find("griddepcontrol.wait") < max(last_lines))
     print(json.dumps(out))
 
 

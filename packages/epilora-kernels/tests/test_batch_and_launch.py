@@ -92,6 +92,36 @@ def test_decode_k2_swaps_its_tiles_where_plain_ones_leave_sms_idle():
     assert not heuristic_config("lora_gemm", 4, 4096, 4096, 64, large_tiles=False).swap_ab
 
 
+
+def test_several_slots_take_swapped_decode_tiles_where_the_swapped_grid_is_wide_enough():
+    # Several slots at 2-16 tokens: the swapped tile (64 weight rows, K whole) on every shape
+    # whose swapped grid has SWAP_MIN_PROGRAMS programs, where one slot keeps plain tiles
+    # (qkv, gate_up, down split in two); one token, a small model's down (24 swapped
+    # programs) and sm_89 keep theirs; select_config passes the rule on for several slots only
+    from epilora_kernels import launch
+
+    shapes = ((6144, 4096, (4096, 1024, 1024)), (4096, 12288, ()), (24576, 4096, (12288, 12288)),
+              (3584, 18944, ()))
+    for tokens in (2, 4, 8, 16):
+        for n, k, slices in shapes:
+            one = heuristic_config("lora_gemm", tokens, n, k, 16, slices)
+            several = heuristic_config("lora_gemm", tokens, n, k, 16, slices, several_slots=True)
+            assert not one.swap_ab
+            assert (several.swap_ab, several.block_n, several.block_k, several.split_k) == (
+                True, 64, 256, 1), (tokens, n, several)
+            assert launch.select_config(None, "lora_gemm", tokens, n, k, 16, slices,
+                                        one_slot=False) == several
+            assert launch.select_config(None, "lora_gemm", tokens, n, k, 16, slices,
+                                        one_slot=True) == one
+            assert launch.select_config(None, "lora_gemm", tokens, n, k, 16, slices,
+                                        one_slot=None) == one
+    assert -(-1536 // 64) < launch.SWAP_MIN_PROGRAMS <= -(-3584 // 64)
+    small_down = heuristic_config("lora_gemm", 8, 1536, 8960, 16, several_slots=True)
+    assert (small_down.swap_ab, small_down.split_k) == (False, 2)
+    assert not heuristic_config("lora_gemm", 1, 6144, 4096, 16, several_slots=True).swap_ab
+    assert not heuristic_config("lora_gemm", 8, 6144, 4096, 16, large_tiles=False,
+                                several_slots=True).swap_ab
+
 def test_prefill_k2_takes_prefill_tiles_unless_a_bucket_covers_the_batch(gpu_table):
     from epilora_kernels import launch
 

@@ -63,9 +63,6 @@ def test_kernels_compile_for_sm90_with_the_expected_instructions():
     assert stages == 7 and shared <= 232448
     # EPILORA_DELTA_KERNEL=1: K2 waits for the delta kernel before its K loop
     assert found["k2_delta_serial_waits_before_mma"]
-    # EPILORA_EPILOGUE_WARM=1: one slot's epilogue operands into L2 as evicted last, before the
-    # K loop, h's after the wait for K1
-    assert found["k2_epilogue_warm"]
 
 
 def test_every_launch_compiles_for_sm90_with_the_arguments_its_launcher_passes():

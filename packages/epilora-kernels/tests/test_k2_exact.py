@@ -520,31 +520,6 @@ def test_the_delta_goes_first_only_where_h_is_whole_before_the_k_loop(
     assert arguments["DELTA_FIRST"] is first
 
 
-@pytest.mark.parametrize(("pdl", "wait_k1_first", "warm"), [
-    (False, False, True),  # K1 done before K2 starts
-    (True, True, True),    # the fused path: K2 waits for all of K1 before its K loop
-    (True, False, False),  # the decode path: K1 still writing h during the K loop
-])
-def test_the_epilogue_warms_l2_only_where_set_and_h_is_whole_before_the_k_loop(
-        monkeypatch, pdl, wait_k1_first, warm):
-    # EPILORA_EPILOGUE_WARM=1: one slot's epilogue in halves (a 64-row tile at 256 tokens)
-    _, _, _, _, _, _, lora, _ = make_integer_problem(9, 5, 64, (32, 16, 16), 16, 8, "one_adapter")
-    cfg = LaunchConfig(block_m=64, block_n=32, block_k=32, block_r=16)
-
-    def warmed(entries=2):
-        return _launchers._k2_arguments(
-            FP8, lora, entries, cfg, n=64, stride_a=64, stride_y=64, h_planes=1, split=1,
-            w_tma=False, per_channel=False, traced=False, pdl=pdl,
-            wait_codes=pdl and not wait_k1_first, warm_l2=0, wait_k1_first=wait_k1_first,
-            a_sorted=False, interpreter=True, has_bias=False, tokens=256)["WARM_EPILOGUE"]
-
-    monkeypatch.delenv("EPILORA_EPILOGUE_WARM", raising=False)
-    assert not warmed()
-    monkeypatch.setenv("EPILORA_EPILOGUE_WARM", "1")
-    assert warmed() is warm
-    assert not warmed(entries=9)  # several slots: no halves of one slot's
-
-
 def test_gathering_under_fit_only_where_the_tiles_slices_of_b_fit_its_l1_budget(monkeypatch):
     # EPILORA_GATHER_SEGMENTS=fit, a 16 x 64 decode tile, (entries, rank): the entries are the
     # slots and one for tokens without an adapter. It gathers with 8 slots of rank 16 (8

@@ -70,14 +70,6 @@ def epilogue_halves() -> str:
     return value
 
 
-def epilogue_warm() -> bool:
-    """EPILORA_EPILOGUE_WARM=1 (default 0, not yet timed): where K2's one-slot epilogue runs in
-    halves (`_tiling.epilogue_halves`), the tile's columns of B and rows of h are pulled into
-    L2 before the K loop as the last lines L2 evicts, so that the epilogue's loads, after the
-    weight stream, find them there (`_tiling.epilogue_warm`)."""
-    return os.environ.get("EPILORA_EPILOGUE_WARM", "0") == "1"
-
-
 def delta_kernel() -> str:
     """EPILORA_DELTA_KERNEL (default `auto`): where K2 would sum several slots' delta before
     its K loop (`DELTA_FIRST`: 64- and 128-row FP8 tiles, h whole), a kernel of its own writes

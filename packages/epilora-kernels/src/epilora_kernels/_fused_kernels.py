@@ -765,7 +765,6 @@ def _lora_gemm_kernel(
     HAS_BIAS: tl.constexpr = False, DELTA_FIRST: tl.constexpr = False,
     SWAP_AB: tl.constexpr = False, SWAP_PROMOTE: tl.constexpr = True,
     EPILOGUE_HALVES: tl.constexpr = False, DELTA_IN_Y: tl.constexpr = False,
-    WARM_EPILOGUE: tl.constexpr = False,
     pf_ptr=None, PF_ROWS=0, PF_STRIDE=0, PF_LINES=0, PF_HALF=0, PF_ROW_BYTES=0,
     PREFETCH: tl.constexpr = 0,
     PF_BLOCK: tl.constexpr = 128,
@@ -855,7 +854,7 @@ def _lora_gemm_kernel(
                 warm_b = first_b + (n - slice_begin)[:, None] * R + lines[None, :]
                 warm_b = tl.where((n < slice_end)[:, None] & n_mask[:, None]
                                   & (lines[None, :] < R) & (first_slot >= 0), warm_b, b_base)
-                _prefetch_l2(warm_b, EVICT_LAST=WARM_EPILOGUE)
+                _prefetch_l2(warm_b)
 
     if SPLIT_K == 1:
         k_begin = 0
@@ -896,19 +895,6 @@ def _lora_gemm_kernel(
         # above, it waits for all of K1 before reading K1's codes.
         tl.extra.cuda.gdc_wait()
         _stamp(trace_ptr, 1, TRACE)
-
-    if WARM_EPILOGUE and not INTERPRETER:
-        # One slot's epilogue in halves (B warmed above), h whole here (the launcher asks for
-        # it only then): the tile's rows of h into L2 too, both as the last lines it evicts,
-        # so that the epilogue's loads after the weight stream (which fills L2 many times
-        # over) find them there. A row's element every 128 bytes of fp32 (64 of bf16) from
-        # its first, and its last: every line the row touches.
-        tl.static_assert(EPILOGUE_HALVES and ENTRIES_BLOCK <= 2, "WARM_EPILOGUE: one slot")
-        h_rows = h_ptr + (s * T + tok).to(tl.int64) * R
-        h_lines = tl.arange(0, (BLOCK_R + 31) // 32) * 32
-        _prefetch_l2(tl.where(pos_mask[:, None] & (h_lines[None, :] < R),
-                              h_rows[:, None] + h_lines[None, :], h_ptr), EVICT_LAST=True)
-        _prefetch_l2(tl.where(pos_mask, h_rows + R - 1, h_ptr), EVICT_LAST=True)
 
     if DELTA_IN_Y:
         # `_segment_delta_kernel` wrote the delta of adapter segments' rows only: which rows

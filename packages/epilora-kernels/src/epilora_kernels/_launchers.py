@@ -373,7 +373,6 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
         B_IN_REGS=_tiling.b_in_registers(cfg) and not halves,
         R_CHUNK=_tiling.epilogue_rank_chunk(cfg), EPILOGUE_HALVES=halves,
         # h whole before the K loop: the fused path's wait for all of K1, or K1 done before
-        WARM_EPILOGUE=_tiling.epilogue_warm(halves, num_entries, wait_k1_first or not pdl),
         SEG_STAGES=cfg.segment_stages if num_entries > 2 else 1,
         GATHER_SEGMENTS=gather_step > 0, GATHER_R_STEP=max(1, gather_step),
         W_TMA=w_tma, WAIT_K1_FIRST=wait_k1_first and pdl, A_TMA=a_sorted,
@@ -412,7 +411,7 @@ def k2_template(support: DeviceSupport, mode: int, lora: LoraWeights, num_entrie
            wait_k1_first, a_sorted, per_channel, has_bias, support.interpreter, prefetch,
            _tiling.gather_segments(cfg, num_entries, lora.max_rank),  # settings' (dev A/Bs)
            _tiling.epilogue_halves(cfg, num_entries, mode == FP8, tokens, lora.max_rank),
-           _env.epilogue_warm(), delta_in_y)
+           delta_in_y)
     template = _K2_TEMPLATES.get(key)
     if template is None:
         arguments = _k2_arguments(
@@ -539,8 +538,7 @@ def k2_lead_template(support: DeviceSupport, lora: LoraWeights, num_entries: int
             split=split, w_tma=w_tma, per_channel=per_channel, traced=traced, pdl=False,
             wait_codes=False, warm_l2=0, wait_k1_first=False, a_sorted=False,
             interpreter=support.interpreter, has_bias=has_bias)
-        # WARM_EPILOGUE never: h is the lead programs', not whole before the K loop
-        arguments.update(LEAD_SHRINK=True, WARM_EPILOGUE=False, stride_x=stride_x,
+        arguments.update(LEAD_SHRINK=True, stride_x=stride_x,
                          S_SPLIT_K=cfg1.split_k, S_BLOCK_M=cfg1.block_m, S_BLOCK_R=cfg1.block_r,
                          S_BLOCK_K=cfg1.block_k, S_STAGES=cfg1.num_stages, X_CODES=x_codes)
         template = _keep_template(_K2_TEMPLATES, key, _fast_launch.Template(

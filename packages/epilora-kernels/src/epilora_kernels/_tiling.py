@@ -344,16 +344,6 @@ def epilogue_halves(cfg: LaunchConfig, num_entries: int, fp8: bool, tokens: int 
     return setting == "all" or num_entries <= 2
 
 
-def epilogue_warm(halves: bool, num_entries: int, h_whole: bool) -> bool:
-    """Whether K2 pulls one slot's epilogue operands (its tile's columns of B, rows of h) into
-    L2 before its K loop as the last lines L2 evicts (EPILORA_EPILOGUE_WARM=1; off by default,
-    not yet timed), where h is whole before the K loop (`h_whole`: the fused path) and the
-    epilogue runs in `halves`, which loads them only after the
-    weight stream (the prefill probe on an H100 at 917d998 had K2's epilogue at +13% of its
-    time at 256 tokens, rank 16, docs/kernels.md Next steps 1)."""
-    return halves and num_entries <= 2 and h_whole and _env.epilogue_warm()
-
-
 def epilogue_rank_chunk(cfg: LaunchConfig) -> int:
     # Prefill tiles (64 rows or more) whose slice of B is too big to hold in registers add
     # h B^T in 32-wide rank steps, pipelined loops: whole, h and B took K2 past 200 registers

@@ -133,14 +133,15 @@ def rank_block(rank: int) -> int:
 
 def heuristic_config(
     op: str, tokens: int, n: int, k: int, rank: int, slices: tuple[int, ...] = (),
-    large_tiles: bool = True,
+    large_tiles: bool = True, several_slots: bool = False,
 ) -> LaunchConfig:
     """Settings that are correct for any shape and reasonable for decode and prefill.
 
     `slices`: the output slice widths; a GEMM tile must not straddle two slices, so block_n is
     the largest power of two (16..256) dividing every slice boundary. `large_tiles`: the
     device's blocks may take sm_90's 227 KB of shared memory (K2's prefill tiles need ~150 KB;
-    sm_89 has 99 KB).
+    sm_89 has 99 KB). `several_slots`: the batch's tokens belong to several adapter slots
+    (K2's decode tiles, below).
     """
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
@@ -242,7 +243,8 @@ def heuristic_config(
                        block_r=block_r, split_k=2 if k >= 2 * n else 1, num_warps=4,
                        num_stages=stages)
     if large_tiles and (block_m == 32 or (tokens > 1 and cfg.split_k == 1
-                                          and -(-n // cfg.block_n) < H200_SMS)):
+                                          and -(-n // cfg.block_n) < H200_SMS)
+                        or (several_slots and tokens > 1 and -(-n // 64) >= SWAP_MIN_PROGRAMS)):
         # (sm_90, or the interpreter, which runs any tile.) 32-row tiles run on mma.sync
         # unless swapped (LaunchConfig.swap_ab: wgmma, the weight by TMA). The engine-start
         # tuner chose swapped tiles in 17 of 20 buckets on Qwen3-8B's shapes, and this one
@@ -257,6 +259,14 @@ def heuristic_config(
         # plain tiles at ranks 16 and 64. Not where the plain tiles split K (K >= 2N): there
         # the swapped tile, unsplit, would be a quarter of their programs, and no tuned entry
         # says what serves those shapes (a small model's down, 1536 x 8960: 24 programs).
+        # With several slots, swapped at 2-16 tokens wherever the swapped grid has
+        # SWAP_MIN_PROGRAMS programs, split or not: a tile's epilogue walks every slot's
+        # segment meeting it, and the 64-wide swapped tiles are half the plain 32-wide ones.
+        # Read from the tuner's 8x16 picks (swapped at 8 and 16 tokens on gate_up and down,
+        # an H100 at c6b1cf3); checked on 4x32 and 16x16, which no pick saw: the layer took
+        # 0.88-0.98x the plain tiles' time at 4-16 tokens on the three models, but for
+        # Qwen3-8B at 4x32 (1.02x), one run on an H100 at bd4c10b
+        # (dev/launch_variants.py's `heuristic-swapped-small`; docs/kernels.md, Next steps 3).
         return swap_candidate(cfg, n, k, slices, tokens)
     return cfg
 
@@ -328,6 +338,10 @@ def whole_steps_split(k: int, block_k: int, split_k: int) -> int:
 
 
 H200_SMS = 132  # the heuristic's programs-per-SM rules (H100 SXM has 132 too)
+# Several slots take swapped decode tiles only where those (64 weight rows, K whole) are this
+# many programs: the swapped down projections timed had 56 and 64 (3584 and 4096 wide); a
+# small model's down (1536 wide: 24) keeps its plain tiles, whose split spreads it wider.
+SWAP_MIN_PROGRAMS = H200_SMS // 3
 SHARED_BYTES = 227 * 1024  # an sm_90 block's shared memory at most: larger pipelines never run
 
 
@@ -525,16 +539,16 @@ def settings_identity(device_name: str) -> str:
     use on `device_name`: whether they read tables at all, the shipped tables and the tuner's
     cache for the device, and the settings that change which kernels the launchers run
     (EPILORA_DECODE_AFTER_PREVIOUS, EPILORA_DECODE_ONE_LAUNCH, EPILORA_GATHER_SEGMENTS,
-    EPILORA_EPILOGUE_HALVES, EPILORA_EPILOGUE_WARM, EPILORA_DELTA_KERNEL). Work that depends on
-    those settings (an engine's kernels compiled ahead) stays valid while this is unchanged."""
+    EPILORA_EPILOGUE_HALVES, EPILORA_DELTA_KERNEL). Work that depends on those settings (an
+    engine's kernels compiled ahead) stays valid while this is unchanged."""
     from epilora_kernels import _env, tuner
 
     digest = hashlib.sha256(b"tables" if _env.launch_tables() else b"heuristic")
     digest.update(b"after-previous %d one-launch %d" % (_env.decode_after_previous(),
                                                         _env.decode_one_launch()))
-    digest.update(b"gather %s halves %s warm %d delta-kernel %s" % (
+    digest.update(b"gather %s halves %s delta-kernel %s" % (
         _env.gather_segments().encode(), _env.epilogue_halves().encode(),
-        _env.epilogue_warm(), _env.delta_kernel().encode()))
+        _env.delta_kernel().encode()))
     shipped = resources.files("epilora_kernels").joinpath("configs")
     for path in [*sorted(shipped.iterdir(), key=lambda p: p.name), tuner.cache_path(device_name)]:
         if path.is_file():
@@ -713,7 +727,8 @@ def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int,
     batch; up to DECODE_SHRINK_MAX_TOKENS, the heuristic's unless a bucket up to there does
     (but `shrink`, the hybrid path's K1).
     `one_slot`: the batch has one adapter slot (its one-slot entries first, `table_config`),
-    or several (its several-slot entries), or None: no adapters (neither).
+    or several (its several-slot entries, and the heuristic's `several_slots` rule), or None:
+    no adapters (neither).
     `cache_device`: the device whose tuner cache overlays `device_name`'s table (default: that
     device). `large_tiles`: as for `heuristic_config`. `decode_shrink_codes` takes its own
     entry where a bucket covers the batch, else `decode_shrink`'s choice."""
@@ -741,7 +756,8 @@ def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int,
         device_name, op, tokens, n, k, rank, cover=cover, one_slot=one_slot,
         cache_device=cache_device, max_bucket=max_bucket)
     if tuned is None:
-        return heuristic_config(op, tokens, n, k, rank, slices, large_tiles)
+        return heuristic_config(op, tokens, n, k, rank, slices, large_tiles,
+                                several_slots=one_slot is False)
     if op != "lora_gemm":
         return tuned
     # K2 holds the whole rank in its epilogue; a nearest shape's tiles may not fit the slices
