@@ -263,10 +263,11 @@ def heuristic_config(
         # SWAP_MIN_PROGRAMS programs, split or not: a tile's epilogue walks every slot's
         # segment meeting it, and the 64-wide swapped tiles are half the plain 32-wide ones.
         # Read from the tuner's 8x16 picks (swapped at 8 and 16 tokens on gate_up and down,
-        # an H100 at c6b1cf3); checked on 4x32 and 16x16, which no pick saw: the layer took
-        # 0.88-0.98x the plain tiles' time at 4-16 tokens on the three models, but for
-        # Qwen3-8B at 4x32 (1.02x), one run on an H100 at bd4c10b
-        # (dev/launch_variants.py's `heuristic-swapped-small`; docs/kernels.md, Next steps 3).
+        # an H100 at c6b1cf3); checked on 4x32, 16x16 and 32x64, which no pick saw: the layer
+        # took 0.88-1.01x the plain tiles' time at 4-16 tokens on the three models, but for
+        # Qwen3-8B at 4x32 (1.01-1.02x), two runs on an H100 (dev/launch_variants.py's
+        # `heuristic-swapped-small` at bd4c10b, then bd4c10b against e968ccc; docs/kernels.md,
+        # Next steps 3).
         return swap_candidate(cfg, n, k, slices, tokens)
     return cfg
 
