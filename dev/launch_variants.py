@@ -272,14 +272,14 @@ def one_launch_swapped():
 def heuristic_before():
     new = launch.heuristic_config
 
-    def before(op, tokens, n, k, rank, slices=(), large_tiles=True):
+    def before(op, tokens, n, k, rank, slices=(), large_tiles=True, several_slots=False):
         if op == "lora_gemm" and 32 < tokens <= launch.PREFILL_MIN_TOKENS:
             return launch.LaunchConfig(block_m=64, block_n=launch.fit_slices(64, slices),
                                        block_k=128, block_r=launch.rank_block(rank),
                                        num_warps=4, num_stages=4)
         if op == "lora_gemm" and tokens <= 32:
             return new(op, tokens, n, k, rank, slices, large_tiles=False)  # never swapped
-        cfg = new(op, tokens, n, k, rank, slices, large_tiles)
+        cfg = new(op, tokens, n, k, rank, slices, large_tiles, several_slots)
         if op in ("decode_shrink", "decode_shrink_codes") and tokens <= 32:
             return dataclasses.replace(cfg, split_k=max(1, min(16, k // 1024)))
         return cfg
@@ -297,10 +297,10 @@ def _apart(cfg, *args):
 def heuristic_plain_small():
     new = launch.heuristic_config
 
-    def plain(op, tokens, n, k, rank, slices=(), large_tiles=True):
-        # at decode sizes large_tiles gates the swapped tiles alone
+    def plain(op, tokens, n, k, rank, slices=(), large_tiles=True, several_slots=False):
+        # at decode sizes large_tiles gates the swapped tiles alone (several slots' too)
         return new(op, tokens, n, k, rank, slices, large_tiles and not (
-            op == "lora_gemm" and tokens <= 16))
+            op == "lora_gemm" and tokens <= 16), several_slots)
 
     with heuristic(), _made_again_around(mock.patch.object(launch, "heuristic_config", plain)):
         yield
@@ -315,8 +315,8 @@ def heuristic_swapped_small():
     (`launch.heuristic_config`'s `several_slots`); this variant swaps one slot's tiles too."""
     new = launch.heuristic_config
 
-    def swapped(op, tokens, n, k, rank, slices=(), large_tiles=True):
-        cfg = new(op, tokens, n, k, rank, slices, large_tiles)
+    def swapped(op, tokens, n, k, rank, slices=(), large_tiles=True, several_slots=False):
+        cfg = new(op, tokens, n, k, rank, slices, large_tiles, several_slots)
         if op == "lora_gemm" and 2 <= tokens <= 32 and large_tiles and not cfg.swap_ab:
             return launch.swap_candidate(cfg, n, k, slices, tokens)
         return cfg

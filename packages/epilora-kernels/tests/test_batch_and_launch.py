@@ -92,7 +92,6 @@ def test_decode_k2_swaps_its_tiles_where_plain_ones_leave_sms_idle():
     assert not heuristic_config("lora_gemm", 4, 4096, 4096, 64, large_tiles=False).swap_ab
 
 
-
 def test_several_slots_take_swapped_decode_tiles_where_the_swapped_grid_is_wide_enough():
     # Several slots at 2-16 tokens: the swapped tile (64 weight rows, K whole) on every shape
     # whose swapped grid has SWAP_MIN_PROGRAMS programs, where one slot keeps plain tiles
@@ -121,6 +120,7 @@ def test_several_slots_take_swapped_decode_tiles_where_the_swapped_grid_is_wide_
     assert not heuristic_config("lora_gemm", 1, 6144, 4096, 16, several_slots=True).swap_ab
     assert not heuristic_config("lora_gemm", 8, 6144, 4096, 16, large_tiles=False,
                                 several_slots=True).swap_ab
+
 
 def test_prefill_k2_takes_prefill_tiles_unless_a_bucket_covers_the_batch(gpu_table):
     from epilora_kernels import launch

@@ -372,7 +372,6 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
         WAIT_CODES=wait_codes, WARM_L2=warm_l2 if wait_codes else 0, TRACE=traced,
         B_IN_REGS=_tiling.b_in_registers(cfg) and not halves,
         R_CHUNK=_tiling.epilogue_rank_chunk(cfg), EPILOGUE_HALVES=halves,
-        # h whole before the K loop: the fused path's wait for all of K1, or K1 done before
         SEG_STAGES=cfg.segment_stages if num_entries > 2 else 1,
         GATHER_SEGMENTS=gather_step > 0, GATHER_R_STEP=max(1, gather_step),
         W_TMA=w_tma, WAIT_K1_FIRST=wait_k1_first and pdl, A_TMA=a_sorted,

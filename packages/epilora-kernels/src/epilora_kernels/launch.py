@@ -140,8 +140,9 @@ def heuristic_config(
     `slices`: the output slice widths; a GEMM tile must not straddle two slices, so block_n is
     the largest power of two (16..256) dividing every slice boundary. `large_tiles`: the
     device's blocks may take sm_90's 227 KB of shared memory (K2's prefill tiles need ~150 KB;
-    sm_89 has 99 KB). `several_slots`: the batch's tokens belong to several adapter slots
-    (K2's decode tiles, below).
+    sm_89 has 99 KB). `several_slots`: the batch's slot table has several slots
+    (`_tiling.one_slot` false: an engine's `max_loras` above one, whatever slots its tokens
+    use), so K2 runs its several-slot epilogue (its decode tiles, below).
     """
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
@@ -263,11 +264,11 @@ def heuristic_config(
         # SWAP_MIN_PROGRAMS programs, split or not: a tile's epilogue walks every slot's
         # segment meeting it, and the 64-wide swapped tiles are half the plain 32-wide ones.
         # Read from the tuner's 8x16 picks (swapped at 8 and 16 tokens on gate_up and down,
-        # an H100 at c6b1cf3); checked on 4x32, 16x16 and 32x64, which no pick saw: the layer
-        # took 0.88-1.01x the plain tiles' time at 4-16 tokens on the three models, but for
-        # Qwen3-8B at 4x32 (1.01-1.02x), two runs on an H100 (dev/launch_variants.py's
-        # `heuristic-swapped-small` at bd4c10b, then bd4c10b against e968ccc; docs/kernels.md,
-        # Next steps 3).
+        # an H100 at c6b1cf3): there the layer took 0.88-0.98x the plain tiles' time at 4-16
+        # tokens; on 4x32, 16x16 and 32x64, which no pick saw, 0.92-1.01x on the three
+        # models, but for Qwen3-8B at 4x32 (1.01-1.02x), two runs on an H100
+        # (dev/launch_variants.py's `heuristic-swapped-small` at bd4c10b, then bd4c10b against
+        # e968ccc; docs/kernels.md, Next steps 3).
         return swap_candidate(cfg, n, k, slices, tokens)
     return cfg
 
