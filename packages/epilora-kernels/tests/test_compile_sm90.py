@@ -80,3 +80,13 @@ def test_every_launch_compiles_for_sm90_with_the_arguments_its_launcher_passes()
                         "k1_slices_together": 4, "fused_delta_kernel": 9,
                         "expand": 2,
                         "per_channel": 6}
+
+
+def test_k1_shared_memory_is_what_the_tuner_counts_before_compiling():
+    # The tuner drops K1 candidates whose buffers exceed an sm_90 block's shared memory
+    # (`tuner.k1_shared_bytes`) instead of compiling them to fail: its count must be the
+    # compile's, on bf16 x and on codes, below and from 64 rows, one slice a program or three.
+    found = run_sm90_script("aot_k1_shared_sm90.py")
+    assert len(found) == 20
+    assert {tile: shared for tile, (shared, _) in found.items()} == {
+        tile: counted for tile, (_, counted) in found.items()}

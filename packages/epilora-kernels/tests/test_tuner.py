@@ -196,6 +196,29 @@ def test_candidates_fit_the_shape(monkeypatch):
     assert together == [(8, 256, 64), (16, 256, 64), (32, 128, 64)]
 
 
+def test_k1_candidates_that_cannot_fit_a_blocks_shared_memory_are_not_offered():
+    # One slot's 64-token bucket at rank 128 around the table's 64-row, 4-stage K1 (the tiles
+    # that failed to compile in the H100 tuner run of e968ccc: 262,144 and 524,288 bytes
+    # against 232,448): 256-deep tiles of rank 64 go, on bf16 x; on the codes (one byte an
+    # element of x, one buffer fewer of it) the one-slice ones fit; every candidate offered
+    # fits, on either
+    k1 = launch.LaunchConfig(block_m=64, block_n=64, block_k=256, block_r=64, split_k=2,
+                             num_stages=4)
+    assert tuner.k1_shared_bytes(k1, 3) == 262144
+    assert tuner.k1_shared_bytes(dataclasses.replace(k1, slices_together=True), 3) == 524288
+    assert tuner.k1_shared_bytes(k1, 3, codes=True) == 4 * 256 * 64 * 2 + 3 * 256 * 64
+    for codes in (False, True):
+        offered = tuner.k1_candidates(k1, 4096, 128, 3, tokens=64, codes=codes)
+        assert offered and all(
+            tuner.k1_shared_bytes(c, 3, codes) <= launch.SHARED_BYTES for c in offered)
+        deep_wide = [c for c in offered if (c.block_k, c.block_r) == (256, 64)]
+        assert bool(deep_wide) is codes
+        assert not any(c.slices_together for c in deep_wide)
+    # below 64 rows every buffer one fewer than the stages
+    small = launch.LaunchConfig(block_m=16, block_k=128, block_r=32, split_k=2, num_stages=2)
+    assert tuner.k1_shared_bytes(small) == 128 * (16 * 2 + 32 * 2)
+
+
 def test_a_candidate_that_fails_is_skipped_and_reported(cache, monkeypatch):
     monkeypatch.setenv("EPILORA_TUNE_SWAP_AB", "1")
 

@@ -185,8 +185,25 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).norm() / want.norm().clamp_min(1e-30))
 
 
+def k1_shared_bytes(cfg: LaunchConfig, slices: int = 1, codes: bool = False) -> int:
+    """The shared memory the decode path's K1 takes on sm_90 in `cfg`'s tiles: its pipelined
+    buffers of the x tile (bf16 x, or FP8 codes with `codes`) and of the A tile (bf16) of each
+    slice a program holds (all `slices` with `slices_together`). Triton 3.6 keeps num_stages - 1
+    buffers of each below 64 rows; from 64 rows, where the product reads its operands from
+    shared memory, num_stages of A and of bf16 x, one fewer of the codes (widened in registers
+    first). Equal to the sm_90 compile's on every K1 tile the tuner offers on the three models'
+    shapes (98 signatures, compiled on a CPU at ba7dba7; a few are checked in
+    test_compile_sm90.py)."""
+    in_program = slices if cfg.slices_together else 1
+    a_tile = cfg.block_k * in_program * cfg.block_r * 2
+    x_tile = cfg.block_k * cfg.block_m * (1 if codes else 2)
+    if cfg.block_m >= 64:
+        return cfg.num_stages * a_tile + (cfg.num_stages - int(codes)) * x_tile
+    return (cfg.num_stages - 1) * (a_tile + x_tile)
+
+
 def k1_candidates(cfg: LaunchConfig, k: int, rank: int, slices: int = 1,
-                  tokens: int | None = None) -> list:
+                  tokens: int | None = None, codes: bool = False) -> list:
     """The decode K1's settings around `cfg`: K split in 2 to 32 parts, K tiles of 128 and 256
     (each split at least one tile deep), rank tiles of 32 and 64 (the rank's own where it is
     smaller). Beside K2's weight stream each K step of K1 waits a loaded HBM's latency, so K1
@@ -196,13 +213,16 @@ def k1_candidates(cfg: LaunchConfig, k: int, rank: int, slices: int = 1,
     a third or half the programs), in their deepest K tiles and widest rank tiles. Where `cfg`
     splits a batch of 33 to ONE_SLOT_BUCKETS[-1] `tokens` into several row tiles, also `cfg`'s
     tiles in one row tile (each row tile reads A again, beside K2's weight stream), K split in
-    2 to 32 parts: a kernel each for this bucket alone, so its K and rank tiles are not varied."""
+    2 to 32 parts: a kernel each for this bucket alone, so its K and rank tiles are not varied.
+    None whose buffers exceed an sm_90 block's shared memory (`k1_shared_bytes`, K1 on `codes`
+    or bf16 x): those fail only once compiled (at e968ccc 12-36 of a model's compiles at ranks
+    64 and 128, 64 tokens, the tuner's budget spent on them)."""
     out = _k1_around(cfg, k, rank, slices)
     rows = 1 << max(0, (tokens or 1) - 1).bit_length()  # the batch in one row tile
     if _past_decode_buckets(tokens) and cfg.block_m < rows:
         out += [dataclasses.replace(cfg, block_m=rows, split_k=split_k)
                 for split_k in (2, 4, 8, 16, 32) if k // split_k >= cfg.block_k]
-    return list(dict.fromkeys(out))
+    return [c for c in dict.fromkeys(out) if k1_shared_bytes(c, slices, codes) <= SHARED_BYTES]
 
 
 def _k1_around(cfg: LaunchConfig, k: int, rank: int, slices: int) -> list:
@@ -319,7 +339,7 @@ def _launches(support, projections: dict, tokens, rank: int, slots: int, codes: 
                 out.append((k, slices, t, k1, dataclasses.replace(k2, segment_stages=1)))
             if k1_tuned(codes, slots, t):
                 out += [(k, slices, t, c, partner)
-                        for c in k1_candidates(k1, k, rank, len(slices), tokens=t)
+                        for c in k1_candidates(k1, k, rank, len(slices), tokens=t, codes=codes)
                         for partner in _k1_partners([k2, *k2s], codes)]
     return list(dict.fromkeys(out))
 
@@ -595,7 +615,7 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
                         best, chosen = us, (chosen[0], shipped)
             if slots == 1:
                 chosen = (chosen[0], shipped)
-            for cand in (k1_candidates(k1, k, rank, len(slices), tokens=t)
+            for cand in (k1_candidates(k1, k, rank, len(slices), tokens=t, codes=codes)
                          if k1_tuned(codes, slots, t) else ()):
                 if time.monotonic() - start > budget_s:
                     report["complete"] = False
