@@ -215,7 +215,7 @@ def k1_candidates(cfg: LaunchConfig, k: int, rank: int, slices: int = 1,
     tiles in one row tile (each row tile reads A again, beside K2's weight stream), K split in
     2 to 32 parts: a kernel each for this bucket alone, so its K and rank tiles are not varied.
     None whose buffers exceed an sm_90 block's shared memory (`k1_shared_bytes`, K1 on `codes`
-    or bf16 x): those fail only once compiled (at e968ccc 12-36 of a model's compiles at ranks
+    or bf16 x): those fail only once compiled (at e968ccc 12-36 of a run's compiles at ranks
     64 and 128, 64 tokens, the tuner's budget spent on them)."""
     out = _k1_around(cfg, k, rank, slices)
     rows = 1 << max(0, (tokens or 1) - 1).bit_length()  # the batch in one row tile
