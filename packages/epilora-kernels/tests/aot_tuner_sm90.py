@@ -76,7 +76,8 @@ def missing(rank: int, slots: int, codes: bool) -> list[str]:
             k2s = [k2, *tuner.k2_candidates(k2, sum(slices), k, slices, tokens=t)]
             pairs = [(k1, c) for c in k2s]
             if tuner.k1_tuned(codes, slots, t):
-                pairs += [(c, c2) for c in tuner.k1_candidates(k1, k, rank, len(slices))
+                pairs += [(c, c2) for c in tuner.k1_candidates(k1, k, rank, len(slices),
+                                                                tokens=t, codes=codes)
                           for c2 in k2s]
             for a, b in pairs:
                 if kernels(decode(k, slices, t, a, b)) - compiled:

@@ -85,8 +85,10 @@ def test_every_launch_compiles_for_sm90_with_the_arguments_its_launcher_passes()
 def test_k1_shared_memory_is_what_the_tuner_counts_before_compiling():
     # The tuner drops K1 candidates whose buffers exceed an sm_90 block's shared memory
     # (`tuner.k1_shared_bytes`) instead of compiling them to fail: its count must be the
-    # compile's, on bf16 x and on codes, below and from 64 rows, one slice a program or three.
+    # compile's, on bf16 x and on codes, below and from 64 rows, one slice a program or three,
+    # and on tiles beyond the limit (those the H100 tuner run of e968ccc failed to load)
     found = run_sm90_script("aot_k1_shared_sm90.py")
-    assert len(found) == 20
+    assert len(found) == 30
+    assert sum(shared > 232448 for shared, _ in found.values()) >= 5
     assert {tile: shared for tile, (shared, _) in found.items()} == {
         tile: counted for tile, (_, counted) in found.items()}

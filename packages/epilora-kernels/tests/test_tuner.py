@@ -197,9 +197,9 @@ def test_candidates_fit_the_shape(monkeypatch):
 
 
 def test_k1_candidates_that_cannot_fit_a_blocks_shared_memory_are_not_offered():
-    # One slot's 64-token bucket at rank 128 around the table's 64-row, 4-stage K1 (the tiles
-    # that failed to compile in the H100 tuner run of e968ccc: 262,144 and 524,288 bytes
-    # against 232,448): 256-deep tiles of rank 64 go, on bf16 x; on the codes (one byte an
+    # One slot's 64-token bucket at rank 128 around the table's 64-row, 4-stage K1 (tiles of
+    # the kinds that failed to load in the H100 tuner run of e968ccc: 262,144 and 524,288
+    # bytes against 232,448): 256-deep tiles of rank 64 go, on bf16 x; on the codes (one byte an
     # element of x, one buffer fewer of it) the one-slice ones fit; every candidate offered
     # fits, on either
     k1 = launch.LaunchConfig(block_m=64, block_n=64, block_k=256, block_r=64, split_k=2,
