@@ -192,8 +192,9 @@ def k1_shared_bytes(cfg: LaunchConfig, slices: int = 1, codes: bool = False) -> 
     buffers of each below 64 rows; from 64 rows, where the product reads its operands from
     shared memory, num_stages of A and of bf16 x, one fewer of the codes (widened in registers
     first). Equal to the sm_90 compile's on every K1 tile the tuner offers on the three models'
-    shapes (98 signatures, compiled on a CPU at ba7dba7; a few are checked in
-    test_compile_sm90.py)."""
+    shapes (98 kinds, compiled on a CPU at ba7dba7) and on 30 tiles that
+    tests/aot_k1_shared_sm90.py compiles for test_compile_sm90.py, beyond the limit among them
+    (Triton reports their bytes; only loading them fails)."""
     in_program = slices if cfg.slices_together else 1
     a_tile = cfg.block_k * in_program * cfg.block_r * 2
     x_tile = cfg.block_k * cfg.block_m * (1 if codes else 2)
