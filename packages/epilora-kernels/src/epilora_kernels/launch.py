@@ -180,18 +180,16 @@ def heuristic_config(
                                 block_r=min(block_r, 64),
                                 split_k=whole_steps_split(k, block_k, min(16, k // (2 * block_k))),
                                 num_warps=4, num_stages=2)
-        if (op == "decode_shrink" and block_r <= DECODE_K1_RULE_MAX_RANK
-                and tokens <= DECODE_MAX_TOKENS_ONE_SLOT):
-            # One slot's 33-64 tokens on the decode path (select_config asks for one slot
-            # only): 16-row tiles 256 deep, K split in at most 16 parts of whole steps, about
-            # two steps each where the program bound allows (2-5 on the three models' shapes),
-            # at most 64 programs, room for K2 beside them (the fused
-            # path's 16 x 32 x 128 tiles split 8 launch 64-192). Read from the tuner's picks at
-            # 64 tokens (an H100 at 917d998, benchmarks/results/h100/tune_decode.json: 256 deep
-            # at ranks 16 and 64, 16-64 programs); checked at 40, 48 and 56 tokens and rank 32,
-            # which no pick saw: the layer 0.92-0.97x the heuristic's time before on the three
-            # models, ranks 16-64, two runs (dev/launch_variants.py at 2c97882,
-            # heuristic-decode-k1; docs/kernels.md, "The tuner").
+        if op == "decode_shrink" and decode_k1_rule(tokens, rank, several_slots):
+            # One slot's 33-64 tokens on the decode path: 16-row tiles 256 deep, K split in at
+            # most 16 parts of whole steps, about two steps each where the program bound allows
+            # (2-5 on the three models' shapes), at most 64 programs, room for K2 beside them
+            # (the fused path's 16 x 32 x 128 tiles split 8 launch 64-192). Read from the
+            # tuner's picks at 64 tokens (an H100 at 917d998, benchmarks/results/h100/
+            # tune_decode.json: 256 deep at ranks 16 and 64, 16-64 programs); checked at 40, 48
+            # and 56 tokens and rank 32, which no pick saw: the layer 0.92-0.97x the heuristic's
+            # time before on the three models, ranks 16-64, two runs (dev/launch_variants.py at
+            # 2c97882, heuristic-decode-k1; docs/kernels.md, "The tuner").
             tiles = -(-tokens // 16) * max(1, len(slices))  # the rank in one tile
             split_k = whole_steps_split(k, 256, max(1, min(16, k // 512, 64 // tiles)))
             return LaunchConfig(block_m=16, block_n=64, block_k=256, block_r=block_r,
@@ -271,6 +269,14 @@ def heuristic_config(
         # e968ccc; docs/kernels.md, Next steps 3).
         return swap_candidate(cfg, n, k, slices, tokens)
     return cfg
+
+
+def decode_k1_rule(tokens: int, rank: int, several_slots: bool) -> bool:
+    """Whether the decode path's K1 past its buckets (DECODE_SHRINK_MAX_TOKENS) takes the
+    heuristic's rule of its own: one slot, up to DECODE_MAX_TOKENS_ONE_SLOT tokens and rank
+    DECODE_K1_RULE_MAX_RANK; else the fused path's settings (`quantize_shrink`'s)."""
+    return (not several_slots and rank_block(rank) <= DECODE_K1_RULE_MAX_RANK
+            and DECODE_SHRINK_MAX_TOKENS < tokens <= DECODE_MAX_TOKENS_ONE_SLOT)
 
 
 def prefill_slices_together(cfg: LaunchConfig, tokens: int, rank: int,
@@ -750,8 +756,7 @@ def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int,
         tuned = covered(op)
         if tuned is not None:
             return tuned
-        if (one_slot is True and rank_block(rank) <= DECODE_K1_RULE_MAX_RANK
-                and tokens <= DECODE_MAX_TOKENS_ONE_SLOT):
+        if decode_k1_rule(tokens, rank, several_slots=one_slot is not True):
             return heuristic_config(op, tokens, n, k, rank, slices, large_tiles)
         op = "quantize_shrink"
     tuned = None if device_name is None else table_config(
