@@ -140,6 +140,9 @@ def main() -> None:
                         choices=list(SYSTEMS))
     parser.add_argument("--timeout", type=int, default=300,
                         help="seconds per engine (4 layers of an 8B model took over 120 s)")
+    parser.add_argument("--share-cache", action="store_true",
+                        help="one kernels' cache for every system: the first tunes and the rest"
+                             " run its tiles (for variants that change launches, not tiles)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--name", help=argparse.SUPPRESS)
@@ -161,10 +164,11 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--worker", "--name", name, "--system", system,
                "--model-dir", str(model_dir), "--adapter", str(adapter), "--work", str(work),
                "--steps", str(args.steps), "--out", str(out)]
-        # each system's own kernels' cache: the start-time tuner tunes for each (a shared one
-        # would hand the first system's choices to the next, swapped tiles or not)
+        # by default each system's own kernels' cache: the start-time tuner tunes for each (a
+        # shared one hands the first system's choices to the next, swapped tiles or not)
+        cache = work / ("cache" if args.share_cache else f"cache-{name}")
         env = {**serving.system_env(system), **extra, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-               "EPILORA_CACHE_DIR": str(work / f"cache-{name}")}
+               "EPILORA_CACHE_DIR": str(cache)}
         print(f"{name} ...", flush=True)
         log, ok = serving.run_worker(cmd, env=env, timeout=args.timeout)
         out.with_name(f"engine_kernels-{name}.log").write_text(log)
