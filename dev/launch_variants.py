@@ -156,6 +156,13 @@ Variants (`--variants`):
   kernels.md, "The tuner": one slot's 64-token bucket). Untimed; `--ranks 16 32 64 --tokens
   40 48 64`, the three models.
 
+* `l2-next-a`, `l2-next-ab`: a question, not a candidate: with `--gap-us`, the gap after each
+  projection first reads the next projection's adapter buffers (A; A and B) with torch
+  reductions, leaving them in L2, as a prefetch by the GEMM before would; `l2-control-a` and
+  `l2-control-ab` read buffers of the same shapes that no kernel uses. Their ratio says how much
+  of the decode path's time beside CUTLASS is the adapter's bytes coming from HBM behind K2's
+  weight stream (the engine step: K1 ends near K2's loop end, kernels-history item 58).
+
 `--gap-us G`: after every projection of every system, a kernel that spins G microseconds on one
 thread (`torch.cuda._sleep`), standing for the engine's other kernels between the GEMMs.
 
@@ -458,6 +465,21 @@ VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
 PREFETCH_MIB = {"prefetch-8": (8, "end"), "prefetch-24": (24, "end"),
                 "prefetch-start-24": (24, "start")}
 VARIANTS.update({name: contextlib.nullcontext for name in PREFETCH_MIB})  # a call argument
+# gap variants: (read B too, read the next projection's own buffers rather than look-alikes)
+L2_READS = {"l2-next-a": (False, True), "l2-next-ab": (True, True),
+            "l2-control-a": (False, False), "l2-control-ab": (True, False)}
+VARIANTS.update({name: contextlib.nullcontext for name in L2_READS})
+_LOOK_ALIKES: dict[int, torch.Tensor] = {}
+
+
+def read_into_l2(lora, with_b: bool, own: bool) -> None:
+    """Read an adapter's buffers (or same-shaped ones no kernel uses) with reductions."""
+    for t in lora.lora_a + (lora.lora_b if with_b else ()):
+        if not own:  # made in the eager run before capture, reused by the graphs
+            if t.data_ptr() not in _LOOK_ALIKES:
+                _LOOK_ALIKES[t.data_ptr()] = torch.zeros_like(t)
+            t = _LOOK_ALIKES[t.data_ptr()]
+        t.sum(dtype=torch.float32)
 SM_MHZ = 1980  # the H200's SM clock (benchmarks/results/h200/gpu-sm90-device.txt): --gap-us
 
 
@@ -482,6 +504,8 @@ def run_layer(variant: str | None, xs: dict, layer: dict, batch, out: dict,
                     out[name] = ek.lora_linear(None, weight, scale, lora, batch,
                                                x_quantized=codes[name], prefetch=prefetch)
         if gap_us:
+            if variant in L2_READS:
+                read_into_l2(layer[names[(index + 1) % len(names)]][2], *L2_READS[variant])
             torch.cuda._sleep(int(gap_us * SM_MHZ))
 
 
@@ -489,9 +513,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS),
-                        default=[v for v in VARIANTS if v not in PREFETCH_MIB],
-                        help="default: all but the prefetch's (decode sizes only: --tokens 1 "
-                             "4 8 16 32 --gap-us 5)")
+                        default=[v for v in VARIANTS
+                                 if v not in PREFETCH_MIB and v not in L2_READS],
+                        help="default: all but the prefetch's and the L2 reads' (decode sizes "
+                             "only: --tokens 1 4 8 16 32 --gap-us 5)")
     parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS))
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64, 128])
     parser.add_argument("--tokens", type=int, nargs="+", default=[64, 128, 256, 512, 2048])
