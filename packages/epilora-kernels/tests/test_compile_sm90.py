@@ -2,6 +2,8 @@
 instructions its bit-exactness rests on: `div.full.f32` (Triton's division, as Inductor's
 compiled quantizer uses) and the hardware round-to-nearest e4m3 conversion."""
 
+from epilora_kernels.launch import SHARED_BYTES
+
 from kernel_cases import run_sm90_script
 
 
@@ -89,6 +91,6 @@ def test_k1_shared_memory_is_what_the_tuner_counts_before_compiling():
     # and on tiles beyond the limit (those the H100 tuner run of e968ccc failed to load)
     found = run_sm90_script("aot_k1_shared_sm90.py")
     assert len(found) == 30
-    assert sum(shared > 232448 for shared, _ in found.values()) >= 5
+    assert sum(shared > SHARED_BYTES for shared, _ in found.values()) >= 5
     assert {tile: shared for tile, (shared, _) in found.items()} == {
         tile: counted for tile, (_, counted) in found.items()}

@@ -281,8 +281,8 @@ def test_swapped_k2_settings_launch_bound_as_lora_linear_launches_them(path, kin
     # launches what lora_linear launches, with the same bits.
     heuristic = launch.heuristic_config
 
-    def swapped(op, tokens, n, k, rank, slices=(), large_tiles=True, several_slots=False):
-        cfg = heuristic(op, tokens, n, k, rank, slices, large_tiles, several_slots)
+    def swapped(op, tokens, n, k, rank, slices=(), *args, **kwargs):
+        cfg = heuristic(op, tokens, n, k, rank, slices, *args, **kwargs)
         if op != "lora_gemm" or tokens > 32:
             return cfg
         return launch.LaunchConfig(block_m=cfg.block_m, block_n=64, block_k=32, block_r=16,
