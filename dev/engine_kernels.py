@@ -39,9 +39,8 @@ SYSTEMS = {
                                               "EPILORA_VLLM_PREFETCH_AT": "start"}),
     # the decode path's K1 as the programmatic dependent of the kernel before it
     "epilora-after-previous": ("epilora", {"EPILORA_DECODE_AFTER_PREVIOUS": "1"}),
-    # the decode path on vLLM's codes in two launches, K2 as K1's programmatic dependent (the
-    # default before item 63: one launch, the shrink's programs first in K2's grid)
-    "epilora-two-launches": ("epilora", {"EPILORA_DECODE_ONE_LAUNCH": "0"}),
+    # the decode path on vLLM's codes in one launch, the shrink's programs first in K2's grid
+    "epilora-one-launch": ("epilora", {"EPILORA_DECODE_ONE_LAUNCH": "1"}),
     # the engine-start tuner with and without K2's decode tiles swapped (wgmma, the weight by
     # TMA; tried by default)
     "epilora-swap-ab": ("epilora", {"EPILORA_TUNE_SWAP_AB": "1"}),

@@ -53,8 +53,7 @@ params: dict = {}  # each kernel's parameters by name
 def in_use(problem: tuple, codes: bool) -> list:
     """The settings in use (`fused.decode_settings`, on sm_90: the search's first)."""
     found: list = []
-    kernels(lambda: found.extend(fused.decode_settings(*problem, codes=codes,
-                                                        one_launch=False)))
+    kernels(lambda: found.extend(fused.decode_settings(*problem, codes=codes)))
     return found
 
 
@@ -76,9 +75,10 @@ def missing(rank: int, slots: int, codes: bool) -> list[str]:
             k1, k2 = in_use(problem(t, k, slices), codes)
             k2s = [k2, *tuner.k2_candidates(k2, sum(slices), k, slices, tokens=t)]
             pairs = [(k1, c) for c in k2s]
-            pairs += [(c, c2) for c in tuner.k1_candidates(k1, k, rank, len(slices),
-                                                            tokens=t, codes=codes)
-                      for c2 in k2s]
+            if tuner.k1_tuned(codes, slots, t):
+                pairs += [(c, c2) for c in tuner.k1_candidates(k1, k, rank, len(slices),
+                                                                tokens=t, codes=codes)
+                          for c2 in k2s]
             for a, b in pairs:
                 if kernels(decode(k, slices, t, a, b)) - compiled:
                     out.append(f"K={k} slices={slices} tokens={t} K1 {a} K2 {b}")

@@ -1,8 +1,6 @@
-"""EPILORA_DECODE_ONE_LAUNCH (on by default): the decode path on the caller's codes as one
-launch, K2 whose first programs are the shrink's (on the interpreter, which runs a grid's
-programs in order; test_compile_sm90.py compiles it for sm_90 and tests/gpu/ runs it there)."""
-
-import functools
+"""EPILORA_DECODE_ONE_LAUNCH=1: the decode path on the caller's codes as one launch, K2 whose
+first programs are the shrink's (on the interpreter, which runs a grid's programs in order;
+test_compile_sm90.py compiles it for sm_90 and tests/gpu/ runs it there)."""
 
 import pytest
 
@@ -43,17 +41,14 @@ def test_one_launch_gives_the_two_launches_bits_and_leaves_the_counters_at_rest(
         tokens, slices, mapping, k2, operands, monkeypatch):
     # With the same shrink settings, the same h and so the same bits as the two launches,
     # through decode_lora_fp8_linear (each call twice: a count left set would let the second
-    # call's GEMM programs pass their wait before h is whole), then a bound projection; the
-    # setting unset (its default).
-    monkeypatch.delenv("EPILORA_DECODE_ONE_LAUNCH", raising=False)
+    # call's GEMM programs pass their wait before h is whole), then a bound projection.
     x, weight, w_scale, lora, batch = make_problem(7, tokens, 128, slices, 16, 1, mapping)
     quantized = ek.quantize(x)
     given = None if operands == "codes" else x
-    starts = _launch_forms(monkeypatch)
     want = ek.decode_lora_fp8_linear(given, weight, w_scale, lora, batch, x_quantized=quantized,
-                                     k1_config=K1_SETTINGS, k2_config=k2, one_launch=False)
-    assert starts == [False, False]  # K1, then K2
-    starts.clear()
+                                     k1_config=K1_SETTINGS, k2_config=k2)
+    monkeypatch.setenv("EPILORA_DECODE_ONE_LAUNCH", "1")
+    starts = _launch_forms(monkeypatch)
     workspace = ek.Workspace.for_batches("cpu", max_tokens=16, max_out_features=64, max_rank=16,
                                          max_loras=1)
     for _ in range(2):
@@ -76,26 +71,18 @@ def test_one_launch_gives_the_two_launches_bits_and_leaves_the_counters_at_rest(
 
 
 def test_one_launch_only_where_it_applies(monkeypatch):
-    # Two launches where K1 quantizes, with several slots, beyond the decode tokens, with an
-    # L2Prefetch, or turned off (by the setting or the call); one launch by default.
+    # Two-launch where K1 quantizes, with several slots, beyond the decode tokens, or unset.
     x, _, _, _, batch = make_problem(3, 4, 64, (32,), 16, 1, "one_adapter")
     support = device_support(x.device)
     several = make_problem(3, 4, 64, (32,), 16, 3, "one_token_each")[4]
     args = dict(decode=True, pdl=True, quantize=False, prefetch=None)
-    one = functools.partial(fused.runs_as_one_launch, support)
-    monkeypatch.setenv("EPILORA_DECODE_ONE_LAUNCH", "0")
-    assert not one(_launchers.FP8, 4, batch, **args)
-    assert one(_launchers.FP8, 4, batch, **args, enabled=True)
-    monkeypatch.delenv("EPILORA_DECODE_ONE_LAUNCH")
-    assert one(_launchers.FP8, 4, batch, **args)  # the default
-    assert one(_launchers.FP8, 32, batch, **args)
-    assert not one(_launchers.FP8, 4, batch, **args, enabled=False)
-    assert not one(_launchers.FP8, 4, several, **args)
-    assert not one(_launchers.FP8, 33, batch, **args)
-    assert not one(_launchers.FP8, 4, batch, **(args | {"quantize": True}))
-    assert not one(_launchers.FP8, 4, batch, **(args | {"prefetch": object()}))
-    assert not one(_launchers.FP8, 4, batch, **(args | {"pdl": False}))
-    assert not one(_launchers.W8A16, 4, batch, **args)
+    assert not fused.one_launch(support, _launchers.FP8, 4, batch, **args)  # unset
+    monkeypatch.setenv("EPILORA_DECODE_ONE_LAUNCH", "1")
+    assert fused.one_launch(support, _launchers.FP8, 4, batch, **args)
+    assert not fused.one_launch(support, _launchers.FP8, 4, several, **args)
+    assert not fused.one_launch(support, _launchers.FP8, 33, batch, **args)
+    assert not fused.one_launch(support, _launchers.FP8, 4, batch, **(args | {"quantize": True}))
+    assert not fused.one_launch(support, _launchers.W8A16, 4, batch, **args)
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 32])
@@ -116,7 +103,6 @@ def test_projections_made_with_and_without_it_keep_their_own_form(monkeypatch):
     # either side of it share the launch plans of their shapes, not their form.
     x, weight, w_scale, lora, batch = make_problem(5, 4, 128, (64,), 16, 1, "one_adapter")
     quantized = ek.quantize(x)
-    monkeypatch.setenv("EPILORA_DECODE_ONE_LAUNCH", "0")
     two = ek.LoraProjection(weight, w_scale, lora)
     monkeypatch.setenv("EPILORA_DECODE_ONE_LAUNCH", "1")
     one = ek.LoraProjection(weight, w_scale, lora)
@@ -126,20 +112,15 @@ def test_projections_made_with_and_without_it_keep_their_own_form(monkeypatch):
     assert forms == [False, False, True, False, False, True]  # K1 + K2, one launch, ...
 
 
-def test_the_tuner_times_two_launches_and_the_settings_identity_follows_it(monkeypatch):
-    # The tuner times (and so compiles) the two launches' kernels and tunes K1's shrink for
-    # them whatever the setting; the identity an engine's precompile record is kept under
-    # changes with it.
-    monkeypatch.setenv("EPILORA_DECODE_ONE_LAUNCH", "0")
-    off = launch.settings_identity("NVIDIA H200")
-    monkeypatch.delenv("EPILORA_DECODE_ONE_LAUNCH")
-    assert launch.settings_identity("NVIDIA H200") != off
-    assert tuner._k1_op(True) == "decode_shrink_codes"
-    assert tuner._k1_op(False) == "decode_shrink"
-    x, weight, w_scale, lora, batch = tuner._problem(4, 128, (64,), 16, 1, "cpu")
-    quantized = ek.quantize(x)
-    k1, k2 = fused.decode_settings(x, weight, w_scale, lora, batch, codes=True,
-                                   one_launch=False)
-    forms = _launch_forms(monkeypatch)
-    tuner._decode(x, weight, w_scale, lora, batch, k1, k2, quantized)
-    assert forms == [False, False]  # K1, then K2
+def test_the_tuner_and_the_settings_identity_follow_it(monkeypatch):
+    # The tuner's K1 op and whether it searches K1 (one launch: not, up to 32 tokens only), and
+    # the identity an engine's precompile record is kept under.
+    before = launch.settings_identity("NVIDIA H200")
+    assert tuner._k1_op(True, 1, 4) == "decode_shrink_codes"
+    monkeypatch.setenv("EPILORA_DECODE_ONE_LAUNCH", "1")
+    assert launch.settings_identity("NVIDIA H200") != before
+    assert tuner._k1_op(True, 1, 32) == "decode_lead_shrink"
+    assert not tuner.k1_tuned(True, 1, 32)
+    assert tuner._k1_op(True, 1, 33) == "decode_shrink_codes"  # beyond: two launches
+    assert tuner._k1_op(True, 2, 4) == "decode_shrink_codes"  # several slots: two launches
+    assert tuner._k1_op(False, 1, 4) == "decode_shrink"  # K1 quantizes: two launches

@@ -37,12 +37,10 @@ def tune_swap_ab() -> bool:
 
 
 def decode_one_launch() -> bool:
-    """EPILORA_DECODE_ONE_LAUNCH (1, the default; 0 off): the decode path on FP8 codes the
-    caller made, one adapter slot, up to 32 tokens, runs as one launch, the shrink's programs
-    first in K2's grid (`fused.runs_as_one_launch`). On by default since in a 4-layer engine
-    step on an H100 it took a layer 2.3-3.6 us less than the two launches on the same tiles
-    (docs/kernels-history.md, item 63)."""
-    return os.environ.get("EPILORA_DECODE_ONE_LAUNCH", "1") != "0"
+    """EPILORA_DECODE_ONE_LAUNCH=1 (default 0): the decode path on FP8 codes the caller made,
+    one adapter slot, runs as one launch, the shrink's programs first in K2's grid
+    (`fused.one_launch`)."""
+    return os.environ.get("EPILORA_DECODE_ONE_LAUNCH", "0") == "1"
 
 
 def gather_segments() -> str:

@@ -253,7 +253,6 @@ def decode_lora_fp8_linear(
     k2_config: LaunchConfig | None = None, pdl: bool = True,
     workspace: Workspace | None = None, x_quantized: Quantized | None = None,
     bias: torch.Tensor | None = None, prefetch: L2Prefetch | None = None,
-    one_launch: bool | None = None,
 ) -> torch.Tensor:
     """The decode path: K1 (quantize + shrink), and K2 launched as K1's programmatic dependent
     while K1 runs. K2 waits for K1's quantizing programs (their count of finished rows, a spin
@@ -275,15 +274,10 @@ def decode_lora_fp8_linear(
 
     `prefetch` (an `L2Prefetch` of the caller's next projection's weight): K2's programs pull
     it into L2 past their K loop or before it (its `at`), for the next GEMM (the same bits
-    either way).
-
-    `one_launch`: on the caller's codes (x None), with one adapter slot, up to
-    DECODE_SHRINK_MAX_TOKENS tokens, PDL and no `prefetch`, whether K1's shrink programs run
-    as the first programs of K2's own launch instead (`runs_as_one_launch`; the same bits).
-    None: EPILORA_DECODE_ONE_LAUNCH (on by default)."""
+    either way)."""
     return _linear(FP8, x, weight, weight_scale, lora, batch, k1_config, k2_config,
                    decode=True, pdl=pdl, workspace=workspace, x_quantized=x_quantized,
-                   bias=bias, prefetch=prefetch, one_launch=one_launch)
+                   bias=bias, prefetch=prefetch)
 
 
 def fused_lora_fp8_linear(
@@ -324,11 +318,10 @@ def fused_lora_w8a16_linear(
                    workspace=workspace, bias=bias)
 
 
-def runs_as_one_launch(support, mode: int, tokens: int, batch: AdapterBatch, *, decode: bool,
-                       pdl: bool, quantize: bool, prefetch,
-                       enabled: bool | None = None) -> bool:
-    """Whether a decode-path call runs as one launch (`enabled`; None: the setting,
-    EPILORA_DECODE_ONE_LAUNCH): K2 whose first programs are the shrink's
+def one_launch(support, mode: int, tokens: int, batch: AdapterBatch, *, decode: bool,
+               pdl: bool, quantize: bool, prefetch, enabled: bool | None = None) -> bool:
+    """Whether a decode-path call runs as one launch (`enabled`, default
+    EPILORA_DECODE_ONE_LAUNCH=1): K2 whose first programs are the shrink's
     (`_launchers.launch_lead`), for FP8 codes the caller made, one adapter slot, up to
     DECODE_SHRINK_MAX_TOKENS tokens, with PDL (where the two-launch path would use it) and no
     L2Prefetch (its lines are dealt to every program of a grid)."""
@@ -340,9 +333,9 @@ def runs_as_one_launch(support, mode: int, tokens: int, batch: AdapterBatch, *, 
 
 def one_launch_case(*, codes: bool, one_slot: bool, tokens: int,
                     enabled: bool | None = None) -> bool:
-    """`runs_as_one_launch`'s conditions on the case alone: the caller's codes, one adapter
-    slot, the decode path's token counts, and the setting (`enabled`; None:
-    EPILORA_DECODE_ONE_LAUNCH)."""
+    """`one_launch`'s conditions on the case alone (what the tuner knows of a cell): the
+    caller's codes, one adapter slot, the decode path's token counts, and the setting
+    (`enabled`, default EPILORA_DECODE_ONE_LAUNCH)."""
     if enabled is None:
         enabled = _env.decode_one_launch()
     return enabled and codes and one_slot and tokens <= DECODE_SHRINK_MAX_TOKENS
@@ -352,8 +345,7 @@ def _settings(support, mode, x, weight, weight_scale, lora, batch, k1_config, k2
               decode, quantize, pdl, counted, warm_l2, wait_k1_first, has_bias=False,
               lead=False):
     # K1's and K2's launch settings: given, else the table's or the heuristic's (K2's fitted to
-    # the device's waves: `_k2_config`). `lead`: the shrink's in K2's launch
-    # (`runs_as_one_launch`).
+    # the device's waves: `_k2_config`). `lead`: the shrink's in K2's launch (`one_launch`).
     t = x.shape[0]
     if lead:
         op1 = "decode_lead_shrink"
@@ -382,7 +374,7 @@ def _plan(support, mode, x, weight, weight_scale, lora, batch, k1_config, k2_con
           decode, quantize, pdl, counted, warm_l2, wait_k1_first, has_bias=False, lead=False):
     # (K1's and K2's settings, the counter tiles they need, whether K1 sorts the codes for
     # K2's TMA reads, h's dtype): functions of the call's shapes, dtypes, alignment and flags.
-    # `lead`: one launch (`runs_as_one_launch`), K1's settings the shrink's inside it, h fp32.
+    # `lead`: one launch (`one_launch`), K1's settings the shrink's inside it, h fp32.
     key = (support, _tiling.table_of(support), mode, tuple(x.shape), x.dtype,
            tuple(weight.shape), weight.stride(), weight.dtype, weight.data_ptr() % 16,
            weight_scale.numel(), tuple(lora.output_slices), lora.max_rank, batch.num_entries,
@@ -439,14 +431,14 @@ def _k2_config(support, mode, a_dtype, weight, weight_scale, lora, batch, given,
 
 
 def decode_settings(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                    lora: LoraWeights, batch: AdapterBatch, *, codes: bool = False,
-                    one_launch: bool | None = None) -> tuple[LaunchConfig, LaunchConfig]:
+                    lora: LoraWeights, batch: AdapterBatch, *,
+                    codes: bool = False) -> tuple[LaunchConfig, LaunchConfig]:
     """The launch settings (K1's, K2's) `decode_lora_fp8_linear` takes for this case when given
     none (the tuner starts from them); `codes`: called with `x_quantized` (x's shape and device
-    are what count here); `one_launch` as there."""
+    are what count here)."""
     support = _support(x, "decode")
-    lead = runs_as_one_launch(support, FP8, x.shape[0], batch, decode=True, pdl=True,
-                              quantize=not codes, prefetch=None, enabled=one_launch)
+    lead = one_launch(support, FP8, x.shape[0], batch, decode=True, pdl=True,
+                      quantize=not codes, prefetch=None)
     return _settings(support, FP8, x, weight, weight_scale, lora, batch, None, None,
                      decode=True, quantize=not codes, pdl=True, counted=not codes,
                      warm_l2=DECODE_WARM_L2, wait_k1_first=False, lead=lead)
@@ -454,8 +446,7 @@ def decode_settings(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
 
 def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
             decode=False, pdl=False, warm_l2=DECODE_WARM_L2, traces=(None, None),
-            wait_k1_first=False, workspace=None, x_quantized=None, bias=None, prefetch=None,
-            one_launch=None):
+            wait_k1_first=False, workspace=None, x_quantized=None, bias=None, prefetch=None):
     # MODE FP8: K1 (quantize + shrink) then K2; MODE W8A16: the shrink then the W8A16 K2.
     # `decode`: the decode path's launch settings. With `pdl` K2 is launched as K1's
     # programmatic dependent, waiting for K1's count of quantized rows before its K loop, or
@@ -488,8 +479,8 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
     after_previous = decode and pdl and _env.decode_after_previous()
     # Only a quantizing K1 counts rows: a K2 waiting for a count nobody makes would spin forever.
     counted = pdl and quantize and not wait_k1_first
-    lead = runs_as_one_launch(support, mode, t, batch, decode=decode, pdl=pdl,
-                              quantize=quantize, prefetch=prefetch, enabled=one_launch)
+    lead = one_launch(support, mode, t, batch, decode=decode, pdl=pdl, quantize=quantize,
+                      prefetch=prefetch)
     cfg1, cfg2, tiles, a_sorted, h_dtype = _plan(
         support, mode, x, weight, weight_scale, lora, batch, k1_config, k2_config,
         decode=decode, quantize=quantize, pdl=pdl, counted=counted, warm_l2=warm_l2,

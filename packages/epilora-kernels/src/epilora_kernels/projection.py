@@ -185,9 +185,8 @@ class LoraProjection:
         quantize = mode == FP8 and x_quantized is None
         counted = pdl and quantize and not wait_k1_first
         support, lora = self._support, self.lora
-        lead = fused.runs_as_one_launch(support, mode, t, batch, decode=decode, pdl=pdl,
-                                        quantize=quantize, prefetch=prefetch,
-                                        enabled=self._one_launch)
+        lead = fused.one_launch(support, mode, t, batch, decode=decode, pdl=pdl,
+                                quantize=quantize, prefetch=prefetch, enabled=self._one_launch)
         cfg1, cfg2, tiles, a_sorted, h_dtype = fused._plan(
             support, mode, rows, self.weight, self.weight_scale, lora, batch, None, None,
             decode=decode, quantize=quantize, pdl=pdl, counted=counted,

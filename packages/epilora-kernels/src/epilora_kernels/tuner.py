@@ -132,7 +132,7 @@ def needs_tuning(n: int, k: int, rank: int, *, slots: int = 1, codes: bool = Fal
 
     support = device_support(device)
     name = table_of(support)
-    return name is not None and not tuned_exactly(name, _k1_op(codes), n, k, rank,
+    return name is not None and not tuned_exactly(name, _k1_op(codes, slots, 1), n, k, rank,
                                                   slots == 1, cache_device=support.name,
                                                   slots_key_only=slots > 1)
 
@@ -295,14 +295,21 @@ def graph_timer(reps: int, flush: torch.Tensor):
     return time_us
 
 
-def _k1_op(codes: bool) -> str:
-    # The tuner times the decode path in two launches, also where it runs as one
-    # (`fused.runs_as_one_launch`): the one launch's GEMM takes the same `lora_gemm` entries,
-    # its shrink the heuristic's `decode_lead_shrink` settings. Tuned in the one launch's own
-    # form, its candidates compiled slower (an engine start of 231 s against 136) and its tiles
-    # made the engine's layer slower than the two launches' (docs/kernels-history.md, items
-    # 62-63).
+def _k1_op(codes: bool, slots: int, tokens: int) -> str:
+    # The decode path in one launch (`fused.one_launch_case`) has its shrink's settings apart,
+    # and the tuner leaves them to the heuristic (`k1_tuned`).
+    from epilora_kernels import fused
+
+    if fused.one_launch_case(codes=codes, one_slot=slots == 1, tokens=tokens):
+        return "decode_lead_shrink"
     return "decode_shrink_codes" if codes else "decode_shrink"
+
+
+def k1_tuned(codes: bool, slots: int, tokens: int) -> bool:
+    """Whether the tuner searches K1's settings for this case: not in one launch, where each
+    shrink setting with each GEMM setting is a kernel of its own to compile (the search would
+    be their product), and the shrink's heuristic already ends it early beside the GEMM."""
+    return _k1_op(codes, slots, tokens) != "decode_lead_shrink"
 
 
 def _baseline(support, k: int, slices: tuple[int, ...], t: int, rank: int, one_slot: bool,
@@ -311,7 +318,8 @@ def _baseline(support, k: int, slices: tuple[int, ...], t: int, rank: int, one_s
     from epilora_kernels._tiling import shape_config
 
     n = sum(slices)
-    k1 = shape_config(support, _k1_op(codes), t, n, k, rank, slices, one_slot)
+    k1 = shape_config(support, _k1_op(codes, 1 if one_slot else 2, t), t, n, k, rank, slices,
+                      one_slot)
     k2 = shape_config(support, "lora_gemm", t, n, k, rank, slices, one_slot)
     return k1, dataclasses.replace(k2, block_r=rank_block(rank))
 
@@ -330,9 +338,10 @@ def _launches(support, projections: dict, tokens, rank: int, slots: int, codes: 
             out += [(k, slices, t, k1, c) for c in k2s]
             if slots > 1:  # settings in use in flight (an earlier cache's), timed as shipped
                 out.append((k, slices, t, k1, dataclasses.replace(k2, segment_stages=1)))
-            out += [(k, slices, t, c, partner)
-                    for c in k1_candidates(k1, k, rank, len(slices), tokens=t, codes=codes)
-                    for partner in _k1_partners([k2, *k2s], codes)]
+            if k1_tuned(codes, slots, t):
+                out += [(k, slices, t, c, partner)
+                        for c in k1_candidates(k1, k, rank, len(slices), tokens=t, codes=codes)
+                        for partner in _k1_partners([k2, *k2s], codes)]
     return list(dict.fromkeys(out))
 
 
@@ -352,16 +361,12 @@ def _k1_partners(k2s: list, codes: bool = False) -> list:
 def _decode(x, weight, scale, lora, batch, k1, k2, quantized, workspace=None, path="decode"):
     """The decode path as the tuner times it: on bf16 x (K1 quantizes; `quantized` False), or
     on x's per-token codes (`quantized`, the pair; x not passed: the shrink and the GEMM read
-    the codes), in two launches (`_k1_op`). `path="fused"`: the fused path alike (`k1` None:
-    its K1 the launchers')."""
+    the codes). `path="fused"`: the fused path alike (`k1` None: its K1 the launchers')."""
     from epilora_kernels import fused
 
-    args = (None if quantized else x, weight, scale, lora, batch)
-    kwargs = dict(k1_config=k1, k2_config=k2, workspace=workspace,
-                  x_quantized=quantized or None)
-    if path == "decode":
-        return fused.decode_lora_fp8_linear(*args, **kwargs, one_launch=False)
-    return fused.fused_lora_fp8_linear(*args, **kwargs)
+    linear = fused.decode_lora_fp8_linear if path == "decode" else fused.fused_lora_fp8_linear
+    return linear(None if quantized else x, weight, scale, lora, batch, k1_config=k1,
+                  k2_config=k2, workspace=workspace, x_quantized=quantized or None)
 
 
 def launch_text(launch: tuple) -> str:
@@ -388,8 +393,7 @@ def _compile(launches: list, rank: int, slots: int, codes: bool,
             x, weight, scale, lora, batch = _problem(t, k, slices, rank, slots, device)
             if (k, slices, t) not in fitted:  # the wave fitting's candidates, compiled here too
                 fitted.add((k, slices, t))
-                fused.decode_settings(x, weight, scale, lora, batch, codes=codes,
-                                      one_launch=False)
+                fused.decode_settings(x, weight, scale, lora, batch, codes=codes)
             _decode(x, weight, scale, lora, batch, k1, k2, codes and fused.quantize(x))
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -590,8 +594,7 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
 
             # What runs without this cell tuned: the table's or heuristic's settings, K2's
             # fitted to the waves.
-            k1, k2 = fused.decode_settings(x, weight, scale, lora, batch, codes=codes,
-                                           one_launch=False)
+            k1, k2 = fused.decode_settings(x, weight, scale, lora, batch, codes=codes)
             before = best = run(k1, k2, baseline=True)
             chosen = (k1, k2)
             for cand in k2_candidates(k2, n, k, slices, tokens=t):
@@ -613,7 +616,8 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
                         best, chosen = us, (chosen[0], shipped)
             if slots == 1:
                 chosen = (chosen[0], shipped)
-            for cand in k1_candidates(k1, k, rank, len(slices), tokens=t, codes=codes):
+            for cand in (k1_candidates(k1, k, rank, len(slices), tokens=t, codes=codes)
+                         if k1_tuned(codes, slots, t) else ()):
                 if time.monotonic() - start > budget_s:
                     report["complete"] = False
                     break
@@ -634,7 +638,7 @@ def tune_decode(projections: dict[str, tuple[int, tuple[int, ...]]], *, rank: in
                     fused_us = run(None, chosen[1], path="fused")
                     path = "fused" if fused_us < best * (1 - MARGIN) else "decode"
             key = shape_key(n, k, rank, one_slot)
-            for op, cfg in ((_k1_op(codes), chosen[0]), ("lora_gemm", chosen[1])):
+            for op, cfg in ((_k1_op(codes, slots, t), chosen[0]), ("lora_gemm", chosen[1])):
                 table.setdefault(op, {}).setdefault(key, {})[str(t)] = dataclasses.asdict(cfg)
             if timed:
                 # an earlier run's choices at this bucket were timed beside the GEMM settings
