@@ -48,6 +48,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -297,26 +298,36 @@ ONLINE_KEEP = ("completed", "failed", "duration", "request_throughput", "output_
                "median_tpot_ms", "p99_tpot_ms", "median_ttft_ms", "p99_ttft_ms")
 
 
-_live_workers: set = set()  # process groups of running workers (kill_workers_on_term)
+_live_workers: set = set()  # process groups of running workers (`kill_workers_on_term`)
+_term_handled = False  # whether `kill_workers_on_term` set its handler
 
 
 def kill_workers_on_term() -> None:
     """On SIGTERM (e.g. the device step's `timeout`), kill every running worker's process group
-    before exiting: in their own sessions, they are outside the group that `timeout` signals."""
+    before exiting: in their own sessions, they are outside the group that `timeout` signals.
+    Set once, in the main thread (the only one that may set a handler): by `run_worker`, and
+    by a script whose workers start from other threads, before them."""
+    global _term_handled
+
     def handler(signum, frame):
         for pid in list(_live_workers):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
         sys.exit(128 + signum)
 
-    signal.signal(signal.SIGTERM, handler)
+    if not _term_handled and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
+        _term_handled = True
 
 
 def run_worker(cmd: list[str], *, timeout: int, env: dict | None = None) -> tuple[str, bool]:
     """One engine's worker process: its stdout and stderr, and whether it exited 0 in time (a
     timed-out worker's output so far). The worker runs in its own process group, killed whole
-    on a timeout: vLLM's engine core is a child process that would otherwise live on and hold
-    the GPU's memory."""
+    on a timeout, and on a SIGTERM to this process (a script that never set one of its own
+    would otherwise exit and leave it): vLLM's engine core is a child process that would live
+    on and hold the GPU's memory (a step after a timed-out dev/engine_kernels.py ran out of
+    it)."""
+    kill_workers_on_term()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     _live_workers.add(proc.pid)

@@ -1,8 +1,14 @@
 """benchmarks/serving.py's result rows, from engine logs (no engine: the parsing and the merge
 of several runs' logs, which the result file and the docs page come from)."""
 
+import contextlib
 import json
+import os
 import runpy
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -199,3 +205,45 @@ def test_an_engine_of_the_start_scenario_gets_every_cache_under_its_own_root(tmp
     for name in ("XDG_CACHE_HOME", "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR",
                  "TORCHINDUCTOR_CACHE_DIR", "CUDA_CACHE_PATH"):
         assert Path(env[name]).is_relative_to(tmp_path), name
+
+
+def _alive(pid: int) -> bool:
+    # a zombie (exited, not yet reaped: a container's init may not reap) counts as dead
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+def test_a_sigterm_to_a_script_kills_its_workers_process_groups(tmp_path):
+    # A script that runs a worker (which starts a child of its own, as vLLM's engine core) and
+    # sets no handler itself, stopped by SIGTERM as the device step's `timeout` stops it: the
+    # worker's child must not outlive it (dev/engine_kernels.py's once held the GPU's memory).
+    pid_file = tmp_path / "child.pid"
+    worker = ("import subprocess, sys, time; "
+              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+              f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(120)")
+    serving = str(Path(__file__).parents[1] / "serving.py")
+    script = (f"import runpy, sys; run_worker = runpy.run_path({serving!r})['run_worker']; "
+              f"run_worker([sys.executable, '-c', {worker!r}], timeout=120)")
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline, "the worker never started its child"
+            assert parent.poll() is None, "the script exited before its worker started"
+            time.sleep(0.1)
+        child = int(pid_file.read_text())
+        assert _alive(child)
+        parent.send_signal(signal.SIGTERM)
+        assert parent.wait(timeout=30) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child), f"the worker's child {child} outlived the script"
+    finally:
+        parent.kill()
+        if pid_file.exists() and pid_file.read_text():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
