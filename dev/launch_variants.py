@@ -29,6 +29,15 @@ Variants (`--variants`):
   `launch.heuristic_config`, read from the tuner's o entries on the H200): against
   `heuristic`, `--tokens 4 8 16`, the three models (Qwen2.5-7B's 3584-wide o is the unseen
   shape).
+* `heuristic-k1-stages`: `heuristic` with the decode path's K1 at 33-64 tokens, one adapter
+  slot, ranks above `launch.DECODE_K1_RULE_MAX_RANK` (the fused path's 16 x 32 x 128 tiles
+  split 8, in 2 stages) in 4 stages. All eight tuned entries there (rank 128, the 64-token
+  bucket of the four Qwen3-8B shapes: the H100's cache at e968ccc and configs/NVIDIA_H200.json)
+  have 32-rank tiles and 3-4 stages, their splits 2-32 ways; and there the heuristic's layer
+  added 1.9-2.5x the tuned one's time on both three-models pages (rank 128 at 64 tokens: +24
+  to +33 us against +10 to +17), the widest such gap at one slot. Read from rank 128 at 64
+  tokens on Qwen3-8B: check on the other models, on 48 tokens and on rank 96
+  (`--tokens 48 64 --ranks 96 128 --variants heuristic heuristic-k1-stages`).
 * `k1-apart`: K1's prefill tiles one slice a program, as before `launch.prefill_slices_together`
   (every slice in one program where several slices' grid still fills the SMs; read from one
   H100 probe of Qwen3-8B at 2048 tokens): `--tokens 512 2048 4096`.
@@ -353,6 +362,24 @@ def heuristic_k1_fewer_splits():
         yield
 
 
+@contextlib.contextmanager
+def heuristic_k1_stages():
+    """`heuristic` with the decode path's K1 past the rule's ranks at 33-64 tokens, one slot,
+    in 4 stages (see the module's docstring)."""
+    shipped = _tiling.select_config
+
+    def staged(device, op, tokens, n, k, rank, slices=(), one_slot=False, **kwargs):
+        cfg = shipped(device, op, tokens, n, k, rank, slices, one_slot, **kwargs)
+        if (op in ("decode_shrink", "decode_shrink_codes") and one_slot is True
+                and launch.DECODE_SHRINK_MAX_TOKENS < tokens <= launch.DECODE_MAX_TOKENS_ONE_SLOT
+                and launch.rank_block(rank) > launch.DECODE_K1_RULE_MAX_RANK):
+            return dataclasses.replace(cfg, num_stages=4)
+        return cfg
+
+    with heuristic(), _made_again_around(mock.patch.object(_tiling, "select_config", staged)):
+        yield
+
+
 def k1_apart():
     return _made_again_around(mock.patch.object(launch, "prefill_slices_together", _apart))
 
@@ -440,6 +467,7 @@ VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "heuristic-before": heuristic_before, "heuristic-plain-small": heuristic_plain_small,
             "heuristic-swapped-small": heuristic_swapped_small,
             "heuristic-k1-fewer-splits": heuristic_k1_fewer_splits,
+            "heuristic-k1-stages": heuristic_k1_stages,
             "k1-apart": k1_apart, "k1-light": k1_split_by(2, 32, 32),
             "k1-lighter": k1_split_by(4, 64, 16), "k1-heavier": k1_split_by(0.5, 32, 128),
             "k1-heaviest": k1_split_by(0.25, 32, 128), "fused-path": fused_path,
