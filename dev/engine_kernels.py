@@ -186,7 +186,26 @@ def main() -> None:
               f" {layer_period_us(r['last_step']):.1f} us")
         for k in r["kernels"][:25]:
             print(f"  {k['per_step']:6.1f} x {k['us_per_step']:8.1f} us  {k['name'][:90]}")
+    print(summary(results))
 
+
+def summary(results: list[dict]) -> str:
+    """A line per engine, in run order: its layer's time with the adapter, and without one in
+    the same engine (its `/base-request`, the result after it) and the difference, which
+    compares engines across runs and cards better than the layer's time alone."""
+    rows = [f"\n{'system, in run order':<32} {'a layer, us':>11} {'its base request':>18}"
+            f" {'over it':>9}"]
+    for i, r in enumerate(results):
+        if r["name"].endswith("/base-request"):
+            continue
+        layer = layer_period_us(r["last_step"])
+        after = results[i + 1] if i + 1 < len(results) else None
+        if after is not None and after["name"] == f"{r['name']}/base-request":
+            own = layer_period_us(after["last_step"])
+            rows.append(f"{r['name']:<32} {layer:11.1f} {own:18.1f} {layer - own:9.1f}")
+        else:
+            rows.append(f"{r['name']:<32} {layer:11.1f}")
+    return "\n".join(rows)
 
 if __name__ == "__main__":
     main()
