@@ -36,7 +36,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from serving import results_of, run_worker  # noqa: I001 (the serving benchmark's)
+from serving import kill_workers_on_term, results_of, run_worker  # noqa: I001 (the serving benchmark's)
 
 from epilora_testing.results import update_results
 
@@ -301,6 +301,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return trl_worker(args) if args.system == "trl" else ours_worker(args)
+    kill_workers_on_term()  # its workers start from a thread pool's threads
 
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)

@@ -300,6 +300,7 @@ ONLINE_KEEP = ("completed", "failed", "duration", "request_throughput", "output_
 
 _live_workers: set = set()  # process groups of running workers (`kill_workers_on_term`)
 _term_handled = False  # whether `kill_workers_on_term` set its handler
+_stopping = False  # set by its handler: SIGTERM came
 
 
 def kill_workers_on_term() -> None:
@@ -310,6 +311,8 @@ def kill_workers_on_term() -> None:
     global _term_handled
 
     def handler(signum, frame):
+        global _stopping
+        _stopping = True  # a pool's queued cases start no worker after this
         for pid in list(_live_workers):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
@@ -328,6 +331,8 @@ def run_worker(cmd: list[str], *, timeout: int, env: dict | None = None) -> tupl
     on and hold the GPU's memory (a step after a timed-out dev/engine_kernels.py ran out of
     it)."""
     kill_workers_on_term()
+    if _stopping:
+        return "", False
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     _live_workers.add(proc.pid)

@@ -242,8 +242,9 @@ def test_a_sigterm_to_a_script_kills_its_workers_process_groups(tmp_path):
         while _alive(child) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not _alive(child), f"the worker's child {child} outlived the script"
-    finally:
+    finally:  # (where it failed) the worker and its child share a process group
         parent.kill()
+        parent.wait()
         if pid_file.exists() and pid_file.read_text():
             with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+                os.killpg(os.getpgid(int(pid_file.read_text())), signal.SIGKILL)
