@@ -38,6 +38,18 @@ Variants (`--variants`):
   to +33 us against +10 to +17), the widest such gap at one slot. Read from rank 128 at 64
   tokens on Qwen3-8B: check on the other models, on 48 tokens and on rank 96
   (`--tokens 48 64 --ranks 96 128 --variants heuristic heuristic-k1-stages`).
+* `heuristic-swap-k128`: `heuristic` with K2's swapped decode tile in 128-deep K steps wherever
+  its grid is more than the SMs (gate_up's shapes), the pipeline as deep as runs every program
+  at once where that is 3 stages or more, else 8 stages at one program an SM; smaller grids
+  keep the 256-deep one-wave tile. Of the 43 swapped entries the tuner chose on the gate_up
+  shapes (N of 24576, 28672 and 37888: the H100's cache at e968ccc, ranks 16, 64 and 128, one
+  slot and 8), 41 have 128-deep K steps, 26 of them exactly this pipeline; on the smaller
+  shapes 57 of 65 are the heuristic's own tile. The heuristic takes swapped tiles on gate_up
+  with several slots at 2-32 tokens and with one at 17-32: where it adds about twice the
+  tuned time on 8x16 at 8-32 tokens (Next steps, from the three-models page 3). Check it where
+  no pick was read: 16x16 and 32x64, and one slot at 24 tokens (`--adapters 8 --ranks 16
+  --tokens 8 16 32`, then `--adapters 16`, `--adapters 32 --ranks 64 --tokens 8 16`, and
+  `--ranks 16 64 128 --tokens 24 32`; `--variants heuristic heuristic-swap-k128`).
 * `k1-apart`: K1's prefill tiles one slice a program, as before `launch.prefill_slices_together`
   (every slice in one program where several slices' grid still fills the SMs; read from one
   H100 probe of Qwen3-8B at 2048 tokens): `--tokens 512 2048 4096`.
@@ -380,6 +392,29 @@ def heuristic_k1_stages():
         yield
 
 
+@contextlib.contextmanager
+def heuristic_swap_k128():
+    """`heuristic` with K2's swapped decode tiles 128 deep on grids larger than the SMs (see
+    the module's docstring)."""
+    shipped = launch.swap_candidate
+
+    def deeper_wave(cfg, n, k, slices, tokens, split_k=1):
+        tile = shipped(cfg, n, k, slices, tokens, split_k)
+        programs = -(-tokens // cfg.block_m) * -(-n // 64) * split_k
+        if not tile.swap_ab or programs <= launch.H200_SMS or k // split_k < 128:
+            return tile
+        stage_bytes = (64 + cfg.block_m) * 128  # FP8 weight and codes
+        at_once = launch.SHARED_BYTES // (-(-programs // launch.H200_SMS) * stage_bytes) - 1
+        one_an_sm = launch.SHARED_BYTES // stage_bytes - 1
+        stages = at_once if at_once >= launch.SWAP_MIN_STAGES else one_an_sm
+        return dataclasses.replace(tile, block_k=128,
+                                   num_stages=min(launch.SWAP_MAX_STAGES, stages))
+
+    with heuristic(), _made_again_around(mock.patch.object(launch, "swap_candidate",
+                                                           deeper_wave)):
+        yield
+
+
 def k1_apart():
     return _made_again_around(mock.patch.object(launch, "prefill_slices_together", _apart))
 
@@ -468,6 +503,7 @@ VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "heuristic-swapped-small": heuristic_swapped_small,
             "heuristic-k1-fewer-splits": heuristic_k1_fewer_splits,
             "heuristic-k1-stages": heuristic_k1_stages,
+            "heuristic-swap-k128": heuristic_swap_k128,
             "k1-apart": k1_apart, "k1-light": k1_split_by(2, 32, 32),
             "k1-lighter": k1_split_by(4, 64, 16), "k1-heavier": k1_split_by(0.5, 32, 128),
             "k1-heaviest": k1_split_by(0.25, 32, 128), "fused-path": fused_path,
