@@ -31,20 +31,22 @@ Variants (`--variants`):
   shape).
 * `heuristic-k1-stages`: `heuristic` with the decode path's K1 at 33-64 tokens, one adapter
   slot, ranks above `launch.DECODE_K1_RULE_MAX_RANK` (the fused path's 16 x 32 x 128 tiles
-  split 8, in 2 stages) in 4 stages. All eight tuned entries there (rank 128, the 64-token
-  bucket of the four Qwen3-8B shapes: the H100's cache at e968ccc and configs/NVIDIA_H200.json)
-  have 32-rank tiles and 3-4 stages, their splits 2-32 ways; and there the heuristic's layer
-  added 1.9-2.5x the tuned one's time on both three-models pages (rank 128 at 64 tokens: +24
-  to +33 us against +10 to +17), the widest such gap at one slot. Read from rank 128 at 64
-  tokens on Qwen3-8B: check on the other models, on 48 tokens and on rank 96
-  (`--tokens 48 64 --ranks 96 128 --variants heuristic heuristic-k1-stages`).
+  split 8, in 2 stages) in 4 stages. All sixteen tuned entries there (rank 128, the 64-token
+  bucket: the tuner's picks on the three models' shapes in benchmarks/results/h100/
+  tune_decode.json at e968ccc, and Qwen3-8B's in configs/NVIDIA_H200.json) have 3-4 stages,
+  mostly 32-rank tiles, their splits 2-32 ways; and there the heuristic's layer added 1.9-2.5x
+  the tuned one's time on both three-models pages (rank 128 at 64 tokens: +24 to +33 us
+  against +10 to +17), the widest such gap at one slot. Check it where no pick was read: 48
+  tokens and rank 96 (`--tokens 48 64 --ranks 96 128 --variants heuristic
+  heuristic-k1-stages`).
 * `heuristic-swap-k128`: `heuristic` with K2's swapped decode tile in 128-deep K steps wherever
   its grid is more than the SMs (gate_up's shapes), the pipeline as deep as runs every program
   at once where that is 3 stages or more, else 8 stages at one program an SM; smaller grids
   keep the 256-deep one-wave tile. Of the 43 swapped entries the tuner chose on the gate_up
-  shapes (N of 24576, 28672 and 37888: the H100's cache at e968ccc, ranks 16, 64 and 128, one
-  slot and 8), 41 have 128-deep K steps, 26 of them exactly this pipeline; on the smaller
-  shapes 57 of 65 are the heuristic's own tile. The heuristic takes swapped tiles on gate_up
+  shapes (N of 24576, 28672 and 37888: benchmarks/results/h100/tune_decode.json at e968ccc,
+  ranks 16, 64 and 128, one slot and 8), whose grids are the ones larger than the SMs, 41
+  have 128-deep K steps, 26 exactly this pipeline; of the 83 on smaller grids, 69 are the
+  heuristic's own tile. The heuristic takes swapped tiles on gate_up
   with several slots at 2-32 tokens and with one at 17-32: where it adds about twice the
   tuned time on 8x16 at 8-32 tokens (Next steps, from the three-models page 3). Check it where
   no pick was read: 16x16 and 32x64, and one slot at 24 tokens (`--adapters 8 --ranks 16
