@@ -207,5 +207,6 @@ def summary(results: list[dict]) -> str:
             rows.append(f"{r['name']:<32} {layer:11.1f}")
     return "\n".join(rows)
 
+
 if __name__ == "__main__":
     main()

@@ -402,15 +402,13 @@ def heuristic_swap_k128():
 
     def deeper_wave(cfg, n, k, slices, tokens, split_k=1):
         tile = shipped(cfg, n, k, slices, tokens, split_k)
-        programs = -(-tokens // cfg.block_m) * -(-n // 64) * split_k
-        if not tile.swap_ab or programs <= launch.H200_SMS or k // split_k < 128:
+        if not tile.swap_ab or -(-tokens // cfg.block_m) * -(-n // 64) * split_k <= launch.H200_SMS:
             return tile
-        stage_bytes = (64 + cfg.block_m) * 128  # FP8 weight and codes
-        at_once = launch.SHARED_BYTES // (-(-programs // launch.H200_SMS) * stage_bytes) - 1
-        one_an_sm = launch.SHARED_BYTES // stage_bytes - 1
-        stages = at_once if at_once >= launch.SWAP_MIN_STAGES else one_an_sm
-        return dataclasses.replace(tile, block_k=128,
-                                   num_stages=min(launch.SWAP_MAX_STAGES, stages))
+        # swap_candidates' 128-deep tiles: the whole grid at once where that pipeline has its
+        # minimum of stages (the shallower), else the one at one program an SM
+        deep128 = [c for c in launch.swap_candidates(cfg, n, k, slices, tokens)
+                   if (c.block_n, c.block_k, c.split_k) == (64, 128, split_k)]
+        return min(deep128, key=lambda c: c.num_stages, default=tile)
 
     with heuristic(), _made_again_around(mock.patch.object(launch, "swap_candidate",
                                                            deeper_wave)):
