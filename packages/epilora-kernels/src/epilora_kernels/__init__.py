@@ -8,8 +8,8 @@ One call for an engine, `lora_linear(x, weight, weight_scale, lora, batch)`: a p
 arguments, no launch ones).
 `LoraProjection(weight, weight_scale, lora)` binds a projection's weight and adapters once, for
 an engine's calls (`projection(x, batch)`: the same result, with a fraction of the host time).
-`L2Prefetch(next_weight, max_bytes)`, given to a decode-path call or a projection, has its
-GEMM pull the caller's next weight into L2 (at layer level on the H200: no gain).
+`L2Prefetch(tensor, max_bytes)` (tensor: the next projection's weight), given to a decode-path
+call or a projection, has its GEMM pull that weight into L2 (at layer level on the H200: no gain).
 `supports(path, ...)` says whether a case can be served and why not; `Workspace` holds the
 counters the kernels synchronize with (own one per stream, sized before CUDA-graph capture);
 `with compile_only(): ...` compiles what the calls inside would launch, running nothing (an
