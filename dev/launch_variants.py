@@ -29,29 +29,6 @@ Variants (`--variants`):
   `launch.heuristic_config`, read from the tuner's o entries on the H200): against
   `heuristic`, `--tokens 4 8 16`, the three models (Qwen2.5-7B's 3584-wide o is the unseen
   shape).
-* `heuristic-k1-stages`: `heuristic` with the decode path's K1 at 33-64 tokens, one adapter
-  slot, ranks above `launch.DECODE_K1_RULE_MAX_RANK` (the fused path's 16 x 32 x 128 tiles
-  split 8, in 2 stages) in 4 stages. All sixteen tuned entries there (rank 128, the 64-token
-  bucket: the tuner's picks on the three models' shapes in benchmarks/results/h100/
-  tune_decode.json at e968ccc, and Qwen3-8B's in configs/NVIDIA_H200.json) have 3-4 stages,
-  mostly 32-rank tiles, their splits 2-32 ways; and there the heuristic's layer added 1.9-2.5x
-  the tuned one's time on both three-models pages (rank 128 at 64 tokens: +24 to +33 us
-  against +10 to +17), the widest such gap at one slot. Check it where no pick was read: 48
-  tokens and rank 96 (`--tokens 48 64 --ranks 96 128 --variants heuristic
-  heuristic-k1-stages`).
-* `heuristic-swap-k128`: `heuristic` with K2's swapped decode tile in 128-deep K steps wherever
-  its grid is more than the SMs (gate_up's shapes), the pipeline as deep as runs every program
-  at once where that is 3 stages or more, else 8 stages at one program an SM; smaller grids
-  keep the 256-deep one-wave tile. Of the 43 swapped entries the tuner chose on the gate_up
-  shapes (N of 24576, 28672 and 37888: benchmarks/results/h100/tune_decode.json at e968ccc,
-  ranks 16, 64 and 128, one slot and 8), whose grids are the ones larger than the SMs, 41
-  have 128-deep K steps, 26 exactly this pipeline; of the 83 on smaller grids, 69 are the
-  heuristic's own tile. The heuristic takes swapped tiles on gate_up
-  with several slots at 2-32 tokens and with one at 17-32: where it adds about twice the
-  tuned time on 8x16 at 8-32 tokens (Next steps, from the three-models page 3). Check it where
-  no pick was read: 16x16 and 32x64, and one slot at 24 tokens (`--adapters 8 --ranks 16
-  --tokens 8 16 32`, then `--adapters 16`, `--adapters 32 --ranks 64 --tokens 8 16`, and
-  `--ranks 16 64 128 --tokens 24 32`; `--variants heuristic heuristic-swap-k128`).
 * `k1-apart`: K1's prefill tiles one slice a program, as before `launch.prefill_slices_together`
   (every slice in one program where several slices' grid still fills the SMs; read from one
   H100 probe of Qwen3-8B at 2048 tokens): `--tokens 512 2048 4096`.
@@ -376,45 +353,6 @@ def heuristic_k1_fewer_splits():
         yield
 
 
-@contextlib.contextmanager
-def heuristic_k1_stages():
-    """`heuristic` with the decode path's K1 past the rule's ranks at 33-64 tokens, one slot,
-    in 4 stages (see the module's docstring)."""
-    shipped = _tiling.select_config
-
-    def staged(device, op, tokens, n, k, rank, slices=(), one_slot=False, **kwargs):
-        cfg = shipped(device, op, tokens, n, k, rank, slices, one_slot, **kwargs)
-        if (op in ("decode_shrink", "decode_shrink_codes") and one_slot is True
-                and launch.DECODE_SHRINK_MAX_TOKENS < tokens <= launch.DECODE_MAX_TOKENS_ONE_SLOT
-                and launch.rank_block(rank) > launch.DECODE_K1_RULE_MAX_RANK):
-            return dataclasses.replace(cfg, num_stages=4)
-        return cfg
-
-    with heuristic(), _made_again_around(mock.patch.object(_tiling, "select_config", staged)):
-        yield
-
-
-@contextlib.contextmanager
-def heuristic_swap_k128():
-    """`heuristic` with K2's swapped decode tiles 128 deep on grids larger than the SMs (see
-    the module's docstring)."""
-    shipped = launch.swap_candidate
-
-    def deeper_wave(cfg, n, k, slices, tokens, split_k=1):
-        tile = shipped(cfg, n, k, slices, tokens, split_k)
-        if not tile.swap_ab or -(-tokens // cfg.block_m) * -(-n // 64) * split_k <= launch.H200_SMS:
-            return tile
-        # swap_candidates' 128-deep tiles: the whole grid at once where that pipeline has its
-        # minimum of stages (the shallower), else the one at one program an SM
-        deep128 = [c for c in launch.swap_candidates(cfg, n, k, slices, tokens)
-                   if (c.block_n, c.block_k, c.split_k) == (64, 128, split_k)]
-        return min(deep128, key=lambda c: c.num_stages, default=tile)
-
-    with heuristic(), _made_again_around(mock.patch.object(launch, "swap_candidate",
-                                                           deeper_wave)):
-        yield
-
-
 def k1_apart():
     return _made_again_around(mock.patch.object(launch, "prefill_slices_together", _apart))
 
@@ -502,8 +440,6 @@ VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "heuristic-before": heuristic_before, "heuristic-plain-small": heuristic_plain_small,
             "heuristic-swapped-small": heuristic_swapped_small,
             "heuristic-k1-fewer-splits": heuristic_k1_fewer_splits,
-            "heuristic-k1-stages": heuristic_k1_stages,
-            "heuristic-swap-k128": heuristic_swap_k128,
             "k1-apart": k1_apart, "k1-light": k1_split_by(2, 32, 32),
             "k1-lighter": k1_split_by(4, 64, 16), "k1-heavier": k1_split_by(0.5, 32, 128),
             "k1-heaviest": k1_split_by(0.25, 32, 128), "fused-path": fused_path,

@@ -1,3 +1,4 @@
+import dataclasses
 import functools
 import json
 import math
@@ -95,7 +96,8 @@ def test_decode_k2_swaps_its_tiles_where_plain_ones_leave_sms_idle():
 def test_several_slots_take_swapped_decode_tiles_where_the_swapped_grid_is_wide_enough():
     # Several slots at 2-16 tokens: the swapped tile (64 weight rows, K whole) on every shape
     # whose swapped grid has SWAP_MIN_PROGRAMS programs, where one slot keeps plain tiles
-    # (qkv, gate_up, down split in two); one token, a small model's down (24 swapped
+    # (qkv, gate_up, down split in two), 256 deep but 128 deep where the grid is larger than
+    # the SMs (gate_up's 384 programs); one token, a small model's down (24 swapped
     # programs) and sm_89 keep theirs; select_config passes the rule on for several slots only
     from epilora_kernels import launch
 
@@ -106,8 +108,9 @@ def test_several_slots_take_swapped_decode_tiles_where_the_swapped_grid_is_wide_
             one = heuristic_config("lora_gemm", tokens, n, k, 16, slices)
             several = heuristic_config("lora_gemm", tokens, n, k, 16, slices, several_slots=True)
             assert not one.swap_ab
+            deep = 128 if -(-n // 64) > launch.H200_SMS else 256
             assert (several.swap_ab, several.block_n, several.block_k, several.split_k) == (
-                True, 64, 256, 1), (tokens, n, several)
+                True, 64, deep, 1), (tokens, n, several)
             assert launch.select_config(None, "lora_gemm", tokens, n, k, 16, slices,
                                         one_slot=False) == several
             assert launch.select_config(None, "lora_gemm", tokens, n, k, 16, slices,
@@ -115,6 +118,16 @@ def test_several_slots_take_swapped_decode_tiles_where_the_swapped_grid_is_wide_
             assert launch.select_config(None, "lora_gemm", tokens, n, k, 16, slices,
                                         one_slot=None) == one
     assert -(-1536 // 64) < launch.SWAP_MIN_PROGRAMS <= -(-3584 // 64)
+    # 17-32 tokens: gate_up's swapped grid is larger than the SMs with one slot too, where
+    # the tile stays 256 deep
+    halves = (12288, 12288)
+    for tokens in (17, 32):
+        one = heuristic_config("lora_gemm", tokens, 24576, 4096, 16, halves)
+        several = heuristic_config("lora_gemm", tokens, 24576, 4096, 16, halves,
+                                   several_slots=True)
+        assert (one.swap_ab, one.block_k, several.swap_ab, several.block_k) == (
+            True, 256, True, 128)
+        assert several == launch.swap_candidate(one, 24576, 4096, halves, tokens, block_k=128)
     small_down = heuristic_config("lora_gemm", 8, 1536, 8960, 16, several_slots=True)
     assert (small_down.swap_ab, small_down.split_k) == (False, 2)
     assert not heuristic_config("lora_gemm", 1, 6144, 4096, 16, several_slots=True).swap_ab
@@ -225,9 +238,19 @@ def test_decode_k1_beyond_its_buckets_takes_a_covering_bucket_else_a_rule(gpu_ta
     assert launch.select_config("Test GPU", "decode_shrink", 256, 64, 32, 128).split_k == 2
     assert (launch.select_config("Test GPU", "decode_shrink", 257, 64, 32, 128)
             == launch.heuristic_config("quantize_shrink", 257, 64, 32, 128))
-    # no table: beyond DECODE_K1_RULE_MAX_RANK the heuristic's fused settings
-    assert (launch.select_config(None, "decode_shrink", max_t + 1, 64, 32, 128)
-            == launch.heuristic_config("quantize_shrink", max_t + 1, 64, 32, 128))
+    # no table: beyond DECODE_K1_RULE_MAX_RANK the heuristic's fused settings, with one slot
+    # in 4 stages up to the decode path's DECODE_MAX_TOKENS_ONE_SLOT tokens
+    fused = launch.heuristic_config("quantize_shrink", max_t + 1, 64, 32, 128)
+    assert fused.num_stages == 2
+    assert launch.select_config(None, "decode_shrink", max_t + 1, 64, 32, 128) == fused
+    assert launch.select_config(None, "decode_shrink", max_t + 1, 64, 32, 128,
+                                one_slot=None) == fused
+    for tokens in (max_t + 1, launch.DECODE_MAX_TOKENS_ONE_SLOT):
+        assert (launch.select_config(None, "decode_shrink", tokens, 64, 32, 128, one_slot=True)
+                == dataclasses.replace(fused, num_stages=4))
+    past = launch.DECODE_MAX_TOKENS_ONE_SLOT + 1
+    assert (launch.select_config(None, "decode_shrink", past, 64, 32, 128, one_slot=True)
+            == launch.heuristic_config("quantize_shrink", past, 64, 32, 128))
 
 
 @pytest.mark.parametrize("rank", [16, 32, 64])
@@ -246,14 +269,15 @@ def test_the_decode_paths_k1_past_the_decode_buckets_leaves_room_for_k2(rank, to
         programs = -(-tokens // 16) * len(slices) * cfg.split_k
         steps = math.ceil(math.ceil(k / cfg.split_k) / 256)  # 256-deep K steps a program
         assert programs <= 64 and 1 <= steps <= 5 and cfg.split_k <= 16, (n, k, cfg)
-        # on the codes too; with several slots, or beyond rank 64, the fused path's settings
+        # on the codes too; with several slots the fused path's settings, and beyond rank 64
+        # those in 4 stages
         assert launch.select_config(None, "decode_shrink_codes", tokens, n, k, rank, slices,
                                     True) == cfg
-        for slots_rank in ((False, rank), (True, 128)):
-            assert (launch.select_config(None, "decode_shrink", tokens, n, k, slots_rank[1],
-                                         slices, slots_rank[0])
-                    == launch.heuristic_config("quantize_shrink", tokens, n, k, slots_rank[1],
-                                               slices))
+        fused = launch.heuristic_config("quantize_shrink", tokens, n, k, 128, slices)
+        assert (launch.select_config(None, "decode_shrink", tokens, n, k, rank, slices, False)
+                == launch.heuristic_config("quantize_shrink", tokens, n, k, rank, slices))
+        assert (launch.select_config(None, "decode_shrink", tokens, n, k, 128, slices, True)
+                == dataclasses.replace(fused, num_stages=4))
     # up to the decode path's largest one-slot batch, and no further
     past = dispatch.DECODE_MAX_TOKENS_ONE_SLOT + 1
     assert (launch.select_config(None, "decode_shrink", past, 4096, 4096, rank, (4096,), True)

@@ -198,6 +198,18 @@ def heuristic_config(
             return LaunchConfig(block_m=block_m, block_n=64, block_k=256 if tokens <= 16 else 128,
                                 block_r=block_r, split_k=max(1, min(16, k // 256)),
                                 num_warps=4, num_stages=2)
+        middle = LaunchConfig(block_m=16, block_n=64, block_k=128, block_r=min(block_r, 32),
+                              split_k=max(1, min(8, k // 512)), num_warps=4, num_stages=2)
+        if (op == "decode_shrink" and not several_slots
+                and tokens <= DECODE_MAX_TOKENS_ONE_SLOT):
+            # One slot past decode_k1_rule's ranks: the fused path's tiles (below) in 4
+            # stages. Beside K2 each K step waits a loaded HBM's latency, and all sixteen tuned
+            # entries at rank 128 and 64 tokens (the H100's tune_decode.json picks at e968ccc
+            # and configs/NVIDIA_H200.json) have 3-4. Checked at 48 tokens and rank 96, which
+            # no pick saw: the layer 0.85-0.92x the 2-stage rule's time on the three models,
+            # ranks 96 and 128, 48 and 64 tokens, two runs on an H100 (dev/launch_variants.py,
+            # heuristic-k1-stages, at dbbd581; docs/kernels-history.md, item 64).
+            return dataclasses.replace(middle, num_stages=4)
         if tokens > PREFILL_MIN_TOKENS:
             # Prefill: every row tile reads its adapter's A again, so 64-row tiles read a
             # quarter of the 16-row tiles' A. 64 x 32 tiles split 4 in 3 stages: K1 on
@@ -207,8 +219,7 @@ def heuristic_config(
             cfg = LaunchConfig(block_m=64, block_n=64, block_k=128, block_r=min(block_r, 32),
                                split_k=max(1, min(4, k // 512)), num_warps=4, num_stages=3)
             return prefill_slices_together(cfg, tokens, rank, slices)
-        return LaunchConfig(block_m=16, block_n=64, block_k=128, block_r=min(block_r, 32),
-                            split_k=max(1, min(8, k // 512)), num_warps=4, num_stages=2)
+        return middle
     if tokens > PREFILL_MIN_TOKENS and large_tiles:
         # Prefill: K2 is compute-bound. Without adapters, 128 x 256 x 128 tiles in 8 warps and
         # 3 stages came within 4% of vLLM's CUTLASS at 2048 and 4096 tokens on Qwen3-8B's four
@@ -267,7 +278,19 @@ def heuristic_config(
         # models, but for Qwen3-8B at 4x32 (1.01-1.02x), two runs on an H100
         # (dev/launch_variants.py's `heuristic-swapped-small` at bd4c10b, then bd4c10b against
         # e968ccc; docs/kernels.md, Next steps 3).
-        return swap_candidate(cfg, n, k, slices, tokens)
+        tile = swap_candidate(cfg, n, k, slices, tokens)
+        grid = -(-tokens // tile.block_m) * -(-n // tile.block_n)
+        if several_slots and tile.swap_ab and grid > H200_SMS:
+            # Several slots on a grid larger than the SMs (gate_up): 128-deep K steps. 41 of
+            # the tuner's 43 swapped picks on gate_up's shapes are 128 deep (an H100's
+            # tune_decode.json at e968ccc); the layer took 0.94-0.98x the 256-deep tile's time
+            # on 8x16 at 8-32 tokens (two runs) and 0.93-0.99x on 16x16 and 32x64, which no
+            # pick saw, on the three models (an H100 at dbbd581, dev/launch_variants.py,
+            # heuristic-swap-k128; docs/kernels-history.md, item 64). With one slot at 24 and
+            # 32 tokens it took 0.97-1.04x (Llama-3.1-8B's gate_up at ranks 64 and 128 slower):
+            # one slot keeps the 256-deep tile.
+            return swap_candidate(cfg, n, k, slices, tokens, block_k=128)
+        return tile
     return cfg
 
 
@@ -408,13 +431,13 @@ def swap_candidates(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...],
 
 
 def swap_candidate(cfg: LaunchConfig, n: int, k: int, slices: tuple[int, ...], tokens: int,
-                   split_k: int = 1) -> LaunchConfig:
+                   split_k: int = 1, block_k: int | None = None) -> LaunchConfig:
     """One swapped tile of `swap_candidates` (the heuristic's at decode sizes, and the A/B
-    tools' pick, dev/launch_variants.py and dev/decode_timeline.py): 64 weight rows, the
-    deepest K tile, the K loop split `split_k` ways, the one-wave pipeline where there is one;
-    `cfg` itself where none fits."""
+    tools' pick, dev/launch_variants.py and dev/decode_timeline.py): 64 weight rows, K tiles
+    `block_k` deep (default the deepest), the K loop split `split_k` ways, the one-wave
+    pipeline where there is one; `cfg` itself where none fits."""
     for cand in sorted(swap_candidates(cfg, n, k, slices, tokens), key=lambda c: -c.block_k):
-        if (cand.block_n, cand.split_k) == (64, split_k):
+        if (cand.block_n, cand.split_k) == (64, split_k) and block_k in (None, cand.block_k):
             return cand
     return cfg
 
@@ -752,19 +775,22 @@ def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int,
         if tuned is not None:
             return tuned
         op = "decode_shrink"
+    # the heuristic's op and slots (the decode path's K1 keeps its rules past the table's)
+    rule_op, several_slots = op, one_slot is False
     if op == "decode_shrink" and tokens > DECODE_SHRINK_MAX_TOKENS:
         tuned = covered(op)
         if tuned is not None:
             return tuned
-        if decode_k1_rule(tokens, rank, several_slots=one_slot is not True):
+        several_slots = one_slot is not True  # (no adapters: not one slot's rules either)
+        if decode_k1_rule(tokens, rank, several_slots):
             return heuristic_config(op, tokens, n, k, rank, slices, large_tiles)
         op = "quantize_shrink"
     tuned = None if device_name is None else table_config(
         device_name, op, tokens, n, k, rank, cover=cover, one_slot=one_slot,
         cache_device=cache_device, max_bucket=max_bucket)
     if tuned is None:
-        return heuristic_config(op, tokens, n, k, rank, slices, large_tiles,
-                                several_slots=one_slot is False)
+        return heuristic_config(rule_op, tokens, n, k, rank, slices, large_tiles,
+                                several_slots)
     if op != "lora_gemm":
         return tuned
     # K2 holds the whole rank in its epilogue; a nearest shape's tiles may not fit the slices
