@@ -52,7 +52,8 @@ DECODE_SHRINK_MAX_TOKENS = 32
 # Past those buckets (one slot's 33-64 tokens), without a bucket of its own, the decode path's
 # K1 up to this rank takes a rule of its own (`heuristic_config`), not the fused path's
 # settings; beyond it the fused path's settings were faster (dev/launch_variants.py,
-# `heuristic-decode-k1`, ranks 96 and 128 on an H100 at 2c97882).
+# `heuristic-decode-k1`, ranks 96 and 128 on an H100 at 2c97882), and where no table entry
+# serves them the heuristic's in 4 stages (docs/kernels-history.md, item 64).
 DECODE_K1_RULE_MAX_RANK = 64
 # One adapter slot's largest batch on the decode path (dispatch.choose_path's, which imports it).
 DECODE_MAX_TOKENS_ONE_SLOT = 64
@@ -202,7 +203,7 @@ def heuristic_config(
                               split_k=max(1, min(8, k // 512)), num_warps=4, num_stages=2)
         if (op == "decode_shrink" and not several_slots
                 and tokens <= DECODE_MAX_TOKENS_ONE_SLOT):
-            # One slot past decode_k1_rule's ranks: the fused path's tiles (below) in 4
+            # One slot past decode_k1_rule's ranks: the fused path's tiles (`middle`) in 4
             # stages. Beside K2 each K step waits a loaded HBM's latency, and all sixteen tuned
             # entries at rank 128 and 64 tokens (the H100's tune_decode.json picks at e968ccc
             # and configs/NVIDIA_H200.json) have 3-4. Checked at 48 tokens and rank 96, which
@@ -297,7 +298,8 @@ def heuristic_config(
 def decode_k1_rule(tokens: int, rank: int, several_slots: bool) -> bool:
     """Whether the decode path's K1 past its buckets (DECODE_SHRINK_MAX_TOKENS) takes the
     heuristic's rule of its own: one slot, up to DECODE_MAX_TOKENS_ONE_SLOT tokens and rank
-    DECODE_K1_RULE_MAX_RANK; else the fused path's settings (`quantize_shrink`'s)."""
+    DECODE_K1_RULE_MAX_RANK; else the fused path's settings (`quantize_shrink`'s; the
+    heuristic's in 4 stages with one slot, `heuristic_config`)."""
     return (not several_slots and rank_block(rank) <= DECODE_K1_RULE_MAX_RANK
             and DECODE_SHRINK_MAX_TOKENS < tokens <= DECODE_MAX_TOKENS_ONE_SLOT)
 
@@ -753,7 +755,7 @@ def select_config(device_name: str | None, op: str, tokens: int, n: int, k: int,
     beyond the decode buckets (`decode_shrink`, more than DECODE_SHRINK_MAX_TOKENS tokens) takes
     a `decode_shrink` bucket covering the batch, else with one slot (`one_slot` True) up to
     rank DECODE_K1_RULE_MAX_RANK and DECODE_MAX_TOKENS_ONE_SLOT tokens the heuristic's rule for
-    it, else the fused path's settings; beyond
+    it, else the fused path's settings (the heuristic's with one slot in 4 stages); beyond
     PREFILL_MIN_TOKENS every op takes the heuristic's prefill tiles unless a bucket covers the
     batch; up to DECODE_SHRINK_MAX_TOKENS, the heuristic's unless a bucket up to there does
     (but `shrink`, the hybrid path's K1).
