@@ -87,9 +87,9 @@ def test_a_reload_waits_for_the_old_requests_in_place_or_not_and_others_do_not()
             assert reload_guard._open["a"] == 2
             assert (await client.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
                     ).status_code == 200
-            late = post("/v1/completions", model="a")  # unloaded: a 404, and not counted
+            late = post("/v1/completions", model="a")  # unloaded: a 404, counted till it ends
             await asyncio.sleep(0.1)
-            assert not late.done() and reload_guard._open["a"] == 2
+            assert not late.done() and reload_guard._open["a"] == 3
             # In place first: held by the guard, not merely queued behind the other reload.
             reloads = [post("/v1/load_lora_adapter", lora_name="a", lora_path="p",
                             load_inplace=True)]
@@ -102,10 +102,95 @@ def test_a_reload_waits_for_the_old_requests_in_place_or_not_and_others_do_not()
             assert served.done() and other.done()
             assert not any(task.done() for task in reloads)  # held while a's requests run
             gate.set()
-            done = await asyncio.wait_for(asyncio.gather(*running, *reloads), 10)
-            assert [response.status_code for response in done] == [200] * 4
+            assert [r.status_code for r in await asyncio.wait_for(asyncio.gather(*running), 10)
+                    ] == [200] * 2
+            await asyncio.sleep(0.3)
+            assert not any(task.done() for task in reloads)  # and while the 404 is open
             gate_404.set()
             assert (await asyncio.wait_for(late, 10)).status_code == 404
+            done = await asyncio.wait_for(asyncio.gather(*reloads), 10)
+            assert [response.status_code for response in done] == [200] * 2
+            assert not reload_guard._open
+
+    asyncio.run(scenario())
+
+
+def test_a_request_sent_while_its_names_load_is_in_flight_is_counted(monkeypatch):
+    # On vLLM's own registry (OpenAIServingModels) and model check (`_check_model`), the engine
+    # a stand-in whose load the test holds: with runtime loading on, a request for a name whose
+    # load is in flight waits in vLLM's handler for that load (`resolve_lora` takes the lock
+    # the load holds) and is then served under the new id. The guard counts it, so that after
+    # an unload the next load of the name waits until its answer is done.
+    from vllm.entrypoints.openai.models.protocol import BaseModelPath
+    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+    from vllm.entrypoints.serve.engine.serving import BaseServing
+    from vllm.entrypoints.serve.lora.protocol import (
+        LoadLoRAAdapterRequest,
+        UnloadLoRAAdapterRequest,
+    )
+
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+
+    async def scenario():
+        loading, generating = asyncio.Event(), asyncio.Event()
+
+        class Engine:
+            model_config = SimpleNamespace(model="base", max_model_len=256)
+            renderer = input_processor = None
+
+            async def add_lora(self, lora_request):  # the engine core's load, held
+                await loading.wait()
+                return True
+
+        models = OpenAIServingModels(Engine(), [BaseModelPath(name="base", model_path="base")])
+        serving = object.__new__(BaseServing)
+        serving.models = models
+        app = FastAPI()
+        app.state.openai_serving_models = models
+        ids = []  # the adapter id each answer was made under
+
+        @app.post("/v1/load_lora_adapter")
+        async def load(body: LoadLoRAAdapterRequest):
+            loaded = isinstance(await models.load_lora_adapter(body), str)
+            return JSONResponse({}, status_code=200 if loaded else 400)
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload(body: UnloadLoRAAdapterRequest):
+            unloaded = isinstance(await models.unload_lora_adapter(body), str)
+            return JSONResponse({}, status_code=200 if unloaded else 400)
+
+        @app.post("/v1/completions")
+        async def complete(request: Request):
+            name = (await request.json())["model"]
+            if await serving._check_model(SimpleNamespace(model=name)) is not None:
+                return JSONResponse({}, status_code=404)
+            ids.append(models.lora_requests[name].lora_int_id)
+            await generating.wait()
+            return JSONResponse({})
+
+        app.middleware("http")(reload_guard.hold_reloads_until_drained)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            def post(path, **body):
+                return asyncio.create_task(client.post(path, json=body))
+
+            first = post("/v1/load_lora_adapter", lora_name="a", lora_path="p")
+            await asyncio.sleep(0.1)
+            request = post("/v1/completions", model="a")
+            await asyncio.sleep(0.1)
+            assert not request.done() and not ids  # waiting in vLLM's handler for the load
+            loading.set()
+            assert (await asyncio.wait_for(first, 10)).status_code == 200
+            await asyncio.sleep(0.1)
+            assert len(ids) == 1 and reload_guard._open["a"] == 1  # served, and counted
+            assert (await client.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
+                    ).status_code == 200
+            reload = post("/v1/load_lora_adapter", lora_name="a", lora_path="p")
+            await asyncio.sleep(0.3)
+            assert not reload.done()  # held while the answer made under the old id runs
+            generating.set()
+            assert (await asyncio.wait_for(request, 10)).status_code == 200
+            assert (await asyncio.wait_for(reload, 10)).status_code == 200
             assert not reload_guard._open
 
     asyncio.run(scenario())

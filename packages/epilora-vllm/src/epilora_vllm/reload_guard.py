@@ -9,17 +9,19 @@ into a slot, the batch's mapping still names the other, and the worker dies of a
 `convert_mapping` (both model runners, `InputBatch.make_lora_inputs` and
 `LoraState.get_activate_loras`; with or without this plugin).
 
-What: this middleware counts, per adapter name the server serves when the request arrives (a
-request body's `model`), the requests whose responses are still open, and holds a `POST
-/v1/load_lora_adapter` of a name the server does not serve now (unloaded, or never loaded; in
-place or not: vLLM gives such a name a new id either way) until that name's count is zero, so
-the new id never meets the old one in a batch. Loads and unloads of one name go one at a time
-through it. Where LoRA resolvers are registered (they load a requested name the server does
-not serve, inside the request, with a new id), an unload also waits until the name's requests
-are done (requests for the name wait behind it: one counted before it could otherwise reach
-vLLM's handler after it and be resolved), and a request for a name not served is held as a
-load is, then counted once the resolver has loaded the name. The reload waits as long as the
-old requests run; without resolvers, requests for the name sent between the unload and the reload
+What: this middleware counts, per name a request body's `model` gives other than the base
+model's, the requests whose responses are still open (served by the server when the request
+arrives or not: with runtime loading on, vLLM serves a request for a name whose load is in
+flight under the new id once the load is done, and a name nobody loads gets vLLM's 404 at once),
+and holds a `POST /v1/load_lora_adapter` of a name the server does not serve now (unloaded, or
+never loaded; in place or not: vLLM gives such a name a new id either way) until that name's
+count is zero, so the new id never meets the old one in a batch. Loads and unloads of one name
+go one at a time through it. Where LoRA resolvers are registered (they load a requested name the
+server does not serve, inside the request, with a new id), an unload also waits until the name's
+requests are done (requests for the name wait behind it: one counted before it could otherwise
+reach vLLM's handler after it and be resolved), and a request for a name not served is held as a
+load is, then counted once the resolver has loaded the name. The reload waits as long as the old
+requests run; without resolvers, requests for the name sent between the unload and the reload
 get vLLM's 404 as before. Not covered: several API server processes (each counts its own
 requests; it says so in the log at its first load or unload), SageMaker's routes (`/adapters`,
 and `/invocations` naming the adapter in a header), requests whose body is not JSON
@@ -137,8 +139,8 @@ class _Counted:
 async def hold_reloads_until_drained(request, call_next):
     """vLLM server middleware: a load of an adapter name the server does not serve now waits
     until no response of a request for that name is open; requests (a POST whose JSON body
-    names a served `model`) are counted per name. With LoRA resolvers registered, an unload
-    waits too, and so does a request for a name a resolver would load."""
+    names a `model` other than the base model) are counted per name. With LoRA resolvers
+    registered, an unload waits too, and so does a request for a name a resolver would load."""
     if request.method != "POST":
         return await call_next(request)
     body, path = await request_json(request), request.url.path
@@ -181,7 +183,11 @@ async def hold_reloads_until_drained(request, call_next):
         if resolving is not None:
             # Not counted: no resolver found the name (vLLM's 404).
             return await (_counted(resolving, name) if counted else resolving)
-    if not _served(request, name):
-        return await call_next(request)  # the base model, or a name without an id now
+    if _is_base_model(request, name):
+        return await call_next(request)
+    # Counted whether the name is served now or not: a request sent while its name's load is
+    # in flight waits in vLLM's handler for that load and is then served under the new id
+    # (vLLM's `_check_model`, with runtime loading on); uncounted, a reload after it would not
+    # wait for it.
     _open[name] += 1  # no await since the check: an unload taking the lock now waits for it
     return await _counted(call_next(request), name)
