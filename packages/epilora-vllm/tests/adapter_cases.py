@@ -11,11 +11,10 @@ BAD = ["rank_above_max", "no_config", "config_not_json", "nan", "inf", "another_
 
 
 def base_config(base_dir):
-    """The config of the checkpoint in `base_dir`, as attributes (what the check reads)."""
-    import json
-    from types import SimpleNamespace
+    """The transformers config of the checkpoint in `base_dir` (vLLM's `hf_config` is one)."""
+    from transformers import AutoConfig
 
-    return SimpleNamespace(**json.loads((base_dir / "config.json").read_text()))
+    return AutoConfig.from_pretrained(base_dir)
 
 
 def good_adapter(directory, base_dir, *, rank=RANK, **kw):

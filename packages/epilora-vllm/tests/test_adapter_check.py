@@ -131,6 +131,61 @@ def test_good_adapters_of_other_layouts_are_not_refused(base, tmp_path):
                       MAX_RANK)
 
 
+def _adapter_from_modules(directory, model, rank=4):
+    # A PEFT adapter of every attention and MLP projection of `model` (a transformers model on
+    # the meta device), its shapes taken from the model's own modules: what PEFT would write.
+    import torch
+    from safetensors.torch import save_file
+
+    directory.mkdir()
+    (directory / "adapter_config.json").write_text(json.dumps(
+        {"r": rank, "lora_alpha": 2 * rank, "peft_type": "LORA",
+         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                            "down_proj"]}))
+    tensors = {}
+    for name, module in model.named_modules():
+        if (name.split(".")[-1] in {"q_proj", "o_proj", "gate_proj", "down_proj"}
+                and isinstance(module, torch.nn.Linear)):
+            prefix = f"base_model.model.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.zeros(rank, module.in_features)
+            tensors[f"{prefix}.lora_B.weight"] = torch.zeros(module.out_features, rank)
+    save_file(tensors, directory / "adapter_model.safetensors")
+    return directory, tensors
+
+
+@pytest.mark.parametrize("kind", ["gated attention (Qwen3-Next)", "MLA (DeepSeek-V2)"])
+def test_adapters_of_layouts_unlike_llamas_are_checked_by_the_models_own_modules(
+        kind, tmp_path):
+    # The shapes come from transformers' modeling code, built on the meta device: a q_proj
+    # twice the heads wide (gated attention), MLA's heads of their own widths, layers of
+    # several kinds. Such a model's own adapter passes; one layer's A made wider is refused.
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    if kind.startswith("gated"):
+        config = transformers.Qwen3NextConfig(
+            hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, shared_expert_intermediate_size=32, vocab_size=128)
+    else:
+        config = transformers.DeepseekV2Config(
+            hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+            num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2, q_lora_rank=None,
+            kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+            n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, vocab_size=128)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    path, tensors = _adapter_from_modules(tmp_path / "own", model)
+    assert any(name.endswith("q_proj.lora_B.weight") for name in tensors)
+    check_adapter(path, config, MAX_RANK)
+    name = next(name for name in tensors if name.endswith("o_proj.lora_A.weight"))
+    tensors[name] = torch.zeros(tensors[name].shape[0], tensors[name].shape[1] + 8)
+    save_file(tensors, path / "adapter_model.safetensors")
+    with pytest.raises(BadAdapter, match="another base model"):
+        check_adapter(path, config, MAX_RANK)
+
+
 @pytest.mark.parametrize("header, let_through", [
     ("Bearer key-1", True), ("bearer key-1", True), ("BEARER key-2", True),
     ("Bearer key-3", False), ("Basic key-1", False), ("key-1", False), (None, False)])
@@ -147,6 +202,12 @@ def test_adapters_are_looked_at_only_for_callers_vllms_key_check_lets_through(
     assert _authorized(request) == let_through
     request.app.state.args.api_key = None  # no key: everyone
     assert _authorized(request)
+    # VLLM_API_KEY counts only without a CLI key (vLLM's server: the CLI's replaces it).
+    monkeypatch.setenv("VLLM_API_KEY", "key-env")
+    request.headers["authorization"] = "Bearer key-env"
+    assert _authorized(request)
+    request.app.state.args.api_key = ["key-1"]
+    assert not _authorized(request)
 
 
 def test_the_engines_check_leaves_tensorizer_adapters_and_engines_without_lora_to_vllm(

@@ -78,6 +78,20 @@ def test_a_case_compiles_every_size_once_in_a_background_thread():
     assert not _launchers.compiling_only()  # this thread launches
 
 
+def test_a_finished_job_lets_go_of_its_layer():
+    # The jobs outlive the engine; its layers (weights, adapter buffers) must not.
+    import gc
+    import weakref
+
+    forward = _Recorder()
+    precompile.start(forward, ("case", 4), (1, 2))
+    held = weakref.ref(forward)
+    del forward
+    precompile.wait_all()
+    gc.collect()
+    assert held() is None
+
+
 def test_a_failing_job_says_why_and_leaves_the_rest_to_the_forward(caplog):
     forward = _Recorder(fail_at=2)
     with caplog.at_level(logging.WARNING, logger="vllm.epilora_vllm"):

@@ -38,27 +38,51 @@ class BadAdapter(ValueError):
     """The adapter cannot be served; the message says why."""
 
 
-def projection_shapes(hf_config) -> dict[str, tuple[int, int]] | None:
-    """(out_features, in_features) of each projection of a Llama/Qwen-style decoder layer; None
-    where the config does not say (other layouts: their shapes are left to vLLM)."""
-    needed = ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers")
-    if not all(isinstance(getattr(hf_config, k, None), int) for k in needed):
-        return None
-    hidden = hf_config.hidden_size
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
-    inter = hf_config.intermediate_size
-    return {"q_proj": (heads * head_dim, hidden), "k_proj": (kv_heads * head_dim, hidden),
-            "v_proj": (kv_heads * head_dim, hidden), "o_proj": (hidden, heads * head_dim),
-            "gate_proj": (inter, hidden), "up_proj": (inter, hidden),
-            "down_proj": (hidden, inter)}
+# A decoder layer's projection among the modules of a model transformers builds.
+_BUILT = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)$")
+_facts: dict[int, tuple] = {}  # id(config) -> (config, its facts): built once a config
+_facts_lock = threading.Lock()
 
 
-def _model_facts(hf_config) -> tuple[dict[str, tuple[int, int]] | None, int | None]:
-    """What the check reads of the model: its decoder's projection shapes and layer count."""
+def projection_shapes(hf_config) -> dict[tuple[int, str], tuple[int, int]] | None:
+    """(out_features, in_features) of each decoder layer's projection, keyed by (layer, name),
+    as transformers' modeling code builds the model: on the meta device (no memory; about half
+    a second for an 8B model), so that every layout it knows is right (gated attention's double
+    q_proj, MLA's heads, layers of several kinds). None where transformers cannot build it (a
+    model of remote code, a config that is not transformers'): the shapes are then vLLM's to
+    check."""
+    import torch
+    import transformers
+
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
+        try:
+            with torch.device("meta"):
+                model = auto.from_config(hf_config)
+        except Exception:  # an architecture or config transformers does not build
+            continue
+        shapes = {}
+        for name, module in model.named_modules():
+            match = _BUILT.search(name)
+            if match is not None and isinstance(module, torch.nn.Linear):
+                shapes[int(match[1]), match[2]] = (module.out_features, module.in_features)
+        return shapes or None
+    return None
+
+
+def _model_facts(hf_config) -> tuple[dict | None, int | None, tuple | None]:
+    """What the check reads of the model, built once a config: its decoder layers' projection
+    shapes, its layer count, and the shapes as sorted (layer, name, out, in) rows (a verdict's
+    key)."""
     text_config = getattr(hf_config, "text_config", None) or hf_config  # a VLM's decoder
-    return projection_shapes(text_config), getattr(text_config, "num_hidden_layers", None)
+    with _facts_lock:
+        kept = _facts.get(id(text_config))
+        if kept is None:  # the config is kept with its facts: its id is not reused
+            shapes = projection_shapes(text_config)
+            rows = tuple(sorted((*key, *shape) for key, shape in shapes.items())) \
+                if shapes else None
+            kept = _facts[id(text_config)] = (
+                text_config, (shapes, getattr(text_config, "num_hidden_layers", None), rows))
+    return kept[1]
 
 
 def _local_dir(path) -> Path | None:
@@ -74,7 +98,7 @@ def check_adapter(path, hf_config, max_lora_rank: int) -> None:
     """Raise `BadAdapter` if the PEFT adapter in directory `path` cannot serve this model."""
     directory = _local_dir(path)
     if directory is not None:
-        _check_directory(directory, max_lora_rank, *_model_facts(hf_config))
+        _check_directory(directory, max_lora_rank, *_model_facts(hf_config)[:2])
 
 
 def _check_directory(path: Path, max_lora_rank: int, shapes, layers) -> None:
@@ -115,9 +139,9 @@ def _check_weights(weights: Path, rank: int | None, shapes, layers) -> None:
                 if layer >= layers:
                     raise BadAdapter(f"{weights}: {name} names no layer of this model "
                                      f"({layers} layers)")
-                if module not in shapes:
-                    continue  # fused or other projections (Phi-3's qkv_proj, MLA's): vLLM's
-                out, inp = shapes[module]
+                if (layer, module) not in shapes:
+                    continue  # a projection this layer does not have: vLLM's to judge
+                out, inp = shapes[layer, module]
                 r = tensor.shape[0] if side == "A" else tensor.shape[-1]
                 expected = (rank or r, inp) if side == "A" else (out, rank or r)
                 if tuple(tensor.shape) != expected:
@@ -159,14 +183,13 @@ def check_adapter_once(path, hf_config, max_lora_rank: int) -> None:
     directory = _local_dir(path)
     if directory is None:
         return
-    shapes, layers = _model_facts(hf_config)
+    shapes, layers, rows = _model_facts(hf_config)
     # The files' versions are read before the check: a write during it leaves a verdict under
     # the old version, and the next call checks the new one.
     versions = (_file_version(directory / CONFIG), _file_version(directory / WEIGHTS))
     # The path as given, not resolved (a stat per component, on every request): another
     # spelling of it only costs one more check.
-    key = (str(directory), max_lora_rank,
-           tuple(sorted(shapes.items())) if shapes else None, layers, versions)
+    key = (str(directory), max_lora_rank, rows, layers, versions)
     changed = max((v[-1] for v in versions if v is not None), default=0) / 1e9
     with _verdicts_lock:
         verdict = _verdicts.get(key, _UNKNOWN)
@@ -191,12 +214,13 @@ def _authorized(request) -> bool:
     # Named by `--middleware`, this middleware runs outside vLLM's API-key check: look at an
     # adapter only for a caller vLLM would let through (others get vLLM's 401, their path
     # untouched), by vLLM's own test (AuthenticationMiddleware.verify_token: the scheme in
-    # any case, the token after the first space).
-    import os
+    # any case, the token after the first space), against vLLM's keys: the CLI's, or else
+    # VLLM_API_KEY (as vLLM's server chooses them: a CLI key replaces the environment's).
+    from vllm import envs
 
     args = getattr(request.app.state, "args", None)
-    keys = [k for k in [getattr(args, "api_key", None), os.environ.get("VLLM_API_KEY")] if k]
-    keys = [k for key in keys for k in ([key] if isinstance(key, str) else key)]
+    configured = getattr(args, "api_key", None) or envs.VLLM_API_KEY
+    keys = [k for k in ([configured] if isinstance(configured, str) else configured or []) if k]
     scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
     return not keys or (scheme.lower() == "bearer" and token in keys)
 

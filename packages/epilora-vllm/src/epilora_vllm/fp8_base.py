@@ -5,9 +5,9 @@ vLLM quantizes a linear's weight through its quant method (`quantization="fp8"` 
 FP8-dynamic checkpoints) and computes it with an FP8 scaled-MM kernel object, `fp8_linear`.
 Whatever the method, the state after loading is the same: `weight` `[K, N]`, a column-major view
 of the row-major `[N, K]` codes, and `weight_scale`, one fp32 value or one per output channel.
-The kernels serve exactly that, with activations quantized dynamically in the kernel; static
-activation scales, block-quantized weights, Marlin (weight-only on older GPUs) and padded
-weights are left to vLLM.
+The kernels serve exactly that, with activations quantized dynamically per token; static or
+per-tensor activation scales, block-quantized weights, Marlin (weight-only on older GPUs) and
+padded weights are left to vLLM.
 """
 
 from dataclasses import dataclass
@@ -84,7 +84,12 @@ def inspect_fp8_base(layer: torch.nn.Module) -> Fp8Base | str:
     act = getattr(getattr(config, "activation_quant_key", None), "scale", None)
     if act is None or act.static:
         return f"static activation scales ({method_name}): the kernels quantize dynamically"
-    if not (act.group_shape.is_per_token() or act.group_shape.is_per_tensor()):
+    if act.group_shape.is_per_tensor():
+        # vLLM without CUTLASS FP8: its codes come with one scale for the batch (and its torch
+        # kernels pad them to 17 rows eagerly), where the kernels take one scale a token.
+        return (f"dynamic per-tensor activation scales ({method_name}): the kernels take one "
+                "scale a token")
+    if not act.group_shape.is_per_token():
         return f"activation groups {act.group_shape} ({method_name}): block-quantized"
     weight_name, scale_name = kernel.layer_param_names[:2]
     weight = getattr(layer, weight_name, None)

@@ -64,7 +64,7 @@ THREADS = min(8, os.cpu_count() or 1)
 class _Job:
     key: tuple  # the case's
     sizes: tuple[int, ...]  # the sizes it stands for
-    forward: object  # the first layer of the case: its `warm` runs
+    forward: object  # the first layer of the case: its `warm` runs (None once done and waited)
     done: Future
     run: tuple[int, ...]  # the sizes it runs: `sizes`, or an earlier start's record of them
     recorded: bool  # from a record, or written to one
@@ -129,7 +129,9 @@ def start(forward, key: tuple, sizes: tuple[int, ...]) -> Future:
 
 
 def wait_all() -> None:
-    """Until every job queued so far is done; then record each whole one not recorded yet."""
+    """Until every job queued so far is done; then record each whole one not recorded yet, and
+    let go of its layer (a job outlives its engine: kept, it would keep the layer's weights and
+    adapter buffers from being freed when the engine is)."""
     with _lock:
         jobs = list(_jobs.values())
     for job in jobs:
@@ -138,6 +140,7 @@ def wait_all() -> None:
         if not job.recorded and job.compiled:
             job.recorded = True  # written or not, once
             _write_record(job)
+        job.forward = None
 
 
 def _work() -> None:
