@@ -91,6 +91,9 @@ def test_an_empty_batch_gives_an_empty_output():
     assert ek.lora_linear(x, weight, w_scale, lora, batch).shape == (0, 32)
     empty = ek.w8a16_gemm(x, weight, w_scale)
     assert empty.shape == (0, 32) and empty.dtype == torch.bfloat16
+    # Checked as a batch with tokens is: a wrong weight refused on the empty step too.
+    with pytest.raises(ValueError, match=r"weight must be float8_e4m3fn \[32, 64\]"):
+        ek.lora_linear(x, weight[:, :48].contiguous(), w_scale, lora, batch)
 
 
 @pytest.mark.parametrize(("path", "kwargs", "support", "reason"), [

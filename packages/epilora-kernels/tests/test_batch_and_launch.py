@@ -37,6 +37,14 @@ def test_metadata_matches_vllm_layout():
     assert batch.lora_token_start.tolist() == [0, 2, 3, 5, 5, 5]
 
 
+def test_metadata_from_a_strided_mapping_is_contiguous():
+    # A column of a wider tensor (int32 already, so `.to` returns the same strided view).
+    mapping = torch.tensor([[2, 9], [-1, 9], [0, 9]], dtype=torch.int32)[:, 0]
+    batch = AdapterBatch.from_token_mapping(mapping, 4)
+    assert batch.token_lora_mapping.is_contiguous()
+    assert batch.token_lora_mapping.tolist() == [2, -1, 0]
+
+
 def test_metadata_rejects_slots_out_of_range():
     with pytest.raises(ValueError, match=r"\[-1, 3\]"):
         AdapterBatch.from_token_mapping(torch.tensor([4]), 4)

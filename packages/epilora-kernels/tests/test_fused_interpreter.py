@@ -146,10 +146,22 @@ def test_bad_inputs_are_rejected():
         fused.quantize_and_shrink(x[:, :32], lora, batch)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         fused.lora_fp8_gemm(x, x, weight.float(), w_scale, x, lora, batch)
+    from epilora_kernels.batch import AdapterBatch
+
     with pytest.raises(ValueError, match="slots"):
-        from epilora_kernels.batch import AdapterBatch
         fused.quantize_and_shrink(x, lora, AdapterBatch.from_token_mapping(
             batch.token_lora_mapping, 3))
+    # A batch with more slots than the adapters would index past B's buffer: refused by every
+    # launcher that reads B (K2 and the hybrid path's expand too), before any launch.
+    wide = AdapterBatch.from_token_mapping(torch.tensor([2, 2, 1, 1]), 3)
+    codes, scales = fused.quantize(x)
+    h = fused.lora_shrink(x, lora, batch)
+    with pytest.raises(ValueError, match="batch has 3 slots, the adapters 2"):
+        fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, wide)
+    with pytest.raises(ValueError, match="batch has 3 slots, the adapters 2"):
+        fused.lora_expand(torch.zeros(4, 32, dtype=torch.bfloat16), h, lora, wide)
+    with pytest.raises(ValueError, match="h is on meta"):
+        fused.lora_fp8_gemm(codes, scales, weight, w_scale, h.to("meta"), lora, batch)
     with pytest.raises(ValueError, match="trace"):  # the timeline's buffers: int64 rows
         fused._linear(0, x, weight, w_scale, lora, batch, None, None, decode=True,
                       traces=(torch.zeros(64, 8), None))

@@ -63,7 +63,7 @@ def test_the_fastest_candidates_are_cached_and_served(cache, monkeypatch):
         assert cell["before_us"] == 100.0, cell  # the settings in use, measured first
         assert (cell["k2"]["block_n"], cell["k2"]["num_stages"], cell["k1"]["split_k"],
                 cell["after_us"]) == best[cell["projection"]], cell
-    files = list(cache.iterdir())
+    files = list(cache.glob("*.json"))  # and the writers' lock beside it
     assert len(files) == 1 and files[0].name.startswith("triton_interpreter__torch-")
     launch.validate_table(json.loads(files[0].read_text()))
     cfg = launch.table_config("triton-interpreter", "lora_gemm", 8, 64, 4096, 16, one_slot=True)
@@ -451,6 +451,28 @@ def test_a_later_run_keeps_the_buckets_an_earlier_one_tuned(cache):
         "1": {"block_n": 32}}}})
     buckets = tuner.read_cache("triton-interpreter")["lora_gemm"]["64x4096@r16/one-slot"]
     assert buckets == {"1": {"block_n": 32}, "8": fields, "32": fields}
+
+
+def _write_one_shape(i: int, barrier) -> None:
+    barrier.wait()  # every process writes at once, as an engine's ranks at their start
+    tuner._write("triton-interpreter", {"lora_gemm": {f"{64 * (i + 1)}x4096@r16/one-slot": {
+        "1": {"block_n": 32}}}})
+
+
+def test_writers_at_once_keep_each_others_shapes(cache):
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")  # the children inherit the cache directory
+    writers = 8
+    barrier = context.Barrier(writers)
+    processes = [context.Process(target=_write_one_shape, args=(i, barrier))
+                 for i in range(writers)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(60)
+    assert [process.exitcode for process in processes] == [0] * writers
+    assert len(tuner.read_cache("triton-interpreter")["lora_gemm"]) == writers
 
 
 def test_an_sm90_part_without_a_table_of_its_own_reads_its_own_cache(cache):

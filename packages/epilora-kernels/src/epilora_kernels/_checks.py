@@ -33,9 +33,13 @@ _BATCH_FIELDS = (("token_lora_mapping", lambda t, e: (t,)),
                  ("lora_token_start", lambda t, e: (e + 1,)))
 
 
-def check_batch(batch: AdapterBatch, tokens: int, device: torch.device) -> None:
+def check_batch(batch: AdapterBatch, tokens: int, device: torch.device, slots: int) -> None:
+    """The batch's tensors for `tokens` tokens on `device`, and its slot count the adapters'
+    (`slots`: a slot id past the adapters' would index past their buffers)."""
     if batch.num_tokens != tokens:
         raise ValueError(f"batch maps {batch.num_tokens} tokens, x has {tokens}")
+    if batch.max_loras != slots:
+        raise ValueError(f"batch has {batch.max_loras} slots, the adapters {slots}")
     entries = batch.num_entries
     for name, shape_of in _BATCH_FIELDS:
         t, shape = getattr(batch, name), shape_of(tokens, entries)
@@ -72,9 +76,7 @@ def check_quantized_inputs(codes: torch.Tensor, scales: torch.Tensor, lora: Lora
 
 def _check_rows(x: torch.Tensor, lora: LoraWeights, batch: AdapterBatch) -> None:
     check_lora(lora, x.shape[1], x.device)
-    check_batch(batch, x.shape[0], x.device)
-    if batch.max_loras != lora.max_loras:
-        raise ValueError(f"batch has {batch.max_loras} slots, the adapters {lora.max_loras}")
+    check_batch(batch, x.shape[0], x.device, lora.max_loras)
 
 
 def check_weight(weight: torch.Tensor, weight_scale: torch.Tensor, k: int, n: int,
@@ -112,12 +114,13 @@ def check_codes_beside(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
     check_device(x.device, codes=codes, scales=scales)
 
 
-def check_h(h: torch.Tensor, lora: LoraWeights, tokens: int) -> None:
+def check_h(h: torch.Tensor, lora: LoraWeights, tokens: int, device: torch.device) -> None:
     want = (len(lora.output_slices), tokens, lora.max_rank)
     if (h.ndim != 4 or tuple(h.shape[1:]) != want or h.shape[0] < 1
             or h.dtype not in (torch.float32, torch.bfloat16) or not h.is_contiguous()):
         raise ValueError(f"h must be contiguous fp32 or bf16 [planes, {', '.join(map(str, want))}]"
                          f" (split-K planes, slices, tokens, max rank), got {_shape(h)}")
+    check_device(device, h=h)
 
 
 def check_output(y: torch.Tensor, tokens: int, n: int) -> None:

@@ -49,7 +49,7 @@ class AdapterBatch:
     @classmethod
     def from_token_mapping(cls, token_lora_mapping: torch.Tensor, max_loras: int) -> "AdapterBatch":
         """Build the metadata as vLLM's `LoRAKernelMeta.prepare_tensors` does (host sync)."""
-        mapping = token_lora_mapping.to(torch.int32)
+        mapping = token_lora_mapping.to(torch.int32).contiguous()  # as check_batch wants it
         if mapping.ndim != 1:
             raise ValueError(f"token_lora_mapping must be 1-D, got shape {tuple(mapping.shape)}")
         if mapping.numel() and (int(mapping.min()) < -1 or int(mapping.max()) >= max_loras):

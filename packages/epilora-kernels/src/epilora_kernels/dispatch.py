@@ -245,6 +245,8 @@ def lora_linear(x: torch.Tensor | None, weight: torch.Tensor, weight_scale: torc
             _checks.check_quantized_inputs(*x_quantized, lora, batch)
         else:
             _checks.check_inputs(x, lora, batch)
+        _checks.check_weight(weight, weight_scale, lora.in_features, lora.out_features,
+                             rows.device)
         _checks.check_bias(bias, lora.out_features, rows.device)
         return torch.empty((0, lora.out_features), dtype=torch.bfloat16, device=rows.device)
     if path == "decode":

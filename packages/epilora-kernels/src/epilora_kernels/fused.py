@@ -155,10 +155,10 @@ def lora_fp8_gemm(
     t = codes.shape[0]
     _checks.check_codes(codes, scales, lora.in_features)
     _checks.check_lora(lora, codes.shape[1], codes.device)
-    _checks.check_batch(batch, t, codes.device)
+    _checks.check_batch(batch, t, codes.device, lora.max_loras)
     _checks.check_weight(weight, weight_scale, lora.in_features, lora.out_features,
                          codes.device)
-    _checks.check_h(h, lora, t)
+    _checks.check_h(h, lora, t, codes.device)
     _checks.check_bias(bias, lora.out_features, codes.device)
     support = _support(codes, "fused")
     y = torch.empty(t, lora.out_features, dtype=torch.bfloat16, device=codes.device)
@@ -179,7 +179,7 @@ def lora_w8a16_gemm(
     rounded once (the trainer's arithmetic)."""
     _checks.check_inputs(x, lora, batch)
     _checks.check_weight(weight, weight_scale, lora.in_features, lora.out_features, x.device)
-    _checks.check_h(h, lora, x.shape[0])
+    _checks.check_h(h, lora, x.shape[0], x.device)
     _checks.check_bias(bias, lora.out_features, x.device)
     support = _support(x, "w8a16")
     y = torch.empty(x.shape[0], lora.out_features, dtype=torch.bfloat16, device=x.device)
@@ -239,8 +239,8 @@ def lora_expand(
         raise ValueError(f"y must be a 2-D bf16 tensor [T, {lora.out_features}]")
     _checks.check_output(y, y.shape[0], lora.out_features)
     _checks.check_lora(lora, None, y.device)
-    _checks.check_batch(batch, y.shape[0], y.device)
-    _checks.check_h(h, lora, y.shape[0])
+    _checks.check_batch(batch, y.shape[0], y.device, lora.max_loras)
+    _checks.check_h(h, lora, y.shape[0], y.device)
     support = device_support(y.device)
     return _launchers.launch_k2(support, _workspace(workspace, y.device), EXPAND, y, y, y, y, y,
                                 h, lora, batch, _tiling.gemm_config(support, batch, lora,

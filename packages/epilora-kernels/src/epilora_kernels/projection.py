@@ -162,10 +162,7 @@ class LoraProjection:
         checked = _checked_batch
         if (checked is None or checked[0] is not batch or checked[1] != self.device
                 or checked[2] != self.lora.max_loras):
-            _checks.check_batch(batch, rows.shape[0], self.device)
-            if batch.max_loras != self.lora.max_loras:
-                raise ValueError(f"batch has {batch.max_loras} slots, the adapters "
-                                 f"{self.lora.max_loras}")
+            _checks.check_batch(batch, rows.shape[0], self.device, self.lora.max_loras)
             _checked_batch = (batch, self.device, self.lora.max_loras)
         return rows
 

@@ -24,6 +24,7 @@ shape by shape.
 """
 
 import dataclasses
+import fcntl
 import functools
 import json
 import os
@@ -676,16 +677,21 @@ def _write(device_name: str, table: dict, stale: list = ()) -> None:
     validate_table(table)
     path = cache_path(device_name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    merged = dict(read_cache(device_name) or {})
-    for op, shapes in table.items():
-        if op == "_meta":
-            merged.setdefault("_meta", {}).setdefault("runs", []).append(shapes)
-            continue
-        for key, buckets in shapes.items():  # bucket by bucket: an earlier run's others stay
-            merged.setdefault(op, {})[key] = {**merged.get(op, {}).get(key, {}), **buckets}
-    for op, key, bucket in stale:
-        merged.get(op, {}).get(key, {}).pop(bucket, None)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(merged, indent=1))
-    tmp.replace(path)
+    # One writer at a time (an engine's ranks tune side by side): each merges into what the
+    # last one wrote, read afresh under the lock, so none drops another's shapes.
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        read_cache(device_name)  # a file that fails its schema check raises, naming it
+        merged = json.loads(path.read_text()) if path.is_file() else {}
+        for op, shapes in table.items():
+            if op == "_meta":
+                merged.setdefault("_meta", {}).setdefault("runs", []).append(shapes)
+                continue
+            for key, buckets in shapes.items():  # bucket by bucket: an earlier run's stay
+                merged.setdefault(op, {})[key] = {**merged.get(op, {}).get(key, {}), **buckets}
+        for op, key, bucket in stale:
+            merged.get(op, {}).get(key, {}).pop(bucket, None)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(merged, indent=1))
+        tmp.replace(path)
     clear_table_cache()
