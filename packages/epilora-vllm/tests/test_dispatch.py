@@ -79,6 +79,18 @@ def _never():
     pytest.fail("candidates built for a case already chosen")
 
 
+def test_ranks_sharing_the_file_keep_each_others_choices(tmp_path):
+    # Two ranks of one engine (one GPU kind: one file), each made before the other wrote and
+    # each timing a case of its own: both choices are in the file for the next start.
+    path = tmp_path / "choices.json"
+    other = dataclasses.replace(CASE, in_features=2048)
+    time_us, _ = _timer({"decode": 20.0, "fused": 25.0})
+    ranks = [dispatch.TimedDispatch(path, time_us) for _ in range(2)]
+    assert ranks[0].choose(CASE, _candidates(("decode", "fused")), "fused") == ("decode", True)
+    assert ranks[1].choose(other, _candidates(("decode", "fused")), "fused") == ("decode", True)
+    assert set(json.loads(path.read_text())) == {CASE.key(), other.key()}
+
+
 def test_vllms_own_kernels_win_where_they_are_fastest(tmp_path):
     time_us, _ = _timer({"fused": 50.0, "hybrid": 45.0, "vllm": 44.0})
     timed = dispatch.TimedDispatch(tmp_path / "c.json", time_us)

@@ -153,11 +153,12 @@ class TimedDispatch:
         return self._time_us
 
     def _save(self) -> None:
-        # Atomically: a start killed mid-write leaves the previous file. A file that cannot be
-        # written (a read-only cache directory) costs the next start its timing, not this
-        # engine its step: said once, the choices kept in memory.
+        # Atomically: a start killed mid-write leaves the previous file; merged into the file
+        # as another rank may have written it since. A file that cannot be written (a
+        # read-only cache directory) costs the next start its timing, not this engine its
+        # step: said once, the choices kept in memory.
         try:
-            _files.write_json(self.path, self.choices, indent=1, sort_keys=True)
+            _files.merge_json(self.path, self.choices, indent=1, sort_keys=True)
         except OSError as e:
             if not self._unwritable:
                 logger.warning("epilora dispatch: cannot write %s (%s): the choices stay in "
