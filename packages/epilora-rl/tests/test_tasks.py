@@ -51,3 +51,50 @@ def test_reward_reads_the_answer_where_the_format_says(answer, text, reward):
 def test_an_unknown_answer_format_is_refused():
     with pytest.raises(ValueError, match="answer = 'middle'"):
         _task("middle")
+
+
+class _Tokenizer:
+    """Adds a BOS (id 1) in front unless told not to, as Llama-3's post-processor does."""
+
+    def __call__(self, text, add_special_tokens=True):
+        ids = [len(word) + 10 for word in text.split()]
+        return {"input_ids": ([1] if add_special_tokens else []) + ids}
+
+
+def test_a_templated_prompt_gets_no_second_bos():
+    from types import SimpleNamespace
+
+    from epilora_rl.tasks import Prompt
+
+    chat = SimpleNamespace(chat_template="...", apply_chat_template=lambda messages, **kw:
+                           "<bos> user: " + messages[0]["content"])
+    task = make_task("basic_arithmetic", chat, seed=0, options=OPTIONS)
+    assert task.prompt(0).templated and task.prompt(0).text.startswith("<bos> user: ")
+    assert not _task().prompt(0).templated  # no chat template: the tokenizer's own BOS
+
+    templated = Prompt("<bos> user: two plus two", "4", {}, templated=True)
+    plain = Prompt("two plus two", "4", {})
+    assert templated.token_ids(_Tokenizer()) == [15, 15, 13, 14, 13]  # the template's BOS only
+    assert plain.token_ids(_Tokenizer())[0] == 1
+
+
+def test_no_two_samples_of_a_call_share_a_seed():
+    # vLLM seeds a prompt's k-th sample `seed + k`: prompt i must start at seed + i * n.
+    from types import SimpleNamespace
+
+    from epilora_rl.engine import generate
+    from epilora_rl.tasks import Prompt
+
+    seen = []
+
+    class Llm:
+        def generate(self, prompts, params, lora_request=None, use_tqdm=False):
+            seen.extend(params)
+            return [SimpleNamespace(outputs=[]) for _ in prompts]
+
+    prompts = [Prompt(f"prompt {i}", None, {}) for i in range(3)]
+    generate(Llm(), _Tokenizer(), prompts, None, n=4, max_tokens=2, temperature=1.0, seed=100)
+    starts = [p.seed for p in seen]
+    assert starts == [100, 104, 108]
+    streams = [start + k for start in starts for k in range(4)]
+    assert len(set(streams)) == len(streams)

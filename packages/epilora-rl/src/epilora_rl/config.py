@@ -163,10 +163,25 @@ def load_config(path: str | Path) -> RunConfig:
         return config_from_dict(tomllib.load(f))
 
 
-def _positive(name: str, value, *, allow_zero: bool = False) -> None:
-    if not isinstance(value, int | float) or isinstance(value, bool) or value < 0 or (
+def _positive(name: str, value, *, allow_zero: bool = False, integer: bool = False) -> None:
+    kinds = int if integer else int | float
+    if not isinstance(value, kinds) or isinstance(value, bool) or value < 0 or (
             value == 0 and not allow_zero):
-        raise ValueError(f"{name} = {value!r}: must be a positive number")
+        raise ValueError(f"{name} = {value!r}: must be a positive "
+                         f"{'integer' if integer else 'number'}"
+                         f"{' or 0' if allow_zero else ''}")
+
+
+def _fp8_checkpoint(path: str) -> bool | None:
+    """Whether the checkpoint at `path` is quantized (its config.json has a
+    quantization_config: an FP8 one here), or None where no config.json is there to read."""
+    import json
+
+    config = Path(path) / "config.json"
+    try:
+        return "quantization_config" in json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def validate(c: RunConfig) -> None:
@@ -179,21 +194,44 @@ def validate(c: RunConfig) -> None:
     if c.engine.mode == "bf16" and c.model.quantization is not None:
         raise ValueError("[engine] mode = 'bf16' computes the checkpoint as it is: leave [model] "
                          "quantization unset (and give a bf16 checkpoint)")
+    fp8_checkpoint = _fp8_checkpoint(c.model.path)
+    if c.engine.mode == "bf16" and fp8_checkpoint:
+        raise ValueError(f"[engine] mode = 'bf16' with an FP8 checkpoint ({c.model.path}): the "
+                         "engine would sample from FP8 weights and the trainer compute on them, "
+                         "with no correction; give a bf16 checkpoint, or mode = 'matched'")
+    if (c.engine.mode != "bf16" and fp8_checkpoint is False
+            and c.model.quantization is None):
+        raise ValueError(f"[engine] mode = {c.engine.mode!r} computes an FP8 base, and "
+                         f"{c.model.path} is a bf16 checkpoint: set [model] quantization = "
+                         "'fp8' (vLLM's online FP8, GPU only), give an FP8 checkpoint "
+                         "(epilora-fp8-checkpoint), or mode = 'bf16'")
     if not 0 < c.engine.gpu_memory_utilization < 1:
         raise ValueError(f"[engine] gpu_memory_utilization = {c.engine.gpu_memory_utilization}:"
                          " between 0 and 1")
     for name, value in (("[engine] max_model_len", c.engine.max_model_len),
-                        ("[lora] rank", c.lora.rank), ("[lora] alpha", c.lora.alpha),
+                        ("[lora] rank", c.lora.rank),
                         ("[grpo] prompts_per_step", c.grpo.prompts_per_step),
                         ("[grpo] max_completion_tokens", c.grpo.max_completion_tokens),
                         ("[grpo] micro_batch_size", c.grpo.micro_batch_size),
-                        ("[optim] lr", c.optim.lr), ("[run] steps", c.run.steps)):
+                        ("[run] steps", c.run.steps)):
+        _positive(name, value, integer=True)
+    _positive("[task] eval_size", c.task.eval_size, allow_zero=True, integer=True)
+    # Sampling: a group's samples must differ (vLLM refuses several greedy samples a prompt).
+    for name, value in (("[lora] alpha", c.lora.alpha), ("[optim] lr", c.optim.lr),
+                        ("[grpo] temperature", c.grpo.temperature)):
         _positive(name, value)
-    _positive("[grpo] temperature", c.grpo.temperature, allow_zero=True)
-    _positive("[task] eval_size", c.task.eval_size, allow_zero=True)
+    # 0: no clipping, as transformers' Trainer takes it (a negative norm would flip the
+    # gradient).
+    _positive("[optim] max_grad_norm", c.optim.max_grad_norm, allow_zero=True)
     if not isinstance(c.grpo.group_size, int) or c.grpo.group_size < 2:
         raise ValueError(f"[grpo] group_size = {c.grpo.group_size!r}: at least 2 (advantages "
                          "compare samples of one prompt)")
+    rollouts = c.grpo.prompts_per_step * c.grpo.group_size
+    if rollouts % c.grpo.micro_batch_size:
+        # Each micro-batch's loss is its own mean, weighted 1 / micro-batches: a shorter last
+        # one would weigh its samples more (TRL asks the same divisibility).
+        raise ValueError(f"[grpo] micro_batch_size = {c.grpo.micro_batch_size} must divide the "
+                         f"step's {rollouts} rollouts (prompts_per_step x group_size)")
     if c.lora.rank > 128:
         raise ValueError(f"[lora] rank = {c.lora.rank}: ranks up to 128 are served")
     if c.task.answer not in ANSWER_FORMATS:

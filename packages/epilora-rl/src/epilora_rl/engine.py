@@ -116,15 +116,18 @@ def publish(llm, tensors: dict[str, torch.Tensor], config: RunConfig, version: i
     return LoRARequest(f"policy-v{version}", version, MEMORY_PATH.format(version=version))
 
 
-def generate(llm, tokenizer, texts: list[str], lora_request, *, n: int, max_tokens: int,
+def generate(llm, tokenizer, task_prompts: list, lora_request, *, n: int, max_tokens: int,
              temperature: float, seed: int) -> list[list[Rollout]]:
-    """`n` samples of each prompt text (seeded: the same call gives the same samples)."""
+    """`n` samples of each of a task's prompts (`epilora_rl.tasks.Prompt`), seeded: the same
+    call gives the same samples. vLLM seeds a prompt's k-th sample `seed + k`, so prompt i
+    takes `seed + i * n`: no two samples of the call share a random stream (they take
+    `seed .. seed + len(task_prompts) * n - 1`)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    prompts = [tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
+    prompts = [p.token_ids(tokenizer) for p in task_prompts]
     params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, logprobs=0,
-                             seed=seed + i, detokenize=False) for i in range(len(prompts))]
+                             seed=seed + i * n, detokenize=False) for i in range(len(prompts))]
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                         lora_request=lora_request, use_tqdm=False)
     groups = []

@@ -24,6 +24,14 @@ class Prompt:
     text: str  # what the model sees (after the chat template, when the tokenizer has one)
     answer: str | None  # the reference answer, or None where the reward needs none
     entry: dict  # the task's own record of it
+    # Whether `text` came from the chat template, which writes the special tokens it wants
+    # (Llama-3's its BOS): then tokenized without the tokenizer's own, as TRL and vLLM's chat
+    # API do, else a second BOS.
+    templated: bool = False
+
+    def token_ids(self, tokenizer) -> list[int]:
+        """The prompt's tokens, as the engine and the trainer both take them."""
+        return tokenizer(self.text, add_special_tokens=not self.templated)["input_ids"]
 
 
 class Task(Protocol):
@@ -55,13 +63,14 @@ class ReasoningGymTask:
         data = self._eval if held_out else self._train
         entry = data[index % len(data)]
         question = entry["question"] + "\nGive only the final answer."
-        if getattr(self.tokenizer, "chat_template", None):
+        templated = bool(getattr(self.tokenizer, "chat_template", None))
+        if templated:
             text = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": question}], tokenize=False,
                 add_generation_prompt=True)
         else:
             text = question + "\nAnswer: "
-        return Prompt(text, entry["answer"], entry)
+        return Prompt(text, entry["answer"], entry, templated)
 
     def reward(self, completion_text: str, completion_ids: list[int], prompt: Prompt) -> float:
         lines = completion_text.strip().splitlines()

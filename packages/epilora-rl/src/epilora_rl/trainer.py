@@ -96,9 +96,13 @@ class GrpoRun:
             torch.cuda.reset_peak_memory_stats()
         prompts = [self.task.prompt(s * g.prompts_per_step + i) for i in range(g.prompts_per_step)]
         begin = step_begin = time.perf_counter()
-        groups = generate(self.llm, self.tokenizer, [p.text for p in prompts], self.request,
+        # A step's samples take seeds base .. base + prompts * group - 1 (generate): steps
+        # spaced that far apart share none.
+        per_step = g.prompts_per_step * g.group_size
+        groups = generate(self.llm, self.tokenizer, prompts, self.request,
                           n=g.group_size, max_tokens=g.max_completion_tokens,
-                          temperature=g.temperature, seed=c.run.seed * 1_000_003 + s * 1009)
+                          temperature=g.temperature,
+                          seed=c.run.seed * 1_000_003 + s * per_step)
         generate_s = time.perf_counter() - begin
         _crash_here("rollout", s)
         rollouts = [r for group in groups for r in group]
@@ -127,8 +131,8 @@ class GrpoRun:
                              accumulation_steps=len(chunks))
             loss.backward()
             kl_sum += float((kl_k3(engine, logps.detach()) * mask).sum())
-        grad_norm = torch.nn.utils.clip_grad_norm_(list(self.params.values()),
-                                                   c.optim.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(  # 0: measured, not clipped (as HF's)
+            list(self.params.values()), c.optim.max_grad_norm or math.inf)
         self.optimizer.step()
         if released is not None:
             self.llm.wake_up()
@@ -196,7 +200,7 @@ class GrpoRun:
         if not n:
             return math.nan
         prompts = [self.task.prompt(i, held_out=True) for i in range(n)]
-        groups = generate(self.llm, self.tokenizer, [p.text for p in prompts], self.request,
+        groups = generate(self.llm, self.tokenizer, prompts, self.request,
                           n=1, max_tokens=self.config.grpo.max_completion_tokens,
                           temperature=0.0, seed=0)
         scores = [self.task.reward(g[0].text, g[0].completion_ids, p) == 1
