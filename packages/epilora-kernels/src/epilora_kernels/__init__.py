@@ -28,7 +28,8 @@ _PUBLIC = {
     "epilora_kernels.arch": ("DeviceSupport", "UnsupportedError", "device_support"),
     "epilora_kernels.batch": ("AdapterBatch", "LoraWeights"),
     "epilora_kernels.dispatch": ("PATHS", "Support", "choose_path", "hybrid_lora_fp8_linear",
-                                 "lora_linear", "supports", "vendor_fp8_gemm"),
+                                 "lora_linear", "supports", "supports_shape",
+                                 "vendor_fp8_gemm"),
     "epilora_kernels.fused": ("decode_lora_fp8_linear", "fp8_gemm", "fp8_gemm_from_bf16",
                               "fused_lora_fp8_linear", "fused_lora_w8a16_linear",
                               "lora_expand", "lora_fp8_gemm", "lora_shrink", "lora_w8a16_gemm",
@@ -71,6 +72,7 @@ __all__ = [
     "quantize_and_shrink",
     "set_default_workspace",
     "supports",
+    "supports_shape",
     "vendor_fp8_gemm",
     "w8a16_gemm",
 ]
@@ -86,6 +88,7 @@ if TYPE_CHECKING:
         hybrid_lora_fp8_linear,
         lora_linear,
         supports,
+        supports_shape,
         vendor_fp8_gemm,
     )
     from epilora_kernels.fused import (

@@ -75,6 +75,23 @@ def supports(path: str, *, in_features: int, output_slices: tuple[int, ...], max
                         weight_dtype, weight_scale_numel)
 
 
+def supports_shape(*, in_features: int, output_slices: tuple[int, ...],
+                   max_rank: int) -> Support:
+    """The shape rules every path and device shares (`supports` asks them too): an engine can
+    ask them before it has a device or weights, when it decides which layers to serve."""
+    output_slices = tuple(output_slices)
+    if not 1 <= len(output_slices) <= MAX_SLICES:
+        return _refuse(f"{len(output_slices)} output slices; 1..{MAX_SLICES} are served")
+    if any(w < 1 for w in output_slices) or in_features < 1:
+        return _refuse(f"empty projection: in_features={in_features}, slices={output_slices}")
+    if any(w % SLICE_ALIGN for w in output_slices[:-1]):
+        return _refuse(f"output slices {output_slices}: every slice but the last must be a "
+                       f"multiple of {SLICE_ALIGN} wide (a K2 tile must not straddle two)")
+    if not 1 <= max_rank <= MAX_RANK:
+        return _refuse(f"max rank {max_rank}: ranks 1..{MAX_RANK} are served")
+    return Support(True)
+
+
 def _check_path(path: str) -> None:
     if path not in PATHS:
         raise ValueError(f"unknown path {path!r}; expected one of {PATHS}")
@@ -90,15 +107,10 @@ def _supports_on(support: DeviceSupport, path: str, in_features: int,
         return _refuse(f"the decode path needs PDL (sm_90); {support.name} is {support.arch}")
     if weight_dtype != torch.float8_e4m3fn:
         return _refuse(f"weights must be float8_e4m3fn, got {weight_dtype}")
-    if not 1 <= len(output_slices) <= MAX_SLICES:
-        return _refuse(f"{len(output_slices)} output slices; 1..{MAX_SLICES} are served")
-    if any(w < 1 for w in output_slices) or in_features < 1:
-        return _refuse(f"empty projection: in_features={in_features}, slices={output_slices}")
-    if any(w % SLICE_ALIGN for w in output_slices[:-1]):
-        return _refuse(f"output slices {output_slices}: every slice but the last must be a "
-                       f"multiple of {SLICE_ALIGN} wide (a K2 tile must not straddle two)")
-    if not 1 <= max_rank <= MAX_RANK:
-        return _refuse(f"max rank {max_rank}: ranks 1..{MAX_RANK} are served")
+    shape = supports_shape(in_features=in_features, output_slices=output_slices,
+                           max_rank=max_rank)
+    if not shape:
+        return shape
     if path == "hybrid" and (in_features % 16 or sum(output_slices) % 16):
         return _refuse(f"the hybrid path's vendor FP8 GEMM needs K and N multiples of 16, got "
                        f"K={in_features}, N={sum(output_slices)}")

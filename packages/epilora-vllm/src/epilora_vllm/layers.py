@@ -34,6 +34,7 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.utils.torch_utils import _encode_layer_name
 
+import epilora_kernels as ek
 from epilora_vllm import _env
 from epilora_vllm.forward import EpiloraForward
 from epilora_vllm.fp8_base import Fp8Base, inspect_fp8_base
@@ -91,7 +92,14 @@ def refusal(source_layer: torch.nn.Module, lora_config) -> str | None:
     if lora_config.max_lora_rank > 128:
         return f"max_lora_rank {lora_config.max_lora_rank}: ranks up to 128 are served"
     base = inspect_fp8_base(source_layer)
-    return base if isinstance(base, str) else None
+    if isinstance(base, str):
+        return base
+    # This rank's shard, as the kernels will see it (a merged projection's slices each
+    # sharded): CUTLASS takes any N that is a multiple of 16, the kernels' slices must align.
+    shape = ek.supports_shape(in_features=base.in_features,
+                              output_slices=tuple(source_layer.output_partition_sizes),
+                              max_rank=lora_config.max_lora_rank)
+    return None if shape else shape.reason
 
 
 class _Epilora:
@@ -147,6 +155,9 @@ class _Epilora:
             x2 = x.reshape(-1, x.shape[-1])
             codes, scales = (self._base.quantize(self.base_layer, x2) if x.is_cuda
                              else self.epilora.quantize_on_cpu(x2))
+            # vLLM's torch FP8 kernels pad the codes and scales to 17 rows outside its
+            # compiled mode (`get_output_padding`): the op computes x's rows only.
+            codes, scales = codes[: x2.shape[0]], scales.reshape(-1, 1)[: x2.shape[0]]
             out = sum(self.output_slices)
             y = (torch.ops.epilora_vllm.lora_linear_codes(_encode_layer_name(self.epilora_name),
                                                           out, codes, scales, bias)
