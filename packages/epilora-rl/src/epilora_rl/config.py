@@ -35,6 +35,7 @@ Every key and its default is a field below; unknown keys are errors.
 """
 
 import dataclasses
+import json
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,8 +176,6 @@ def _positive(name: str, value, *, allow_zero: bool = False, integer: bool = Fal
 def _fp8_checkpoint(path: str) -> bool | None:
     """Whether the checkpoint at `path` is quantized (its config.json has a
     quantization_config: an FP8 one here), or None where no config.json is there to read."""
-    import json
-
     config = Path(path) / "config.json"
     try:
         return "quantization_config" in json.loads(config.read_text())
@@ -216,7 +215,8 @@ def validate(c: RunConfig) -> None:
                         ("[run] steps", c.run.steps)):
         _positive(name, value, integer=True)
     _positive("[task] eval_size", c.task.eval_size, allow_zero=True, integer=True)
-    # Sampling: a group's samples must differ (vLLM refuses several greedy samples a prompt).
+    # Above 0; the temperature too: a group's samples must differ (vLLM refuses several greedy
+    # samples of a prompt, and only once the engine is up).
     for name, value in (("[lora] alpha", c.lora.alpha), ("[optim] lr", c.optim.lr),
                         ("[grpo] temperature", c.grpo.temperature)):
         _positive(name, value)
