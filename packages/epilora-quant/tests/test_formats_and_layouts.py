@@ -2,6 +2,7 @@
 
 import struct
 
+import pytest
 import torch
 
 from epilora_quant import decode_e2m1, dequantize_fp8, encode_e2m1, pack_e2m1, unpack_e2m1
@@ -48,6 +49,26 @@ def test_every_fp8_code_dequantizes_to_its_value():
     codes = codes[finite].reshape(1, -1).view(torch.float8_e4m3fn)
     got = dequantize_fp8(codes, torch.tensor([1.0]))
     assert_bitwise_equal(got, codes.float(), name="dequantized")
+
+
+def test_block_scales_with_a_partial_edge_dequantize_by_their_own_block():
+    # 200 rows in 128-row blocks: a whole block and a partial one, scales [2, 2]. Read as whole
+    # 100-row blocks they would scale rows 100-127 by the second block's scale.
+    from epilora_quant import quantize_fp8_weight_per_block
+
+    w = torch.ones(200, 256)
+    w[128:] = 100.0
+    codes, scales = quantize_fp8_weight_per_block(w)
+    assert scales.shape == (2, 2)
+    got = dequantize_fp8(codes, scales, block=(128, 128))
+    # Each block's one code times its own scale: one value a block, near w's.
+    assert_bitwise_equal(got[:128], torch.full((128, 256), float(got[0, 0])), name="block 0")
+    assert_bitwise_equal(got[128:], torch.full((72, 256), float(got[128, 0])), name="block 1")
+    assert abs(float(got[0, 0]) - 1.0) < 1e-6 and abs(float(got[128, 0]) - 100.0) < 1e-4
+    with pytest.raises(ValueError, match="pass block="):
+        dequantize_fp8(codes, scales)  # both readings fit: refused, not guessed
+    with pytest.raises(ValueError, match=r"is not \(2, 4\)"):
+        dequantize_fp8(codes, scales, block=(128, 64))
 
 
 def test_swizzle_matches_the_documented_byte_offset():

@@ -16,6 +16,7 @@ from epilora_quant import (
     quantize_fp8_per_token,
     quantize_fp8_per_token_group,
     quantize_fp8_weight_per_block,
+    requantize_fp8_to_max_scale,
 )
 from epilora_testing import assert_bitwise_equal
 from epilora_testing import vllm_oracles as vllm
@@ -108,3 +109,46 @@ def test_modes_with_the_same_scale_differ_by_at_most_one_code(a, b, x):
     zero = ((ia & 0x7F) == 0) | ((ib & 0x7F) == 0)
     assert bool((same_sign | zero).all())
     assert int(((ia & 0x7F) - (ib & 0x7F)).abs().max()) <= 1
+
+
+# Every finite e4m3 code but the NaNs, as rows (0x7F and 0xFF are NaN).
+_CODES = torch.arange(256, dtype=torch.uint8)
+_CODES = _CODES[(_CODES & 0x7F) != 0x7F].view(torch.float8_e4m3fn).reshape(-1, 1)
+
+
+def _requantize_as_cuda(codes, shard_scales, widths):
+    # vLLM's requantize_with_max_scale as CUDA computes it (the GPU test checks the package
+    # against vLLM there): `codes.to(fp16) * scale` with a 0-dim fp32 scale on the GPU reads
+    # the scale as fp16, in float64 here (exact), rounded to fp16 once; then static per-tensor
+    # at the largest scale.
+    out, start, top = codes.clone(), 0, shard_scales.max()
+    for scale, width in zip(shard_scales, widths, strict=True):
+        part = codes[start:start + width].to(torch.float64)
+        dequantized = (part * float(scale.to(torch.float16))).to(torch.float16)
+        out[start:start + width], _ = quantize_fp8_per_tensor(
+            dequantized, top.reshape(1), arithmetic=Fp8Arithmetic.CUDA_KERNEL)
+        start += width
+    return out, top
+
+
+@pytest.mark.parametrize("scales", [
+    (0x3B1C34F1, 0x3B22FD85),  # code 0x0c of shard 0 became 0x0b with the scale kept fp32
+    (0x387FFFFF, 0x3F800000),  # a scale that is an fp16 subnormal
+], ids=["near", "subnormal"])
+def test_requantization_to_max_scale_gives_cudas_bits_on_the_cpu(scales):
+    shard_scales = torch.tensor(scales, dtype=torch.int32).view(torch.float32)
+    codes = torch.cat([_CODES, _CODES])
+    widths = [len(_CODES), len(_CODES)]
+    got = requantize_fp8_to_max_scale(codes, shard_scales, widths)
+    assert_same_quant(got, _requantize_as_cuda(codes, shard_scales, widths), codes)
+
+
+# Scales whose dequantized codes stay finite in fp16 (448 * 2^7 < 65504), down to fp16's
+# subnormals and zero.
+@given(a=positive_fp32_scales(-26, 7), b=positive_fp32_scales(-26, 7))
+def test_requantization_to_max_scale_gives_cudas_bits_for_any_scales(a, b):
+    shard_scales = torch.tensor([a, b], dtype=torch.float32)
+    codes = torch.cat([_CODES, _CODES])
+    widths = [len(_CODES), len(_CODES)]
+    got = requantize_fp8_to_max_scale(codes, shard_scales, widths)
+    assert_same_quant(got, _requantize_as_cuda(codes, shard_scales, widths), codes)

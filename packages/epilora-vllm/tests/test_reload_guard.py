@@ -121,6 +121,7 @@ def test_a_request_sent_while_its_names_load_is_in_flight_is_counted(monkeypatch
     # load is in flight waits in vLLM's handler for that load (`resolve_lora` takes the lock
     # the load holds) and is then served under the new id. The guard counts it, so that after
     # an unload the next load of the name waits until its answer is done.
+    from vllm import envs
     from vllm.entrypoints.openai.models.protocol import BaseModelPath
     from vllm.entrypoints.openai.models.serving import OpenAIServingModels
     from vllm.entrypoints.serve.engine.serving import BaseServing
@@ -129,7 +130,9 @@ def test_a_request_sent_while_its_names_load_is_in_flight_is_counted(monkeypatch
         UnloadLoRAAdapterRequest,
     )
 
-    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    # Set on the module itself: an engine started earlier in this process turns on vLLM's
+    # cache of its environment variables, which the environment would not reach.
+    monkeypatch.setattr(envs, "VLLM_ALLOW_RUNTIME_LORA_UPDATING", True, raising=False)
 
     async def scenario():
         loading, generating = asyncio.Event(), asyncio.Event()

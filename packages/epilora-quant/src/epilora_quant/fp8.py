@@ -27,7 +27,13 @@ import enum
 import torch
 
 from epilora_quant._checks import check_divisible, check_float_input, check_scale
-from epilora_quant.formats import FP8_DTYPE, FP8_MAX, FP8_MIN, FP8_MIN_SCALING_FACTOR
+from epilora_quant.formats import (
+    FP8_DTYPE,
+    FP8_MAX,
+    FP8_MIN,
+    FP8_MIN_SCALING_FACTOR,
+    FP8_WEIGHT_BLOCK,
+)
 from epilora_quant.gpu_reciprocal import triton_reciprocal_sm90
 
 
@@ -168,12 +174,15 @@ def quantize_fp8_per_token_group(
 
 
 def dequantize_fp8(
-    codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+    codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
+    block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """codes * scale in fp32, cast to `dtype`; scale broadcasts per tensor, row or group/block.
 
-    `scale` may be `[]`/`[1]` (per tensor), `[M, 1]` (per row), or `[M/bm, K/bk]` (blocks of an
-    integer shape, which covers 1 x 128 groups and 128 x 128 weight blocks).
+    `scale` may be `[]`/`[1]` (per tensor), `[M, 1]` (per row), or per block: with `block`
+    `(bm, bk)`, `[ceil(M/bm), ceil(K/bk)]` (partial edge blocks, as
+    `quantize_fp8_weight_per_block` makes them); without, `[M/bm, K/bk]` of blocks that tile
+    the codes exactly (1 x 128 groups, 128 x 128 weight blocks of whole blocks).
     """
     if codes.dtype != FP8_DTYPE:
         raise TypeError(f"codes.dtype must be {FP8_DTYPE}, got {codes.dtype}")
@@ -182,12 +191,25 @@ def dequantize_fp8(
     check_scale("scale", scale)
     m, k = codes.shape
     s = scale.to(torch.float32)
-    if s.numel() == 1:
+    if block is not None:
+        bm, bk = block
+        want = (-(-m // bm), -(-k // bk)) if bm > 0 and bk > 0 else None
+        if want is None or s.shape != want:
+            raise ValueError(f"scale shape {tuple(s.shape)} is not {want}: blocks {block} of "
+                             f"codes {(m, k)}")
+        s = s.repeat_interleave(bm, dim=0)[:m].repeat_interleave(bk, dim=1)[:, :k]
+    elif s.numel() == 1:
         s = s.reshape(1, 1)
     elif s.ndim == 2 and s.shape != (m, 1):
         rows, cols = s.shape
         if m % rows or k % cols:
             raise ValueError(f"scale shape {tuple(s.shape)} does not tile codes {(m, k)}")
+        partial = tuple(-(-d // b) for d, b in zip((m, k), FP8_WEIGHT_BLOCK, strict=True))
+        if (rows, cols) == partial and (m // rows, k // cols) != FP8_WEIGHT_BLOCK:
+            # Also the scales of FP8_WEIGHT_BLOCK blocks with a partial edge: which is it?
+            raise ValueError(f"scale shape {tuple(s.shape)} fits codes {(m, k)} both as whole "
+                             f"{(m // rows, k // cols)} blocks and as {FP8_WEIGHT_BLOCK} blocks "
+                             "with a partial edge: pass block=")
         s = s.repeat_interleave(m // rows, dim=0).repeat_interleave(k // cols, dim=1)
     elif s.shape != (m, 1):
         raise ValueError(f"scale shape {tuple(s.shape)} does not broadcast to codes {(m, k)}")

@@ -109,8 +109,12 @@ def requantize_fp8_to_max_scale(
         if width == 0:
             continue
         end = start + width
-        # fp16 * 0-dim fp32 tensor stays fp16 in torch's promotion: the product is rounded to fp16.
-        dequantized = codes[start:end].to(torch.float16) * shard_scales[idx]
+        # vLLM's `fp16 codes * 0-dim fp32 scale` on CUDA: the scale is read as fp16 (the
+        # iterator's common dtype; only a CPU scalar keeps its fp32 value, which torch's CPU
+        # kernel would use), the product of the two fp16 values rounded to fp16 once. Written
+        # out so that every device gives CUDA's bits (the product is exact in fp32).
+        scale16 = shard_scales[idx].to(torch.float16).to(torch.float32)
+        dequantized = (codes[start:end].to(torch.float32) * scale16).to(torch.float16)
         out[start:end], _ = quantize_fp8_per_tensor(
             dequantized, max_scale.reshape(1), arithmetic=Fp8Arithmetic.CUDA_KERNEL
         )
