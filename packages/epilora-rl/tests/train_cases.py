@@ -70,9 +70,27 @@ def check_two_steps(model, tmp_path, *, mode="matched"):
     assert not {k for k in leaked if "EPILORA" in k or k == "VLLM_ENABLE_V1_MULTIPROCESSING"}, \
         leaked  # the engine's settings did not leak (libraries may set their own)
     run.evaluate("before")
-    records = [run.train_step(), run.train_step()]
+    # Each step's rollouts as generated: a step trains on every token they hold (a completion
+    # sampled to the tokenizer's EOS ends early, so the count is theirs, not 2 * 4 * 6).
+    import epilora_rl.trainer as trainer
+
+    rollouts, generate = [], trainer.generate
+
+    def generate_and_keep(*args, **kwargs):
+        groups = generate(*args, **kwargs)
+        rollouts.append([r for group in groups for r in group])
+        return groups
+
+    trainer.generate = generate_and_keep
+    try:
+        records = [run.train_step(), run.train_step()]
+    finally:
+        trainer.generate = generate
     assert [r["step"] for r in records] == [1, 2] and run.request.lora_int_id == 3
-    assert all(r["tokens"] == 2 * 4 * 6 for r in records)
+    assert [len(step) for step in rollouts] == [2 * 4, 2 * 4]
+    assert all(1 <= len(r.completion_ids) <= 6 for step in rollouts for r in step)
+    assert [r["tokens"] for r in records] == [
+        sum(len(r.completion_ids) for r in step) for step in rollouts], records
     # Matched (and bf16) mode: the engine's and the trainer's log-probabilities of the sampled
     # tokens differ only by attention's and the norms' order of operations.
     assert all(0 <= r["kl_per_token"] < 1e-3 for r in records), records
