@@ -29,6 +29,10 @@ Variants (`--variants`):
   `launch.heuristic_config`, read from the tuner's o entries on the H200): against
   `heuristic`, `--tokens 4 8 16`, the three models (Qwen2.5-7B's 3584-wide o is the unseen
   shape).
+* `heuristic-swap-wide`: `heuristic` with K2's one-slot tiles at 1-16 tokens swapped and 128
+  deep where the plain 64-wide tiles are at least three programs an SM (the wider gate_ups;
+  read from the tuner's picks on an H100 at e968ccc): against `heuristic`, `--ranks 16 32 64
+  96 128 --tokens 1 4 8 16` (ranks 32 and 96 no pick saw). Untimed.
 * `k1-apart`: K1's prefill tiles one slice a program, as before `launch.prefill_slices_together`
   (every slice in one program where several slices' grid still fills the SMs; read from one
   H100 probe of Qwen3-8B at 2048 tokens): `--tokens 512 2048 4096`.
@@ -333,6 +337,28 @@ def heuristic_swapped_small():
 
 
 @contextlib.contextmanager
+def heuristic_swap_wide():
+    """The heuristic with K2's one-slot decode tiles (1-16 tokens) swapped, 128 deep, where the
+    plain 64-wide tiles are at least three programs an SM: the gate_up projections of
+    Llama-3.1-8B and Qwen2.5-7B (28,672 and 37,888 wide: 3.4 and 4.5 an SM), not Qwen3-8B's
+    (24,576: 2.9). The tuner's one-slot picks there (an H100 at e968ccc,
+    benchmarks/results/h100/tune_decode.json, ranks 16, 64 and 128 at 1-16 tokens) were swapped
+    in 21 of those two models' 24 cells, 19 of them 128 deep, in the stages `swap_candidate`
+    gives (4 and 3), where Qwen3-8B's stayed plain in 11 of 12."""
+    new = launch.heuristic_config
+
+    def wide(op, tokens, n, k, rank, slices=(), large_tiles=True, several_slots=False):
+        cfg = new(op, tokens, n, k, rank, slices, large_tiles, several_slots)
+        if (op == "lora_gemm" and tokens <= 16 and large_tiles and not several_slots
+                and not cfg.swap_ab and -(-n // 64) >= 3 * launch.H200_SMS):
+            return launch.swap_candidate(cfg, n, k, slices, tokens, block_k=128)
+        return cfg
+
+    with heuristic(), _made_again_around(mock.patch.object(launch, "heuristic_config", wide)):
+        yield
+
+
+@contextlib.contextmanager
 def heuristic_k1_fewer_splits():
     """The heuristic with the decode path's K1 at 1-32 tokens split half as often and its K
     steps 256 deep where each split keeps whole ones: what the tuner chose for 8 slots of rank
@@ -439,6 +465,7 @@ def segments_in_flight():
 VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "heuristic-before": heuristic_before, "heuristic-plain-small": heuristic_plain_small,
             "heuristic-swapped-small": heuristic_swapped_small,
+            "heuristic-swap-wide": heuristic_swap_wide,
             "heuristic-k1-fewer-splits": heuristic_k1_fewer_splits,
             "k1-apart": k1_apart, "k1-light": k1_split_by(2, 32, 32),
             "k1-lighter": k1_split_by(4, 64, 16), "k1-heavier": k1_split_by(0.5, 32, 128),
