@@ -62,7 +62,7 @@ SETUPS = ((1, 16), (1, 64), (1, 128), (32, 64))  # (adapters, rank)
 SYSTEMS = ("cutlass", "epilora-gemm", "vllm-default", "epilora-fused", "epilora-decode",
            "epilora-hybrid")
 ALL_SYSTEMS = (*SYSTEMS, "epilora", "epilora-heuristic", "cutlass-codes", "epilora-codes")
-NO_ADAPTER = ("cutlass", "epilora-gemm", "cutlass-codes")  # once per model and token count
+NO_ADAPTER = ("cutlass", "epilora-gemm", "cutlass-codes")  # rows of adapters 0
 
 
 def make_layer(num_adapters: int, rank: int, gen: torch.Generator,
@@ -248,8 +248,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tokens 1, 16, 64, 256 only")
     parser.add_argument("--tokens", type=int, nargs="+", help="these token counts only")
     parser.add_argument("--setups", nargs="+", default=[f"{a}x{r}" for a, r in SETUPS],
-                        help="ADAPTERSxRANK, e.g. 32x64 (the no-adapter systems run with the "
-                             "first)")
+                        help="ADAPTERSxRANK, e.g. 32x64 (the no-adapter systems run in each "
+                             "setup's cases too)")
     parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=["qwen3-8b"])
     parser.add_argument("--systems", nargs="+", choices=ALL_SYSTEMS, default=list(SYSTEMS))
     parser.add_argument("--git-sha", default=None)
@@ -270,11 +270,12 @@ def main() -> None:
                 batch, xs, bufs = adapter_inputs(tokens, rank, num_adapters, gen, projections)
                 meta = batch.vllm_meta_args()
                 codes = {name: ek.quantize(x) for name, x in xs.items()}  # vLLM's, bit for bit
-                # The no-adapter GEMMs do not depend on the adapters: with the first setup only.
+                # The no-adapter GEMMs too in every case, though they do not depend on the
+                # adapters: each case's systems replay in turns, so each cell's ratio to its
+                # baseline sees the same drift (clocks, temperature), not an earlier case's.
                 runs = {system: functools.partial(run_layer, system, xs, layer, batch, meta,
                                                   bufs, codes)
-                        for system in args.systems
-                        if system not in NO_ADAPTER or (num_adapters, rank) == setups[0]}
+                        for system in args.systems}
                 if args.compile_only:
                     run_untimed(runs)
                     continue
@@ -282,6 +283,7 @@ def main() -> None:
                     no_adapter = system in NO_ADAPTER
                     rows.append({"bench": "layer", "model": model, "base": "fp8",
                                  "system": system, "tokens": tokens, "rank": rank,
+                                 "setup": f"{num_adapters}x{rank}",  # whose case it ran in
                                  "adapters": 0 if no_adapter else num_adapters,
                                  "metric": "layer_us", "value": round(us, 2), "n": args.reps})
                     print(f"{model:12s} {system:17s} adapters={num_adapters:2d} "

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from layer_plots import plot_panels
+from layer_rows import baseline_said, cutlass_baselines
 
 ROOT = Path(__file__).parents[1]
 SOURCE = ROOT / "benchmarks/results/h200/layer.json"
@@ -18,20 +19,20 @@ PLOT = ROOT / "docs/benchmarks/layer.png"
 TUNE = ROOT / "benchmarks/results/h200/tune.json"
 SYSTEMS = ("cutlass", "vllm-default", "epilora-fused", "epilora-decode", "epilora-hybrid")
 OURS = ("epilora-fused", "epilora-decode", "epilora-hybrid")
-BASELINES = ("cutlass", "epilora-gemm")  # no adapter: measured once per token count
+BASELINES = ("cutlass", "epilora-gemm")  # no adapter (rows of adapters 0)
 
 
 def _table(rows: list[dict]):
-    """{(adapters, rank): {tokens: {system: us}}} with the cutlass baseline of the same run (a
-    merged file, tools/merge_layer_results.py, numbers its runs) in every setup."""
-    base = {(r.get("run", 0), r["tokens"]): r["value"] for r in rows if r["system"] == "cutlass"}
+    """{(adapters, rank): {tokens: {system: us}}}, each with the cutlass baseline of its case
+    (tools/layer_rows.py)."""
+    cutlass = cutlass_baselines(rows)
     out: dict = {}
     for r in rows:
         if r["system"] in BASELINES:
             continue
         cell = out.setdefault((r["adapters"], r["rank"]), {}).setdefault(r["tokens"], {})
         cell[r["system"]] = r["value"]
-        cell["cutlass"] = base[(r.get("run", 0), r["tokens"])]
+        cell["cutlass"] = cutlass(r)
     return out
 
 
@@ -105,12 +106,16 @@ def main() -> None:
         f"{_runs_line(meta)}. The four projections (qkv, o, gate_up, down) in one CUDA graph "
         "per system, a case's graphs replayed in turns, L2 flushed before each replay, median "
         "of the replays (script "
-        "`benchmarks/layer.py`; each setup against the `cutlass` of its own run). "
+        f"`benchmarks/layer.py`; {baseline_said(data['rows'])}). "
         "Times in microseconds; *added* is the time over `cutlass` (vLLM's FP8 GEMM alone); "
         "*ratio* is our best path's added time over vLLM's (the issue's target: at most 1/3).",
         "",
     ]
     first_run = [r for r in data["rows"] if r.get("run", 0) == 0]
+    # The GEMMs without adapter of one setup's cases (layer.py times them in each since
+    # 2026-12-07; before, in the first setup's only)
+    setup = next((r.get("setup") for r in first_run if r["system"] == "cutlass"), None)
+    first_run = [r for r in first_run if r.get("setup") == setup]
     gemm = {r["tokens"]: r["value"] for r in first_run if r["system"] == "epilora-gemm"}
     if gemm:
         base = {r["tokens"]: r["value"] for r in first_run if r["system"] == "cutlass"}

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from layer_plots import plot_panels
+from layer_rows import baseline_said, cutlass_baselines
 
 ROOT = Path(__file__).parents[1]
 GPUS = {"h200": "H200", "h100": "H100"}  # results folder -> the page's title; h200's is the issue's
@@ -37,14 +38,14 @@ def target(adapters: int, rank: int, tokens: int) -> tuple[str, float] | None:
 
 
 def cells(rows: list[dict]) -> dict:
-    """{model: {(adapters, rank): {tokens: {system: us}}}}, cutlass in every setup."""
-    base = {(r["model"], r["tokens"]): r["value"] for r in rows if r["system"] == "cutlass"}
+    """{model: {(adapters, rank): {tokens: {system: us}}}}, each with its case's cutlass."""
+    cutlass = cutlass_baselines(rows)
     out: dict = {}
     for r in rows:
         if r["system"] == "cutlass":
             continue
         cell = out.setdefault(r["model"], {}).setdefault((r["adapters"], r["rank"]), {})
-        cell = cell.setdefault(r["tokens"], {"cutlass": base[(r["model"], r["tokens"])]})
+        cell = cell.setdefault(r["tokens"], {"cutlass": cutlass(r)})
         cell[r["system"]] = r["value"]
     return out
 
@@ -134,7 +135,8 @@ def render(gpu: str) -> None:
              "One decoder layer's four FP8 projections (qkv, o, gate_up, down; per-token FP8 "
              "activations, per-tensor FP8 weights, random weights and adapters), each system's "
              "layer in one CUDA graph, graphs replayed in turns with the L2 flushed, medians. "
-             "Added time is over `cutlass` (vLLM's quant + CUTLASS, no adapter). `epilora` is "
+             "Added time is over `cutlass` (vLLM's quant + CUTLASS, no adapter; "
+             f"{baseline_said(data['rows'])}). `epilora` is "
              "`epilora_kernels.lora_linear` with the shipped launch table (the H200's, which "
              "every sm_90 part without one of its own reads; tuned on Qwen3-8B's shapes; other "
              "shapes take their nearest tuned shape's entries within a factor of two)" +

@@ -110,3 +110,31 @@ def test_the_layer_pages_tuner_section_names_the_buckets_its_file_timed():
     assert render["_buckets"](rows((1, 1), (1, 32), (8, 1), (8, 32))) == "1-32"
     assert render["_buckets"](rows((1, 1), (1, 64), (8, 1), (8, 32))) == "1-32, one slot 1-64"
     assert render["_buckets"](rows((1, 1), (1, 64))) == "1-64"
+
+
+def test_each_layer_cell_is_over_the_cutlass_of_its_own_case():
+    # benchmarks/layer.py times cutlass in every case and marks its rows' setup: a cell takes
+    # its own case's baseline, not the last or first case's; a file from before (cutlass in the
+    # first setup's cases only, no setup marked) gives every setup that one.
+    tools = Path(__file__).parents[2] / "tools"
+    sys.path.insert(0, str(tools))
+    try:
+        import layer_rows
+    finally:
+        sys.path.remove(str(tools))
+
+    def row(system, setup, value, adapters=1, rank=64):
+        return {"system": system, "model": "m", "tokens": 4, "adapters": adapters,
+                "rank": rank, "value": value, **({"setup": setup} if setup else {})}
+
+    rows = [row("cutlass", "1x64", 100.0, adapters=0), row("epilora", "1x64", 104.0),
+            row("cutlass", "8x16", 90.0, adapters=0, rank=16),
+            row("epilora", "8x16", 99.0, adapters=8, rank=16)]
+    cutlass = layer_rows.cutlass_baselines(rows)
+    assert [cutlass(r) for r in rows if r["system"] == "epilora"] == [100.0, 90.0]
+    assert "its own case" in layer_rows.baseline_said(rows)
+    older = [row("cutlass", None, 100.0, adapters=0), row("epilora", None, 104.0),
+             row("epilora", None, 99.0, adapters=8, rank=16)]
+    cutlass = layer_rows.cutlass_baselines(older)
+    assert [cutlass(r) for r in older if r["system"] == "epilora"] == [100.0, 100.0]
+    assert "earlier case" in layer_rows.baseline_said(older)
