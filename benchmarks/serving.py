@@ -11,12 +11,17 @@ Scenarios (`--scenarios`), each in its own engines (their settings differ):
   cost what different ones do), 256 requests of 512 distinct random prompt tokens and 256
   output tokens, request i for tenant i mod 32, all submitted at once (`max_num_seqs=256`):
   output tokens per second over the whole batch, the median of `--reps` runs after a warm-up
-  run of the whole batch (as many output tokens) that loads every adapter.
+  run of a whole batch (as many output tokens) that loads every adapter; every run draws new
+  prompts, so vLLM's prefix cache (on by default) holds none of them (before 2026-12-07 the
+  runs repeated the warm-up's prompts and reused most of their prefill).
 * `online`: `vllm serve` (its module, `vllm.entrypoints.openai.api_server`) with the 32 tenants
   of `tenants32` as `--lora-modules`, then vLLM's own client (`vllm bench serve`'s code) at each of
   `--rates` requests per second, Poisson arrivals, `--online-seconds` of arrivals per rate,
   512 random prompt tokens and 256 output tokens, tenants round-robin: median TPOT and p99
-  TTFT per rate. The dummy model gets a word-level tokenizer of its vocabulary (one word, one
+  TTFT per rate. Before the first rate every tenant sends one request (not timed: its
+  adapter's first load), and each rate draws prompts of its own seed (before 2026-12-07 one
+  seed made a rate's prompts the first of the next rate's, which then met the prefix cache,
+  and the first rate's TTFT included the adapters' loads). The dummy model gets a word-level tokenizer of its vocabulary (one word, one
   token), which the client needs to make prompts.
 * `start`: each system's engine with the 32 tenants' settings (`max_loras=32`,
   `max_num_seqs=256`) started twice on caches of its own, emptied before the first (vLLM's
@@ -213,20 +218,24 @@ def tenants32(args) -> None:
     llm, start_s = engine(args, max_loras=TENANTS, max_num_seqs=REQUESTS)
     tenants = ([LoRARequest(f"tenant-{t}", t + 1, args.adapters[t % len(args.adapters)])
                 for t in range(TENANTS)] if args.system != "no-lora" else [None] * TENANTS)
-    draw = random.Random(0)  # distinct prompts: no prefix-cache hits
-    prompts = [TokensPrompt(prompt_token_ids=[draw.randrange(1000, 100_000)
-                                              for _ in range(PROMPT_TOKENS)])
-               for _ in range(REQUESTS)]
+    draw = random.Random(0)
+
+    def prompts():  # new ones for every run: vLLM's prefix cache finds none of an earlier run's
+        return [TokensPrompt(prompt_token_ids=[draw.randrange(1000, 100_000)
+                                               for _ in range(PROMPT_TOKENS)])
+                for _ in range(REQUESTS)]
+
     lora = [tenants[i % TENANTS] for i in range(REQUESTS)]
-    # Warm-up: the whole batch once, as long as the timed runs (every adapter loaded into its
+    # Warm-up: a whole batch once, as long as the timed runs (every adapter loaded into its
     # slot, every batch size's graphs and kernels met, so compiled): after a 32-token warm-up
     # the first of two timed runs had 35% less throughput than the second with LoRA, in both the
     # plugin's engine and stock's (9854926's logs), and equal without.
-    llm.generate(prompts, greedy(OUTPUT_TOKENS), lora_request=lora, use_tqdm=False)
+    llm.generate(prompts(), greedy(OUTPUT_TOKENS), lora_request=lora, use_tqdm=False)
     rates = []
     for _ in range(args.reps):
+        batch = prompts()
         begin = time.perf_counter()
-        outs = llm.generate(prompts, greedy(OUTPUT_TOKENS), lora_request=lora, use_tqdm=False)
+        outs = llm.generate(batch, greedy(OUTPUT_TOKENS), lora_request=lora, use_tqdm=False)
         seconds = time.perf_counter() - begin
         rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / seconds)
     print("RESULT " + json.dumps({"start_s": start_s, "output_tokens_per_s": rates,
@@ -268,22 +277,34 @@ def online(args) -> None:
         except OSError:
             time.sleep(2)
     start_s = time.perf_counter() - t0
+
+    def client(rate, prompts: int, output_tokens: int, seed: int) -> list[str]:
+        words = [sys.executable, "-c", BENCH_SERVE, "--backend", "vllm",
+                 "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions",
+                 "--model", args.model_dir, "--dataset-name", "random",
+                 "--random-input-len", str(PROMPT_TOKENS),
+                 "--random-output-len", str(output_tokens), "--ignore-eos",
+                 "--num-prompts", str(prompts), "--request-rate", str(rate),
+                 "--seed", str(seed)]
+        if tenants:
+            words += ["--lora-modules", *(t.split("=")[0] for t in tenants),
+                      "--lora-assignment", "round-robin"]
+        return words
+
+    # Warm-up, not timed: every tenant once, so that the rates time serving, not each adapter's
+    # first load (at 2 requests/s 32 of the 40 requests met an adapter not loaded yet).
+    subprocess.run(client("inf", TENANTS, 1, seed=1), check=True)
     rates = {}
     with tempfile.TemporaryDirectory() as results:
         for rate in args.rates:
-            client = [sys.executable, "-c", BENCH_SERVE, "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}",
-                      "--endpoint", "/v1/completions", "--model", args.model_dir,
-                      "--dataset-name", "random", "--random-input-len", str(PROMPT_TOKENS),
-                      "--random-output-len", str(OUTPUT_TOKENS), "--ignore-eos",
-                      "--num-prompts", str(int(rate * args.online_seconds)),
-                      "--request-rate", str(rate), "--seed", "0",
-                      "--percentile-metrics", "ttft,tpot", "--metric-percentiles", "50,99",
-                      "--save-result", "--result-dir", results,
-                      "--result-filename", f"{rate}.json"]
-            if tenants:
-                client += ["--lora-modules", *(t.split("=")[0] for t in tenants),
-                           "--lora-assignment", "round-robin"]
-            subprocess.run(client, check=True)
+            # Each rate its own prompts: with one seed a rate's prompts were the first of the
+            # next rate's (vLLM's random dataset), so later rates met the prefix cache.
+            words = client(rate, int(rate * args.online_seconds), OUTPUT_TOKENS,
+                           seed=int(rate * 1000) + 2)
+            subprocess.run(words + ["--percentile-metrics", "ttft,tpot",
+                                    "--metric-percentiles", "50,99", "--save-result",
+                                    "--result-dir", results, "--result-filename",
+                                    f"{rate}.json"], check=True)
             rates[str(rate)] = json.loads(Path(results, f"{rate}.json").read_text())
             # After every rate, the rates so far (the last line counts): an engine stopped by
             # its time limit keeps the rates it finished.

@@ -154,6 +154,24 @@ def test_a_rate_stock_did_not_reach_is_named_and_not_judged():
     assert "4 requests/s, median TPOT against" not in lines
 
 
+def test_a_target_is_judged_only_on_one_runs_rows():
+    # Side by side means one run (one commit's logs, one machine): a ratio of two runs' rows
+    # is shown but not judged.
+    def row(system, metric, value, commit):
+        return {"system": system, "metric": metric, "value": value, "commit": commit}
+
+    render = runpy.run_path(str(Path(__file__).parents[2] / "tools/render_serving_docs.py"))
+    same = {"epilora": {"tpot_ms": row("epilora", "tpot_ms", 3.0, "aaaaaaa")},
+            "no-lora": {"tpot_ms": row("no-lora", "tpot_ms", 3.0, "aaaaaaa")}}
+    assert "**1.000x** (target at most 1.05x: met)" in "\n".join(
+        render["target_lines"]("tpot1", same))
+    apart = {**same, "no-lora": {"tpot_ms": row("no-lora", "tpot_ms", 3.0, "bbbbbbb")}}
+    said = "\n".join(render["target_lines"]("tpot1", apart))
+    assert "**1.000x** (target at most 1.05x: not judged: rows of runs `aaaaaaa` and " \
+           "`bbbbbbb`, not one run's)" in said
+    assert ": met" not in said
+
+
 def _start_log(start_s, *, load_s, compile_s, tunes=()):
     result = {"start_s": start_s, "gpu": "NVIDIA H200", "torch": "2.11.0", "vllm": "0.26.0"}
     tuned = "".join(f"INFO [tuning.py:96] epilora tune: 4096x4096 r64 l32 on codes in {s} s "
