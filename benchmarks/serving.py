@@ -21,8 +21,8 @@ Scenarios (`--scenarios`), each in its own engines (their settings differ):
   TTFT per rate. Before the first rate every tenant sends one request (not timed: its
   adapter's first load), and each rate draws prompts of its own seed (before 2026-12-07 one
   seed made a rate's prompts the first of the next rate's, which then met the prefix cache,
-  and the first rate's TTFT included the adapters' loads). The dummy model gets a word-level tokenizer of its vocabulary (one word, one
-  token), which the client needs to make prompts.
+  and the first rate's TTFT included the adapters' loads). The dummy model gets a word-level
+  tokenizer of its vocabulary (one word, one token), which the client needs to make prompts.
 * `start`: each system's engine with the 32 tenants' settings (`max_loras=32`,
   `max_num_seqs=256`) started twice on caches of its own, emptied before the first (vLLM's
   compile cache, Triton's, Inductor's and the plugin's tuning, below `--work`): a first start,
