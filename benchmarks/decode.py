@@ -131,6 +131,7 @@ def main() -> None:
         for tokens in args.tokens:
             batch, xs, hs, bufs = adapter_case(tokens, rank, layer, gen)
             meta = batch.vllm_meta_args()
+            codes = {name: ek.quantize(x) for name, x in xs.items()}  # run_layer's argument
             outs = {name: torch.zeros(tokens, sum(sl), dtype=torch.bfloat16, device="cuda")
                     for name, (_, sl) in PROJECTIONS.items()}
             aux = torch.cuda.Stream()
@@ -138,7 +139,7 @@ def main() -> None:
             for system in SYSTEMS:
                 if system in ("cutlass", "vllm-default"):
                     runs[system] = functools.partial(run_layer, system, xs, layer, batch, meta,
-                                                     bufs)
+                                                     bufs, codes)
                 elif system == "vllm-dual-stream":
                     runs[system] = functools.partial(run_dual_stream, xs, layer, batch, meta,
                                                      bufs, outs, aux)

@@ -1,7 +1,11 @@
 """The tuner (epilora_kernels.tuner) on each model's four projections at the decode buckets:
 what it costs (seconds per model, the plugin pays it at engine start) and what it found (the
-decode path's time per projection before and after, as the tuner measured it). The cache it
-writes goes to $EPILORA_CACHE_DIR, which the layer benchmark of the same call then reads.
+decode path's time per projection before and after, as the tuner measured it; before is the
+settings in use, so from the second model or setup on it includes what the earlier ones
+cached). The cache it writes goes to $EPILORA_CACHE_DIR, which the layer benchmark of the
+same call then reads. Its seconds are this benchmark's budget and compile processes over a
+model's four projections at once; the plugin's start tunes each projection on its own
+budget, in threads, on the codes (docs/plugin.md, "Timed dispatch").
 
     EPILORA_CACHE_DIR=out/cache python3 benchmarks/tune_decode.py --models llama3.1-8b \\
         --ranks 16 64 128 --slots 1 8 --budget 60 --out benchmarks/results/h200/tune_decode.json

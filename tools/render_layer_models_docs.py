@@ -96,7 +96,10 @@ def _tuner_lines(tuner: Path, layer_used_cache: bool) -> list[str]:
               "tokens); seconds "
               "include compiling the candidates in parallel processes first (the "
               "first model's with Triton's disk cache empty). Before and after: the decode "
-              "path per projection as the tuner timed it.", "",
+              "path per projection as the tuner timed it, before in the settings in use when "
+              "the cell was tuned, which after the call's first model and setup include the "
+              "picks the earlier ones cached for equal or near shapes (their after / before "
+              "is nearer 1 than from scratch).", "",
               "| model | rank | slots | seconds | of which compiling | complete | cells | "
               "after / before (mean) | best |", "|---|---|---|---|---|---|---|---|---|"]
     cells: dict = {}

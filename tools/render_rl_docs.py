@@ -133,17 +133,21 @@ def accuracy_section(parts: dict, rows: list) -> list[str]:
                   "Several runs shared the GPU at once (the *run* column): their step times "
                   "include each other's load.", ""]
         lines += _table(_cells(together), parts)
-        kl = {}
+        kl, run_of = {}, {}
         for r in together:
             if r["metric"] == "kl_per_token":
                 if r["system"] in kl:
                     raise SystemExit(f"{r['system']}: mismatch rows in more than one part")
                 kl[r["system"]] = r["value"]
+                run_of[r["system"]] = parts[r["part"]]["git_sha"][:7]
         if "bf16" in kl and "matched" in kl:
             ratio = kl["matched"] / kl["bf16"]
             verdict = "met" if ratio <= TARGET_MATCHED_KL else "missed"
+            runs = ("" if run_of["matched"] == run_of["bf16"] else
+                    f"; from two runs: matched's at `{run_of['matched']}`, the bf16 pair's at "
+                    f"`{run_of['bf16']}`")
             text = (f"Matched's mismatch is {ratio:.2f}x the bf16 pair's (target: at most "
-                    f"{TARGET_MATCHED_KL}x, {verdict})")
+                    f"{TARGET_MATCHED_KL}x, {verdict}{runs})")
             if "w8a8-tis" in kl:
                 text += f"; W8A8's is {kl['w8a8-tis'] / kl['bf16']:.1f}x the bf16 pair's"
             lines += [text + ".", ""]
