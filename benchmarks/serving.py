@@ -249,6 +249,31 @@ BENCH_SERVE = ("import sys; from vllm.benchmarks.serve import add_cli_args, main
                "p = P(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
 
 
+WARM_UP_SEED = 1  # the online warm-up's prompts: a seed no rate takes (rate_seed)
+
+
+def rate_seed(rate: float) -> int:
+    """The client's seed at `rate`: each rate its own prompts. With one seed a rate's prompts
+    were the first of the next rate's (vLLM's random dataset), which met the prefix cache."""
+    return int(rate * 1000) + 2
+
+
+def bench_client(port: int, model_dir: str, tenant_names: list[str], rate, prompts: int,
+                 output_tokens: int, seed: int) -> list[str]:
+    """vLLM's client (`vllm bench serve`'s code) against the server at `port`: `prompts`
+    random prompts of PROMPT_TOKENS at `rate` requests per second (Poisson; "inf": at once),
+    `output_tokens` each, the tenants round-robin."""
+    words = [sys.executable, "-c", BENCH_SERVE, "--backend", "vllm",
+             "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions",
+             "--model", model_dir, "--dataset-name", "random",
+             "--random-input-len", str(PROMPT_TOKENS), "--random-output-len", str(output_tokens),
+             "--ignore-eos", "--num-prompts", str(prompts), "--request-rate", str(rate),
+             "--seed", str(seed)]
+    if tenant_names:
+        words += ["--lora-modules", *tenant_names, "--lora-assignment", "round-robin"]
+    return words
+
+
 def online(args) -> None:
     """`vllm serve` with 32 tenants, and vLLM's client at each rate: its result JSON per rate.
     The server is this worker's child, in its process group (killed with it)."""
@@ -278,29 +303,16 @@ def online(args) -> None:
             time.sleep(2)
     start_s = time.perf_counter() - t0
 
-    def client(rate, prompts: int, output_tokens: int, seed: int) -> list[str]:
-        words = [sys.executable, "-c", BENCH_SERVE, "--backend", "vllm",
-                 "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions",
-                 "--model", args.model_dir, "--dataset-name", "random",
-                 "--random-input-len", str(PROMPT_TOKENS),
-                 "--random-output-len", str(output_tokens), "--ignore-eos",
-                 "--num-prompts", str(prompts), "--request-rate", str(rate),
-                 "--seed", str(seed)]
-        if tenants:
-            words += ["--lora-modules", *(t.split("=")[0] for t in tenants),
-                      "--lora-assignment", "round-robin"]
-        return words
-
     # Warm-up, not timed: every tenant once, so that the rates time serving, not each adapter's
     # first load (at 2 requests/s 32 of the 40 requests met an adapter not loaded yet).
-    subprocess.run(client("inf", TENANTS, 1, seed=1), check=True)
+    names = [t.split("=")[0] for t in tenants]
+    subprocess.run(bench_client(port, args.model_dir, names, "inf", TENANTS, 1, WARM_UP_SEED),
+                   check=True)
     rates = {}
     with tempfile.TemporaryDirectory() as results:
         for rate in args.rates:
-            # Each rate its own prompts: with one seed a rate's prompts were the first of the
-            # next rate's (vLLM's random dataset), so later rates met the prefix cache.
-            words = client(rate, int(rate * args.online_seconds), OUTPUT_TOKENS,
-                           seed=int(rate * 1000) + 2)
+            words = bench_client(port, args.model_dir, names, rate,
+                                 int(rate * args.online_seconds), OUTPUT_TOKENS, rate_seed(rate))
             subprocess.run(words + ["--percentile-metrics", "ttft,tpot",
                                     "--metric-percentiles", "50,99", "--save-result",
                                     "--result-dir", results, "--result-filename",

@@ -266,3 +266,25 @@ def test_a_sigterm_to_a_script_kills_its_workers_process_groups(tmp_path):
         if pid_file.exists() and pid_file.read_text():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(os.getpgid(int(pid_file.read_text())), signal.SIGKILL)
+
+
+def test_the_online_client_commands_parse_as_vllms_and_each_rate_has_its_own_prompts():
+    # vLLM's own parser of `vllm bench serve` reads the warm-up's and every rate's commands;
+    # each rate and the warm-up draw prompts of seeds of their own (one seed made a rate's
+    # prompts the first of the next rate's, which then met the prefix cache).
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    names = [f"tenant-{t}" for t in range(SERVING["TENANTS"])]
+    warm = parser.parse_args(SERVING["bench_client"](
+        8000, "/m", names, "inf", len(names), 1, SERVING["WARM_UP_SEED"])[3:])
+    assert (warm.request_rate, warm.num_prompts, warm.lora_modules) == (
+        float("inf"), len(names), names)
+    seeds = [parser.parse_args(SERVING["bench_client"](
+        8000, "/m", names, rate, 60, 256, SERVING["rate_seed"](rate))[3:]).seed
+        for rate in SERVING["RATES"]]
+    assert len({*seeds, warm.seed}) == len(seeds) + 1, seeds
+    no_lora = parser.parse_args(SERVING["bench_client"](8000, "/m", [], 2.0, 60, 256, 2)[3:])
+    assert not no_lora.lora_modules
