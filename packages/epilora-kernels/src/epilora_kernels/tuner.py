@@ -93,11 +93,21 @@ def _cache_file(device_name: str, directory: str) -> Path:
     return Path(directory) / f"{name}__{versions}.json"
 
 
-@functools.cache
-def _read(path: str, mtime: float) -> dict | None:
-    table = json.loads(Path(path).read_text())
-    validate_table(table)
+def _load(path: Path) -> dict:
+    """The cache file's table; one that fails its schema check raises, naming it, rather than
+    serve wrong settings."""
+    try:
+        table = json.loads(path.read_text())
+        validate_table(table)
+    except (ValueError, TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"the launch-settings cache {path} is not a valid table ({e}); "
+                         "delete it to re-tune") from e
     return table
+
+
+@functools.cache
+def _read(path: str, mtime: float) -> dict:
+    return _load(Path(path))
 
 
 def read_cache(device_name: str) -> dict | None:
@@ -106,11 +116,7 @@ def read_cache(device_name: str) -> dict | None:
     path = cache_path(device_name)
     if not path.is_file():
         return None
-    try:
-        return _read(str(path), path.stat().st_mtime)
-    except (ValueError, TypeError, json.JSONDecodeError) as e:
-        raise ValueError(f"the launch-settings cache {path} is not a valid table ({e}); "
-                         "delete it to re-tune") from e
+    return _read(str(path), path.stat().st_mtime)
 
 
 def needs_tuning(n: int, k: int, rank: int, *, slots: int = 1, codes: bool = False,
@@ -681,8 +687,8 @@ def _write(device_name: str, table: dict, stale: list = ()) -> None:
     # last one wrote, read afresh under the lock, so none drops another's shapes.
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        read_cache(device_name)  # a file that fails its schema check raises, naming it
-        merged = json.loads(path.read_text()) if path.is_file() else {}
+        # read afresh (not read_cache's memo, keyed by an mtime a write within its tick keeps)
+        merged = _load(path) if path.is_file() else {}
         for op, shapes in table.items():
             if op == "_meta":
                 merged.setdefault("_meta", {}).setdefault("runs", []).append(shapes)
