@@ -143,6 +143,15 @@ Variants (`--variants`):
   it was the opt-in `fit` until its check on setups it was not read from, docs/kernels-history.md,
   item 53).
 
+* `epilogue-early`: the one-slot epilogue in halves (the fused path, 65 tokens on) from h's and
+  B's tiles loaded before the K loop (EPILORA_EPILOGUE_EARLY=1, `_tiling.epilogue_early`),
+  where the shipped halves load them after it, each half waiting on L2 for h and its B. As
+  compiled for sm_90 on a CPU (Qwen3-8B's four shapes at 128-2048 tokens, ranks 16 and 32)
+  Triton stages them in shared memory before the loop: no spills, 4-12 KB more shared memory
+  a block, as many blocks an SM (the rule leaves out tiles where that would change), and after
+  the loop only the halves' MMAs. Untimed: `--adapters 1 --ranks 16 32 --tokens 128 256 512
+  2048`, twice.
+
 * `delta-kernel`: wherever K2 would sum several slots' delta before its K loop (`DELTA_FIRST`,
   prefill tiles), a kernel of its own writes it into y first (EPILORA_DELTA_KERNEL=1,
   `_launchers.launch_delta`), where the shipped `auto` does so only up to
@@ -482,6 +491,7 @@ VARIANTS = {"rank-steps": rank_steps, "heuristic": heuristic,
             "epilogue-halves": with_env("EPILORA_EPILOGUE_HALVES", "1"),
             "epilogue-halves-all": with_env("EPILORA_EPILOGUE_HALVES", "all"),
             "epilogue-parked": with_env("EPILORA_EPILOGUE_HALVES", "0"),
+            "epilogue-early": with_env("EPILORA_EPILOGUE_EARLY", "1"),
             "delta-kernel": with_env("EPILORA_DELTA_KERNEL", "1"),
             "delta-kernel-off": with_env("EPILORA_DELTA_KERNEL", "0"),
             "delta-kernel-by-rank": delta_kernel_by_rank, "decode-k1-one-tile": decode_k1_one_tile,

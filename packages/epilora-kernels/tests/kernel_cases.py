@@ -242,6 +242,22 @@ def check_the_bias_is_added_before_rounding(path, tokens, *, device="cpu", bound
     assert not torch.equal(after, want), "the bias added after rounding gives its bits too"
 
 
+def record_k2_early(monkeypatch) -> list:
+    """EPILOGUE_EARLY of each K2 launch template made from here on in the test (a list the
+    launchers append to): whether the early epilogue is what ran."""
+    from epilora_kernels import _launchers
+
+    made, make = [], _launchers._k2_arguments
+
+    def recording(*args, **kwargs):
+        arguments = make(*args, **kwargs)
+        made.append(arguments["EPILOGUE_EARLY"])
+        return arguments
+
+    monkeypatch.setattr(_launchers, "_k2_arguments", recording)
+    return made
+
+
 def run_sm90_script(name: str):
     """Run tests/NAME (an aot_*_sm90.py script) with Triton's interpreter off, as the scripts
     compile for sm_90 on the CPU; the JSON its last line printed."""

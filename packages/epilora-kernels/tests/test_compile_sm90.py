@@ -80,7 +80,7 @@ def test_every_launch_compiles_for_sm90_with_the_arguments_its_launcher_passes()
                         "k1_eight_warps_wide": 1, "w8a16": 2, "decode_one_launch": 3,
                         "decode_gathered": 4,
                         "k1_slices_together": 4, "fused_delta_kernel": 9,
-                        "expand": 2,
+                        "fused_epilogue_early": [2, 1], "expand": 2,
                         "per_channel": 6}
 
 

@@ -19,6 +19,7 @@ from kernel_cases import (
     make_integer_problem,
     make_problem,
     pad_batch,
+    record_k2_early,
 )
 
 K2_CONFIGS = {
@@ -154,6 +155,82 @@ def test_k2_epilogue_in_halves_equals_reference_and_the_term_parked_in_y(case, c
     if case[3] <= 16:  # at rank 64 outputs pass 256, inexact in bf16: the reference's bits only
         _check_rows(y, fused.fp8_gemm(codes, scales, weight, w_scale, config=k2), h, lora,
                     batch, "K2 in halves")
+
+
+# EPILORA_EPILOGUE_EARLY: one slot's halves from h's and B's tiles loaded before the K loop
+# (tiles the rule takes: in 4 warps the 128-row one's operands would cost it blocks an SM)
+EARLY = {"halves": HALVES["halves"],
+         "128-rows": LaunchConfig(block_m=128, block_n=64, block_k=32, block_r=16, num_warps=8),
+         "rank-64": LaunchConfig(block_m=64, block_n=32, block_k=32, block_r=64, num_warps=8)}
+EARLY_FITTING = [(case, name) for case in HALVES_CASES for name, k2 in EARLY.items()
+                 if case[4] == 1 and k2.block_r >= case[3]
+                 and not any(w % k2.block_n for w in case[2][:-1])]
+
+
+@pytest.mark.parametrize(("case", "cfg"), EARLY_FITTING,
+                         ids=[f"T{c[0]}-N{sum(c[2])}-r{c[3]}-{c[5]}-{n}" for c, n in EARLY_FITTING])
+def test_the_epilogue_operands_loaded_early_give_the_halves_bits(case, cfg, monkeypatch):
+    x, codes, scales, weight, w_scale, h, lora, batch = make_integer_problem(0, *case)
+    k2 = EARLY[cfg]
+    monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "all")
+    halves = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2)
+    monkeypatch.setenv("EPILORA_EPILOGUE_EARLY", "1")
+    early = record_k2_early(monkeypatch)
+    y = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2)
+    assert early == [True]  # h given: whole before the K loop
+    assert_bitwise_equal(y, reference.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora,
+                                                    batch), name="K2, operands early, vs reference")
+    assert_bitwise_equal(y, halves, name="K2, operands early, vs halves")
+    if case[3] <= 16:
+        _check_rows(y, fused.fp8_gemm(codes, scales, weight, w_scale, config=k2), h, lora,
+                    batch, "K2, operands early")
+
+
+def test_the_epilogue_operands_load_early_only_where_h_is_whole_and_they_fit(monkeypatch):
+    # =1 only: one slot (two entries), in halves, h whole before the K loop (no PDL, or the
+    # fused path's wait for all of K1), h's and B's tiles within 64 bytes a thread, K whole
+    # (split, only the last split's program adds the delta); never in the decode path (h
+    # comes while the loop runs) or the one launch (h made in it)
+    import dataclasses
+
+    from epilora_kernels import _tiling
+
+    tile = LaunchConfig(block_m=128, block_n=128, block_k=128, block_r=32, num_warps=8)
+    monkeypatch.delenv("EPILORA_EPILOGUE_EARLY", raising=False)
+    assert not _tiling.epilogue_early(tile, True, 2, True)  # off by default (untimed)
+    monkeypatch.setenv("EPILORA_EPILOGUE_EARLY", "1")
+    assert _tiling.epilogue_early(tile, True, 2, True)
+    assert not _tiling.epilogue_early(tile, False, 2, True)  # not in halves
+    assert not _tiling.epilogue_early(tile, True, 3, True)  # several slots
+    assert not _tiling.epilogue_early(tile, True, 2, False)  # h not whole
+    assert not _tiling.epilogue_early(dataclasses.replace(tile, block_r=64), True, 2, True)
+    assert _tiling.epilogue_early(dataclasses.replace(tile, block_m=64, block_n=64,
+                                                      num_warps=4), True, 2, True)
+    assert not _tiling.epilogue_early(dataclasses.replace(tile, block_n=256), True, 2, True)
+    # staged in shared memory: gate_up's 64 x 128 tile at 128 tokens would fit 2 blocks, not 3
+    gate_up_128 = LaunchConfig(block_m=64, block_n=128, block_k=128, block_r=16, num_warps=4,
+                               num_stages=3)
+    assert not _tiling.epilogue_early(gate_up_128, True, 2, True)
+    assert _tiling.epilogue_early(dataclasses.replace(gate_up_128, num_stages=2), True, 2, True)
+    _, _, _, _, _, _, lora, _ = make_integer_problem(9, 70, 64, (64, 64), 16, 1, "one_adapter")
+    monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "1")
+    cases = {(False, False, False): True, (True, False, True): True,  # (pdl, codes, k1 first)
+             (True, True, False): False, (True, False, False): False}
+    for (pdl, wait_codes, k1_first), early in cases.items():
+        arguments = _launchers._k2_arguments(
+            FP8, lora, 2, tile, n=128, stride_a=64, stride_y=128, h_planes=1, split=1,
+            w_tma=False, per_channel=False, traced=False, pdl=pdl, wait_codes=wait_codes,
+            warm_l2=0, wait_k1_first=k1_first, a_sorted=False, interpreter=True,
+            has_bias=False, tokens=70)
+        assert arguments["EPILOGUE_EARLY"] == early, (pdl, wait_codes, k1_first)
+    assert not _launchers._k2_arguments(
+        FP8, lora, 2, tile, n=128, stride_a=64, stride_y=128, h_planes=1, split=2,
+        w_tma=False, per_channel=False, traced=False, pdl=False, wait_codes=False, warm_l2=0,
+        wait_k1_first=False, a_sorted=False, interpreter=True, has_bias=False,
+        tokens=70)["EPILOGUE_EARLY"]
+    monkeypatch.setenv("EPILORA_EPILOGUE_EARLY", "yes")
+    with pytest.raises(ValueError, match="expected 0 or 1"):
+        _tiling.epilogue_early(tile, True, 2, True)
 
 
 @pytest.mark.vllm

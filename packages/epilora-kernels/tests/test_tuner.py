@@ -564,7 +564,7 @@ def test_the_settings_identity_changes_with_what_decides_the_settings(cache, mon
     monkeypatch.delenv("EPILORA_LAUNCH_TABLES")
     # the settings that change which kernels run (kernels compiled ahead are then others)
     settings = (("EPILORA_GATHER_SEGMENTS", "fit"), ("EPILORA_EPILOGUE_HALVES", "0"),
-                ("EPILORA_DELTA_KERNEL", "1"))
+                ("EPILORA_EPILOGUE_EARLY", "1"), ("EPILORA_DELTA_KERNEL", "1"))
     for name, _ in settings:
         monkeypatch.delenv(name, raising=False)
     defaults = launch.settings_identity(h200)

@@ -70,6 +70,17 @@ def epilogue_halves() -> str:
     return value
 
 
+def epilogue_early() -> str:
+    """EPILORA_EPILOGUE_EARLY (default 0; untimed): where K2's epilogue runs in halves with one
+    adapter slot and h is whole before its K loop (the fused path), `1` loads the epilogue's
+    operands (the tile's rows of h, its columns of B) before the K loop and holds them there,
+    so that no load waits after it (`_tiling.epilogue_early`); `0` loads them after the loop."""
+    value = os.environ.get("EPILORA_EPILOGUE_EARLY", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"EPILORA_EPILOGUE_EARLY={value!r}: expected 0 or 1")
+    return value
+
+
 def delta_kernel() -> str:
     """EPILORA_DELTA_KERNEL (default `auto`): where K2 would sum several slots' delta before
     its K loop (`DELTA_FIRST`: 64- and 128-row FP8 tiles, h whole), a kernel of its own writes

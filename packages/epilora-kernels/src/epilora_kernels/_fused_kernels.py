@@ -23,7 +23,8 @@ the tile, reading only the tile's columns of B, and writes the bf16 tile once: i
 as vLLM's expand adds into its GEMM's output, `bf16(bf16(base) + bf16(delta))` (with several
 slots in tiles of 64 rows or more whose h is whole before the K loop, the delta is summed first
 and waits in y: `DELTA_FIRST`; with `EPILOGUE_HALVES` no term waits in y, the rounded base stays
-in registers and the delta is added half the tile's columns at a time); in MODE 1 rounded once,
+in registers and the delta is added half the tile's columns at a time, with `EPILOGUE_EARLY`
+from h's and B's tiles loaded before the K loop); in MODE 1 rounded once,
 `bf16(base + delta)`. In the fused path with PDL (`WAIT_K1_FIRST`) it is launched as K1's
 programmatic dependent only to hide its launch, and waits for all of K1 before its K loop. In
 the decode path (`USE_PDL`, `WAIT_CODES`) it is K1's programmatic dependent: it waits for K1's
@@ -270,17 +271,38 @@ def _one_slot_delta(acc, h_ptr, tok, pos, pos_mask, s, T, R, n, n_mask, slice_be
 
 
 @triton.jit
+def _early_operands(h_ptr, tok, pos, pos_mask, s, T, R, N, n0, slice_begin, slice_end, b_base,
+                    slot, seg_begin, seg_end, NUM_SLICES: tl.constexpr, H_PLANES: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, INTERPRETER: tl.constexpr):
+    # One slot's epilogue operands for `_epilogue_in_halves`: bf16(h) of the tile's rows in
+    # [seg_begin, seg_end) (zero elsewhere) at the whole rank, and the slot's B for the left
+    # and the right half of the tile's columns (zeros for slot -1).
+    HALF: tl.constexpr = BLOCK_N // 2
+    r = tl.arange(0, BLOCK_R)
+    in_seg = pos_mask & (pos >= seg_begin) & (pos < seg_end)
+    hz = _h_bf16(h_ptr, tok, in_seg, s, T, R, r, NUM_SLICES, H_PLANES, INTERPRETER)
+    b_stride = (slice_end - slice_begin) * R  # one slot's slice of B
+    left = n0 + tl.arange(0, HALF)
+    right = left + HALF
+    return (hz, _b_step(b_base, slot, b_stride, left, left < N, slice_begin, slice_end, R, r),
+            _b_step(b_base, slot, b_stride, right, right < N, slice_begin, slice_end, R, r))
+
+
+@triton.jit
 def _epilogue_in_halves(acc, h_ptr, y_ptr, tok, pos, pos_mask, s, T, R, N, n0, stride_y,
                         slice_begin, slice_end, b_base, first_slot, first_begin, first_end,
                         lora_ids_ptr, start_ptr, NUM_ENTRIES, z_first, z_last,
+                        early_h, early_b_left, early_b_right,
                         NUM_SLICES: tl.constexpr, H_PLANES: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                         R_CHUNK: tl.constexpr, ENTRIES_BLOCK: tl.constexpr,
-                        SEG_STAGES: tl.constexpr, INTERPRETER: tl.constexpr):
+                        SEG_STAGES: tl.constexpr, EARLY: tl.constexpr,
+                        INTERPRETER: tl.constexpr):
     # y = bf16(bf16(base) + bf16(h B^T)), as the epilogue below computes it, without parking
     # the base in y: `acc` (the scaled fp32 base) rounded to bf16 and split by column halves,
     # then each half's delta summed from zero as there (one slot: in the same rank steps,
-    # R_CHUNK, else the whole rank; several: `_several_slots_delta`), added and stored.
+    # R_CHUNK, else the whole rank, or with EARLY from `_early_operands`' tiles, loaded before
+    # the K loop; several: `_several_slots_delta`), added and stored.
     HALF: tl.constexpr = BLOCK_N // 2
     STEP: tl.constexpr = R_CHUNK if (R_CHUNK > 0 and R_CHUNK < BLOCK_R) else BLOCK_R
     left, right = tl.split(tl.permute(tl.reshape(_to_bf16(acc, INTERPRETER),
@@ -300,10 +322,16 @@ def _epilogue_in_halves(acc, h_ptr, y_ptr, tok, pos, pos_mask, s, T, R, N, n0, s
                 start_ptr, NUM_ENTRIES, z_first, z_last, NUM_SLICES, H_PLANES, BLOCK_R,
                 R_CHUNK, ENTRIES_BLOCK, SEG_STAGES, INTERPRETER)
         elif first_slot >= 0:
-            delta = _one_slot_delta(delta, h_ptr, tok, pos, pos_mask, s, T, R, n, n_mask,
-                                    slice_begin, slice_end, b_base, b_stride, first_slot,
-                                    first_begin, first_end, STEP, BLOCK_R, NUM_SLICES,
-                                    H_PLANES, INTERPRETER)
+            if EARLY:
+                if half == 0:
+                    delta = _dot_acc(delta, early_h, early_b_left, INTERPRETER)
+                else:
+                    delta = _dot_acc(delta, early_h, early_b_right, INTERPRETER)
+            else:
+                delta = _one_slot_delta(delta, h_ptr, tok, pos, pos_mask, s, T, R, n, n_mask,
+                                        slice_begin, slice_end, b_base, b_stride, first_slot,
+                                        first_begin, first_end, STEP, BLOCK_R, NUM_SLICES,
+                                        H_PLANES, INTERPRETER)
         if half == 0:
             kept = left
         else:
@@ -765,6 +793,7 @@ def _lora_gemm_kernel(
     HAS_BIAS: tl.constexpr = False, DELTA_FIRST: tl.constexpr = False,
     SWAP_AB: tl.constexpr = False, SWAP_PROMOTE: tl.constexpr = True,
     EPILOGUE_HALVES: tl.constexpr = False, DELTA_IN_Y: tl.constexpr = False,
+    EPILOGUE_EARLY: tl.constexpr = False,
     pf_ptr=None, PF_ROWS=0, PF_STRIDE=0, PF_LINES=0, PF_HALF=0, PF_ROW_BYTES=0,
     PREFETCH: tl.constexpr = 0,
     PF_BLOCK: tl.constexpr = 128,
@@ -846,7 +875,7 @@ def _lora_gemm_kernel(
             first_b = b_base + first_slot.to(tl.int64) * (slice_end - slice_begin) * R
             if B_IN_REGS:
                 b_first = tl.load(first_b + b_offs, mask=b_mask & (first_slot >= 0), other=0.0)
-            elif not INTERPRETER:
+            elif not INTERPRETER and not EPILOGUE_EARLY:
                 # Too big to hold in registers through the K loop (at rank 128 it cost gate_up's
                 # K2 a third of its blocks per SM: results/cpu/sm90_occupancy.json of f2cbeef):
                 # warm L2 with it, one prefetch per 128-byte line, and load it after the wait.
@@ -895,6 +924,20 @@ def _lora_gemm_kernel(
         # above, it waits for all of K1 before reading K1's codes.
         tl.extra.cuda.gdc_wait()
         _stamp(trace_ptr, 1, TRACE)
+
+    early_h = 0  # (names the epilogue takes whether or not they are loaded here)
+    early_b_left = 0
+    early_b_right = 0
+    if EPILOGUE_EARLY:
+        # One slot, h whole (K1 done): the epilogue's operands now, held through the K loop,
+        # so that after it no load waits (`_tiling.epilogue_early`): the slot's segment's rows
+        # of h (zero elsewhere) and its slice of B for each half of the tile's columns.
+        tl.static_assert(EPILOGUE_HALVES and ENTRIES_BLOCK <= 2 and not WAIT_CODES
+                         and not LEAD_SHRINK, "EPILOGUE_EARLY: one slot, h whole, in halves")
+        early_h, early_b_left, early_b_right = _early_operands(
+            h_ptr, tok, pos, pos_mask, s, T, R, N, n0, slice_begin, slice_end, b_base,
+            first_slot, first_begin, first_end, NUM_SLICES, H_PLANES, BLOCK_N, BLOCK_R,
+            INTERPRETER)
 
     if DELTA_IN_Y:
         # `_segment_delta_kernel` wrote the delta of adapter segments' rows only: which rows
@@ -1018,8 +1061,9 @@ def _lora_gemm_kernel(
         _epilogue_in_halves(
             acc, h_ptr, y_ptr, tok, pos, pos_mask, s, T, R, N, n0, stride_y,
             slice_begin, slice_end, b_base, first_slot, first_begin, first_end, lora_ids_ptr,
-            start_ptr, NUM_ENTRIES, z_first, z_last, NUM_SLICES, H_PLANES, BLOCK_M, BLOCK_N,
-            BLOCK_R, R_CHUNK, ENTRIES_BLOCK, SEG_STAGES, INTERPRETER)
+            start_ptr, NUM_ENTRIES, z_first, z_last, early_h, early_b_left, early_b_right,
+            NUM_SLICES, H_PLANES, BLOCK_M, BLOCK_N, BLOCK_R, R_CHUNK, ENTRIES_BLOCK,
+            SEG_STAGES, EPILOGUE_EARLY, INTERPRETER)
     else:
         if HAS_LORA and MODE != 1 and not DELTA_FIRST:
             # As vLLM's expand (do_expand_kernel, add_inputs): the delta summed from zero, rounded

@@ -359,6 +359,8 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
     halves = _tiling.epilogue_halves(cfg, num_entries, mode == FP8, tokens, lora.max_rank)
     first = delta_first(mode, cfg, num_entries, split=split, pdl=pdl,
                         wait_k1_first=wait_k1_first, tokens=tokens, rank=lora.max_rank)
+    early = split == 1 and _tiling.epilogue_early(  # (split: only the last split adds it)
+        cfg, halves, num_entries, h_whole=(wait_k1_first or not pdl) and not wait_codes)
     if delta_in_y and not first:
         raise ValueError("delta_in_y: only where K2 would sum the delta before its K loop")
     return dict(
@@ -371,7 +373,7 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
         INTERPRETER=interpreter, USE_PDL=pdl,
         WAIT_CODES=wait_codes, WARM_L2=warm_l2 if wait_codes else 0, TRACE=traced,
         B_IN_REGS=_tiling.b_in_registers(cfg) and not halves,
-        R_CHUNK=_tiling.epilogue_rank_chunk(cfg), EPILOGUE_HALVES=halves,
+        R_CHUNK=_tiling.epilogue_rank_chunk(cfg), EPILOGUE_HALVES=halves, EPILOGUE_EARLY=early,
         SEG_STAGES=cfg.segment_stages if num_entries > 2 else 1,
         GATHER_SEGMENTS=gather_step > 0, GATHER_R_STEP=max(1, gather_step),
         W_TMA=w_tma, WAIT_K1_FIRST=wait_k1_first and pdl, A_TMA=a_sorted,
@@ -410,7 +412,7 @@ def k2_template(support: DeviceSupport, mode: int, lora: LoraWeights, num_entrie
            wait_k1_first, a_sorted, per_channel, has_bias, support.interpreter, prefetch,
            _tiling.gather_segments(cfg, num_entries, lora.max_rank),  # settings' (dev A/Bs)
            _tiling.epilogue_halves(cfg, num_entries, mode == FP8, tokens, lora.max_rank),
-           delta_in_y)
+           _env.epilogue_early(), delta_in_y)
     template = _K2_TEMPLATES.get(key)
     if template is None:
         arguments = _k2_arguments(
@@ -537,7 +539,8 @@ def k2_lead_template(support: DeviceSupport, lora: LoraWeights, num_entries: int
             split=split, w_tma=w_tma, per_channel=per_channel, traced=traced, pdl=False,
             wait_codes=False, warm_l2=0, wait_k1_first=False, a_sorted=False,
             interpreter=support.interpreter, has_bias=has_bias)
-        arguments.update(LEAD_SHRINK=True, stride_x=stride_x,
+        arguments.update(LEAD_SHRINK=True, EPILOGUE_EARLY=False,  # h is made in this launch
+                         stride_x=stride_x,
                          S_SPLIT_K=cfg1.split_k, S_BLOCK_M=cfg1.block_m, S_BLOCK_R=cfg1.block_r,
                          S_BLOCK_K=cfg1.block_k, S_STAGES=cfg1.num_stages, X_CODES=x_codes)
         template = _keep_template(_K2_TEMPLATES, key, _fast_launch.Template(

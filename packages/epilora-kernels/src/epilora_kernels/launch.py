@@ -572,16 +572,17 @@ def settings_identity(device_name: str) -> str:
     use on `device_name`: whether they read tables at all, the shipped tables and the tuner's
     cache for the device, and the settings that change which kernels the launchers run
     (EPILORA_DECODE_AFTER_PREVIOUS, EPILORA_DECODE_ONE_LAUNCH, EPILORA_GATHER_SEGMENTS,
-    EPILORA_EPILOGUE_HALVES, EPILORA_DELTA_KERNEL). Work that depends on those settings (an
-    engine's kernels compiled ahead) stays valid while this is unchanged."""
+    EPILORA_EPILOGUE_HALVES, EPILORA_EPILOGUE_EARLY, EPILORA_DELTA_KERNEL). Work that depends
+    on those settings (an engine's kernels compiled ahead) stays valid while this is
+    unchanged."""
     from epilora_kernels import _env, tuner
 
     digest = hashlib.sha256(b"tables" if _env.launch_tables() else b"heuristic")
     digest.update(b"after-previous %d one-launch %d" % (_env.decode_after_previous(),
                                                         _env.decode_one_launch()))
-    digest.update(b"gather %s halves %s delta-kernel %s" % (
+    digest.update(b"gather %s halves %s early %s delta-kernel %s" % (
         _env.gather_segments().encode(), _env.epilogue_halves().encode(),
-        _env.delta_kernel().encode()))
+        _env.epilogue_early().encode(), _env.delta_kernel().encode()))
     shipped = resources.files("epilora_kernels").joinpath("configs")
     for path in [*sorted(shipped.iterdir(), key=lambda p: p.name), tuner.cache_path(device_name)]:
         if path.is_file():

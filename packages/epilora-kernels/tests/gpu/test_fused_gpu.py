@@ -20,6 +20,7 @@ from kernel_cases import (
     fp64_reference,
     make_integer_problem,
     make_problem,
+    record_k2_early,
     relative_error,
 )
 
@@ -304,6 +305,36 @@ def test_k2_epilogue_in_halves_gives_the_bits_of_the_term_parked_in_y(shape, mon
         graph.replay()
         torch.cuda.synchronize()
         assert_bitwise_equal(out, halves, name=f"K2 in halves, {name}, graph")
+
+
+@pytest.mark.parametrize("shape", [(256, 4096, (12288, 12288), 16, 1),
+                                   (512, 4096, (4096, 1024, 1024), 16, 1),
+                                   (256, 4096, (4096,), 32, 1),
+                                   (2048, 4096, (4096,), 16, 1)],
+                         ids=lambda s: f"T{s[0]}-N{sum(s[2])}-r{s[3]}")
+def test_the_epilogue_operands_loaded_early_give_the_halves_bits(shape, monkeypatch):
+    # EPILORA_EPILOGUE_EARLY=1: one slot's halves from h's and B's tiles loaded before the K
+    # loop (the fused path: K2 waits for all of K1 first), the same sums as loaded after it:
+    # the same bits, in the launchers' own tiles and a 64 x 64 one, eager and in a CUDA graph
+    t, k, slices, rank, slots = shape
+    x, weight, w_scale, lora, batch = _problem(shape, "mixed_with_base", seed=7)
+    tiles = [None, fused.LaunchConfig(block_m=64, block_n=64, block_k=128, block_r=rank,
+                                      num_stages=4)]
+    monkeypatch.setenv("EPILORA_EPILOGUE_EARLY", "0")
+    after = [fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch, k2_config=cfg)
+             for cfg in tiles]
+    monkeypatch.setenv("EPILORA_EPILOGUE_EARLY", "1")  # templates of their own (their key)
+    early_kernels = record_k2_early(monkeypatch)  # did the rule take each K2's tile?
+    for cfg, want in zip(tiles, after, strict=True):
+        name = "the launchers' tiles" if cfg is None else f"{cfg.block_m} x {cfg.block_n}"
+        early = fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch, k2_config=cfg)
+        assert_bitwise_equal(early, want, name=f"K2, operands early, {name}")
+        graph, out = capture(lambda cfg=cfg: fused.fused_lora_fp8_linear(
+            x, weight, w_scale, lora, batch, k2_config=cfg))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitwise_equal(out, want, name=f"K2, operands early, {name}, graph")
+    assert early_kernels and all(early_kernels), early_kernels
 
 
 # Shapes whose fused path takes the delta first in the launchers' own tiles on any sm_90
