@@ -145,7 +145,8 @@ Variants (`--variants`):
 
 * `epilogue-early`: the one-slot epilogue in halves (the fused path, 65 tokens on) from h's and
   B's tiles loaded before the K loop (EPILORA_EPILOGUE_EARLY=1, `_tiling.epilogue_early`),
-  where the shipped halves load them after it, each half waiting on L2 for h and its B. As
+  where the shipped halves load them after it, each half waiting on L2 for h and its B (early,
+  B loads before the wait for K1 and h after it, delaying the K loop's start by that load). As
   compiled for sm_90 on a CPU (Qwen3-8B's four shapes at 128-2048 tokens, ranks 16 and 32)
   Triton stages them in shared memory before the loop: no spills, 4-12 KB more shared memory
   a block, as many blocks an SM (the rule leaves out tiles where that would change), and after

@@ -244,10 +244,12 @@ def check_the_bias_is_added_before_rounding(path, tokens, *, device="cpu", bound
 
 def record_k2_early(monkeypatch) -> list:
     """EPILOGUE_EARLY of each K2 launch template made from here on in the test (a list the
-    launchers append to): whether the early epilogue is what ran."""
+    launchers append to; none kept from before, so every K2 launched is made here): whether
+    the early epilogue is what ran."""
     from epilora_kernels import _launchers
 
     made, make = [], _launchers._k2_arguments
+    monkeypatch.setattr(_launchers, "_K2_TEMPLATES", {})
 
     def recording(*args, **kwargs):
         arguments = make(*args, **kwargs)

@@ -171,8 +171,10 @@ EARLY_FITTING = [(case, name) for case in HALVES_CASES for name, k2 in EARLY.ite
                          ids=[f"T{c[0]}-N{sum(c[2])}-r{c[3]}-{c[5]}-{n}" for c, n in EARLY_FITTING])
 def test_the_epilogue_operands_loaded_early_give_the_halves_bits(case, cfg, monkeypatch):
     x, codes, scales, weight, w_scale, h, lora, batch = make_integer_problem(0, *case)
+    h[0, :, batch.token_lora_mapping < 0] = 3.0  # rows without an adapter: h must not count
     k2 = EARLY[cfg]
     monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "all")
+    monkeypatch.setenv("EPILORA_EPILOGUE_EARLY", "0")
     halves = fused.lora_fp8_gemm(codes, scales, weight, w_scale, h, lora, batch, config=k2)
     monkeypatch.setenv("EPILORA_EPILOGUE_EARLY", "1")
     early = record_k2_early(monkeypatch)
@@ -214,20 +216,22 @@ def test_the_epilogue_operands_load_early_only_where_h_is_whole_and_they_fit(mon
     assert _tiling.epilogue_early(dataclasses.replace(gate_up_128, num_stages=2), True, 2, True)
     _, _, _, _, _, _, lora, _ = make_integer_problem(9, 70, 64, (64, 64), 16, 1, "one_adapter")
     monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "1")
-    cases = {(False, False, False): True, (True, False, True): True,  # (pdl, codes, k1 first)
-             (True, True, False): False, (True, False, False): False}
-    for (pdl, wait_codes, k1_first), early in cases.items():
+    # (pdl, wait for codes, wait for K1 first, K split, weight by TMA): whether it is taken
+    cases = {(False, False, False, 1, True): True, (True, False, True, 1, True): True,
+             (True, True, False, 1, True): False, (True, False, False, 1, True): False,
+             (True, True, True, 1, True): False, (False, False, False, 2, True): False,
+             (False, False, False, 1, False): False}
+    for (pdl, wait_codes, k1_first, split, w_tma), early in cases.items():
         arguments = _launchers._k2_arguments(
-            FP8, lora, 2, tile, n=128, stride_a=64, stride_y=128, h_planes=1, split=1,
-            w_tma=False, per_channel=False, traced=False, pdl=pdl, wait_codes=wait_codes,
+            FP8, lora, 2, tile, n=128, stride_a=64, stride_y=128, h_planes=1, split=split,
+            w_tma=w_tma, per_channel=False, traced=False, pdl=pdl, wait_codes=wait_codes,
             warm_l2=0, wait_k1_first=k1_first, a_sorted=False, interpreter=True,
             has_bias=False, tokens=70)
-        assert arguments["EPILOGUE_EARLY"] == early, (pdl, wait_codes, k1_first)
-    assert not _launchers._k2_arguments(
-        FP8, lora, 2, tile, n=128, stride_a=64, stride_y=128, h_planes=1, split=2,
-        w_tma=False, per_channel=False, traced=False, pdl=False, wait_codes=False, warm_l2=0,
-        wait_k1_first=False, a_sorted=False, interpreter=True, has_bias=False,
-        tokens=70)["EPILOGUE_EARLY"]
+        assert arguments["EPILOGUE_EARLY"] == early, (pdl, wait_codes, k1_first, split, w_tma)
+    # as read by the caller (a LoraProjection, when made), whatever the environment says now
+    assert not _tiling.epilogue_early(tile, True, 2, True, setting="0")
+    monkeypatch.setenv("EPILORA_EPILOGUE_EARLY", "0")
+    assert _tiling.epilogue_early(tile, True, 2, True, setting="1")
     monkeypatch.setenv("EPILORA_EPILOGUE_EARLY", "yes")
     with pytest.raises(ValueError, match="expected 0 or 1"):
         _tiling.epilogue_early(tile, True, 2, True)

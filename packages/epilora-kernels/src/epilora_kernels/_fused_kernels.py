@@ -271,20 +271,15 @@ def _one_slot_delta(acc, h_ptr, tok, pos, pos_mask, s, T, R, n, n_mask, slice_be
 
 
 @triton.jit
-def _early_operands(h_ptr, tok, pos, pos_mask, s, T, R, N, n0, slice_begin, slice_end, b_base,
-                    slot, seg_begin, seg_end, NUM_SLICES: tl.constexpr, H_PLANES: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, INTERPRETER: tl.constexpr):
-    # One slot's epilogue operands for `_epilogue_in_halves`: bf16(h) of the tile's rows in
-    # [seg_begin, seg_end) (zero elsewhere) at the whole rank, and the slot's B for the left
-    # and the right half of the tile's columns (zeros for slot -1).
-    HALF: tl.constexpr = BLOCK_N // 2
+def _early_b(b_base, slot, R, N, n0, slice_begin, slice_end, BLOCK_N: tl.constexpr,
+             BLOCK_R: tl.constexpr):
+    # One slot's B for `_epilogue_in_halves` with EARLY: its slice for the left and the right
+    # half of the tile's columns at the whole rank (zeros for slot -1).
     r = tl.arange(0, BLOCK_R)
-    in_seg = pos_mask & (pos >= seg_begin) & (pos < seg_end)
-    hz = _h_bf16(h_ptr, tok, in_seg, s, T, R, r, NUM_SLICES, H_PLANES, INTERPRETER)
     b_stride = (slice_end - slice_begin) * R  # one slot's slice of B
-    left = n0 + tl.arange(0, HALF)
-    right = left + HALF
-    return (hz, _b_step(b_base, slot, b_stride, left, left < N, slice_begin, slice_end, R, r),
+    left = n0 + tl.arange(0, BLOCK_N // 2)
+    right = left + BLOCK_N // 2
+    return (_b_step(b_base, slot, b_stride, left, left < N, slice_begin, slice_end, R, r),
             _b_step(b_base, slot, b_stride, right, right < N, slice_begin, slice_end, R, r))
 
 
@@ -301,8 +296,8 @@ def _epilogue_in_halves(acc, h_ptr, y_ptr, tok, pos, pos_mask, s, T, R, N, n0, s
     # y = bf16(bf16(base) + bf16(h B^T)), as the epilogue below computes it, without parking
     # the base in y: `acc` (the scaled fp32 base) rounded to bf16 and split by column halves,
     # then each half's delta summed from zero as there (one slot: in the same rank steps,
-    # R_CHUNK, else the whole rank, or with EARLY from `_early_operands`' tiles, loaded before
-    # the K loop; several: `_several_slots_delta`), added and stored.
+    # R_CHUNK, else the whole rank, or with EARLY from h's tile and B's halves loaded before
+    # the K loop, `_early_b`; several: `_several_slots_delta`), added and stored.
     HALF: tl.constexpr = BLOCK_N // 2
     STEP: tl.constexpr = R_CHUNK if (R_CHUNK > 0 and R_CHUNK < BLOCK_R) else BLOCK_R
     left, right = tl.split(tl.permute(tl.reshape(_to_bf16(acc, INTERPRETER),
@@ -844,6 +839,9 @@ def _lora_gemm_kernel(
     y_tile = y_ptr + tok[:, None].to(tl.int64) * stride_y + n[None, :]
     out_mask = pos_mask[:, None] & n_mask[None, :]
 
+    early_h = 0  # (the epilogue in halves takes these whether or not EPILOGUE_EARLY loads them)
+    early_b_left = 0
+    early_b_right = 0
     if HAS_LORA:
         # Before the K loop, what the epilogue needs that K1 does not write: the adapter
         # segments that meet this tile (one vector load, not a loop over every slot) and, with
@@ -873,6 +871,15 @@ def _lora_gemm_kernel(
             first_begin = tl.max(tl.where(e == z_first, seg_begins, 0), axis=0)
             first_end = tl.max(tl.where(e == z_first, seg_ends, 0), axis=0)
             first_b = b_base + first_slot.to(tl.int64) * (slice_end - slice_begin) * R
+            if EPILOGUE_EARLY:
+                # The epilogue in halves from operands loaded before the K loop: B's two
+                # halves now (they do not depend on K1), h after the wait for K1 below.
+                tl.static_assert(
+                    EPILOGUE_HALVES and MODE == 0 and SPLIT_K == 1 and not WAIT_CODES
+                    and not LEAD_SHRINK and (WAIT_K1_FIRST or not USE_PDL),
+                    "EPILOGUE_EARLY: one slot in halves, K whole, h whole before the K loop")
+                early_b_left, early_b_right = _early_b(
+                    b_base, first_slot, R, N, n0, slice_begin, slice_end, BLOCK_N, BLOCK_R)
             if B_IN_REGS:
                 b_first = tl.load(first_b + b_offs, mask=b_mask & (first_slot >= 0), other=0.0)
             elif not INTERPRETER and not EPILOGUE_EARLY:
@@ -925,19 +932,12 @@ def _lora_gemm_kernel(
         tl.extra.cuda.gdc_wait()
         _stamp(trace_ptr, 1, TRACE)
 
-    early_h = 0  # (names the epilogue takes whether or not they are loaded here)
-    early_b_left = 0
-    early_b_right = 0
     if EPILOGUE_EARLY:
-        # One slot, h whole (K1 done): the epilogue's operands now, held through the K loop,
-        # so that after it no load waits (`_tiling.epilogue_early`): the slot's segment's rows
-        # of h (zero elsewhere) and its slice of B for each half of the tile's columns.
-        tl.static_assert(EPILOGUE_HALVES and ENTRIES_BLOCK <= 2 and not WAIT_CODES
-                         and not LEAD_SHRINK, "EPILOGUE_EARLY: one slot, h whole, in halves")
-        early_h, early_b_left, early_b_right = _early_operands(
-            h_ptr, tok, pos, pos_mask, s, T, R, N, n0, slice_begin, slice_end, b_base,
-            first_slot, first_begin, first_end, NUM_SLICES, H_PLANES, BLOCK_N, BLOCK_R,
-            INTERPRETER)
+        # h whole (K1 done): the slot's segment's rows of it (zero elsewhere), held through the
+        # K loop with B's halves, so that after the loop no load waits (its own load waits
+        # here, before the loop's first TMA loads: `_tiling.epilogue_early`).
+        early_h = _h_bf16(h_ptr, tok, pos_mask & (pos >= first_begin) & (pos < first_end), s,
+                          T, R, tl.arange(0, BLOCK_R), NUM_SLICES, H_PLANES, INTERPRETER)
 
     if DELTA_IN_Y:
         # `_segment_delta_kernel` wrote the delta of adapter segments' rows only: which rows

@@ -347,20 +347,25 @@ def _k2_arguments(mode: int, lora: LoraWeights, num_entries: int, cfg: LaunchCon
                   per_channel: bool, traced: bool, pdl: bool, wait_codes: bool, warm_l2: int,
                   wait_k1_first: bool, a_sorted: bool, interpreter: bool, has_bias: bool,
                   prefetch: tuple[int, ...] | None = None, tokens: int = 0,
-                  delta_in_y: bool = False, **pointers) -> dict:
+                  delta_in_y: bool = False, early_setting: str | None = None,
+                  **pointers) -> dict:
     # K2's arguments with adapters, by name: what launch_k2's templates launch (their
     # pointers in slots, none given here) and k2_blocks_per_sm compiles (with MockTensors).
     # `prefetch`: an L2Prefetch's `prefetch.kernel_args`, or None; `tokens`: the batch's
     # (`_tiling.epilogue_halves` asks); `delta_in_y`: the delta kernel wrote the several-slot
-    # delta into y (only where the delta goes first: `delta_first`).
+    # delta into y (only where the delta goes first: `delta_first`); `early_setting`:
+    # EPILORA_EPILOGUE_EARLY as the caller read it (None: read now).
     _, _, off1, off2 = _slices(lora)
     pf_when, pf_rows, pf_stride, pf_lines, pf_half, pf_row_bytes = prefetch or (0,) * 6
     gather_step = _tiling.gather_segments(cfg, num_entries, lora.max_rank)  # 0: loop
     halves = _tiling.epilogue_halves(cfg, num_entries, mode == FP8, tokens, lora.max_rank)
     first = delta_first(mode, cfg, num_entries, split=split, pdl=pdl,
                         wait_k1_first=wait_k1_first, tokens=tokens, rank=lora.max_rank)
-    early = split == 1 and _tiling.epilogue_early(  # (split: only the last split adds it)
-        cfg, halves, num_entries, h_whole=(wait_k1_first or not pdl) and not wait_codes)
+    # (K split: only the last split adds the delta; the weight by TMA: sm_90's pipeline, whose
+    # shared memory the rule counts)
+    early = split == 1 and w_tma and _tiling.epilogue_early(
+        cfg, halves, num_entries, h_whole=(wait_k1_first or not pdl) and not wait_codes,
+        setting=early_setting)
     if delta_in_y and not first:
         raise ValueError("delta_in_y: only where K2 would sum the delta before its K loop")
     return dict(
@@ -403,16 +408,19 @@ def k2_template(support: DeviceSupport, mode: int, lora: LoraWeights, num_entrie
                 w_tma: bool, per_channel: bool, pdl: bool, wait_codes: bool, warm_l2: int,
                 traced: bool, wait_k1_first: bool, a_sorted: bool,
                 has_bias: bool = False, prefetch: tuple[int, ...] | None = None,
-                tokens: int = 0, delta_in_y: bool = False) -> _fast_launch.Template:
+                tokens: int = 0, delta_in_y: bool = False,
+                early_setting: str | None = None) -> _fast_launch.Template:
     """K2's launch template (slots `_K2_SLOTS`) for these settings, made once; `pdl` as
-    `use_pdl` made it; `prefetch`, `tokens` and `delta_in_y` as `_k2_arguments` takes them."""
+    `use_pdl` made it; `prefetch`, `tokens`, `delta_in_y` and `early_setting` as
+    `_k2_arguments` takes them."""
+    early_setting = early_setting or _env.epilogue_early()
     n = lora.out_features
     key = (mode, n, lora.in_features, lora.max_rank, tuple(lora.output_slices), num_entries,
            cfg, stride_a, stride_y, h_planes, split, pdl, wait_codes, warm_l2, traced, w_tma,
            wait_k1_first, a_sorted, per_channel, has_bias, support.interpreter, prefetch,
            _tiling.gather_segments(cfg, num_entries, lora.max_rank),  # settings' (dev A/Bs)
            _tiling.epilogue_halves(cfg, num_entries, mode == FP8, tokens, lora.max_rank),
-           _env.epilogue_early(), delta_in_y)
+           early_setting, delta_in_y)
     template = _K2_TEMPLATES.get(key)
     if template is None:
         arguments = _k2_arguments(
@@ -420,7 +428,8 @@ def k2_template(support: DeviceSupport, mode: int, lora: LoraWeights, num_entrie
             h_planes=h_planes, split=split, w_tma=w_tma, per_channel=per_channel,
             traced=traced, pdl=pdl, wait_codes=wait_codes, warm_l2=warm_l2,
             wait_k1_first=wait_k1_first, a_sorted=a_sorted, interpreter=support.interpreter,
-            has_bias=has_bias, prefetch=prefetch, tokens=tokens, delta_in_y=delta_in_y)
+            has_bias=has_bias, prefetch=prefetch, tokens=tokens, delta_in_y=delta_in_y,
+            early_setting=early_setting)
         template = _keep_template(_K2_TEMPLATES, key, _fast_launch.Template(
             _lora_gemm_kernel, arguments, _K2_SLOTS))
     return template

@@ -345,12 +345,14 @@ def epilogue_halves(cfg: LaunchConfig, num_entries: int, fp8: bool, tokens: int 
 
 
 # EPILORA_EPILOGUE_EARLY's budget: h's and B's tiles held through the K loop, in bytes a
-# thread (64: 16 registers; rank 32 in 128 x 128 tiles of 8 warps and in 64 x 64 of 4).
+# thread of the block (rank 32 in 128 x 128 tiles of 8 warps and in 64 x 64 of 4; compiled for
+# sm_90 Triton holds them in shared memory, staged before the loop).
 EARLY_BYTES_PER_THREAD = 64
 SM_SHARED_BYTES = 228 * 1024  # an sm_90 SM's, 1 KB of it reserved per block
 
 
-def epilogue_early(cfg: LaunchConfig, halves: bool, num_entries: int, h_whole: bool) -> bool:
+def epilogue_early(cfg: LaunchConfig, halves: bool, num_entries: int, h_whole: bool,
+                   setting: str | None = None) -> bool:
     """Whether K2 loads its epilogue's operands before its K loop (`EPILOGUE_EARLY`): the
     tile's rows of h (bf16, its planes summed) and its two halves of the slot's B, where
     EPILORA_EPILOGUE_EARLY=1, the epilogue runs in halves with one slot (`num_entries` at
@@ -359,14 +361,19 @@ def epilogue_early(cfg: LaunchConfig, halves: bool, num_entries: int, h_whole: b
     the K loop's FP8 buffers, leave as many blocks an SM (compiled for sm_90, Triton stages
     them there before the loop: gate_up's 64 x 128 tiles at 128 tokens, rank 16, would fit 2
     blocks where they fit 3; `EPILORA_EPILOGUE_EARLY=1 python dev/sm90_occupancy.py` compiles
-    the launchers' tiles so).
+    the launchers' tiles so). The launchers take it only with K whole and the weight by TMA
+    (sm_90, whose shared memory this counts). `setting`: the variable's value as read by the
+    caller (a `LoraProjection`, at construction), else read here.
 
     Why: in the halves each half loads h and its B after the loop and waits for them (L2's
     latency: they were warmed there), then stages them in shared memory for one MMA, twice,
     with one block an SM over about three waves at 256-512 tokens, where the epilogue added
     19.3 us to Qwen3-8B's four projections at 256 tokens, rank 16 (an H100 at 917d998,
-    docs/kernels.md, Prefill); warming them in L2 (6331cd9) gained nothing. Untimed."""
-    if _env.epilogue_early() == "0" or not (halves and num_entries <= 2 and h_whole):
+    docs/kernels.md, Prefill); warming them in L2 (6331cd9) gained nothing. Early, B loads
+    before the wait for K1 (it does not depend on K1), but h after it: each tile's K loop
+    then starts one load of h later (its first TMA loads wait for h's staging). Untimed."""
+    if (setting or _env.epilogue_early()) == "0" or not (halves and num_entries <= 2
+                                                          and h_whole):
         return False
     operand_bytes = (cfg.block_m + cfg.block_n) * cfg.block_r * 2
     loop_bytes = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k

@@ -466,7 +466,8 @@ def _linear(mode, x, weight, weight_scale, lora, batch, k1_config, k2_config, *,
         _checks.check_codes_beside(x, *x_quantized)
     _checks.check_bias(bias, lora.out_features, x.device)
     kernel_args(prefetch, x.device)  # refused before K1 launches, not after
-    _env.delta_kernel()  # (launch_k2 reads it) a bad value refused before K1 launches too
+    _env.delta_kernel()  # (launch_k2 reads them) bad values refused before K1 launches too
+    _env.epilogue_early()
     quantize = mode == FP8 and x_quantized is None  # K1 quantizes
     support = _support(x, path)
     if decode and pdl and not (support.pdl or support.interpreter):

@@ -17,8 +17,8 @@ and kernels, hence the same bits. The decode, fused and W8A16 paths take the bou
 hybrid path and empty batches go through `lora_linear`. The tensors given at construction must
 keep their storage: an engine that replaces or moves a weight makes a new projection. The launch
 tables a projection reads are those of its construction (EPILORA_LAUNCH_TABLES read then, as
-EPILORA_DECODE_AFTER_PREVIOUS, EPILORA_DECODE_ONE_LAUNCH and EPILORA_DELTA_KERNEL: not read again
-at every call);
+EPILORA_DECODE_AFTER_PREVIOUS, EPILORA_DECODE_ONE_LAUNCH, EPILORA_DELTA_KERNEL and
+EPILORA_EPILOGUE_EARLY: not read again at every call);
 settings a tuner writes later reach it through `launch.clear_table_cache`, as they reach
 `lora_linear`.
 """
@@ -95,6 +95,7 @@ class LoraProjection:
         self._after_previous = _env.decode_after_previous()
         self._one_launch = _env.decode_one_launch()
         self._delta_kernel = _env.delta_kernel()
+        self._epilogue_early = _env.epilogue_early()  # (its K2 templates' key, _STEPS')
         self._support = support = device_support(device)
         slices = tuple(lora.output_slices)
         self._supported = {path: _supports_on(support, path, lora.in_features, slices,
@@ -174,7 +175,8 @@ class LoraProjection:
         after_previous = path == "decode" and self._after_previous
         key = (self._shapes, path, t, -1 if x is None else x.stride(0),
                -1 if x_quantized is None else x_quantized[0].stride(0), batch.num_entries,
-               biased, prefetch, after_previous, self._one_launch, self._delta_kernel)
+               biased, prefetch, after_previous, self._one_launch, self._delta_kernel,
+               self._epilogue_early)
         step = _STEPS.get(key)
         if step is not None:
             return step
@@ -225,7 +227,7 @@ class LoraProjection:
                 pdl=k2_pdl, wait_codes=counted,
                 warm_l2=fused.DECODE_WARM_L2, traced=False, wait_k1_first=wait_k1_first,
                 a_sorted=a_sorted, has_bias=biased, prefetch=prefetch, tokens=t,
-                delta_in_y=delta_in_y),
+                delta_in_y=delta_in_y, early_setting=self._epilogue_early),
             grid1=_launchers.k1_grid(t, lora, batch, cfg1, quantize=quantize), grid2=grid2,
             partial_shape=(None if grid2[2] == 1 else
                            _launchers.gemm_partial_shape(grid2, lora.out_features, cfg2)),
