@@ -298,13 +298,20 @@ def test_k2_epilogue_in_halves_gives_the_bits_of_the_term_parked_in_y(shape, mon
                                                      k2_config=cfg) for cfg in [*tiles, None]]
     monkeypatch.setenv("EPILORA_EPILOGUE_HALVES", "all")
     for cfg, halves, parked in zip([*tiles, None], runs["all"], runs["0"], strict=True):
-        name = "the launchers' tiles" if cfg is None else f"{cfg.block_m} x {cfg.block_n}"
-        assert_bitwise_equal(halves, parked, name=f"K2 in halves vs parked, {name}")
-        graph, out = capture(lambda cfg=cfg: fused.fused_lora_fp8_linear(
-            x, weight, w_scale, lora, batch, k2_config=cfg))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_bitwise_equal(out, halves, name=f"K2 in halves, {name}, graph")
+        _check_fused_eager_and_graph(x, weight, w_scale, lora, batch, cfg, halves, parked,
+                                     "K2 in halves")
+
+
+def _check_fused_eager_and_graph(x, weight, w_scale, lora, batch, cfg, eager, want, what):
+    # `eager` (the fused path in K2 settings `cfg`, None: the launchers') has `want`'s bits,
+    # and so has the same call replayed from a CUDA graph.
+    name = "the launchers' tiles" if cfg is None else f"{cfg.block_m} x {cfg.block_n}"
+    assert_bitwise_equal(eager, want, name=f"{what}, {name}")
+    graph, out = capture(lambda: fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch,
+                                                             k2_config=cfg))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_bitwise_equal(out, want, name=f"{what}, {name}, graph")
 
 
 @pytest.mark.parametrize("shape", [(256, 4096, (12288, 12288), 16, 1),
@@ -326,14 +333,9 @@ def test_the_epilogue_operands_loaded_early_give_the_halves_bits(shape, monkeypa
     monkeypatch.setenv("EPILORA_EPILOGUE_EARLY", "1")  # templates of their own (their key)
     early_kernels = record_k2_early(monkeypatch)  # did the rule take each K2's tile?
     for cfg, want in zip(tiles, after, strict=True):
-        name = "the launchers' tiles" if cfg is None else f"{cfg.block_m} x {cfg.block_n}"
         early = fused.fused_lora_fp8_linear(x, weight, w_scale, lora, batch, k2_config=cfg)
-        assert_bitwise_equal(early, want, name=f"K2, operands early, {name}")
-        graph, out = capture(lambda cfg=cfg: fused.fused_lora_fp8_linear(
-            x, weight, w_scale, lora, batch, k2_config=cfg))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_bitwise_equal(out, want, name=f"K2, operands early, {name}, graph")
+        _check_fused_eager_and_graph(x, weight, w_scale, lora, batch, cfg, early, want,
+                                     "K2, operands early")
     assert early_kernels and all(early_kernels), early_kernels
 
 
